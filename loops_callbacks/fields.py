@@ -1,0 +1,121 @@
+"""Reading datums and per-position fields of any accepted kind into 1-D tensors.
+
+A per-position field may be a torch tensor, a numpy array, a list (``None`` allowed in float
+fields), this package's ``TensorData``, or a ``tinker`` / ``baseten-loops`` ``TensorData``.
+A datum may be any object with ``.model_input`` and ``.loss_fn_inputs``, or a mapping with those
+keys. Errors name the datum and the key, so a user can find the bad row.
+
+Example:
+    >>> field_to_tensor([None, -0.25], where="datum 0, key 'logprobs'")
+    tensor([    nan, -0.2500], dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "field_to_tensor",
+    "datum_model_input",
+    "datum_loss_fn_inputs",
+    "model_input_length",
+    "model_input_tokens",
+]
+
+
+def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
+    """One 1-D tensor from any accepted field kind, keeping tensors on their device.
+
+    Lists become float64 (``None`` becomes NaN) unless every item is an int; numpy arrays and
+    ``TensorData`` keep their dtype. Raises ``TypeError`` for other kinds and ``ValueError`` for
+    anything that is not one-dimensional.
+    """
+    tensor = _as_tensor(value, where)
+    if tensor.dim() != 1:
+        raise ValueError(
+            f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
+            "pass one row per datum (padded [B, T] tensors only where the API says so)"
+        )
+    return tensor
+
+
+def _as_tensor(value: Any, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return _from_numpy(value, where)
+    if isinstance(value, (list, tuple)):
+        return _from_list(value, where)
+    to_numpy = getattr(value, "to_numpy", None)
+    if callable(to_numpy):  # tinker's TensorData (numpy-backed) and ours
+        return _from_numpy(np.asarray(to_numpy()), where)
+    data = getattr(value, "data", None)
+    if isinstance(data, (list, tuple)):  # baseten-loops' TensorData (list-backed)
+        tensor = _from_list(data, where)
+        shape = getattr(value, "shape", None)
+        return tensor.reshape(list(shape)) if shape else tensor
+    to_torch = getattr(value, "to_torch", None)
+    if callable(to_torch):
+        return to_torch().detach()
+    raise TypeError(
+        f"{where}: expected a tensor, numpy array, list or TensorData, got {type(value).__name__}"
+    )
+
+
+def _from_numpy(array: np.ndarray, where: str) -> torch.Tensor:
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{where}: expected numbers, got a numpy array of dtype {array.dtype}")
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _from_list(values: Sequence[Any], where: str) -> torch.Tensor:
+    try:
+        array = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{where}: expected a list of numbers (or None), could not convert: {error}") from None
+    return torch.from_numpy(array)
+
+
+def datum_model_input(datum: Any, *, index: int) -> Any:
+    """The datum's ``model_input`` (attribute or mapping key), or ``None`` when it has none."""
+    if isinstance(datum, Mapping):
+        return datum.get("model_input")
+    return getattr(datum, "model_input", None)
+
+
+def datum_loss_fn_inputs(datum: Any, *, index: int) -> Mapping[str, Any]:
+    """The datum's ``loss_fn_inputs`` mapping; ``TypeError`` naming the datum when it has none."""
+    inputs = datum.get("loss_fn_inputs") if isinstance(datum, Mapping) else getattr(datum, "loss_fn_inputs", None)
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"datum {index}: expected a Datum with a loss_fn_inputs mapping, got {type(datum).__name__}"
+        )
+    return inputs
+
+
+def model_input_length(model_input: Any) -> int:
+    """Token count of a ``ModelInput`` (any implementation), a list of ids or a 1-D tensor."""
+    length = getattr(model_input, "length", None)
+    if isinstance(length, int):
+        return length
+    if callable(length):
+        return int(length())
+    return len(model_input_tokens(model_input))
+
+
+def model_input_tokens(model_input: Any) -> list[int]:
+    """Token ids of a ``ModelInput`` (any implementation), a list of ids or a 1-D tensor."""
+    to_ints = getattr(model_input, "to_ints", None)
+    if callable(to_ints):
+        return list(to_ints())
+    if isinstance(model_input, torch.Tensor):
+        return [int(t) for t in model_input.tolist()]
+    if isinstance(model_input, (list, tuple, np.ndarray)):
+        return [int(t) for t in model_input]
+    raise TypeError(f"expected a ModelInput or a list of token ids, got {type(model_input).__name__}")
