@@ -1,0 +1,393 @@
+"""DPO pairs in the Loops convention: building them, reading them, checking them, batching them.
+
+A DPO data set is a ``list[Datum]`` of interleaved pairs: chosen at even indices, rejected at odd
+(pair p is datums 2p and 2p + 1). Each datum follows the Loops DPO convention:
+
+- ``model_input`` is the FULL sequence (prompt + response);
+- every per-position field has ``model_input``'s length, and position k belongs to the token
+  predicted at k: ``target_tokens[k] = tokens[k + 1]`` (the last position predicts nothing:
+  target 0, weight 0);
+- ``weights[k] = 1.0`` when token k + 1 is a response token (``k + 1 >= prompt_length``), else 0.
+
+Batches (``collate_dpo_pairs``) never split a pair; they are a dict of ``[2P, T]`` tensors, rows
+interleaved (row 2i chosen, 2i + 1 rejected) and right-padded:
+``input_ids`` (long, 0 on padding), ``target_tokens`` (long, 0), ``weights`` (float, 0),
+``ref_logprobs`` (float, 0) and ``attention_mask`` (bool, True on real tokens).
+
+Example:
+    >>> chosen, rejected = dpo_pair_datums([1, 5, 6, 2], [1, 5, 7], prompt_length=2)
+    >>> chosen.loss_fn_inputs["target_tokens"].data, chosen.loss_fn_inputs["weights"].data
+    ([5, 6, 2, 0], [0.0, 1.0, 1.0, 0.0])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from loops_callbacks.fields import (
+    datum_loss_fn_inputs,
+    datum_model_input,
+    field_to_tensor,
+    model_input_length,
+    model_input_tokens,
+)
+from loops_callbacks.types import Datum, ModelInput, TensorData
+
+__all__ = [
+    "DPOPairDataset",
+    "check_vocabulary",
+    "collate_dpo_pairs",
+    "dpo_pair_datums",
+    "dpo_records_to_datums",
+    "read_dpo_jsonl",
+    "validate_dpo_pairs",
+]
+
+
+def dpo_pair_datums(
+    chosen: Sequence[int],
+    rejected: Sequence[int],
+    prompt_length: int | None = None,
+    *,
+    chosen_weights: Sequence[float] | None = None,
+    rejected_weights: Sequence[float] | None = None,
+) -> tuple[Datum, Datum]:
+    """The (chosen, rejected) datums of one preference pair, in the Loops DPO convention.
+
+    ``chosen`` and ``rejected`` are full token sequences (prompt + response). Give either
+    ``prompt_length`` (both sequences start with the same ``prompt_length`` tokens, and each has
+    at least one response token after them), or per-token ``chosen_weights`` / ``rejected_weights``
+    (one weight per token of the sequence, the weight of predicting that token; token 0 is never
+    predicted, so its weight must be 0).
+
+    Raises:
+        ValueError: empty sequences, a bad or missing ``prompt_length``, prompts that differ,
+            weights of the wrong length, negative or non-finite, or all zero.
+
+    Example:
+        >>> chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4], chosen_weights=[0, 0, 1], rejected_weights=[0, 1])
+        >>> chosen.loss_fn_inputs["weights"].data, rejected.loss_fn_inputs["weights"].data
+        ([0.0, 1.0, 0.0], [1.0, 0.0])
+    """
+    chosen_tokens = _token_list(chosen, "chosen")
+    rejected_tokens = _token_list(rejected, "rejected")
+    by_weights = chosen_weights is not None or rejected_weights is not None
+    if by_weights == (prompt_length is not None):
+        raise ValueError(
+            "give either prompt_length or both chosen_weights and rejected_weights "
+            f"(got prompt_length={prompt_length!r}, chosen_weights {'set' if chosen_weights is not None else 'None'}, "
+            f"rejected_weights {'set' if rejected_weights is not None else 'None'})"
+        )
+    if by_weights:
+        if chosen_weights is None or rejected_weights is None:
+            raise ValueError("give both chosen_weights and rejected_weights, or prompt_length")
+        token_weights = (
+            _token_weights(chosen_weights, len(chosen_tokens), "chosen"),
+            _token_weights(rejected_weights, len(rejected_tokens), "rejected"),
+        )
+    else:
+        _check_prompt_length(prompt_length, chosen_tokens, rejected_tokens)
+        assert prompt_length is not None
+        token_weights = tuple(
+            [0.0] * prompt_length + [1.0] * (len(tokens) - prompt_length) for tokens in (chosen_tokens, rejected_tokens)
+        )
+    chosen_datum, rejected_datum = (
+        _datum(tokens, weights) for tokens, weights in zip((chosen_tokens, rejected_tokens), token_weights)
+    )
+    return chosen_datum, rejected_datum
+
+
+def _token_list(tokens: Any, name: str) -> list[int]:
+    if isinstance(tokens, (torch.Tensor, np.ndarray)):
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise ValueError(f"the {name} sequence must be a list of token ids, got {type(tokens).__name__}")
+    for position, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ValueError(f"the {name} sequence has {token!r} at position {position}; token ids must be ints")
+    if not tokens:
+        raise ValueError(f"the {name} sequence is empty")
+    return [int(token) for token in tokens]
+
+
+def _check_prompt_length(prompt_length: Any, chosen: list[int], rejected: list[int]) -> None:
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int):
+        raise ValueError(f"prompt_length must be an int, got {prompt_length!r}")
+    if prompt_length < 1:
+        raise ValueError(f"prompt_length={prompt_length} must be at least 1 (token 0 is never predicted)")
+    for name, tokens in (("chosen", chosen), ("rejected", rejected)):
+        if prompt_length >= len(tokens):
+            raise ValueError(
+                f"prompt_length={prompt_length} leaves no response tokens in the {name} sequence "
+                f"({len(tokens)} tokens)"
+            )
+    if chosen[:prompt_length] != rejected[:prompt_length]:
+        position = next(i for i in range(prompt_length) if chosen[i] != rejected[i])
+        raise ValueError(
+            f"the chosen and rejected prompts (first prompt_length={prompt_length} tokens) differ at "
+            f"token {position}: {chosen[position]} vs {rejected[position]}"
+        )
+
+
+def _token_weights(weights: Any, length: int, name: str) -> list[float]:
+    if isinstance(weights, (torch.Tensor, np.ndarray)):
+        weights = weights.tolist()
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
+        raise ValueError(f"{name}_weights must be a list of numbers, got {type(weights).__name__}")
+    values = list(weights)
+    if len(values) != length:
+        raise ValueError(f"{name}_weights has {len(values)} values for a {name} sequence of {length} tokens")
+    for position, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}_weights[{position}]={value!r} must be a finite number >= 0")
+    if values[0] != 0:
+        raise ValueError(f"{name}_weights[0]={values[0]!r} must be 0: nothing predicts token 0")
+    if not any(value > 0 for value in values):
+        raise ValueError(f"{name}_weights are all 0: the {name} sequence has no tokens to train on")
+    return [float(value) for value in values]
+
+
+def _datum(tokens: list[int], token_weights: list[float]) -> Datum:
+    """Position k predicts token k + 1 and carries that token's weight; the last position predicts nothing."""
+    length = len(tokens)
+    return Datum(
+        model_input=ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": TensorData([*tokens[1:], 0], "int64", [length]),
+            "weights": TensorData([*token_weights[1:], 0.0], "float32", [length]),
+        },
+    )
+
+
+def dpo_records_to_datums(records: Sequence[Mapping[str, Any]], *, where: str = "") -> list[Datum]:
+    """Interleaved datums from records ``{"chosen", "rejected", "prompt_length"}`` (or the two weights).
+
+    Record i becomes pair i (datums 2i and 2i + 1); other keys of a record are ignored. Errors name
+    the pair, and ``where`` (e.g. a file name) when given.
+
+    Example:
+        >>> [d.model_input.to_ints() for d in dpo_records_to_datums([{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}])]
+        [[1, 2], [1, 3]]
+    """
+    data: list[Datum] = []
+    for index, record in enumerate(records):
+        data.extend(_record_pair(record, f"pair {index}{where}"))
+    return data
+
+
+def _record_pair(record: Any, label: str) -> tuple[Datum, Datum]:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{label}: expected a record (a JSON object), got {type(record).__name__}")
+    missing = [key for key in ("chosen", "rejected") if key not in record]
+    if missing:
+        raise ValueError(f"{label}: the record has no {' or '.join(repr(k) for k in missing)} (keys: {sorted(record)})")
+    try:
+        return dpo_pair_datums(
+            record["chosen"],
+            record["rejected"],
+            record.get("prompt_length"),
+            chosen_weights=record.get("chosen_weights"),
+            rejected_weights=record.get("rejected_weights"),
+        )
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from None
+
+
+def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
+    """Interleaved datums from a JSONL file of ``dpo_records_to_datums`` records (blank lines skipped).
+
+    Errors name the pair index and the line of the file.
+    """
+    data: list[Datum] = []
+    with open(path, encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            label = f"pair {len(data) // 2} (line {line_number} of {os.fspath(path)})"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{label}: not valid JSON: {error}") from None
+            data.extend(_record_pair(record, label))
+    return data
+
+
+def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:
+    """Check interleaved DPO datums and return their token lists (``model_input`` of each datum).
+
+    Checks, each a ``ValueError`` naming the pair (and datum) index: an even number of datums; every
+    datum has a non-empty ``model_input``; ``target_tokens`` / ``weights``, when present, have the
+    ``model_input``'s length; and, when ``check_prompts`` and both datums of a pair carry ``weights``
+    in the prompt/response shape (zeros, then only positive weights up to the last position),
+    the two prompts (the tokens up to the first weighted prediction) are the same.
+
+    Example:
+        >>> validate_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1)])
+        [[1, 2], [1, 3]]
+    """
+    if len(data) % 2:
+        raise ValueError(
+            f"DPO data hold an odd number of datums ({len(data)}): they interleave chosen (even index) and "
+            f"rejected (odd index), and pair {len(data) // 2} (datum {len(data) - 1}) has no rejected datum"
+        )
+    tokens: list[list[int]] = []
+    prompts: list[int | None] = []
+    for index, datum in enumerate(data):
+        label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
+        model_input = datum_model_input(datum, index=index)
+        if model_input is None:
+            raise ValueError(f"{label} has no model_input ({type(datum).__name__})")
+        try:
+            ids = model_input_tokens(model_input)
+            inputs = datum_loss_fn_inputs(datum, index=index)
+        except TypeError as error:
+            raise ValueError(f"{label}: {error}") from None
+        if not ids:
+            raise ValueError(f"{label} has an empty model_input: there is nothing to score")
+        prompt_length = None
+        for key in ("target_tokens", "weights"):
+            if key in inputs:
+                values = field_to_tensor(inputs[key], where=f"{label}, key {key!r}")
+                if values.numel() != len(ids):
+                    raise ValueError(
+                        f"{label}: {key!r} has {values.numel()} values for a model_input of {len(ids)} tokens"
+                    )
+                if key == "weights":
+                    prompt_length = _prompt_length(values)
+        tokens.append(ids)
+        prompts.append(prompt_length)
+        if check_prompts and index % 2 and prompts[index - 1] is not None and prompt_length is not None:
+            _check_same_prompt(index // 2, tokens[index - 1], ids, prompts[index - 1], prompt_length)
+    return tokens
+
+
+def _prompt_length(weights: torch.Tensor) -> int | None:
+    """1 + the first weighted position, when the weights are zeros then positive up to the last position."""
+    positive = weights > 0
+    if not bool(positive.any()):
+        return None
+    first = int(positive.nonzero()[0, 0])
+    if not bool(positive[first:-1].all()):
+        return None
+    return first + 1
+
+
+def _check_same_prompt(pair: int, chosen: list[int], rejected: list[int], chosen_length: int, rejected_length: int) -> None:
+    if chosen[:chosen_length] == rejected[:rejected_length]:
+        return
+    where = f"pair {pair}: the chosen (datum {2 * pair}) and rejected (datum {2 * pair + 1}) prompts differ"
+    if chosen_length != rejected_length:
+        raise ValueError(
+            f"{where}: by their weights the chosen prompt has {chosen_length} tokens and the rejected "
+            f"{rejected_length}; both must start with the same prompt"
+        )
+    position = next(i for i in range(chosen_length) if chosen[i] != rejected[i])
+    raise ValueError(f"{where} at token {position}: {chosen[position]} vs {rejected[position]}")
+
+
+def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    """``ValueError`` naming the pair, datum and position of the first token id outside ``[0, vocab_size)``.
+
+    Negative ids are always rejected; with ``vocab_size=None`` only they are.
+    """
+    high = math.inf if vocab_size is None else vocab_size
+    for index, ids in enumerate(tokens):
+        if ids and (min(ids) < 0 or max(ids) >= high):
+            position = next(i for i, token in enumerate(ids) if token < 0 or token >= high)
+            vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
+            raise ValueError(
+                f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index}) has token id "
+                f"{ids[position]} at position {position}, outside {vocabulary}"
+            )
+
+
+_BATCH_KEYS = ("input_ids", "target_tokens", "weights", "ref_logprobs")
+
+
+class DPOPairDataset(Dataset):
+    """Preference pairs of scored DPO datums, one item per pair (so samplers never split a pair).
+
+    Each item is ``(chosen, rejected)``, each a dict of 1-D tensors ``input_ids``,
+    ``target_tokens``, ``weights`` and ``ref_logprobs``, converted once here. Missing
+    ``target_tokens`` are taken from ``model_input`` (``tokens[k + 1]``, last 0); ``weights`` and
+    ``ref_logprobs`` are required.
+
+    Example:
+        >>> from loops_callbacks.helpers.datum import attach_reference_logprobs
+        >>> class Flat:
+        ...     def compute_logprobs(self, prompt):
+        ...         return [None] + [-1.0] * (prompt.length - 1)
+        >>> dataset = DPOPairDataset(attach_reference_logprobs(dpo_pair_datums([1, 2, 3], [1, 4], 1), Flat()))
+        >>> len(dataset), dataset[0][1]["ref_logprobs"].tolist()
+        (1, [-1.0, 0.0])
+    """
+
+    def __init__(self, data: Sequence[Any]) -> None:
+        if len(data) % 2:
+            raise ValueError(f"DPOPairDataset needs interleaved pairs; got an odd number of datums ({len(data)})")
+        rows = [_row_tensors(datum, index) for index, datum in enumerate(data)]
+        self.pairs: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = list(zip(rows[0::2], rows[1::2]))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.pairs[index]
+
+
+def _row_tensors(datum: Any, index: int) -> dict[str, torch.Tensor]:
+    label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
+    model_input = datum_model_input(datum, index=index)
+    if model_input is None:
+        raise ValueError(f"{label} has no model_input")
+    input_ids = torch.tensor(model_input_tokens(model_input), dtype=torch.long)
+    length = model_input_length(model_input)
+    inputs = datum_loss_fn_inputs(datum, index=index)
+    row = {"input_ids": input_ids}
+    if "target_tokens" in inputs:
+        row["target_tokens"] = field_to_tensor(inputs["target_tokens"], where=f"{label}, key 'target_tokens'").long()
+    else:
+        row["target_tokens"] = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
+    for key in ("weights", "ref_logprobs"):
+        if key not in inputs:
+            hint = " (attach them with the reference-logprob hook first)" if key == "ref_logprobs" else ""
+            raise ValueError(f"{label} has no {key!r}{hint}")
+        row[key] = field_to_tensor(inputs[key], where=f"{label}, key {key!r}").float()
+    for key, values in row.items():
+        if values.numel() != length:
+            raise ValueError(f"{label}: {key!r} has {values.numel()} values for a model_input of {length} tokens")
+    return {key: row[key].cpu() for key in _BATCH_KEYS}
+
+
+def collate_dpo_pairs(
+    pairs: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
+    """A batch of ``DPOPairDataset`` items: ``[2P, T]`` tensors, rows interleaved, right-padded.
+
+    Keys: ``input_ids`` and ``target_tokens`` (long, 0 on padding), ``weights`` and
+    ``ref_logprobs`` (float32, 0 on padding), ``attention_mask`` (bool, True on real tokens).
+    """
+    rows = [row for pair in pairs for row in pair]
+    width = max((row["input_ids"].numel() for row in rows), default=0)
+    batch = {
+        "input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+        "target_tokens": torch.zeros(len(rows), width, dtype=torch.long),
+        "weights": torch.zeros(len(rows), width, dtype=torch.float32),
+        "ref_logprobs": torch.zeros(len(rows), width, dtype=torch.float32),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
+    }
+    for index, row in enumerate(rows):
+        length = row["input_ids"].numel()
+        for key in _BATCH_KEYS:
+            batch[key][index, :length] = row[key]
+        batch["attention_mask"][index, :length] = True
+    return batch

@@ -1,0 +1,217 @@
+"""Demo data: prompt batches for RL, and token-level preference pairs for DPO.
+
+- ``PromptDataModule`` yields ``{"prompt_ids": LongTensor[P, L]}`` batches of
+  ``ReverseDigitsTask`` prompts for ``RLPolicyModule`` (infinite, or ``num_batches`` per epoch).
+- ``make_preference_pairs`` builds ``(chosen, rejected, prompt_length)`` pairs from the task:
+  chosen = prompt + the correct completion, rejected = prompt + a corrupted one.
+- ``write_preference_jsonl`` / ``read_preference_jsonl`` store those pairs as records
+  ``{"chosen": [ids], "rejected": [ids], "prompt_length": k}``.
+- ``preference_batch`` pads pairs into the batch layout ``DPOPolicyModule`` consumes
+  (without ``ref_logprobs``), for tests and scripts that do not go through a DataModule.
+
+Example:
+    >>> from loops_callbacks.demo.tasks import ReverseDigitsTask
+    >>> task = ReverseDigitsTask(num_digits=3)
+    >>> chosen, rejected, prompt_length = make_preference_pairs(task, 1, seed=0)[0]
+    >>> task.tokenizer.decode(chosen[:prompt_length]) == task.tokenizer.decode(rejected[:prompt_length])
+    True
+    >>> task.reward(chosen[:prompt_length], chosen[prompt_length:]), len(chosen) == len(rejected)
+    (1.0, True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from loops_callbacks.demo.tasks import ReverseDigitsTask
+
+__all__ = [
+    "PreferencePair",
+    "PromptBatches",
+    "PromptDataModule",
+    "make_preference_pairs",
+    "preference_batch",
+    "read_preference_jsonl",
+    "write_preference_jsonl",
+]
+
+PreferencePair = tuple[list[int], list[int], int]
+"""``(chosen full ids, rejected full ids, prompt_length)``; both sequences start with the same prompt."""
+
+
+class PromptBatches(IterableDataset):
+    """Batches ``{"prompt_ids": LongTensor[batch_size, prompt_length]}`` of task prompts.
+
+    Every iteration starts again from ``seed``, so a sized dataset (``num_batches``) repeats the
+    same prompts each epoch and an infinite one (``num_batches=None``) never repeats in practice.
+    """
+
+    def __init__(self, task: ReverseDigitsTask, batch_size: int, num_batches: int | None, seed: int) -> None:
+        self.task = task
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        count = 0
+        while self.num_batches is None or count < self.num_batches:
+            yield {"prompt_ids": self.task.sample_prompts(self.batch_size, generator)}
+            count += 1
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("an infinite PromptBatches (num_batches=None) has no length")
+        return self.num_batches
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompt batches of ``ReverseDigitsTask`` for ``RLPolicyModule``.
+
+    Args:
+        num_digits: digits per prompt; must match the module's ``num_digits``.
+        num_symbols: how many of the digits 0-9 prompts use.
+        batch_size: prompts per batch (the module samples ``group_size`` completions of each).
+        num_batches: batches per epoch; ``None`` (default) = an endless stream (set the trainer's
+            ``max_steps``).
+        seed: seed of the prompt stream; each process adds its global rank, so DDP ranks see
+            different prompts.
+
+    Example:
+        >>> datamodule = PromptDataModule(num_digits=3, batch_size=2, num_batches=5)
+        >>> datamodule.setup("fit")
+        >>> batch = next(iter(datamodule.train_dataloader()))
+        >>> batch["prompt_ids"].shape, len(datamodule.train_dataloader())
+        (torch.Size([2, 5]), 5)
+    """
+
+    def __init__(
+        self,
+        num_digits: PositiveInt = 4,
+        num_symbols: int = 10,
+        batch_size: PositiveInt = 16,
+        num_batches: PositiveInt | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("num_batches", num_batches)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"PromptDataModule {name} must be a positive int, got {value!r}")
+        self.task = ReverseDigitsTask(num_digits, num_symbols)
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.seed = seed
+        self._rank = 0
+
+    @override
+    def setup(self, stage: str) -> None:
+        self._rank = self.trainer.global_rank if self.trainer is not None else 0
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        dataset = PromptBatches(self.task, self.batch_size, self.num_batches, self.seed + self._rank)
+        return DataLoader(dataset, batch_size=None)  # the dataset yields whole batches
+
+
+def make_preference_pairs(
+    task: ReverseDigitsTask, num_pairs: int, *, seed: int = 0, num_corrupted: int = 1
+) -> list[PreferencePair]:
+    """Token-level preference pairs: chosen = correct completion, rejected = ``num_corrupted`` digits changed.
+
+    Both sequences are ``prompt + completion`` (completion ending in ``<eos>``) and have the same
+    length; ``prompt_length`` is ``task.prompt_length``. A corrupted digit is replaced by a
+    different digit of the task's symbols, so the rejected completion is always wrong.
+
+    Example:
+        >>> task = ReverseDigitsTask(num_digits=4)
+        >>> chosen, rejected, k = make_preference_pairs(task, 1, seed=1, num_corrupted=2)[0]
+        >>> sum(a != b for a, b in zip(chosen, rejected)), k
+        (2, 6)
+    """
+    if not isinstance(num_pairs, int) or num_pairs < 0:
+        raise ValueError(f"make_preference_pairs num_pairs must be a non-negative int, got {num_pairs!r}")
+    if not isinstance(num_corrupted, int) or not 1 <= num_corrupted <= task.num_digits:
+        raise ValueError(
+            f"make_preference_pairs num_corrupted must be an int in [1, num_digits={task.num_digits}], "
+            f"got {num_corrupted!r}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    digit_ids = task.tokenizer.encode("0123456789"[: task.num_symbols])
+    pairs: list[PreferencePair] = []
+    for prompt in task.sample_prompts(num_pairs, generator).tolist():
+        completion = task.target(prompt)
+        corrupted = list(completion)
+        for position in torch.randperm(task.num_digits, generator=generator)[:num_corrupted].tolist():
+            others = [d for d in digit_ids if d != completion[position]]
+            corrupted[position] = others[int(torch.randint(len(others), (), generator=generator))]
+        pairs.append((prompt + completion, prompt + corrupted, len(prompt)))
+    return pairs
+
+
+def write_preference_jsonl(path: str | os.PathLike[str], pairs: Sequence[PreferencePair]) -> None:
+    """Write one ``{"chosen": [...], "rejected": [...], "prompt_length": k}`` record per line."""
+    with open(path, "w", encoding="utf-8") as file:
+        for chosen, rejected, prompt_length in pairs:
+            record = {"chosen": list(chosen), "rejected": list(rejected), "prompt_length": prompt_length}
+            file.write(json.dumps(record) + "\n")
+
+
+def read_preference_jsonl(path: str | os.PathLike[str]) -> list[PreferencePair]:
+    """Read the records ``write_preference_jsonl`` writes (blank lines are skipped)."""
+    pairs: list[PreferencePair] = []
+    with open(path, encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                pairs.append(([int(t) for t in record["chosen"]], [int(t) for t in record["rejected"]],
+                              int(record["prompt_length"])))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}, line {line_number}: not a preference record ({error!r})") from None
+    return pairs
+
+
+def preference_batch(pairs: Sequence[PreferencePair], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Pad pairs into ``DPOPolicyModule``'s batch layout (everything but ``ref_logprobs``).
+
+    Rows are interleaved (row 2i chosen, 2i+1 rejected) and right-padded with ``pad_id`` to the
+    longest sequence. Row r holds the full sequence ``tokens`` in ``input_ids``; position k belongs
+    to the token predicted at k: ``target_tokens[r, k] = tokens[k + 1]``, ``weights[r, k] = 1`` when
+    that token is part of the response (``k + 1 >= prompt_length``), and the last position of each
+    sequence predicts nothing (target ``pad_id``, weight 0).
+
+    Example:
+        >>> batch = preference_batch([([1, 5, 6, 2], [1, 5, 7], 2)])
+        >>> batch["target_tokens"].tolist(), batch["weights"].tolist()
+        ([[5, 6, 2, 0], [5, 7, 0, 0]], [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    """
+    rows: list[tuple[list[int], int]] = []
+    for index, (chosen, rejected, prompt_length) in enumerate(pairs):
+        for tokens in (chosen, rejected):
+            if not 1 <= prompt_length < len(tokens):
+                raise ValueError(
+                    f"pair {index}: prompt_length={prompt_length} leaves no response in a sequence of "
+                    f"{len(tokens)} tokens"
+                )
+            rows.append((list(tokens), prompt_length))
+    length = max((len(tokens) for tokens, _ in rows), default=0)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    target_tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    weights = torch.zeros(len(rows), length)
+    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for row, (tokens, prompt_length) in enumerate(rows):
+        n = len(tokens)
+        input_ids[row, :n] = torch.tensor(tokens)
+        target_tokens[row, : n - 1] = torch.tensor(tokens[1:])
+        weights[row, prompt_length - 1 : n - 1] = 1.0
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "target_tokens": target_tokens, "weights": weights, "attention_mask": attention_mask}

@@ -1,0 +1,259 @@
+"""GRPO-style RL on ``ReverseDigitsTask`` with a separate, possibly stale or low-precision sampler.
+
+``RLPolicyModule`` reproduces the shape of an async RL system in one process: a *sampler* model
+generates completions, the *policy* (the model being trained) scores them, and the Loops
+``importance_sampling`` loss corrects for the difference between the two. The sampler is a copy of
+the policy kept in ``sampler_precision`` that receives the policy's weights every ``sync_every``
+optimizer steps, so the sampler/trainer logprob gap that ``loops_log_kl_sample_train`` monitors is
+real and controllable:
+
+- ``sampler_precision="float32", sync_every=1``: no gap (0 within float rounding) unless the
+  trainer runs under mixed precision;
+- ``sampler_precision="bfloat16"``: the rounding gap of a bf16 inference engine;
+- ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo).
+
+Each ``training_step`` takes ``{"prompt_ids": LongTensor[P, L]}`` (from ``PromptDataModule``),
+samples ``group_size`` completions per prompt with the sampler, rewards them, centres the rewards
+within each prompt's group (the advantages), and returns the loss with the padded tensors the
+divergence callback reads (B = P * group_size rows, T = L + max_new_tokens - 1 positions, and
+position k belongs to the token predicted at k):
+
+=====================  ======================  =============================================
+key                    shape, dtype            meaning
+=====================  ======================  =============================================
+``loss``               scalar                  mean over action tokens of ``-exp(trainer_lp - sampler_lp) * advantage``
+``training_logprobs``  [B, T] float32          trainer logprobs of ``target_tokens`` (with grad)
+``logprobs``           [B, T] float32          sampler logprobs, detached; 0.0 off the action tokens
+``mask``               [B, T] float32          1.0 on completion tokens (up to and including ``<eos>``)
+``advantages``         [B] float32             reward minus the mean reward of the row's group
+``input_ids``          [B, T] int64            sequence[:-1] (prompt + completion, right-padded)
+``target_tokens``      [B, T] int64            sequence[1:]
+=====================  ======================  =============================================
+
+Logged: ``train/reward`` (mean reward of the sampled completions) and ``train/loss``.
+
+Example:
+    >>> import lightning
+    >>> from loops_callbacks.demo.data import PromptDataModule
+    >>> module = RLPolicyModule(num_digits=3, group_size=4, sampler_precision="bfloat16")
+    >>> trainer = lightning.Trainer(max_steps=2, accelerator="cpu", logger=False,
+    ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    >>> trainer.fit(module, PromptDataModule(num_digits=3, batch_size=2))
+    >>> trainer.global_step
+    2
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import torch
+from jsonargparse.typing import PositiveFloat, PositiveInt
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+from loops_callbacks.demo.model import TinyCausalLM, token_logprobs
+from loops_callbacks.demo.tasks import ReverseDigitsTask
+
+__all__ = ["RLPolicyModule"]
+
+_PRECISIONS: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The checkpoint key that records after how many optimizer steps the sampler last got weights.
+_SYNCED_AT_KEY = "demo_rl_sampler_synced_at_step"
+
+
+class RLPolicyModule(LightningModule):
+    """A tiny policy trained by group-relative policy gradient, sampled by a separate sampler model.
+
+    Args:
+        num_digits: digits per ``ReverseDigitsTask`` prompt (match ``PromptDataModule``).
+        num_symbols: how many of the digits 0-9 the prompts use.
+        group_size: completions sampled per prompt (at least 2: advantages are relative to the group).
+        d_model, n_layers, n_heads: size of the ``TinyCausalLM`` policy.
+        lr: AdamW learning rate.
+        sampler_precision: dtype the sampler's weights and forward passes use.
+        sync_every: copy the policy's weights into the sampler every this many optimizer steps;
+            ``None`` = never (the sampler stays the policy of the first training batch).
+
+    The sampler is a registered submodule without gradients: it moves with the module, is saved in
+    checkpoints with its own (possibly stale) weights, and the checkpoint records when it was last
+    synced, so a resumed run samples with exactly the weights an uninterrupted one would. Syncing
+    happens in ``on_train_batch_start``, before any checkpoint of the coming step is written. A
+    ``precision="bf16-true"`` trainer converts the whole module, sampler included, to bfloat16.
+
+    Example:
+        >>> module = RLPolicyModule(num_digits=2, group_size=2)
+        >>> out = module.training_step({"prompt_ids": module.task.sample_prompts(3)}, 0)  # doctest: +SKIP
+        >>> out["mask"].shape  # doctest: +SKIP
+        torch.Size([6, 6])
+    """
+
+    def __init__(
+        self,
+        num_digits: PositiveInt = 4,
+        num_symbols: int = 10,
+        group_size: PositiveInt = 8,
+        d_model: PositiveInt = 64,
+        n_layers: PositiveInt = 2,
+        n_heads: PositiveInt = 4,
+        lr: PositiveFloat = 3e-3,
+        sampler_precision: Literal["float32", "bfloat16"] = "float32",
+        sync_every: PositiveInt | None = 1,
+    ) -> None:
+        super().__init__()
+        if not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(
+                f"RLPolicyModule group_size must be an int >= 2 (advantages are relative to the group), "
+                f"got {group_size!r}"
+            )
+        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(
+                f"RLPolicyModule sync_every must be a positive int or None (never sync), got {sync_every!r}"
+            )
+        if sampler_precision not in _PRECISIONS:
+            raise ValueError(
+                f"RLPolicyModule sampler_precision must be one of {sorted(_PRECISIONS)}, got {sampler_precision!r}"
+            )
+        if not lr > 0:
+            raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
+        self.save_hyperparameters()
+        self.task = ReverseDigitsTask(num_digits, num_symbols)
+        self.tokenizer = self.task.tokenizer
+        self.group_size = group_size
+        self.lr = lr
+        self.sync_every = sync_every
+        self.policy = TinyCausalLM(
+            vocab_size=self.tokenizer.vocab_size,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            max_seq_len=self.task.prompt_length + self.task.max_new_tokens,
+        )
+        self.sampler = copy.deepcopy(self.policy).to(_PRECISIONS[sampler_precision]).requires_grad_(False)
+        # Optimizer steps taken when the sampler last received the policy's weights; None = not yet
+        # (the first training batch syncs, so weights loaded into the policy after __init__ count).
+        self._synced_at_step: int | None = None
+
+    @override
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The policy's logits ``[B, T, V]``."""
+        return self.policy(input_ids)
+
+    # ---- the sampler ---------------------------------------------------------------------------
+
+    def _optimizer_steps(self) -> int:
+        return self.trainer.global_step if self._trainer is not None else 0
+
+    @torch.no_grad()
+    def sync_sampler(self) -> None:
+        """Copy the policy's weights into the sampler (cast to ``sampler_precision``)."""
+        self.sampler.load_state_dict(self.policy.state_dict())
+        self._synced_at_step = self._optimizer_steps()
+
+    def _sampler_context(self, device: torch.device) -> Any:
+        # The sampler runs in its own precision, whatever autocast the trainer's precision enables.
+        if device.type in ("cpu", "cuda"):
+            return torch.autocast(device_type=device.type, enabled=False)
+        return nullcontext()
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """Sample one completion per row of ``prompt_ids [B, L]`` with the sampler (temperature 1).
+
+        Returns ``[B, max_new_tokens]`` token ids; positions after a row's first ``<eos>`` are
+        ``pad_id``.
+        """
+        sequences = prompt_ids
+        with self._sampler_context(prompt_ids.device):
+            for _ in range(self.task.max_new_tokens):
+                logits = self.sampler(sequences)[:, -1].float()
+                next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+                sequences = torch.cat([sequences, next_token], dim=1)
+        completions = sequences[:, prompt_ids.shape[1] :]
+        return completions.masked_fill(~_up_to_first(completions, self.tokenizer.eos_id), self.tokenizer.pad_id)
+
+    @torch.no_grad()
+    def sampler_logprobs(self, input_ids: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+        """Float32 logprobs of ``target_tokens`` under the sampler, one forward in its precision."""
+        with self._sampler_context(input_ids.device):
+            return token_logprobs(self.sampler(input_ids), target_tokens)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        steps = self._optimizer_steps()
+        if self._synced_at_step is None:
+            self.sync_sampler()
+        elif self.sync_every is not None and (
+            steps < self._synced_at_step or steps - self._synced_at_step >= self.sync_every
+        ):
+            self.sync_sampler()
+
+    # ---- training ------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        prompts = batch["prompt_ids"]
+        if prompts.dim() != 2 or prompts.shape[1] != self.task.prompt_length:
+            raise ValueError(
+                f"RLPolicyModule({self.task}) expects prompt_ids of shape [P, {self.task.prompt_length}], "
+                f"got {tuple(prompts.shape)}; do the datamodule's num_digits and the module's match?"
+            )
+        num_prompts, prompt_length = prompts.shape
+        prompts = prompts.repeat_interleave(self.group_size, dim=0)  # rows of one group are adjacent
+        completions = self.sample(prompts)
+        sequences = torch.cat([prompts, completions], dim=1)
+        input_ids, target_tokens = sequences[:, :-1], sequences[:, 1:]
+
+        # Action tokens: the completion, up to and including its first <eos>.
+        completion_mask = _up_to_first(completions, self.tokenizer.eos_id)
+        mask = torch.cat([completion_mask.new_zeros(len(prompts), prompt_length - 1), completion_mask], dim=1).float()
+
+        rewards = torch.tensor(
+            [self.task.reward(p, c) for p, c in zip(prompts.tolist(), completions.tolist())],
+            dtype=torch.float32,
+            device=self.device,
+        )
+        group_rewards = rewards.view(num_prompts, self.group_size)
+        advantages = (group_rewards - group_rewards.mean(dim=1, keepdim=True)).view(-1)
+
+        sampler_logprobs = self.sampler_logprobs(input_ids, target_tokens) * mask
+        training_logprobs = token_logprobs(self(input_ids), target_tokens)
+        # Loops' importance_sampling loss: -(p_trainer / p_sampler) * advantage, per action token.
+        ratio = torch.exp(torch.where(mask > 0, training_logprobs - sampler_logprobs, 0.0))
+        loss = -(ratio * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
+
+        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=num_prompts)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=num_prompts)
+        return {
+            "loss": loss,
+            "training_logprobs": training_logprobs,
+            "logprobs": sampler_logprobs,
+            "mask": mask,
+            "advantages": advantages,
+            "input_ids": input_ids,
+            "target_tokens": target_tokens,
+        }
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.policy.parameters(), lr=self.lr)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[_SYNCED_AT_KEY] = self._synced_at_step
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The sampler's weights come back with the state dict; a checkpoint without the key
+        # (None) makes the next training batch sync the sampler from the restored policy.
+        self._synced_at_step = checkpoint.get(_SYNCED_AT_KEY)
+
+
+def _up_to_first(tokens: torch.Tensor, token_id: int) -> torch.Tensor:
+    """Bool ``[B, N]``: True up to and including the first ``token_id`` of each row (all True if none)."""
+    hits = (tokens == token_id).long()
+    return (hits.cumsum(dim=1) - hits) == 0

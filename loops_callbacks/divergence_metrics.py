@@ -1,0 +1,130 @@
+"""The metric formulas: host-side statistics in, the Loops-named metrics dict out.
+
+This is the one place each formula lives; the plain functions and the Lightning callback both
+call ``scalar_metrics``. With n action tokens, d = trainer − sampler logprob, w = exp(min(d, 80))
+and s = sampler logprob:
+
+Example:
+    >>> import numpy as np
+    >>> from loops_callbacks.divergence import HostDivergence
+    >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
+    ...                       extrema={}, worst=np.zeros((0, 67)), diffs=np.zeros(0))
+    >>> scalar_metrics(host, prefix="div/")
+    {'div/n_action_tokens': 0.0, 'div/n_sequences': 2.0, 'div/n_skipped_nonfinite': 1.0}
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from loops_callbacks.divergence import HostDivergence
+
+__all__ = ["DEFAULT_PREFIX", "SDK_METRICS", "EXTRA_METRICS", "scalar_metrics", "histogram_values"]
+
+logger = logging.getLogger("loops_callbacks")
+
+DEFAULT_PREFIX = "optim/train-sample-div/"
+
+SDK_METRICS = (
+    "kl_sample_train_v1_loops",
+    "kl_sample_train_v2_loops",
+    "kl_sample_train_k3",
+    "is_ratio_mean",
+    "ess_fraction",
+    "diff_mean",
+    "diff_abs_p50",
+    "diff_abs_p90",
+    "diff_abs_p99",
+    "diff_abs_max",
+    "frac_abs_gt_1",
+    "frac_abs_gt_2",
+    "frac_abs_gt_4",
+    "entropy",
+    "n_action_tokens",
+)
+"""The scalar keys of the Loops SDK, in its order."""
+
+EXTRA_METRICS = (
+    "is_ratio_max",
+    "is_ratio_min",
+    "chi2_token",
+    "seq_log_ratio_mean",
+    "seq_is_ratio_mean",
+    "seq_is_ratio_max",
+    "frac_is_ratio_gt_2",
+    "frac_is_ratio_lt_0.5",
+    "n_sequences",
+    "n_skipped_nonfinite",
+)
+"""Scalar keys this package adds beside the SDK's."""
+
+_PERCENTILES = (50, 90, 99)
+
+
+def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
+    """The scalar metrics; with no action tokens only ``n_action_tokens`` (0.0) and the two counts.
+
+    Logs a warning when every active trainer logprob is exactly 0.0 (usually: all advantages
+    were 0, so the loss emitted no per-token logprobs); the numbers are returned anyway.
+    """
+    t, e = host.totals, host.extrema
+    n = t["n_action_tokens"]
+    counts = {"n_sequences": t["n_datums"], "n_skipped_nonfinite": t["n_skipped_nonfinite"]}
+    if n == 0:
+        return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
+    if t["n_trainer_zero"] == n:
+        logger.warning(
+            "every one of the %d active trainer logprobs is exactly 0.0: the loss probably emitted "
+            "no per-token logprobs (are all advantages 0?); divergence metrics are meaningless this step",
+            int(n),
+        )
+    abs_percentiles = np.percentile(np.abs(host.diffs), _PERCENTILES)
+    ess_denominator = n * t["sum_w2"]
+    scored = t["n_scored_datums"]
+    values = {
+        "kl_sample_train_v1_loops": -t["sum_d"] / n,
+        "kl_sample_train_v2_loops": 0.5 * t["sum_d2"] / n,
+        "kl_sample_train_k3": t["sum_k3"] / n,
+        "is_ratio_mean": t["sum_w"] / n,
+        "ess_fraction": t["sum_w"] ** 2 / ess_denominator if ess_denominator != 0 else 0.0,
+        "diff_mean": t["sum_d"] / n,
+        "diff_abs_p50": float(abs_percentiles[0]),
+        "diff_abs_p90": float(abs_percentiles[1]),
+        "diff_abs_p99": float(abs_percentiles[2]),
+        "diff_abs_max": e["max_abs_d"],
+        "frac_abs_gt_1": t["n_abs_gt_1"] / n,
+        "frac_abs_gt_2": t["n_abs_gt_2"] / n,
+        "frac_abs_gt_4": t["n_abs_gt_4"] / n,
+        "entropy": -t["sum_sampler"] / n,
+        "n_action_tokens": float(n),
+        "is_ratio_max": e["max_w"],
+        "is_ratio_min": -e["neg_min_w"],
+        "chi2_token": t["sum_w2"] / n - 1.0,
+        "seq_log_ratio_mean": t["sum_seq_mean_d"] / scored,
+        "seq_is_ratio_mean": t["sum_seq_w"] / scored,
+        "seq_is_ratio_max": e["max_seq_w"],
+        "frac_is_ratio_gt_2": t["n_w_gt_2"] / n,
+        "frac_is_ratio_lt_0.5": t["n_w_lt_half"] / n,
+        **counts,
+    }
+    return {prefix + name: float(value) for name, value in values.items()}
+
+
+def histogram_values(diffs: np.ndarray, max_tokens: int) -> np.ndarray:
+    """``diffs`` evenly subsampled to at most ``max_tokens`` values (``<= 0``: no cap).
+
+    Value i of m is ``diffs[round(i * (n - 1) / (m - 1))]``, as in the Loops SDK.
+
+    Example:
+        >>> histogram_values(np.arange(10.0), 4).tolist()
+        [0.0, 3.0, 6.0, 9.0]
+    """
+    n = diffs.shape[0]
+    if max_tokens <= 0 or n <= max_tokens:
+        return diffs
+    if max_tokens == 1:
+        return diffs[:1]
+    index = np.round(np.arange(max_tokens, dtype=np.float64) * (n - 1) / (max_tokens - 1)).astype(np.int64)
+    return diffs[index]

@@ -1,0 +1,98 @@
+"""``loops_compute_kl_sample_train`` and ``loops_log_kl_sample_train``, as in the Loops SDK.
+
+Both are thin wrappers: flatten the batch once (``action_tokens``), read it into statistics
+(``divergence``), turn those into the metrics dict (``divergence_metrics``) and, for the logging
+variant, build the W&B histogram and worst-tokens table (``wandb_media``).
+
+Example:
+    >>> import torch
+    >>> from loops_callbacks.types import Datum, ModelInput
+    >>> datum = Datum(ModelInput.from_ints([1, 2, 3]),
+    ...               {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
+    >>> metrics = loops_compute_kl_sample_train([datum], [torch.tensor([0.0, -1.5, -2.0])])
+    >>> metrics["optim/train-sample-div/kl_sample_train_v1_loops"]
+    0.25
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from loops_callbacks.action_tokens import flatten_datums, trainer_logprobs_from_output
+from loops_callbacks.divergence import DivergenceStats
+from loops_callbacks.divergence_metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.wandb_media import divergence_media
+from loops_callbacks.worst_tokens import Tokenizer
+
+__all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train", "DEFAULT_PREFIX"]
+
+logger = logging.getLogger("loops_callbacks")
+
+
+def loops_compute_kl_sample_train(
+    data: Sequence[Any],
+    training_logprobs: Sequence[Any] | torch.Tensor,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+) -> dict[str, float]:
+    """Sampler-vs-trainer divergence scalars over the action tokens of ``data``.
+
+    ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask``
+    (optional ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per
+    datum (or one right-padded ``[B, T]`` tensor). Keys and formulas: see the README table.
+    """
+    flat = flatten_datums(data, training_logprobs)
+    return scalar_metrics(DivergenceStats.from_batch(flat).to_host(), prefix=prefix)
+
+
+def loops_log_kl_sample_train(
+    wandb_run: Any,
+    step: int,
+    data: Sequence[Any],
+    forward_backward_output: Any = None,
+    *,
+    training_logprobs: Sequence[Any] | torch.Tensor | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    log_histogram: bool = True,
+    max_histogram_tokens: int = 50000,
+    log_worst_tokens: bool = True,
+    top_n: int = 20,
+    tokenizer: Tokenizer | None = None,
+) -> dict[str, Any]:
+    """Compute the divergence metrics, add a diff histogram and a worst-tokens table, log to W&B.
+
+    ``training_logprobs`` wins when given, else they are read from
+    ``forward_backward_output.loss_fn_outputs[i]["logprobs"]``. ``wandb_run`` is anything with
+    ``.log(metrics, step=...)`` or ``None``; the dict is returned either way. A failing
+    ``wandb_run.log`` is logged as a warning, never raised: monitoring must not stop training.
+    """
+    if top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    if training_logprobs is None:
+        if forward_backward_output is None:
+            raise ValueError("pass either forward_backward_output or training_logprobs")
+        training_logprobs = trainer_logprobs_from_output(forward_backward_output)
+    rows = top_n if log_worst_tokens else 0
+    flat = flatten_datums(data, training_logprobs, with_tokens=rows > 0)
+    host = DivergenceStats.from_batch(flat, top_n=rows).to_host()
+    metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
+    metrics.update(
+        divergence_media(
+            host,
+            prefix=prefix,
+            log_histogram=log_histogram,
+            max_histogram_tokens=max_histogram_tokens,
+            log_worst_tokens=log_worst_tokens,
+            tokenizer=tokenizer,
+        )
+    )
+    if wandb_run is not None:
+        try:
+            wandb_run.log(metrics, step=step)
+        except Exception as error:  # monitoring must never break training
+            logger.warning("could not log divergence metrics to W&B at step %s: %r", step, error)
+    return metrics

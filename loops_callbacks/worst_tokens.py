@@ -1,0 +1,105 @@
+"""The worst-divergent-tokens table: host rows from ``ROW`` arrays, with a readable context.
+
+Example:
+    >>> import numpy as np
+    >>> from loops_callbacks.divergence import ROW
+    >>> row = np.full(ROW.WIDTH, -1.0)
+    >>> row[:7] = [2.0, -2.0, -0.5, -2.5, 0, 1, 9]
+    >>> row[ROW.BEFORE][-2:] = [7, 8]
+    >>> worst_token_rows(row[None, :])
+    [[1, 0, 2, 9, -0.5, -2.5, -2.0, 0.1353, '⟦7 8»9«⟧']]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from loops_callbacks.action_tokens import NO_TOKEN
+from loops_callbacks.divergence import ROW, W_CLAMP
+
+__all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context"]
+
+WORST_TOKEN_COLUMNS = [
+    "rank",
+    "datum",
+    "position",
+    "token",
+    "logp_sampler",
+    "logp_trainer",
+    "diff",
+    "is_weight",
+    "context",
+]
+END = "<end>"
+NEAR = 3
+
+
+class Tokenizer(Protocol):
+    """Anything with ``decode(list[int]) -> str``, e.g. a Hugging Face tokenizer."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> list[list[Any]]:
+    """Table rows, rank 1 first: each row's own diff and importance weight, rounded to 4 places.
+
+    ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k); the
+    token is ``target_tokens[k]``, else ``model_input[k + 1]``, else ``"<end>"``. ``is_weight``
+    is exp(min(d, 80)), the same clamp as the importance-ratio metrics.
+    """
+    rows = []
+    for rank, row in enumerate(worst, start=1):
+        diff = float(row[ROW.DIFF])
+        token = int(row[ROW.TOKEN])
+        rows.append(
+            [
+                rank,
+                int(row[ROW.DATUM]),
+                int(row[ROW.POSITION]) + 1,
+                END if token == NO_TOKEN else token,
+                round(float(row[ROW.SAMPLER]), 4),
+                round(float(row[ROW.TRAINER]), 4),
+                round(diff, 4),
+                round(math.exp(min(diff, W_CLAMP)), 4),
+                format_context(_ids(row[ROW.BEFORE]), token, _ids(row[ROW.AFTER]), tokenizer),
+            ]
+        )
+    return rows
+
+
+def format_context(before: Sequence[int], token: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
+    """``before⟦near»token«near⟧after``, "near" being the 3 tokens on each side; text escaped.
+
+    Example:
+        >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None)
+        '1⟦2 3 4»5«6 7 8⟧9'
+    """
+    near_before, far_before = list(before[-NEAR:]) if before else [], list(before[:-NEAR]) if before else []
+    near_after, far_after = list(after[:NEAR]), list(after[NEAR:])
+    centre = END if token == NO_TOKEN else _text([token], tokenizer)
+    return (
+        f"{_text(far_before, tokenizer)}⟦{_text(near_before, tokenizer)}»{centre}"
+        f"«{_text(near_after, tokenizer)}⟧{_text(far_after, tokenizer)}"
+    )
+
+
+def _ids(values: np.ndarray) -> list[int]:
+    return [int(v) for v in values if v != NO_TOKEN]
+
+
+def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
+    if not ids:
+        return ""
+    text = None
+    if tokenizer is not None:
+        try:
+            text = str(tokenizer.decode(ids))
+        except Exception:  # a tokenizer that cannot decode these ids: fall back to the ids
+            text = None
+    if text is None:
+        text = " ".join(str(i) for i in ids)
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
