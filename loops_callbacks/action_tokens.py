@@ -19,8 +19,8 @@ Example:
     >>> datum = Datum(ModelInput.from_ints([1, 2, 3]),
     ...               {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
     >>> flat = flatten_datums([datum], [torch.tensor([0.0, -1.5, -2.0])])
-    >>> flat.active.tolist(), flat.trainer.tolist()
-    ([False, True, True], [0.0, -1.5, -2.0])
+    >>> flat.active.tolist(), flat.diff.tolist()
+    ([False, True, True], [nan, -0.5, 0.0])
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
+    field_length,
     field_to_tensor,
     model_input_length,
-    model_input_tokens,
 )
+from loops_callbacks.token_context import DatumTokens, PaddedTokens, TokenLookup
 
 __all__ = ["FlatBatch", "flatten_datums", "flatten_padded", "trainer_logprobs_from_output"]
-
-NO_TOKEN = -1
-"""Marks a position without a known token id (padding, or a datum without that field)."""
 
 
 @dataclass(frozen=True)
@@ -52,20 +49,17 @@ class FlatBatch:
 
     ``active`` marks the positions that count (mask > 0, advantage != 0 where advantages are
     given, both logprobs finite); ``counted`` the positions that pass the first two rules, so
-    ``counted & ~active`` are the masked-in positions dropped for a missing or non-finite logprob.
-    ``input_ids`` / ``target_tokens`` hold ``NO_TOKEN`` where unknown; they are ``None`` unless
-    token ids were asked for (the worst-tokens table needs them, the scalars do not).
+    ``counted & ~active`` are the masked-in positions dropped for a missing or non-finite
+    logprob. ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
     """
 
     sampler: torch.Tensor  # float64 [L]
     trainer: torch.Tensor  # float64 [L]
+    diff: torch.Tensor  # float64 [L], trainer - sampler (non-finite where a logprob is missing)
     active: torch.Tensor  # bool [L]
     counted: torch.Tensor  # bool [L]
-    datum: torch.Tensor  # int64 [L], the datum each position belongs to
-    row_starts: torch.Tensor  # int64 [B], where each datum's positions begin
     row_lengths: torch.Tensor  # int64 [B]
-    input_ids: torch.Tensor | None = None  # int64 [L], model_input token at each position
-    target_tokens: torch.Tensor | None = None  # int64 [L]
+    tokens: TokenLookup | None = None
 
     @property
     def n_datums(self) -> int:
@@ -127,8 +121,6 @@ def flatten_datums(
         )
 
     samplers, masks, trainers, advantages, lengths = [], [], [], [], []
-    input_ids, targets = [], []
-    any_advantages = False
     for i, datum in enumerate(data):
         inputs = datum_loss_fn_inputs(datum, index=i)
         for key in ("logprobs", "mask"):
@@ -170,9 +162,6 @@ def flatten_datums(
                 f"loss_fn_inputs['logprobs'] has {length}; position k of every field belongs to "
                 "the token predicted at k, so they must have the same length"
             )
-        samplers.append(sampler)
-        masks.append(mask)
-        lengths.append(length)
         advantage = inputs.get("advantages")
         if advantage is not None:
             advantage = field_to_tensor(advantage, where=f"datum {i}, key 'advantages'")
@@ -181,34 +170,29 @@ def flatten_datums(
                     f"datum {i}: loss_fn_inputs['advantages'] has length {advantage.shape[0]}, "
                     f"expected 1 (one value for the row) or {length} (one per position)"
                 )
-            any_advantages = True
+        target = inputs.get("target_tokens") if with_tokens else None
+        if target is not None:
+            target_length = field_length(target, where=f"datum {i}, key 'target_tokens'")
+            if target_length != length:
+                raise ValueError(
+                    f"datum {i}: loss_fn_inputs['target_tokens'] has length {target_length}, "
+                    f"but loss_fn_inputs['logprobs'] has {length}"
+                )
+        samplers.append(sampler)
+        masks.append(mask)
         advantages.append(advantage)
-        if with_tokens:
-            input_ids.append(_token_row(model_input, length))
-            target = inputs.get("target_tokens")
-            targets.append(
-                _token_row(None, length)
-                if target is None
-                else _checked_tokens(target, length, where=f"datum {i}, key 'target_tokens'")
-            )
+        lengths.append(length)
 
     device = _device_of(training_logprobs if padded_trainer else trainers, samplers)
     row_lengths = torch.tensor(lengths, dtype=torch.int64)
-    if padded_trainer:
-        trainer_flat = _unpad_rows(training_logprobs.detach(), row_lengths)
-    else:
-        trainer_flat = _cat(trainers, torch.float64)
-    advantage_ok = None
-    if any_advantages:
-        advantage_ok = _cat([_advantage_ok(a, n) for a, n in zip(advantages, lengths)], torch.bool)
+    trainer_flat = _unpad_rows(training_logprobs.detach(), row_lengths) if padded_trainer else _cat(trainers)
     return _build(
-        sampler=_cat(samplers, torch.float64).to(device, torch.float64),
-        trainer=trainer_flat.to(device, torch.float64),
-        mask=_cat(masks, None).to(device),
-        advantage_ok=None if advantage_ok is None else advantage_ok.to(device),
+        sampler=_cat(samplers).to(device),
+        trainer=trainer_flat.to(device),
+        mask=_cat(masks).to(device),
+        advantage_ok=_advantage_ok_rows(advantages, row_lengths, device),
         row_lengths=row_lengths.to(device),
-        input_ids=_cat(input_ids, torch.int64).to(device) if with_tokens else None,
-        target_tokens=_cat(targets, torch.int64).to(device) if with_tokens else None,
+        tokens=DatumTokens(data) if with_tokens else None,
     )
 
 
@@ -243,29 +227,28 @@ def flatten_padded(
     device = training_logprobs.device
     advantage_ok = None
     if advantages is not None:
+        if not isinstance(advantages, torch.Tensor):
+            raise TypeError(f"'advantages' must be a tensor, got {type(advantages).__name__}")
         if advantages.dim() == 1 and advantages.shape[0] == batch:
-            advantages = advantages[:, None].expand(batch, width)
+            advantages = advantages[:, None]
         elif tuple(advantages.shape) != tuple(shape):
             raise ValueError(
                 f"'advantages' has shape {tuple(advantages.shape)}; expected {tuple(shape)} or ({batch},)"
             )
-        advantage_ok = _advantage_ok(advantages.reshape(-1), batch * width).to(device)
-
-    def token_field(tokens: torch.Tensor | None) -> torch.Tensor | None:
-        if not with_tokens:
-            return None
-        if tokens is None:
-            return torch.full((batch * width,), NO_TOKEN, dtype=torch.int64, device=device)
-        return tokens.detach().reshape(-1).to(device, torch.int64)
-
+        advantage_ok = _nonzero_advantage(advantages.detach().to(device)).expand(batch, width).reshape(-1)
+    tokens = None
+    if with_tokens:
+        tokens = PaddedTokens(
+            None if input_ids is None else input_ids.detach().to(device),
+            None if target_tokens is None else target_tokens.detach().to(device),
+        )
     return _build(
-        sampler=sampler_logprobs.detach().reshape(-1).to(device, torch.float64),
-        trainer=training_logprobs.detach().reshape(-1).to(torch.float64),
+        sampler=sampler_logprobs.detach().reshape(-1).to(device),
+        trainer=training_logprobs.detach().reshape(-1),
         mask=mask.detach().reshape(-1).to(device),
         advantage_ok=advantage_ok,
         row_lengths=torch.full((batch,), width, dtype=torch.int64, device=device),
-        input_ids=token_field(input_ids),
-        target_tokens=token_field(target_tokens),
+        tokens=tokens,
     )
 
 
@@ -276,35 +259,25 @@ def _build(
     mask: torch.Tensor,
     advantage_ok: torch.Tensor | None,
     row_lengths: torch.Tensor,
-    input_ids: torch.Tensor | None,
-    target_tokens: torch.Tensor | None,
+    tokens: TokenLookup | None,
 ) -> FlatBatch:
+    sampler = sampler.to(torch.float64)
+    trainer = trainer.to(torch.float64)
+    # A float64 difference of two logprobs is finite exactly when both are (float32 inputs
+    # cannot overflow it), so one finiteness test covers both.
+    diff = trainer - sampler
     counted = mask > 0
     if advantage_ok is not None:
         counted &= advantage_ok
-    active = counted & torch.isfinite(sampler) & torch.isfinite(trainer)
-    n_datums = row_lengths.numel()
-    datum = torch.repeat_interleave(
-        torch.arange(n_datums, device=row_lengths.device), row_lengths, output_size=trainer.shape[0]
-    )
-    row_starts = torch.cumsum(row_lengths, 0) - row_lengths
-    return FlatBatch(
-        sampler=sampler,
-        trainer=trainer,
-        active=active,
-        counted=counted,
-        datum=datum,
-        row_starts=row_starts,
-        row_lengths=row_lengths,
-        input_ids=input_ids,
-        target_tokens=target_tokens,
-    )
+    active = counted & torch.isfinite(diff)
+    return FlatBatch(sampler, trainer, diff, active, counted, row_lengths, tokens)
 
 
 def _unpad_rows(padded: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:
     """Rows of a right-padded ``[B, T]`` tensor, each cut to its length, concatenated.
 
     The index is built on the host from the (host) lengths, so the device never synchronizes.
+    Positions past a row's length (padding) are never read.
     """
     batch, width = padded.shape
     row_starts = torch.cumsum(row_lengths, 0) - row_lengths
@@ -314,37 +287,37 @@ def _unpad_rows(padded: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor
     return padded.reshape(-1).index_select(0, index.to(padded.device))
 
 
-def _advantage_ok(advantage: torch.Tensor | None, length: int) -> torch.Tensor:
-    """Positions whose advantage is non-zero (``None``/NaN count as 0), broadcasting length 1."""
-    if advantage is None:
-        return torch.ones(length, dtype=torch.bool, device="cpu")
-    ok = (advantage != 0) & ~torch.isnan(advantage.to(torch.float64))
-    return ok.expand(length) if ok.shape[0] == 1 and length != 1 else ok
+def _nonzero_advantage(advantage: torch.Tensor) -> torch.Tensor:
+    """Where the advantage is non-zero; ``None`` (read as NaN) counts as 0."""
+    return (advantage != 0) & ~torch.isnan(advantage)
 
 
-def _token_row(model_input: Any, length: int) -> torch.Tensor:
-    if model_input is None:
-        return torch.full((length,), NO_TOKEN, dtype=torch.int64)
-    return torch.from_numpy(np.asarray(model_input_tokens(model_input), dtype=np.int64))
+def _advantage_ok_rows(
+    advantages: list[torch.Tensor | None], row_lengths: torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
+    """Per position: the datum has no advantages, or its advantage there is non-zero."""
+    if all(a is None for a in advantages):
+        return None
+    lengths = row_lengths.tolist()
+    if all(a is not None and a.shape[0] == 1 for a in advantages):  # one value per row: the common RL case
+        per_row = _nonzero_advantage(_cat(advantages).to(device))
+        return torch.repeat_interleave(per_row, row_lengths.to(device), output_size=sum(lengths))
+    ones = torch.ones(1)
+    rows = [
+        (ones if a is None else a).expand(n) if (a is None or a.shape[0] == 1) else a
+        for a, n in zip(advantages, lengths)
+    ]
+    return _nonzero_advantage(_cat(rows).to(device))
 
 
-def _checked_tokens(value: Any, length: int, *, where: str) -> torch.Tensor:
-    tokens = field_to_tensor(value, where=where)
-    if tokens.shape[0] != length:
-        raise ValueError(f"{where} has length {tokens.shape[0]}, but the datum's logprobs have {length}")
-    if tokens.is_floating_point():
-        tokens = torch.nan_to_num(tokens, nan=NO_TOKEN)
-    return tokens.to(torch.int64)
-
-
-def _cat(rows: list[torch.Tensor], dtype: torch.dtype | None) -> torch.Tensor:
+def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor of the rows (type promotion as ``torch.cat``); mixed devices meet on the CPU."""
     if not rows:
-        return torch.zeros(0, dtype=dtype or torch.float64)
+        return torch.zeros(0, dtype=torch.float64)
     device = rows[0].device
     if any(row.device != device for row in rows):
         rows = [row.cpu() for row in rows]
-    flat = torch.cat(rows)
-    return flat if dtype is None else flat.to(dtype)
+    return torch.cat(rows)
 
 
 def _device_of(trainer: torch.Tensor | list[torch.Tensor], samplers: list[torch.Tensor]) -> torch.device:

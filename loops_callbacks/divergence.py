@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loops_callbacks.action_tokens import NO_TOKEN, FlatBatch
+from loops_callbacks.action_tokens import FlatBatch
+from loops_callbacks.token_context import CONTEXT_AFTER, CONTEXT_BEFORE, NO_TOKEN
 
 __all__ = ["DivergenceStats", "HostDivergence", "TOTALS", "EXTREMA", "ROW", "W_CLAMP"]
 
@@ -57,18 +58,16 @@ TOTALS = (
     "sum_seq_mean_d",
     "sum_seq_w",
 )
-EXTREMA = ("max_abs_d", "max_w", "neg_min_w", "max_seq_w")
+EXTREMA = ("max_d", "neg_min_d", "max_seq_mean_d")
+"""Maxima (minima stored negated, so every extremum merges with max); -inf when empty."""
 _T = {name: i for i, name in enumerate(TOTALS)}
-
-CONTEXT_BEFORE = 40
-CONTEXT_AFTER = 20
 
 
 class ROW:
     """Columns of a worst-token row (all float64; token ids are exact below 2**53)."""
 
     ABS, DIFF, SAMPLER, TRAINER, DATUM, POSITION, TOKEN = range(7)
-    BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before position k+1, NO_TOKEN-padded on the left
+    BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before index k+1, NO_TOKEN-padded on the left
     AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # ids after it
     WIDTH = 7 + CONTEXT_BEFORE + CONTEXT_AFTER
 
@@ -88,10 +87,10 @@ class DivergenceStats:
     """Divergence statistics of one or more batches; see the module docstring."""
 
     totals: torch.Tensor  # float64 [len(TOTALS)]
-    extrema: torch.Tensor  # float64 [len(EXTREMA)], -inf when there are no tokens
+    extrema: torch.Tensor  # float64 [len(EXTREMA)]
     worst: torch.Tensor  # float64 [top_n, ROW.WIDTH]; rows with ABS = -inf are empty
     sample_values: torch.Tensor  # float64 [m] diffs
-    sample_keys: torch.Tensor  # float64 [m]; +inf marks an empty slot
+    sample_keys: torch.Tensor | None  # float64 [m]; +inf marks an empty slot; None: all kept
     sample_size: int | None = None
 
     @classmethod
@@ -103,77 +102,75 @@ class DivergenceStats:
         sample_size: int | None = None,
         generator: torch.Generator | None = None,
     ) -> DivergenceStats:
-        """Read one flattened batch. ``top_n`` rows need ``flat`` built ``with_tokens`` for ids."""
+        """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set."""
         if top_n < 0:
             raise ValueError(f"top_n must be >= 0, got {top_n}")
         if sample_size is not None and sample_size < 1:
             raise ValueError(f"sample_size must be >= 1 or None, got {sample_size}")
-        # On the CPU, select the action tokens (cheaper passes, no sync cost); on accelerators
-        # keep fixed shapes and mask instead, so nothing waits for the device.
-        if flat.device.type == "cpu":
-            where = flat.active.nonzero().squeeze(1)
+        # On the CPU, select the action tokens (fewer, cheaper passes); on accelerators keep
+        # fixed shapes and mask instead, so that nothing waits for the device.
+        compact = _on_host(flat.device)
+        active = flat.active
+        if compact:
+            d = flat.diff.masked_select(active)
             valid = None
         else:
-            where = None
-            valid = flat.active
-        pick = (lambda x: x) if where is None else (lambda x: x.index_select(0, where))
-        zero_invalid = (lambda x, fill=0.0: x) if valid is None else (lambda x, fill=0.0: x.masked_fill(~valid, fill))
-
-        sampler = zero_invalid(pick(flat.sampler))
-        trainer = zero_invalid(pick(flat.trainer))
-        d = trainer - sampler
+            d = flat.diff.masked_fill(~active, 0.0)
+            valid = active
+        w = d.clamp(max=W_CLAMP).exp_()
+        k3 = (w - 1.0).sub_(d)
         abs_d = d.abs()
-        w = zero_invalid(torch.exp(d.clamp(max=W_CLAMP)))
-        k3 = zero_invalid(w - 1.0 - d)
-        ones = torch.ones_like(d) if valid is None else valid.to(torch.float64)
-        datum = pick(flat.datum)
+        if valid is not None:
+            w.masked_fill_(~valid, 0.0)
+            k3.masked_fill_(~valid, 0.0)
 
-        n_datums = flat.n_datums
-        seq_sum = torch.zeros(n_datums, dtype=torch.float64, device=d.device).index_add_(0, datum, d)
-        seq_count = torch.zeros(n_datums, dtype=torch.float64, device=d.device).index_add_(0, datum, ones)
-        scored = seq_count > 0
-        seq_mean = seq_sum / seq_count.clamp(min=1.0)
+        def count(condition: torch.Tensor, needs_mask: bool = False) -> torch.Tensor:
+            return torch.count_nonzero(condition & valid if needs_mask and valid is not None else condition)
+
+        row_counts = _row_sums(active.to(torch.float32), flat.row_lengths)
+        seq_sum = _row_sums(d, row_counts.long() if compact else flat.row_lengths)
+        scored = row_counts > 0
+        seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
         seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
-        is_valid = ones > 0
-
-        def count(condition: torch.Tensor) -> torch.Tensor:
-            return torch.count_nonzero(condition if valid is None else condition & valid)
-
+        n_tokens = torch.count_nonzero(active)
+        device = d.device
         totals = torch.stack(
             [
-                torch.tensor(float(n_datums), dtype=torch.float64, device=d.device),
+                torch.tensor(float(flat.n_datums), device=device),
                 torch.count_nonzero(scored),
-                ones.sum(),
-                torch.count_nonzero(flat.counted & ~flat.active),
-                count(trainer == 0.0),
+                n_tokens,
+                torch.count_nonzero(flat.counted & ~active),
+                torch.count_nonzero((flat.trainer == 0.0) & active),
                 d.sum(),
-                (d * d).sum(),
+                torch.dot(d, d),
                 w.sum(),
-                (w * w).sum(),
+                torch.dot(w, w),
                 k3.sum(),
-                sampler.sum(),
+                flat.sampler.masked_select(active).sum() if compact else flat.sampler.masked_fill(~active, 0.0).sum(),
                 count(abs_d > 1.0),
                 count(abs_d > 2.0),
                 count(abs_d > 4.0),
                 count(w > 2.0),
-                count(w < 0.5),
-                seq_mean.masked_fill(~scored, 0.0).sum(),
+                count(w < 0.5, needs_mask=True),
+                seq_mean.sum(),
                 seq_w.sum(),
             ]
         ).to(torch.float64)
-        neg_inf = float("-inf")
-        extrema = torch.stack(
-            [
-                _max_or(zero_invalid(abs_d, neg_inf), neg_inf),
-                _max_or(zero_invalid(w, neg_inf), neg_inf),
-                _max_or(zero_invalid(-w, neg_inf), neg_inf),
-                _max_or(seq_w.masked_fill(~scored, neg_inf), neg_inf),
-            ]
-        )
-        ranked = abs_d if valid is None else abs_d.masked_fill(~valid, neg_inf)
-        flat_index = torch.arange(d.shape[0], device=d.device) if where is None else where
-        worst = _worst_rows(flat, ranked, d, sampler, trainer, flat_index, top_n)
-        keys = _sample_keys(is_valid, sample_size, generator)
+        inf = float("inf")
+        if valid is None:
+            low, high = _min_max(d)
+        else:
+            low, high = _min_max(d.masked_fill(~valid, inf))[0], _min_max(d.masked_fill(~valid, -inf))[1]
+        extrema = torch.stack([high, -low, _min_max(seq_mean.masked_fill(~scored, -inf))[1]])
+        ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
+        chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
+        flat_index = active.nonzero().squeeze(1).index_select(0, chosen) if compact else chosen
+        worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
+        keys = None
+        if sample_size is not None:
+            keys = torch.rand(d.shape, dtype=torch.float64, device=device, generator=generator)
+        if valid is not None:
+            keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
         return cls(totals, extrema, worst, d, keys, sample_size)._capped()
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
@@ -181,12 +178,15 @@ class DivergenceStats:
         shifted = later.worst.clone()
         shifted[:, ROW.DATUM] += self.totals[_T["n_datums"]]
         top_n = max(self.worst.shape[0], later.worst.shape[0])
+        keys = None
+        if self.sample_keys is not None or later.sample_keys is not None:
+            keys = torch.cat([_keys_of(self), _keys_of(later)])
         return DivergenceStats(
             totals=self.totals + later.totals,
             extrema=torch.maximum(self.extrema, later.extrema),
             worst=_rank_rows(torch.cat([self.worst, shifted]), top_n),
             sample_values=torch.cat([self.sample_values, later.sample_values]),
-            sample_keys=torch.cat([self.sample_keys, later.sample_keys]),
+            sample_keys=keys,
             sample_size=self.sample_size,
         )._capped()
 
@@ -195,12 +195,12 @@ class DivergenceStats:
 
         Every rank must call it (it is a collective); each gets the same result.
         """
-        size = self.sample_keys.shape[0] if self.sample_size is not None else None
+        length = self.sample_values.shape[0]
+        size = self.sample_size
         if size is None:  # the sample is not capped: ranks hold different lengths, pad to the longest
-            size = int(gather(torch.tensor([self.sample_keys.shape[0]], device=self.totals.device)).max())
-        pad = size - self.sample_keys.shape[0]
-        values = torch.nn.functional.pad(self.sample_values, (0, pad))
-        keys = torch.nn.functional.pad(self.sample_keys, (0, pad), value=float("inf"))
+            size = int(gather(torch.tensor([length], device=self.totals.device)).max())
+        values = torch.nn.functional.pad(self.sample_values, (0, size - length))
+        keys = torch.nn.functional.pad(_keys_of(self), (0, size - length), value=float("inf"))
         parts = zip(gather(self.totals), gather(self.extrema), gather(self.worst), gather(values), gather(keys))
         merged: DivergenceStats | None = None
         for totals, extrema, worst, part_values, part_keys in parts:
@@ -211,21 +211,22 @@ class DivergenceStats:
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
-        pieces = [self.totals, self.extrema, self.worst.reshape(-1), self.sample_values, self.sample_keys]
+        pieces = [self.totals, self.extrema, self.worst.reshape(-1), self.sample_values]
+        if self.sample_keys is not None:
+            pieces.append(self.sample_keys)
         packed = torch.cat([p.to(torch.float64) for p in pieces]).cpu().numpy()
-        sizes = np.cumsum([p.numel() for p in pieces])[:-1]
-        totals, extrema, worst, values, keys = np.split(packed, sizes)
+        totals, extrema, worst, values, *keys = np.split(packed, np.cumsum([p.numel() for p in pieces])[:-1])
         worst = worst.reshape(-1, ROW.WIDTH)
         return HostDivergence(
             totals=dict(zip(TOTALS, totals.tolist())),
             extrema=dict(zip(EXTREMA, extrema.tolist())),
             worst=worst[worst[:, ROW.ABS] > float("-inf")],
-            diffs=values[keys < np.inf],
+            diffs=values[keys[0] < np.inf] if keys else values,
         )
 
     def _capped(self) -> DivergenceStats:
         """Keep the ``sample_size`` smallest keys, in batch order (no-op when uncapped or small)."""
-        if self.sample_size is None or self.sample_keys.shape[0] <= self.sample_size:
+        if self.sample_size is None or self.sample_keys is None or self.sample_keys.shape[0] <= self.sample_size:
             return self
         keep = torch.topk(self.sample_keys, self.sample_size, largest=False, sorted=False).indices.sort().values
         return DivergenceStats(
@@ -238,77 +239,79 @@ class DivergenceStats:
         )
 
 
-def _max_or(values: torch.Tensor, empty: float) -> torch.Tensor:
+def _on_host(device: torch.device) -> bool:
+    """Whether host synchronizations are free here (the CPU), so data-dependent shapes are fine."""
+    return device.type == "cpu"
+
+
+def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum of each consecutive run of ``lengths[i]`` values."""
+    if lengths.numel() == 0:
+        return torch.zeros(0, dtype=values.dtype, device=values.device)
+    return torch.segment_reduce(values, "sum", lengths=lengths)
+
+
+def _keys_of(stats: DivergenceStats) -> torch.Tensor:
+    if stats.sample_keys is not None:
+        return stats.sample_keys
+    return torch.zeros_like(stats.sample_values)
+
+
+def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) as float64; (inf, -inf) when empty."""
     if values.numel() == 0:
-        return torch.tensor(empty, dtype=torch.float64, device=values.device)
-    return values.max()
+        empty = torch.tensor([float("inf"), float("-inf")], dtype=torch.float64, device=values.device)
+        return empty[0], empty[1]
+    low, high = torch.aminmax(values)
+    return low.to(torch.float64), high.to(torch.float64)
 
 
-def _sample_keys(valid: torch.Tensor, sample_size: int | None, generator: torch.Generator | None) -> torch.Tensor:
-    if sample_size is None:
-        keys = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
-    else:
-        keys = torch.rand(valid.shape, dtype=torch.float64, device=valid.device, generator=generator)
-    return keys.masked_fill(~valid, float("inf"))
+def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values, ties broken by the earliest index, in index order."""
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=ranked.device)
+    threshold = torch.topk(ranked, k, sorted=False).values.min()
+    if _on_host(ranked.device):  # few candidates: pick them directly
+        candidates = (ranked >= threshold).nonzero().squeeze(1)
+        order = torch.sort(ranked.index_select(0, candidates), descending=True, stable=True).indices[:k]
+        return candidates.index_select(0, order).sort().values
+    # Fixed shapes (no host sync): all values above the k-th, then the earliest ties.
+    above = ranked > threshold
+    tied = ranked == threshold
+    take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
+    return torch.topk(take.to(torch.float32), k, sorted=False).indices.sort().values
 
 
 def _worst_rows(
     flat: FlatBatch,
+    flat_index: torch.Tensor,
+    chosen: torch.Tensor,
     ranked: torch.Tensor,
     d: torch.Tensor,
-    sampler: torch.Tensor,
-    trainer: torch.Tensor,
-    flat_index: torch.Tensor,
     top_n: int,
 ) -> torch.Tensor:
-    """The ``top_n`` largest |d| (ties: earliest token first) as ``ROW`` rows, context included."""
-    device = d.device
-    k = min(top_n, ranked.shape[0])
-    rows = torch.full((top_n, ROW.WIDTH), float(NO_TOKEN), dtype=torch.float64, device=device)
+    """``ROW`` rows of the chosen tokens, ranked, padded with empty rows to ``top_n``."""
+    rows = torch.full((top_n, ROW.WIDTH), float(NO_TOKEN), dtype=torch.float64, device=d.device)
     rows[:, ROW.ABS] = float("-inf")
+    k = chosen.shape[0]
     if k == 0:
         return rows
-    # Exact, stable top-k without a host sync: everything above the k-th value, then the
-    # earliest of the values equal to it.
-    threshold = torch.topk(ranked, k, sorted=False).values.min()
-    above = ranked > threshold
-    tied = ranked == threshold
-    take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
-    chosen = torch.topk(take.to(torch.float32), k, sorted=False).indices.sort().values
-
-    index = flat_index.index_select(0, chosen)
-    datum = flat.datum.index_select(0, index)
-    position = index - flat.row_starts.index_select(0, datum)
-    length = flat.row_lengths.index_select(0, datum)
+    row_ends = torch.cumsum(flat.row_lengths, 0)
+    datum = torch.searchsorted(row_ends, flat_index, right=True)
+    position = flat_index - (row_ends - flat.row_lengths).index_select(0, datum)
     picked = rows[:k]
     picked[:, ROW.ABS] = ranked.index_select(0, chosen)
     picked[:, ROW.DIFF] = d.index_select(0, chosen)
-    picked[:, ROW.SAMPLER] = sampler.index_select(0, chosen)
-    picked[:, ROW.TRAINER] = trainer.index_select(0, chosen)
+    picked[:, ROW.SAMPLER] = flat.sampler.index_select(0, flat_index)
+    picked[:, ROW.TRAINER] = flat.trainer.index_select(0, flat_index)
     picked[:, ROW.DATUM] = datum.to(torch.float64)
     picked[:, ROW.POSITION] = position.to(torch.float64)
-    if flat.input_ids is not None and flat.target_tokens is not None:
-        centre = position + 1  # the token predicted at position k sits at k + 1 of model_input
-        start = flat.row_starts.index_select(0, datum)
-        next_token = _tokens_at(flat.input_ids, start, centre, length)
-        target = flat.target_tokens.index_select(0, index)
-        picked[:, ROW.TOKEN] = torch.where(target != NO_TOKEN, target, next_token).to(torch.float64)
-        before = centre[:, None] + torch.arange(-CONTEXT_BEFORE, 0, device=device)
-        after = centre[:, None] + torch.arange(1, CONTEXT_AFTER + 1, device=device)
-        picked[:, ROW.BEFORE] = _tokens_at(flat.input_ids, start[:, None], before, length[:, None]).to(torch.float64)
-        picked[:, ROW.AFTER] = _tokens_at(flat.input_ids, start[:, None], after, length[:, None]).to(torch.float64)
+    if flat.tokens is not None:
+        token, before, after = flat.tokens.lookup(datum, position)
+        picked[:, ROW.TOKEN] = token.to(torch.float64)
+        picked[:, ROW.BEFORE] = before.to(torch.float64)
+        picked[:, ROW.AFTER] = after.to(torch.float64)
     return _rank_rows(rows, top_n)
-
-
-def _tokens_at(
-    input_ids: torch.Tensor, start: torch.Tensor, position: torch.Tensor, length: torch.Tensor
-) -> torch.Tensor:
-    """``model_input[position]`` of each row, ``NO_TOKEN`` outside ``[0, length)``."""
-    inside = (position >= 0) & (position < length)
-    flat = (start + position.clamp(min=0)).clamp(max=max(input_ids.shape[0] - 1, 0))
-    if input_ids.shape[0] == 0:
-        return torch.full(position.shape, NO_TOKEN, dtype=torch.int64, device=position.device)
-    return torch.where(inside, input_ids[flat], torch.full_like(flat, NO_TOKEN))
 
 
 def _rank_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "field_to_tensor",
+    "field_length",
     "datum_model_input",
     "datum_loss_fn_inputs",
     "model_input_length",
@@ -28,7 +29,7 @@ __all__ = [
 
 
 def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
-    """One 1-D tensor from any accepted field kind, keeping tensors on their device.
+    """One 1-D tensor from any accepted field kind, keeping tensors on their device (not detached).
 
     Lists become float64 (``None`` becomes NaN) unless every item is an int; numpy arrays and
     ``TensorData`` keep their dtype. Raises ``TypeError`` for other kinds and ``ValueError`` for
@@ -43,9 +44,21 @@ def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
     return tensor
 
 
+def field_length(value: Any, *, where: str) -> int:
+    """Length of a 1-D field without converting it (tensors, arrays, lists, ``TensorData``)."""
+    shape = getattr(value, "shape", None)
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    if shape is not None and len(shape) >= 1:
+        if len(shape) != 1:
+            raise ValueError(f"{where}: expected a 1-D per-position field, got shape {tuple(shape)}")
+        return int(shape[0])
+    return int(field_to_tensor(value, where=where).shape[0])
+
+
 def _as_tensor(value: Any, where: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return value
     if isinstance(value, np.ndarray):
         return _from_numpy(value, where)
     if isinstance(value, (list, tuple)):

@@ -12,14 +12,14 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from loops_callbacks.action_tokens import NO_TOKEN
-from loops_callbacks.divergence import ROW, W_CLAMP
+from loops_callbacks.divergence import ROW
+from loops_callbacks.divergence_metrics import importance_weight
+from loops_callbacks.token_context import NO_TOKEN
 
 __all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context"]
 
@@ -49,7 +49,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
 
     ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k); the
     token is ``target_tokens[k]``, else ``model_input[k + 1]``, else ``"<end>"``. ``is_weight``
-    is exp(min(d, 80)), the same clamp as the importance-ratio metrics.
+    is ``importance_weight(d)``, exp(min(d, 80)), as in the importance-ratio metrics.
     """
     rows = []
     for rank, row in enumerate(worst, start=1):
@@ -64,7 +64,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
                 round(float(row[ROW.SAMPLER]), 4),
                 round(float(row[ROW.TRAINER]), 4),
                 round(diff, 4),
-                round(math.exp(min(diff, W_CLAMP)), 4),
+                round(importance_weight(diff), 4),
                 format_context(_ids(row[ROW.BEFORE]), token, _ids(row[ROW.AFTER]), tokenizer),
             ]
         )
