@@ -21,7 +21,7 @@ from loops_callbacks.divergence import ROW
 from loops_callbacks.divergence_metrics import importance_weight
 from loops_callbacks.token_context import NO_TOKEN
 
-__all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context"]
+__all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context", "worst_tokens_markdown"]
 
 WORST_TOKEN_COLUMNS = [
     "rank",
@@ -103,3 +103,20 @@ def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
     if text is None:
         text = " ".join(str(i) for i in ids)
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def worst_tokens_markdown(rows: list[list[Any]]) -> str:
+    """The table as Markdown (TensorBoard's text panel renders it).
+
+    Example:
+        >>> print(worst_tokens_markdown([[1, 0, 2, 9, -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
+        | rank | datum | position | token | logp_sampler | logp_trainer | diff | is_weight | context |
+        |---|---|---|---|---|---|---|---|---|
+        | 1 | 0 | 2 | 9 | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
+    """
+    lines = ["| " + " | ".join(WORST_TOKEN_COLUMNS) + " |", "|" + "---|" * len(WORST_TOKEN_COLUMNS)]
+    for row in rows:
+        *numbers, context = row
+        cells = [str(value) for value in numbers] + ["`" + str(context).replace("|", "\\|") + "`"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

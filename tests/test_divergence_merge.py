@@ -1,0 +1,114 @@
+"""Statistics of parts (micro-batches, ranks) merge into those of the concatenated batch."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loops_callbacks.action_tokens import flatten_datums
+from loops_callbacks.divergence import DivergenceStats
+from loops_callbacks.divergence_metrics import scalar_metrics
+from tests.oracle import PREFIX
+from tests.test_rl_metrics import as_datums, assert_metrics_equal, rows
+
+
+def stats_of(batch: list[dict[str, Any]], top_n: int, sample_size: int | None = None) -> DivergenceStats:
+    datums, trainer = as_datums(batch, "lists")
+    return DivergenceStats.from_batch(
+        flatten_datums(datums, trainer, with_tokens=True), top_n=top_n, sample_size=sample_size,
+        generator=torch.Generator().manual_seed(1),
+    )
+
+
+def split(batch: list[dict[str, Any]], cuts: list[int]) -> list[list[dict[str, Any]]]:
+    bounds = sorted({min(c, len(batch)) for c in cuts} | {0, len(batch)})
+    return [batch[a:b] for a, b in zip(bounds, bounds[1:])] or [[]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=rows(max_datums=8), cuts=st.lists(st.integers(0, 8), max_size=3), top_n=st.integers(0, 5))
+def test_merged_parts_equal_the_whole(batch: list[dict[str, Any]], cuts: list[int], top_n: int) -> None:
+    parts = [stats_of(part, top_n) for part in split(batch, cuts)]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merge(part)
+    whole, got = stats_of(batch, top_n).to_host(), merged.to_host()
+    assert_metrics_equal(scalar_metrics(got), scalar_metrics(whole))
+    assert np.array_equal(got.worst, whole.worst)
+    assert np.array_equal(got.diffs, whole.diffs)
+
+
+class ThreadGroup:
+    """A two-'rank' all_gather between threads, with the semantics of torch.distributed's."""
+
+    def __init__(self, world: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def gather_for(self, rank: int):
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = tensor
+            self.barrier.wait()
+            stacked = torch.stack(self.slots)  # every rank's tensor, in rank order
+            self.barrier.wait()
+            return stacked
+        return gather
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=rows(max_datums=8), cut=st.integers(0, 8), top_n=st.integers(0, 5), capped=st.booleans())
+def test_all_gather_of_ranks_equals_the_concatenation(
+    batch: list[dict[str, Any]], cut: int, top_n: int, capped: bool
+) -> None:
+    first, second = batch[:cut], batch[cut:]
+    size = 10_000 if capped else None
+    ranks = [stats_of(first, top_n, size), stats_of(second, top_n, size)]
+    group, results = ThreadGroup(2), [None, None]
+
+    def run(rank: int) -> None:
+        results[rank] = ranks[rank].all_gather(group.gather_for(rank))
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    whole = stats_of(batch, top_n).to_host()
+    for result in results:
+        host = result.to_host()
+        assert_metrics_equal(scalar_metrics(host), scalar_metrics(whole))
+        assert np.array_equal(host.worst, whole.worst)
+        assert np.array_equal(host.diffs, whole.diffs)
+
+
+def test_capped_sample_is_exact_below_the_cap_and_uniform_above() -> None:
+    rng = np.random.default_rng(0)
+    batch = [
+        {"tokens": [0] * 50, "logprobs": (-rng.exponential(size=50)).tolist(), "mask": [1.0] * 50,
+         "trainer": (-rng.exponential(size=50)).tolist()}
+        for _ in range(40)
+    ]
+    exact = stats_of(batch, 0).to_host()
+    merged = stats_of(batch[:10], 0, sample_size=2000)
+    for start in range(10, 40, 10):
+        merged = merged.merge(stats_of(batch[start:start + 10], 0, sample_size=2000))
+    assert np.array_equal(merged.to_host().diffs, exact.diffs)  # 2000 tokens: all kept, in order
+
+    capped = stats_of(batch[:10], 0, sample_size=600)
+    for start in range(10, 40, 10):
+        capped = capped.merge(stats_of(batch[start:start + 10], 0, sample_size=600))
+    kept = capped.to_host().diffs
+    assert kept.shape == (600,)
+    assert set(kept.tolist()) <= set(exact.diffs.tolist())
+    # every quarter of the batch is represented about equally (uniform over the union)
+    which = np.searchsorted(np.cumsum([500] * 4), [exact.diffs.tolist().index(v) for v in kept], side="right")
+    assert np.bincount(which, minlength=4).min() > 100
+    assert scalar_metrics(capped.to_host())[PREFIX + "diff_abs_p50"] == pytest.approx(
+        scalar_metrics(exact)[PREFIX + "diff_abs_p50"], rel=0.2
+    )
