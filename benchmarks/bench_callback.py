@@ -1,0 +1,156 @@
+"""Per-step cost of KLSampleTrainMonitor on a small training run, with and without it.
+
+The same run (a tiny causal LM, padded [B, T] batches, CPU) is trained with no monitor and with
+the monitor (histogram and table on, Lightning's default interval of 50 steps), alternating the
+two several times in one process. It prints:
+
+* the wall-time ratio of whole runs (noisy at the 1% level on a shared machine);
+* the time spent inside the monitor's hook, measured directly, per logged and per not-logged
+  step, as a fraction of the median step time (precise).
+
+    python benchmarks/bench_callback.py               # 300 steps x 3 repeats
+    python benchmarks/bench_callback.py --quick       # 60 steps x 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
+from loops_callbacks.demo.model import TinyCausalLM  # noqa: E402
+
+VOCAB, LENGTH, BATCH = 64, 64, 16
+
+
+class RandomTokens(Dataset):
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        tokens = torch.randint(0, VOCAB, (LENGTH + 1,), generator=generator)
+        return {
+            "input_ids": tokens[:-1],
+            "target_tokens": tokens[1:],
+            "mask": (torch.arange(LENGTH) >= 8).float(),
+            "noise": 0.05 * torch.randn(LENGTH, generator=generator),
+        }
+
+
+class Policy(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyCausalLM(VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=LENGTH)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        logprobs = torch.log_softmax(self.model(batch["input_ids"]), -1)
+        logprobs = logprobs.gather(-1, batch["target_tokens"][..., None]).squeeze(-1)
+        loss = -(logprobs * batch["mask"]).sum() / batch["mask"].sum()
+        return {"loss": loss, "training_logprobs": logprobs, "logprobs": logprobs.detach() + batch["noise"]}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomTokens(), batch_size=BATCH)
+
+
+class StepTimes(pl.Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+
+class TimedMonitor(KLSampleTrainMonitor):
+    """The monitor, with the time spent in its hook recorded per step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hook_seconds: list[tuple[bool, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        logged = self._logs_at(trainer, trainer.fit_loop.epoch_loop._batches_that_stepped)
+        start = time.perf_counter()
+        super().on_train_batch_end(trainer, *args)
+        self.hook_seconds.append((logged, time.perf_counter() - start))
+
+
+class NullLogger(pl.loggers.logger.Logger):
+    """Accepts everything (W&B media included) and writes nothing: the logger's own I/O is not ours."""
+
+    name, version = "null", 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+
+def run(steps: int, monitor: KLSampleTrainMonitor | None) -> tuple[float, list[float]]:
+    torch.manual_seed(0)
+    timer = StepTimes()
+    callbacks: list[pl.Callback] = [timer] + ([monitor] if monitor else [])
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=NullLogger(), callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(Policy())
+    total = time.perf_counter() - start
+    return total, [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 60, 1
+    warnings.filterwarnings("ignore")
+    run(20, None)  # warm-up: imports, allocator
+
+    plain_runs, monitored_runs, step_times, hooks = [], [], [], []
+    for _ in range(args.repeats):
+        plain_total, plain_steps = run(args.steps, None)
+        monitor = TimedMonitor()
+        monitored_total, _ = run(args.steps, monitor)
+        plain_runs.append(plain_total)
+        monitored_runs.append(monitored_total)
+        step_times += plain_steps
+        hooks += monitor.hook_seconds
+
+    median_step = statistics.median(step_times)
+    logged = [s for is_logged, s in hooks if is_logged]
+    not_logged = [s for is_logged, s in hooks if not is_logged]
+    per_step_mean = sum(s for _, s in hooks) / len(hooks)
+    print(f"{args.steps} steps x {args.repeats} repeats, batch {BATCH} x {LENGTH} tokens, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median step {median_step * 1e3:.2f} ms")
+    print(f"whole runs: without monitor {statistics.median(plain_runs):.2f} s, "
+          f"with {statistics.median(monitored_runs):.2f} s, "
+          f"ratio {statistics.median(monitored_runs) / statistics.median(plain_runs):.3f} (noisy at the 1% level)")
+    print(f"monitor hook, logged steps ({len(logged)}): median {statistics.median(logged) * 1e3:.2f} ms")
+    print(f"monitor hook, other steps ({len(not_logged)}): median {statistics.median(not_logged) * 1e6:.1f} us "
+          f"= {statistics.median(not_logged) / median_step:.4%} of a step (target <= 1%)")
+    print(f"monitor hook, averaged over all steps at the default interval: {per_step_mean * 1e3:.3f} ms "
+          f"= {per_step_mean / median_step:.2%} of a step (target <= 3%)")
+
+
+if __name__ == "__main__":
+    main()
