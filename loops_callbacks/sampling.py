@@ -59,8 +59,9 @@ class SamplingClient(Protocol):
 # Other device types (mps, xpu, ...) get the CPU figure: small and safe until measured.
 _DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 4096, "cuda": 16384}
 # Rows of logits turned into float32 log-probabilities at a time, at most this many elements
-# (64 MiB of float32): the float32 temporaries stay small next to the model's own [B, T, V] output.
-_LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 24
+# (16 MiB of float32; at least one row): the float32 temporaries stay small next to the model's
+# own [B, T, V] output, so a batch's peak is about its logits, not twice them.
+_LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 22
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
