@@ -53,8 +53,8 @@ class FlatBatch:
     logprob. ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
     """
 
-    sampler: torch.Tensor  # float64 [L]
-    trainer: torch.Tensor  # float64 [L]
+    sampler: torch.Tensor  # [L], the caller's dtype
+    trainer: torch.Tensor  # [L], the caller's dtype
     diff: torch.Tensor  # float64 [L], trainer - sampler (non-finite where a logprob is missing)
     active: torch.Tensor  # bool [L]
     counted: torch.Tensor  # bool [L]
@@ -261,11 +261,10 @@ def _build(
     row_lengths: torch.Tensor,
     tokens: TokenLookup | None,
 ) -> FlatBatch:
-    sampler = sampler.to(torch.float64)
-    trainer = trainer.to(torch.float64)
-    # A float64 difference of two logprobs is finite exactly when both are (float32 inputs
-    # cannot overflow it), so one finiteness test covers both.
-    diff = trainer - sampler
+    # d = trainer - sampler in float64 (each value widened exactly). A float64 difference of two
+    # logprobs is finite exactly when both are (float32 inputs cannot overflow it), so one
+    # finiteness test covers both.
+    diff = trainer.to(torch.float64, copy=True).sub_(sampler)
     counted = mask > 0
     if advantage_ok is not None:
         counted &= advantage_ok

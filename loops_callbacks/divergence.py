@@ -118,54 +118,59 @@ class DivergenceStats:
             d = flat.diff.masked_fill(~active, 0.0)
             valid = active
         w = d.clamp(max=W_CLAMP).exp_()
-        k3 = (w - 1.0).sub_(d)
-        abs_d = d.abs()
         if valid is not None:
             w.masked_fill_(~valid, 0.0)
-            k3.masked_fill_(~valid, 0.0)
 
-        def count(condition: torch.Tensor, needs_mask: bool = False) -> torch.Tensor:
-            return torch.count_nonzero(condition & valid if needs_mask and valid is not None else condition)
+        def count(condition: torch.Tensor) -> torch.Tensor:
+            return torch.count_nonzero(condition if valid is None else condition & valid)
+
+        def count_abs_above(bound: float) -> torch.Tensor:  # |d| > bound, without materializing |d|
+            return torch.count_nonzero(d > bound) + torch.count_nonzero(d < -bound)
 
         row_counts = _row_sums(active.to(torch.float32), flat.row_lengths)
         seq_sum = _row_sums(d, row_counts.long() if compact else flat.row_lengths)
         scored = row_counts > 0
         seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
         seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
-        n_tokens = torch.count_nonzero(active)
+        sampler = flat.sampler.masked_select(active) if compact else flat.sampler.masked_fill(~active, 0.0)
         device = d.device
-        totals = torch.stack(
-            [
-                torch.tensor(float(flat.n_datums), device=device),
-                torch.count_nonzero(scored),
-                n_tokens,
-                torch.count_nonzero(flat.counted & ~active),
-                torch.count_nonzero((flat.trainer == 0.0) & active),
-                d.sum(),
-                torch.dot(d, d),
-                w.sum(),
-                torch.dot(w, w),
-                k3.sum(),
-                flat.sampler.masked_select(active).sum() if compact else flat.sampler.masked_fill(~active, 0.0).sum(),
-                count(abs_d > 1.0),
-                count(abs_d > 2.0),
-                count(abs_d > 4.0),
-                count(w > 2.0),
-                count(w < 0.5, needs_mask=True),
-                seq_mean.sum(),
-                seq_w.sum(),
-            ]
-        ).to(torch.float64)
+        sums = [
+            torch.tensor(float(flat.n_datums), device=device),
+            torch.count_nonzero(scored),
+            torch.count_nonzero(active),
+            torch.count_nonzero(flat.counted & ~active),
+            torch.count_nonzero((flat.trainer == 0.0) & active),
+            d.sum(),
+            torch.dot(d, d),
+            w.sum(),
+            torch.dot(w, w),
+            None,  # sum_k3, below
+            sampler.sum(dtype=torch.float64),
+            count_abs_above(1.0),
+            count_abs_above(2.0),
+            count_abs_above(4.0),
+            torch.count_nonzero(w > 2.0),
+            count(w < 0.5),
+            seq_mean.sum(),
+            seq_w.sum(),
+        ]
         inf = float("inf")
         if valid is None:
             low, high = _min_max(d)
         else:
             low, high = _min_max(d.masked_fill(~valid, inf))[0], _min_max(d.masked_fill(~valid, -inf))[1]
         extrema = torch.stack([high, -low, _min_max(seq_mean.masked_fill(~scored, -inf))[1]])
-        ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
-        chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
-        flat_index = active.nonzero().squeeze(1).index_select(0, chosen) if compact else chosen
-        worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
+        worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=device)
+        if top_n:
+            ranked = d.abs() if valid is None else d.abs().masked_fill_(~valid, -inf)
+            chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
+            flat_index = active.nonzero().squeeze(1).index_select(0, chosen) if compact else chosen
+            worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
+        k3 = w.sub_(1.0).sub_(d)  # w's buffer is no longer needed: k3 = w - 1 - d per token
+        if valid is not None:
+            k3.masked_fill_(~valid, 0.0)
+        sums[_T["sum_k3"]] = k3.sum()
+        totals = torch.stack([value.to(torch.float64) for value in sums])
         keys = None
         if sample_size is not None:
             keys = torch.rand(d.shape, dtype=torch.float64, device=device, generator=generator)
@@ -302,8 +307,8 @@ def _worst_rows(
     picked = rows[:k]
     picked[:, ROW.ABS] = ranked.index_select(0, chosen)
     picked[:, ROW.DIFF] = d.index_select(0, chosen)
-    picked[:, ROW.SAMPLER] = flat.sampler.index_select(0, flat_index)
-    picked[:, ROW.TRAINER] = flat.trainer.index_select(0, flat_index)
+    picked[:, ROW.SAMPLER] = flat.sampler.index_select(0, flat_index).to(torch.float64)
+    picked[:, ROW.TRAINER] = flat.trainer.index_select(0, flat_index).to(torch.float64)
     picked[:, ROW.DATUM] = datum.to(torch.float64)
     picked[:, ROW.POSITION] = position.to(torch.float64)
     if flat.tokens is not None:
