@@ -135,7 +135,7 @@ class DivergenceStats:
         sampler = flat.sampler.masked_select(active) if compact else flat.sampler.masked_fill(~active, 0.0)
         device = d.device
         sums = [
-            torch.tensor(float(flat.n_datums), device=device),
+            torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
             torch.count_nonzero(scored),
             torch.count_nonzero(active),
             torch.count_nonzero(flat.counted & ~active),
@@ -250,10 +250,14 @@ def _on_host(device: torch.device) -> bool:
 
 
 def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sum of each consecutive run of ``lengths[i]`` values."""
+    """Sum of each consecutive run of ``lengths[i]`` values (no host sync off the CPU)."""
     if lengths.numel() == 0:
         return torch.zeros(0, dtype=values.dtype, device=values.device)
-    return torch.segment_reduce(values, "sum", lengths=lengths)
+    if _on_host(values.device):
+        return torch.segment_reduce(values, "sum", lengths=lengths)
+    rows = torch.arange(lengths.numel(), device=values.device)
+    row_of = torch.repeat_interleave(rows, lengths, output_size=values.numel())
+    return torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add_(0, row_of, values)
 
 
 def _keys_of(stats: DivergenceStats) -> torch.Tensor:
@@ -265,8 +269,8 @@ def _keys_of(stats: DivergenceStats) -> torch.Tensor:
 def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) as float64; (inf, -inf) when empty."""
     if values.numel() == 0:
-        empty = torch.tensor([float("inf"), float("-inf")], dtype=torch.float64, device=values.device)
-        return empty[0], empty[1]
+        inf = torch.full((), float("inf"), dtype=torch.float64, device=values.device)
+        return inf, -inf
     low, high = torch.aminmax(values)
     return low.to(torch.float64), high.to(torch.float64)
 

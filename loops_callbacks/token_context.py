@@ -31,8 +31,6 @@ __all__ = ["NO_TOKEN", "CONTEXT_BEFORE", "CONTEXT_AFTER", "TokenLookup", "Padded
 NO_TOKEN = -1
 CONTEXT_BEFORE = 40
 CONTEXT_AFTER = 20
-_BEFORE = torch.arange(-CONTEXT_BEFORE, 0)
-_AFTER = torch.arange(1, CONTEXT_AFTER + 1)
 
 
 class TokenLookup(Protocol):
@@ -57,8 +55,10 @@ class PaddedTokens:
             after = none[:, None].expand(-1, CONTEXT_AFTER)
         else:
             token = _take(self.input_ids, datum, centre)
-            before = _take(self.input_ids, datum[:, None], centre[:, None] + _BEFORE.to(centre.device))
-            after = _take(self.input_ids, datum[:, None], centre[:, None] + _AFTER.to(centre.device))
+            before_offsets = torch.arange(-CONTEXT_BEFORE, 0, device=centre.device)
+            after_offsets = torch.arange(1, CONTEXT_AFTER + 1, device=centre.device)
+            before = _take(self.input_ids, datum[:, None], centre[:, None] + before_offsets)
+            after = _take(self.input_ids, datum[:, None], centre[:, None] + after_offsets)
         if self.target_tokens is not None:
             token = _take(self.target_tokens, datum, position)
         return token, before, after
