@@ -175,7 +175,8 @@ def dpo_records_to_datums(records: Sequence[Mapping[str, Any]], *, where: str = 
     the pair, and ``where`` (e.g. a file name) when given.
 
     Example:
-        >>> [d.model_input.to_ints() for d in dpo_records_to_datums([{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}])]
+        >>> records = [{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}]
+        >>> [d.model_input.to_ints() for d in dpo_records_to_datums(records)]
         [[1, 2], [1, 3]]
     """
     data: list[Datum] = []
@@ -224,7 +225,7 @@ def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
 def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:
     """Check interleaved DPO datums and return their token lists (``model_input`` of each datum).
 
-    Checks, each a ``ValueError`` naming the pair (and datum) index: an even number of datums; every
+    Checks, each a ``ValueError`` naming the pair (and datum) index: a non-zero, even number of datums; every
     datum has a non-empty ``model_input``; ``target_tokens`` / ``weights``, when present, have the
     ``model_input``'s length; and, when ``check_prompts`` and both datums of a pair carry ``weights``
     in the prompt/response shape (zeros, then only positive weights up to the last position),
@@ -234,6 +235,8 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
         >>> validate_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1)])
         [[1, 2], [1, 3]]
     """
+    if not data:
+        raise ValueError("DPO data hold no datums: give at least one (chosen, rejected) pair")
     if len(data) % 2:
         raise ValueError(
             f"DPO data hold an odd number of datums ({len(data)}): they interleave chosen (even index) and "
@@ -281,7 +284,9 @@ def _prompt_length(weights: torch.Tensor) -> int | None:
     return first + 1
 
 
-def _check_same_prompt(pair: int, chosen: list[int], rejected: list[int], chosen_length: int, rejected_length: int) -> None:
+def _check_same_prompt(
+    pair: int, chosen: list[int], rejected: list[int], chosen_length: int, rejected_length: int
+) -> None:
     if chosen[:chosen_length] == rejected[:rejected_length]:
         return
     where = f"pair {pair}: the chosen (datum {2 * pair}) and rejected (datum {2 * pair + 1}) prompts differ"

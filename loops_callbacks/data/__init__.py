@@ -1,0 +1,63 @@
+"""DPO data with reference logprobs, attached once before training: cached, resumable, sharded over ranks.
+
+- ``dpo``: the Loops DPO datum convention (``dpo_pair_datums``), JSONL records, checks, batches;
+- ``cache``: the on-disk cache of reference logprobs;
+- ``reference``: what a ``reference`` setting (client, module, checkpoint, ``None``) scores with;
+- ``hook``: ``compute_reference_logprobs`` and ``ReferenceLogprobsMixin`` for any DataModule;
+- ``module``: ``DPODataModule``, ready for LightningCLI.
+
+Example (your own DataModule)::
+
+    class MyData(ReferenceLogprobsMixin, L.LightningDataModule):
+        def __init__(self, reference: str | None = None, cache_dir: str | None = None):
+            super().__init__()
+            self.configure_reference(reference, cache_dir=cache_dir)
+
+        def dpo_data(self):  # interleaved: chosen at even indices, rejected at odd
+            return [d for c, r, k in my_pairs for d in dpo_pair_datums(c, r, prompt_length=k)]
+
+        def train_dataloader(self):
+            return DataLoader(DPOPairDataset(self.scored_data), batch_size=8, collate_fn=collate_dpo_pairs)
+"""
+
+from loops_callbacks.data.cache import CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.data.dpo import (
+    DPOPairDataset,
+    check_vocabulary,
+    collate_dpo_pairs,
+    dpo_pair_datums,
+    dpo_records_to_datums,
+    read_dpo_jsonl,
+    validate_dpo_pairs,
+)
+from loops_callbacks.data.hook import (
+    ReferenceCacheWarning,
+    ReferenceConfig,
+    ReferenceLogprobsMixin,
+    ReferenceLogprobsReport,
+    compute_reference_logprobs,
+)
+from loops_callbacks.data.module import DPODataModule
+from loops_callbacks.data.reference import load_reference_checkpoint, resolve_reference
+
+__all__ = [
+    "CacheKey",
+    "DPODataModule",
+    "DPOPairDataset",
+    "ReferenceCacheWarning",
+    "ReferenceConfig",
+    "ReferenceLogprobsMixin",
+    "ReferenceLogprobsReport",
+    "check_vocabulary",
+    "collate_dpo_pairs",
+    "compute_reference_logprobs",
+    "data_fingerprint",
+    "dpo_pair_datums",
+    "dpo_records_to_datums",
+    "load_reference_checkpoint",
+    "read_cache",
+    "read_dpo_jsonl",
+    "resolve_reference",
+    "validate_dpo_pairs",
+    "write_cache",
+]

@@ -1,0 +1,117 @@
+"""Turning a ``reference`` setting into a ``SamplingClient``: a client, a module, a checkpoint, or a snapshot.
+
+``reference`` may be:
+
+- a ``SamplingClient`` (anything with ``compute_logprobs``): used as it is;
+- an ``nn.Module`` mapping ``input_ids [B, T]`` to logits ``[B, T, V]``: a frozen copy is scored
+  (``TorchSamplingClient.snapshot``), so the module itself is never cast or moved;
+- a path to a Lightning ``.ckpt`` (its ``"state_dict"``) or to a ``torch.save``d state dict of
+  the LightningModule: loaded into a frozen copy of the LightningModule;
+- ``None``: a frozen copy of the LightningModule as it is now. Called from a DataModule's
+  ``setup("fit")`` that is the initial policy: no optimizer has stepped yet, and a checkpoint
+  being resumed is restored only after ``setup``.
+
+The module and checkpoint ways call the (Lightning) module as ``module(input_ids)``, so its
+``forward`` must take token ids and return logits (or an object with ``.logits``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from loops_callbacks.sampling import SamplingClient, TorchSamplingClient
+
+__all__ = ["load_reference_checkpoint", "resolve_reference"]
+
+
+def resolve_reference(
+    reference: Any,
+    *,
+    lightning_module: nn.Module | None = None,
+    dtype: str | None = None,
+    device: str | torch.device | None = None,
+    max_tokens_per_batch: int | None = None,
+) -> Any:
+    """The ``SamplingClient`` that ``reference`` stands for (see the module docstring).
+
+    ``dtype``, ``device`` and ``max_tokens_per_batch`` apply to the local (torch) ways; a
+    client given as it is keeps its own settings.
+    """
+    options = {"dtype": dtype, "device": device, "max_tokens_per_batch": max_tokens_per_batch}
+    if reference is None:
+        if lightning_module is None:
+            raise ValueError(
+                "reference=None means a snapshot of the LightningModule, but there is none (no trainer attached); "
+                "pass a SamplingClient, an nn.Module or a checkpoint path"
+            )
+        return TorchSamplingClient.snapshot(lightning_module, **options)
+    if isinstance(reference, (str, os.PathLike)):
+        return load_reference_checkpoint(reference, lightning_module, **options)
+    if isinstance(reference, nn.Module):
+        return TorchSamplingClient.snapshot(reference, **options)
+    if isinstance(reference, SamplingClient) or callable(getattr(reference, "compute_logprobs_batch", None)):
+        return reference
+    raise TypeError(
+        f"reference must be a SamplingClient, an nn.Module, a checkpoint path or None, got {type(reference).__name__}"
+    )
+
+
+def load_reference_checkpoint(
+    path: str | os.PathLike[str],
+    lightning_module: nn.Module | None,
+    *,
+    dtype: str | None = None,
+    device: str | torch.device | None = None,
+    max_tokens_per_batch: int | None = None,
+) -> TorchSamplingClient:
+    """A client over a frozen copy of ``lightning_module`` holding the weights saved at ``path``.
+
+    ``path`` is a Lightning checkpoint (a dict with ``"state_dict"``) or a state dict; it is read
+    with ``torch.load(weights_only=True)`` and must match the module's keys exactly.
+    """
+    path = os.fspath(path)
+    if lightning_module is None:
+        raise ValueError(
+            f"reference={path!r}: a checkpoint is loaded into a copy of the LightningModule, but there is none "
+            "(no trainer attached); pass an nn.Module or a SamplingClient instead"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"reference checkpoint {path!r} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"reference checkpoint {path!r} holds more than tensors and plain values, so it is not loaded "
+            f"(torch.load weights_only=True refused it: {str(error).splitlines()[0]}). Save its state dict alone: "
+            f"torch.save(torch.load(path, weights_only=False)['state_dict'], 'reference.pt')"
+        ) from None
+    state_dict = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, Mapping) else checkpoint
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(
+            f"reference checkpoint {path!r} is neither a Lightning checkpoint (with 'state_dict') nor a state dict "
+            f"of tensors (got {type(state_dict).__name__})"
+        )
+    client = TorchSamplingClient.snapshot(
+        lightning_module, dtype=dtype, device=device, max_tokens_per_batch=max_tokens_per_batch
+    )
+    expected = set(client.model.state_dict())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"reference checkpoint {path!r} does not fit {type(lightning_module).__name__}: "
+            f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    try:
+        client.model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        raise ValueError(
+            f"reference checkpoint {path!r} does not fit {type(lightning_module).__name__}: {error}"
+        ) from None
+    return client

@@ -1,0 +1,698 @@
+"""The DPO DataModule hook: reference logprobs scored once, cached, resumable, sharded across ranks.
+
+Real ``lightning.Trainer`` runs on CPU with a toy DPO module. The classes used by the ``ddp_spawn``
+test are defined at module level so that the spawned ranks can unpickle them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import warnings
+from typing import Any
+
+import jsonargparse
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from loops_callbacks.data import (
+    CacheKey,
+    DPODataModule,
+    DPOPairDataset,
+    ReferenceCacheWarning,
+    ReferenceLogprobsMixin,
+    collate_dpo_pairs,
+    data_fingerprint,
+    dpo_pair_datums,
+    read_cache,
+    write_cache,
+)
+from loops_callbacks.data.cache import CACHE_FILE_NAME
+from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.helpers.datum import attach_reference_logprobs
+from loops_callbacks.sampling import TorchSamplingClient
+from loops_callbacks.types import Datum, ModelInput, TensorData
+
+os.environ.setdefault("WANDB_MODE", "offline")
+VOCAB = 16
+
+
+# ----------------------------------------------------------------------------- toys
+
+
+class ToyDPO(L.LightningModule):
+    """Embedding + linear: ``forward(input_ids)`` returns logits; a DPO loss on the collated batch."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 8, lr: float = 0.5, beta: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+        self.lr = lr
+        self.beta = beta
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # whole pairs, also under a DistributedSampler: rows 2i and 2i + 1 share their prompt
+        assert batch["input_ids"].shape[0] % 2 == 0
+        assert torch.equal(batch["input_ids"][0::2, :2], batch["input_ids"][1::2, :2])
+        logprobs = self(batch["input_ids"]).log_softmax(-1)
+        logprobs = logprobs.gather(-1, batch["target_tokens"].unsqueeze(-1)).squeeze(-1)
+        delta = ((logprobs - batch["ref_logprobs"]) * batch["weights"]).sum(-1)
+        return -F.logsigmoid(self.beta * (delta[0::2] - delta[1::2])).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_pairs(num_pairs: int, *, seed: int = 0) -> list[tuple[list[int], list[int], int]]:
+    """``(chosen, rejected, prompt_length)``: a shared prompt, responses of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        length = int(torch.randint(low, high, (), generator=generator))
+        return torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+
+    pairs = []
+    for _ in range(num_pairs):
+        prompt = ids(2, 6)
+        pairs.append((prompt + ids(1, 6), prompt + ids(1, 6), len(prompt)))
+    return pairs
+
+
+def pair_datums(pairs: list[tuple[list[int], list[int], int]]) -> list[Datum]:
+    return [datum for chosen, rejected, k in pairs for datum in dpo_pair_datums(chosen, rejected, prompt_length=k)]
+
+
+def fake_logprobs(tokens: list[int]) -> list[float | None]:
+    """A deterministic 'reference': element 0 None, the others depend on the token and its neighbour."""
+    return [None] + [-0.125 * ((3 * tokens[i] + tokens[i - 1] + i) % 11) - 0.0625 for i in range(1, len(tokens))]
+
+
+class CountingClient:
+    """A SamplingClient with a fingerprint, counting the prompts it scores."""
+
+    def __init__(self, fingerprint: str | None = "fake-reference-v1", vocab_size: int | None = VOCAB) -> None:
+        if fingerprint is not None:
+            self.fingerprint = lambda: fingerprint
+        self.vocab_size = vocab_size
+        self.scored = 0
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        self.scored += 1
+        return fake_logprobs(model_input_tokens(prompt))
+
+
+class ReportingDPODataModule(DPODataModule):
+    """Writes, per rank, what setup did, how many prompts the torch scorer scored, and the result.
+
+    ``perturb_rank`` changes that rank's module weights before scoring (as an unseeded init would).
+    """
+
+    def __init__(self, *args: Any, report_dir: str, perturb_rank: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.report_dir = report_dir
+        self.perturb_rank = perturb_rank
+
+    def setup(self, stage: str) -> None:
+        rank = self.trainer.global_rank
+        if stage == "fit" and rank == self.perturb_rank:
+            with torch.no_grad():
+                self.trainer.lightning_module.head.bias.add_(1.0)
+        scored = [0]
+        original = TorchSamplingClient.compute_logprobs_batch
+
+        def counting(client: TorchSamplingClient, prompts: Any) -> Any:
+            scored[0] += len(prompts)
+            return original(client, prompts)
+
+        TorchSamplingClient.compute_logprobs_batch = counting  # this rank's process only
+        try:
+            super().setup(stage)
+        finally:
+            TorchSamplingClient.compute_logprobs_batch = original
+        if stage != "fit":
+            return
+        report = {
+            "source": self.reference_report.source,
+            "scored_here": self.reference_report.scored_here,
+            "prompts_scored": scored[0],
+            "ref_logprobs": [list(d.loss_fn_inputs["ref_logprobs"].data) for d in self.scored_data],
+        }
+        with open(os.path.join(self.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as file:
+            json.dump(report, file)
+
+
+def fit(
+    model: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    root: Any,
+    max_steps: int = 2,
+    ckpt_path: str | None = None,
+    **kwargs: Any,
+) -> L.Trainer:
+    options = {
+        "default_root_dir": str(root),
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": max_steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        **kwargs,
+    }
+    trainer = L.Trainer(**options)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer
+
+
+def ref_values(data: list[Any]) -> list[list[float]]:
+    return [list(d.loss_fn_inputs["ref_logprobs"].data) for d in data]
+
+
+def toy_model(seed: int = 0) -> ToyDPO:
+    torch.manual_seed(seed)
+    return ToyDPO()
+
+
+# ----------------------------------------------------------------------------- the datum convention
+
+
+def test_dpo_pair_datums_follow_the_loops_convention() -> None:
+    chosen, rejected = dpo_pair_datums([7, 8, 9, 10], [7, 8, 11], prompt_length=2)
+    assert chosen.model_input.to_ints() == [7, 8, 9, 10]
+    assert chosen.loss_fn_inputs["target_tokens"].data == [8, 9, 10, 0]
+    assert chosen.loss_fn_inputs["weights"].data == [0.0, 1.0, 1.0, 0.0]
+    assert rejected.loss_fn_inputs["target_tokens"].data == [8, 11, 0]
+    assert rejected.loss_fn_inputs["weights"].data == [0.0, 1.0, 0.0]
+    assert chosen.loss_fn_inputs["weights"].dtype == "float32"
+    assert chosen.loss_fn_inputs["target_tokens"].dtype == "int64"
+    weighted, _ = dpo_pair_datums([1, 2, 3], [1, 4], chosen_weights=[0, 0.5, 1], rejected_weights=[0, 1])
+    assert weighted.loss_fn_inputs["weights"].data == [0.5, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chosen": [1, 2, 3], "rejected": [1, 4, 5], "prompt_length": 2}, "differ at token 1: 2 vs 4"),
+        ({"chosen": [1, 2], "rejected": [1, 2, 3], "prompt_length": 2}, "no response tokens in the chosen"),
+        ({"chosen": [], "rejected": [1, 2], "prompt_length": 1}, "chosen sequence is empty"),
+        ({"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 0}, "prompt_length=0 must be at least 1"),
+        ({"chosen": [1, 2], "rejected": [1, 3]}, "give either prompt_length or both"),
+        ({"chosen": [1, 2], "rejected": [1], "chosen_weights": [0, 1], "rejected_weights": [0, 1]}, "has 2 values"),
+        ({"chosen": [1, 2], "rejected": [1, 3], "chosen_weights": [1, 1], "rejected_weights": [0, 1]}, "must be 0"),
+        ({"chosen": [1, 2.5], "rejected": [1, 3], "prompt_length": 1}, "token ids must be ints"),
+    ],
+)
+def test_dpo_pair_datums_reject_bad_pairs(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dpo_pair_datums(**kwargs)
+
+
+# ----------------------------------------------------------------------------- scoring and the cache
+
+
+def test_scores_once_then_reuses_the_cache(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    client = CountingClient()
+    first = DPODataModule(data, batch_size=2, reference=client, progress=False)
+    fit(toy_model(), first, tmp_path)
+    assert client.scored == len(data)
+    assert first.reference_report.source == "scored"
+    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    assert cache_file.is_file()
+    # the values equal a direct attach_reference_logprobs call, bit for bit
+    assert ref_values(first.scored_data) == ref_values(attach_reference_logprobs(data, CountingClient()))
+
+    client.scored = 0
+    second = DPODataModule(data, batch_size=2, reference=client, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceCacheWarning)
+        fit(toy_model(), second, tmp_path)
+    assert client.scored == 0
+    assert second.reference_report.source == "cache"
+    assert ref_values(second.scored_data) == ref_values(first.scored_data)
+    assert [d.model_input.to_ints() for d in second.scored_data] == [d.model_input.to_ints() for d in data]
+    assert "ref_logprobs" not in data[0].loss_fn_inputs  # the inputs are not modified
+
+
+def test_changed_reference_weights_invalidate_the_cache(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(4))
+    first = DPODataModule(data, batch_size=2, cache_dir=str(tmp_path / "cache"), progress=False)
+    fit(toy_model(0), first, tmp_path)
+    other = toy_model(1)
+    other_initial = copy.deepcopy(other)
+    expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(other)))
+    second = DPODataModule(data, batch_size=2, cache_dir=str(tmp_path / "cache"), progress=False)
+    with pytest.warns(ReferenceCacheWarning, match="the reference weights changed"):
+        fit(other, second, tmp_path)
+    assert second.reference_report.source == "scored"
+    assert second.reference_report.cache_status == "stale"
+    assert ref_values(second.scored_data) == expected
+    assert ref_values(second.scored_data) != ref_values(first.scored_data)
+    # the replaced file now serves the new reference
+    third = DPODataModule(data, batch_size=2, cache_dir=str(tmp_path / "cache"), progress=False)
+    fit(other_initial, third, tmp_path, max_steps=1)
+    assert third.reference_report.source == "cache"
+
+
+def test_changed_data_or_dtype_invalidate_the_cache(tmp_path: Any) -> None:
+    client = CountingClient()
+    data = pair_datums(make_pairs(4))
+    fit(toy_model(), DPODataModule(data, reference=client, progress=False), tmp_path)
+    changed = pair_datums(make_pairs(4, seed=1))
+    client.scored = 0
+    module = DPODataModule(changed, reference=client, progress=False)
+    with pytest.warns(ReferenceCacheWarning, match="the data changed"):
+        fit(toy_model(), module, tmp_path)
+    assert client.scored == len(changed)
+    assert ref_values(module.scored_data) == ref_values(attach_reference_logprobs(changed, CountingClient()))
+    # the same tokens in another order are other data too
+    swapped = changed[2:4] + changed[0:2] + changed[4:]
+    with pytest.warns(ReferenceCacheWarning, match="the data changed"):
+        fit(toy_model(), DPODataModule(swapped, reference=client, progress=False), tmp_path)
+    with pytest.warns(ReferenceCacheWarning, match="the scoring dtype changed"):
+        fit(toy_model(), DPODataModule(swapped, reference=client, scoring_dtype="bfloat16", progress=False), tmp_path)
+
+
+def _truncate(path: Any) -> None:
+    blob = path.read_bytes()
+    path.write_bytes(blob[: len(blob) - 9])
+
+
+def _flip_a_value_byte(path: Any) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[-40] ^= 0x55  # inside the float64 values, before the 32-byte checksum
+    path.write_bytes(bytes(blob))
+
+
+def _garbage(path: Any) -> None:
+    path.write_bytes(b"not a cache at all")
+
+
+def _wrong_lengths(path: Any) -> None:
+    # a whole, well-formed file for the right key whose lengths do not fit the data
+    blob = path.read_bytes()
+    header = json.loads(blob[12 : 12 + int.from_bytes(blob[8:12], "little")])
+    key = CacheKey(**header["key"])
+    write_cache(path, key, [torch.zeros(3).double().numpy()] * header["num_datums"])
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_truncate, "truncated"),
+        (_flip_a_value_byte, "checksum"),
+        (_garbage, "bad magic bytes"),
+        (_wrong_lengths, "lengths do not match"),
+    ],
+)
+def test_damaged_cache_is_detected_and_rescored(tmp_path: Any, damage: Any, reason: str) -> None:
+    data = pair_datums(make_pairs(4))
+    client = CountingClient()
+    first = DPODataModule(data, reference=client, progress=False)
+    fit(toy_model(), first, tmp_path, max_steps=1)
+    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    damage(cache_file)
+    client.scored = 0
+    second = DPODataModule(data, reference=client, progress=False)
+    with pytest.warns(ReferenceCacheWarning, match=reason):
+        fit(toy_model(), second, tmp_path, max_steps=1)
+    assert client.scored == len(data)
+    assert second.reference_report.cache_status == "corrupt"
+    assert ref_values(second.scored_data) == ref_values(first.scored_data)
+    key = CacheKey("fake-reference-v1", data_fingerprint([d.model_input.to_ints() for d in data]), "model")
+    assert read_cache(cache_file, key, [d.model_input.length for d in data]).status == "hit"  # rewritten whole
+
+
+def test_client_without_fingerprint_is_not_cached(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(2))
+    client = CountingClient(fingerprint=None)
+    with pytest.warns(ReferenceCacheWarning, match="not cached"):
+        fit(toy_model(), DPODataModule(data, reference=client, progress=False), tmp_path, max_steps=1)
+    assert not (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).exists()
+    module = DPODataModule(data, reference=client, reference_fingerprint="sampler@step-0", progress=False)
+    fit(toy_model(), module, tmp_path, max_steps=1)
+    client.scored = 0
+    module = DPODataModule(data, reference=client, reference_fingerprint="sampler@step-0", progress=False)
+    fit(toy_model(), module, tmp_path, max_steps=1)
+    assert client.scored == 0 and module.reference_report.source == "cache"
+
+
+# ----------------------------------------------------------------------------- which reference
+
+
+def test_default_reference_is_the_initial_policy_and_resume_scores_nothing(tmp_path: Any, monkeypatch: Any) -> None:
+    data = pair_datums(make_pairs(8))
+    model = toy_model(3)
+    initial = copy.deepcopy(model)
+    scored: list[int] = []
+    original = TorchSamplingClient.compute_logprobs_batch
+
+    def counting(self: TorchSamplingClient, prompts: Any) -> Any:
+        scored.append(len(prompts))
+        return original(self, prompts)
+
+    monkeypatch.setattr(TorchSamplingClient, "compute_logprobs_batch", counting)
+    module = DPODataModule(data, batch_size=2, progress=False)
+    trainer = fit(model, module, tmp_path, max_steps=6)
+    assert not torch.equal(model.head.weight, initial.head.weight)  # training moved the weights
+    expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(initial)))
+    scored.clear()
+    assert ref_values(module.scored_data) == expected
+
+    # resume from a checkpoint of the trained module: setup runs before the checkpoint is
+    # restored, so the snapshot is again the initial policy and the cache is used as it is
+    ckpt = tmp_path / "trained.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed_model = toy_model(3)
+    resumed = DPODataModule(data, batch_size=2, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceCacheWarning)
+        fit(resumed_model, resumed, tmp_path, max_steps=8, ckpt_path=str(ckpt))
+    assert scored == []
+    assert resumed.reference_report.source == "cache"
+    assert ref_values(resumed.scored_data) == expected
+    assert not torch.equal(resumed_model.head.weight, initial.head.weight)  # the checkpoint was restored
+
+    # a resumed run whose fresh module differs from the first run's initial weights is warned about
+    with pytest.warns(ReferenceCacheWarning, match="resumed run"):
+        fit(toy_model(4), DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=8, ckpt_path=str(ckpt))
+
+
+def test_checkpoint_and_module_references(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(4))
+    reference = toy_model(7)
+    expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(reference)))
+    # a Lightning checkpoint of the reference module
+    trainer = L.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(reference)
+    trainer.save_checkpoint(tmp_path / "reference.ckpt")
+    torch.save(reference.state_dict(), tmp_path / "reference.pt")
+    for path in ("reference.ckpt", "reference.pt"):
+        module = DPODataModule(data, reference=str(tmp_path / path), use_cache=False, progress=False)
+        fit(toy_model(0), module, tmp_path, max_steps=1)
+        assert ref_values(module.scored_data) == expected, path
+    # an nn.Module is scored as a frozen copy: the module itself is not cast
+    module = DPODataModule(data, reference=reference, scoring_dtype="float16", use_cache=False, progress=False)
+    fit(toy_model(0), module, tmp_path, max_steps=1)
+    assert next(reference.parameters()).dtype == torch.float32
+    half = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(reference, dtype="float16")))
+    assert ref_values(module.scored_data) == half
+    # a checkpoint that does not fit the module
+    torch.save({"state_dict": {"other.weight": torch.zeros(2)}}, tmp_path / "bad.ckpt")
+    with pytest.raises(ValueError, match="missing keys"):
+        fit(toy_model(0), DPODataModule(data, reference=str(tmp_path / "bad.ckpt"), progress=False), tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        fit(toy_model(0), DPODataModule(data, reference=str(tmp_path / "nope.ckpt"), progress=False), tmp_path)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def test_batches_hold_whole_pairs_in_the_agreed_format(tmp_path: Any) -> None:
+    pairs = make_pairs(7)
+    data = pair_datums(pairs)
+    module = DPODataModule(data, batch_size=3, reference=CountingClient(), use_cache=False, progress=False, seed=1)
+    fit(toy_model(), module, tmp_path, max_steps=3)
+    expected_ref = {tuple(d.model_input.to_ints()): d.loss_fn_inputs["ref_logprobs"].data for d in module.scored_data}
+    by_chosen = {tuple(chosen): (rejected, k) for chosen, rejected, k in pairs}
+    seen = []
+    for batch in module.train_dataloader():
+        assert set(batch) == {"input_ids", "target_tokens", "weights", "ref_logprobs", "attention_mask"}
+        rows, width = batch["input_ids"].shape
+        assert rows % 2 == 0 and rows <= 6
+        assert batch["input_ids"].dtype == torch.long and batch["target_tokens"].dtype == torch.long
+        assert batch["weights"].dtype == torch.float32 and batch["ref_logprobs"].dtype == torch.float32
+        assert batch["attention_mask"].dtype == torch.bool
+        for key in batch:
+            assert batch[key].shape == (rows, width)
+        assert width == int(batch["attention_mask"].sum(1).max())
+        for i in range(0, rows, 2):
+            chosen_row, rejected_row = (batch["input_ids"][r][batch["attention_mask"][r]].tolist() for r in (i, i + 1))
+            rejected, k = by_chosen[tuple(chosen_row)]
+            assert rejected_row == rejected  # the pair is whole, chosen first
+            seen.append(tuple(chosen_row))
+            for r, tokens in ((i, chosen_row), (i + 1, rejected_row)):
+                n = len(tokens)
+                assert batch["target_tokens"][r].tolist() == tokens[1:] + [0] * (width - n + 1)
+                assert batch["weights"][r].tolist() == [0.0] * (k - 1) + [1.0] * (n - k) + [0.0] * (width - n + 1)
+                assert batch["ref_logprobs"][r, :n].tolist() == pytest.approx(expected_ref[tuple(tokens)], abs=1e-7)
+                assert batch["ref_logprobs"][r, n:].abs().sum() == 0
+                assert not batch["attention_mask"][r, n:].any()
+    assert sorted(seen) == sorted(tuple(c) for c, _, _ in pairs)
+
+
+def test_validation_split_and_user_mixin(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(10))
+    module = DPODataModule(
+        data, batch_size=4, reference=CountingClient(), val_fraction=0.3, use_cache=False, progress=False
+    )
+    fit(toy_model(), module, tmp_path, max_steps=2, limit_val_batches=0)
+    train = [tuple(t) for b in module.train_dataloader() for t in b["input_ids"][0::2].tolist()]
+    val = [tuple(t) for b in module.val_dataloader() for t in b["input_ids"][0::2].tolist()]
+    assert len(train) == 7 and len(val) == 3 and not set(train) & set(val)
+
+    class MyData(ReferenceLogprobsMixin, L.LightningDataModule):
+        def __init__(self, reference: Any = None, cache_dir: str | None = None) -> None:
+            super().__init__()
+            self.configure_reference(reference, cache_dir=cache_dir, progress=False)
+
+        def dpo_data(self) -> list[Datum]:
+            return data
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(DPOPairDataset(self.scored_data), batch_size=2, collate_fn=collate_dpo_pairs)
+
+    mine = MyData(cache_dir=str(tmp_path / "mine"))
+    model = toy_model(5)
+    expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(model)))
+    fit(model, mine, tmp_path, max_steps=2)
+    assert ref_values(mine.scored_data) == expected
+    assert (tmp_path / "mine" / CACHE_FILE_NAME).is_file()
+    with pytest.raises(RuntimeError, match="setup\\('fit'\\)"):
+        _ = MyData().scored_data
+
+
+# ----------------------------------------------------------------------------- bad data
+
+
+def _datum(tokens: list[int], weights: list[float] | None = None) -> Datum:
+    inputs = {} if weights is None else {"weights": TensorData(weights, "float32", [len(weights)])}
+    return Datum(ModelInput.from_ints(tokens), inputs)
+
+
+def bad_data(case: str) -> list[Datum]:
+    """Three good pairs (datums 0-5), spoiled in one way."""
+    good = pair_datums(make_pairs(3))
+    if case == "none":
+        return []
+    if case == "odd":
+        return good + [good[0]]
+    if case == "prompts differ":
+        chosen, _ = dpo_pair_datums([1, 2, 3], [1, 2, 4], prompt_length=2)
+        _, rejected = dpo_pair_datums([1, 9, 3], [1, 9, 4], prompt_length=2)
+        return good[:2] + [chosen, rejected] + good[4:]
+    if case == "prompt lengths differ":
+        return good[:4] + [_datum([1, 2, 3], [0.0, 1.0, 0.0]), _datum([1, 2], [1.0, 0.0])]
+    if case == "empty":
+        return good[:3] + [_datum([])] + good[4:]
+    if case == "outside the vocabulary":
+        return good[:4] + [_datum([1, 2, VOCAB]), good[5]]
+    if case == "negative id":
+        return good[:1] + [_datum([1, -3])] + good[2:]
+    if case == "weights too short":
+        return good[:2] + [_datum([1, 2, 3], [0.0, 1.0])] + good[3:]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("none", "no datums"),
+        ("odd", r"odd number of datums \(7\).*pair 3 \(datum 6\) has no rejected datum"),
+        (
+            "prompts differ",
+            r"pair 1: the chosen \(datum 2\) and rejected \(datum 3\) prompts differ at token 1: 2 vs 9",
+        ),
+        ("prompt lengths differ", r"pair 2: .* prompts differ: .* chosen prompt has 2 tokens and the rejected 1"),
+        ("empty", r"pair 1: the rejected datum \(index 3\) has an empty model_input"),
+        (
+            "outside the vocabulary",
+            r"pair 2: the chosen datum \(index 4\) has token id 16 at position 2, "
+            r"outside the reference's vocabulary \[0, 16\)",
+        ),
+        ("negative id", r"pair 0: the rejected datum \(index 1\) has token id -3 at position 1"),
+        ("weights too short", r"pair 1: the chosen datum \(index 2\): 'weights' has 2 values for a model_input of 3"),
+    ],
+)
+def test_bad_data_name_the_pair_before_any_scoring(tmp_path: Any, case: str, message: str) -> None:
+    client = CountingClient()
+    with pytest.raises(ValueError, match=message):
+        fit(toy_model(), DPODataModule(bad_data(case), reference=client, progress=False), tmp_path)
+    assert client.scored == 0
+
+
+def test_a_failing_reference_fails_the_run_and_caches_nothing(tmp_path: Any) -> None:
+    class Broken(CountingClient):
+        def compute_logprobs(self, prompt: Any) -> list[float | None]:
+            raise RuntimeError("the sampler is down")
+
+    with pytest.raises(RuntimeError, match="the sampler is down"):
+        fit(toy_model(), DPODataModule(pair_datums(make_pairs(2)), reference=Broken(), progress=False), tmp_path)
+    assert not (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).exists()
+
+
+class _TwoRanks:
+    """Rank 1 of two, where rank 0's scoring failed (stands in for ``torch.distributed``)."""
+
+    rank, world_size = 1, 2
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        other = (obj[0], "RuntimeError: out of memory") if isinstance(obj, tuple) else obj
+        return [other, obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def warn_once(self, message: str) -> None:
+        pass
+
+
+def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatch: Any) -> None:
+    import loops_callbacks.data.hook as hook
+
+    monkeypatch.setattr(hook, "_Group", _TwoRanks)
+    client = CountingClient()
+    with pytest.raises(RuntimeError, match="failed on another rank \\(rank 0: RuntimeError: out of memory\\)"):
+        hook.compute_reference_logprobs(pair_datums(make_pairs(4)), client, cache_path=tmp_path / "c", progress=False)
+    assert client.scored == 4  # rank 1 scored its own pairs (1 and 3) only
+    assert not (tmp_path / "c").exists()
+
+
+def test_jsonl_input(tmp_path: Any) -> None:
+    pairs = make_pairs(5)
+    path = tmp_path / "pairs.jsonl"
+    lines = [json.dumps({"chosen": c, "rejected": r, "prompt_length": k, "id": i}) for i, (c, r, k) in enumerate(pairs)]
+    c, r, k = pairs[0]
+    weighted = {
+        "chosen": c,
+        "rejected": r,
+        "chosen_weights": [0.0] * k + [1.0] * (len(c) - k),
+        "rejected_weights": [0.0] * k + [1.0] * (len(r) - k),
+    }
+    path.write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n" + json.dumps(weighted) + "\n")
+    from_file = DPODataModule(jsonl_path=str(path), reference=CountingClient(), use_cache=False, progress=False)
+    fit(toy_model(), from_file, tmp_path, max_steps=1)
+    expected = attach_reference_logprobs(pair_datums(pairs + [pairs[0]]), CountingClient())
+    assert [d.model_input.to_ints() for d in from_file.scored_data] == [d.model_input.to_ints() for d in expected]
+    weights = [d.loss_fn_inputs["weights"].data for d in from_file.scored_data]
+    assert weights == [d.loss_fn_inputs["weights"].data for d in expected]
+    assert ref_values(from_file.scored_data) == ref_values(expected)
+    # records in memory are the same as the file
+    records = [json.loads(line) for line in lines]
+    in_memory = DPODataModule(records, reference=CountingClient(), use_cache=False, progress=False)
+    fit(toy_model(), in_memory, tmp_path, max_steps=1)
+    assert ref_values(in_memory.scored_data) == ref_values(expected)[:-2]
+
+    bad = tmp_path / "bad.jsonl"
+    mismatch = {"chosen": [1, 2, 3], "rejected": [1, 5, 3], "prompt_length": 2}
+    bad.write_text(lines[0] + "\n" + json.dumps(mismatch) + "\n")
+    where = re.escape(f"pair 1 (line 2 of {bad}): ")
+    with pytest.raises(ValueError, match=where + "the chosen and rejected prompts .* differ at token 1: 2 vs 5"):
+        fit(toy_model(), DPODataModule(jsonl_path=str(bad), reference=CountingClient(), progress=False), tmp_path)
+    bad.write_text(lines[0] + "\n{not json\n")
+    with pytest.raises(ValueError, match="pair 1 \\(line 2 .*not valid JSON"):
+        fit(toy_model(), DPODataModule(jsonl_path=str(bad), reference=CountingClient(), progress=False), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of data and jsonl_path, got neither"),
+        ({"data": [], "jsonl_path": "x.jsonl"}, "got both"),
+        ({"data": [], "batch_size": 0}, "batch_size=0 must be an int >= 1"),
+        ({"data": [], "scoring_dtype": "float64"}, "scoring_dtype='float64' is not one of"),
+        ({"data": [], "max_tokens_per_batch": -5}, "max_tokens_per_batch=-5"),
+        ({"data": [], "val_fraction": 1.0}, "val_fraction=1.0"),
+        ({"data": [], "num_workers": -1}, "num_workers=-1"),
+    ],
+)
+def test_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DPODataModule(**kwargs)
+
+
+def test_yaml_configs_parse() -> None:
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(DPODataModule, "data")
+    config = parser.parse_string(
+        "data:\n  jsonl_path: pairs.jsonl\n  reference: path/to.ckpt\n  scoring_dtype: bfloat16\n  batch_size: 4\n"
+    )
+    assert config.data.reference == "path/to.ckpt" and config.data.scoring_dtype == "bfloat16"
+    module = parser.instantiate(config).data
+    assert isinstance(module, DPODataModule) and module._reference_config.reference == "path/to.ckpt"
+    config = parser.parse_string("data:\n  data: [{chosen: [1, 2, 3], rejected: [1, 2, 4], prompt_length: 2}]\n")
+    assert config.data.reference is None
+    assert parser.instantiate(config).data.dpo_data()[1].model_input.to_ints() == [1, 2, 4]
+    with pytest.raises(jsonargparse.ArgumentError):
+        parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring_dtype: float64\n")
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def _ddp_fit(model: L.LightningModule, datamodule: L.LightningDataModule, root: Any) -> None:
+    fit(model, datamodule, root, max_steps=2, strategy="ddp_spawn", devices=2)
+
+
+def assert_close_rows(actual: list[list[float]], expected: list[list[float]], atol: float = 1e-6) -> None:
+    assert [len(row) for row in actual] == [len(row) for row in expected]
+    for row, want in zip(actual, expected):
+        assert row == pytest.approx(want, abs=atol)
+
+
+def _reports(report_dir: Any) -> list[dict[str, Any]]:
+    reports = []
+    for rank in (0, 1):
+        with open(report_dir / f"rank{rank}.json", encoding="utf-8") as file:
+            reports.append(json.load(file))
+        os.remove(report_dir / f"rank{rank}.json")
+    return reports
+
+
+def test_two_ranks_each_score_half_and_agree_with_one_process(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(9))
+    model = toy_model(11)
+    single = DPODataModule(data, batch_size=2, use_cache=False, progress=False)
+    fit(copy.deepcopy(model), single, tmp_path)
+    expected = ref_values(single.scored_data)
+
+    # rank 1's module weights are perturbed before setup (an unseeded init): both ranks score with
+    # rank 0's weights (which DDP gives the policy), each only its pairs (p % 2 == rank)
+    cache_dir = str(tmp_path / "cache")
+    module = ReportingDPODataModule(
+        data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path), perturb_rank=1
+    )
+    _ddp_fit(copy.deepcopy(model), module, tmp_path)
+    reports = _reports(tmp_path)
+    assert [r["prompts_scored"] for r in reports] == [10, 8]  # pairs 0, 2, 4, 6, 8 and 1, 3, 5, 7
+    assert [(r["source"], r["scored_here"]) for r in reports] == [("scored", 10), ("scored", 8)]
+    for report in reports:
+        assert_close_rows(report["ref_logprobs"], expected)
+
+    # a second run finds the cache rank 0 wrote: nothing is scored on either rank
+    module = ReportingDPODataModule(data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path))
+    _ddp_fit(copy.deepcopy(model), module, tmp_path)
+    reports = _reports(tmp_path)
+    assert [(r["source"], r["prompts_scored"]) for r in reports] == [("cache", 0), ("cache", 0)]
+    for report in reports:
+        assert_close_rows(report["ref_logprobs"], expected)
