@@ -311,8 +311,11 @@ class ReferenceLogprobsMixin:
     The default reference is a frozen copy of the LightningModule at ``setup("fit")``: the initial
     policy, since no optimizer has stepped and a resumed checkpoint is restored after ``setup``.
     Its ``forward(input_ids)`` must return logits ``[B, T, V]`` (or an object with ``.logits``).
-    The cache lives in ``cache_dir`` (default ``<trainer.default_root_dir>/reference_logprobs``), one
-    file per directory: give each data set its own ``cache_dir``.
+    A module that builds its layers in ``configure_model`` (which runs after ``setup``) has none
+    yet (nor a checkpoint to load into): give it a ``reference`` module or client. The copy lives
+    on the strategy's root device only while scoring. The cache lives in ``cache_dir`` (default
+    ``<trainer.default_root_dir>/reference_logprobs``), one file per directory: give each data set
+    its own ``cache_dir``.
 
     Example::
 

@@ -12,7 +12,9 @@
   being resumed is restored only after ``setup``.
 
 The module and checkpoint ways call the (Lightning) module as ``module(input_ids)``, so its
-``forward`` must take token ids and return logits (or an object with ``.logits``).
+``forward`` must take token ids and return logits (or an object with ``.logits``). A module whose
+layers are built in ``configure_model`` (after ``setup``) has none at ``setup`` to copy or load a
+checkpoint into: give such a module a reference module or client.
 """
 
 from __future__ import annotations
