@@ -268,7 +268,7 @@ def _build(
     counted = mask > 0
     if advantage_ok is not None:
         counted &= advantage_ok
-    active = counted & torch.isfinite(diff)
+    active = counted & (diff.abs() < float("inf"))  # isfinite, in fewer passes
     return FlatBatch(sampler, trainer, diff, active, counted, row_lengths, tokens)
 
 

@@ -112,7 +112,7 @@ class DivergenceStats:
         compact = _on_host(flat.device)
         active = flat.active
         if compact:
-            d = flat.diff.masked_select(active)
+            d = _select(flat.diff, active)
             valid = None
         else:
             d = flat.diff.masked_fill(~active, 0.0)
@@ -127,12 +127,12 @@ class DivergenceStats:
         def count_abs_above(bound: float) -> torch.Tensor:  # |d| > bound, without materializing |d|
             return torch.count_nonzero(d > bound) + torch.count_nonzero(d < -bound)
 
-        row_counts = _row_sums(active.to(torch.float32), flat.row_lengths)
-        seq_sum = _row_sums(d, row_counts.long() if compact else flat.row_lengths)
+        row_counts = _row_sums(active, flat.row_lengths).to(torch.float64)
+        seq_sum = _row_sums(d, row_counts.to(torch.int64) if compact else flat.row_lengths)
         scored = row_counts > 0
         seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
         seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
-        sampler = flat.sampler.masked_select(active) if compact else flat.sampler.masked_fill(~active, 0.0)
+        sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
         device = d.device
         sums = [
             torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
@@ -249,15 +249,26 @@ def _on_host(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def _select(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values[keep]`` on the CPU; numpy's compress is about 3x faster than ``masked_select``."""
+    if values.dtype in (torch.bfloat16, torch.float16) or values.requires_grad:
+        return values.detach().masked_select(keep)
+    return torch.from_numpy(np.compress(keep.numpy(), values.numpy()))
+
+
 def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Sum of each consecutive run of ``lengths[i]`` values (no host sync off the CPU)."""
-    if lengths.numel() == 0:
-        return torch.zeros(0, dtype=values.dtype, device=values.device)
+    """Sum of each consecutive run of ``lengths[i]`` values (bools are counted); no host sync off the CPU."""
+    rows = lengths.numel()
     if _on_host(values.device):
-        return torch.segment_reduce(values, "sum", lengths=lengths)
-    rows = torch.arange(lengths.numel(), device=values.device)
-    row_of = torch.repeat_interleave(rows, lengths, output_size=values.numel())
-    return torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device).index_add_(0, row_of, values)
+        sums = np.zeros(rows, dtype=np.float64 if values.is_floating_point() else np.int64)
+        nonempty = lengths.numpy() > 0
+        if nonempty.any():  # reduceat sums runs between consecutive, strictly increasing starts
+            starts = (np.cumsum(lengths.numpy()) - lengths.numpy())[nonempty]
+            sums[nonempty] = np.add.reduceat(values.numpy(), starts, dtype=sums.dtype)
+        return torch.from_numpy(sums)
+    summed = values if values.is_floating_point() else values.to(torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths, output_size=values.numel())
+    return torch.zeros(rows, dtype=summed.dtype, device=values.device).index_add_(0, row_of, summed)
 
 
 def _keys_of(stats: DivergenceStats) -> torch.Tensor:

@@ -44,7 +44,22 @@ def action_tokens(rows: list[dict[str, Any]]) -> tuple[list[tuple[int, int, floa
     return tokens, skipped
 
 
-def metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+def percentiles_pure_python(values: list[float], percents: list[float]) -> list[float]:
+    """numpy's linear-method percentiles, in plain Python: a sort and an interpolation."""
+    ordered = sorted(values)
+    n = len(ordered)
+    out = []
+    for p in percents:
+        virtual = (n - 1) * (p / 100)
+        lower = min(math.floor(virtual), n - 1)
+        upper = min(lower + 1, n - 1)
+        a, b, gamma = ordered[lower], ordered[upper], virtual - lower
+        out.append(b - (b - a) * (1 - gamma) if gamma >= 0.5 else a + (b - a) * gamma)
+    return out
+
+
+def metrics(rows: list[dict[str, Any]], *, pure_python: bool = False) -> dict[str, float]:
+    """The metrics dict; ``pure_python`` takes percentiles with a Python sort instead of numpy."""
     tokens, skipped = action_tokens(rows)
     n = len(tokens)
     out = {"n_sequences": float(len(rows)), "n_skipped_nonfinite": float(skipped)}
@@ -58,7 +73,10 @@ def metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
         per_datum.setdefault(i, []).append(d)
     seq_means = [sum(v) / len(v) for v in per_datum.values()]
     seq_weights = [math.exp(min(m, 80.0)) for m in seq_means]
-    p50, p90, p99 = np.percentile(abs_diffs, [50, 90, 99])
+    if pure_python:
+        p50, p90, p99 = percentiles_pure_python(abs_diffs, [50, 90, 99])
+    else:
+        p50, p90, p99 = np.percentile(abs_diffs, [50, 90, 99])
     sw, sw2 = sum(weights), sum(w * w for w in weights)
     out.update(
         {
@@ -88,6 +106,23 @@ def metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
         }
     )
     return {PREFIX + k: float(v) for k, v in out.items()}
+
+
+def rows_from_datums(data: list[Any], trainer: list[Any]) -> list[dict[str, Any]]:
+    """Read datums field by field into Python lists, as a per-token implementation must first."""
+
+    def values(field: Any) -> list[Any]:
+        data_ = getattr(field, "data", None)
+        return list(data_) if isinstance(data_, list) else field.tolist()
+
+    rows = []
+    for datum, row_trainer in zip(data, trainer):
+        inputs = datum.loss_fn_inputs
+        row = {key: values(inputs[key]) for key in ("logprobs", "mask", "advantages", "target_tokens") if key in inputs}
+        row["trainer"] = values(row_trainer)
+        row["tokens"] = datum.model_input.to_ints()
+        rows.append(row)
+    return rows
 
 
 def histogram(rows: list[dict[str, Any]], max_tokens: int = 50000) -> list[float]:
