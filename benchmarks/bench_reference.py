@@ -5,7 +5,9 @@ Remote part: a client whose every call waits 50 ms (a network round trip), score
 
 Local part: a small causal transformer as the reference model, 512 sequences of 16-512 tokens:
 ``TorchSamplingClient.compute_logprobs_batch`` against a bare forward pass of the same model over
-the same padded batches (the ceiling), and against one-by-one ``compute_logprobs``; then tokens/s
+the same padded batches, already on the device (the ceiling), against that forward plus the float32
+log-softmax any scorer needs (the floor of the work), and against one-by-one ``compute_logprobs``
+(each variant timed in interleaved rounds, best of ``--repeat``); then tokens/s
 and peak memory for several ``max_tokens_per_batch`` budgets (on CPU each budget runs in a fresh
 process and the peak is its resident-set growth (the kernel's high-water mark ``VmHWM``, reset
 before scoring); on CUDA it is the growth of ``torch.cuda.max_memory_allocated``).
@@ -14,8 +16,8 @@ float32 local one).
 
 Usage:
     python benchmarks/bench_reference.py                 # full size, CPU
-    python benchmarks/bench_reference.py --quick         # smoke test, well under 30 s
-    python benchmarks/bench_reference.py --device cuda --model medium
+    python benchmarks/bench_reference.py --quick         # smoke test, ~30 s on 2 idle cores
+    python benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -91,9 +93,14 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 def build_prompts(args: argparse.Namespace) -> list[list[int]]:
     vocab = MODELS[args.model][0]
     generator = torch.Generator().manual_seed(args.seed + 1)
-    n, longest = (64, 256) if args.quick else (512, 512)
+    n, longest = (48, 256) if args.quick else (512, 512)
     lengths = torch.randint(16, longest + 1, (n,), generator=generator).tolist()
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for length in lengths]
+
+
+def row(name: str, figures: str) -> None:
+    """One line of the table, printed at once (a run cut short keeps what it measured)."""
+    print(f"{name:<36} {figures}", flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -153,7 +160,7 @@ def sdk_loop(data: list[Datum], reference: Any) -> list[Datum]:
     return out
 
 
-def bench_remote(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
+def bench_remote(args: argparse.Namespace) -> None:
     n = 64 if args.quick else 512
     generator = torch.Generator().manual_seed(args.seed)
     data = [
@@ -169,12 +176,10 @@ def bench_remote(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
         ours = attach_reference_logprobs(data, client, max_concurrency=32)
         ours_s = time.perf_counter() - start
         assert [d.loss_fn_inputs["ref_logprobs"].data for d in ours] == expected_refs, name
-        rows.append(
-            (
-                f"remote, {n} datums x {args.delay * 1000:.0f} ms, {name} client",
-                f"SDK loop {sdk_s:6.2f} s | ours (max_concurrency=32) {ours_s:5.2f} s | "
-                f"speed-up {sdk_s / ours_s:5.1f}x | results identical",
-            )
+        row(
+            f"remote {name} client, {n} x {args.delay * 1000:.0f} ms",
+            f"SDK loop {sdk_s:6.2f} s | ours (max_concurrency=32) {ours_s:5.2f} s | "
+            f"speed-up {sdk_s / ours_s:5.1f}x | results identical",
         )
 
 
@@ -202,7 +207,7 @@ def timed(device: torch.device, fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def bench_local(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
+def bench_local(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model, prompts = build_model(args), build_prompts(args)
     client = TorchSamplingClient(model, device=device, dtype=args.dtype, max_tokens_per_batch=args.budget)
@@ -213,14 +218,25 @@ def bench_local(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
 
     batches = padded_batches(client, prompts)
     padded = sum(b.numel() for b in batches)
+    print(
+        f"local: {where}; {device.type}, {str(client.dtype).removeprefix('torch.')}; default budget "
+        f"{client.max_tokens_per_batch}: {len(batches)} batches, {padded / tokens - 1:.1%} padding",
+        flush=True,
+    )
 
     def bare() -> None:
         with torch.inference_mode():
             for ids in batches:
                 model(ids)
 
+    def floor() -> None:  # what any float32 scorer must do: the forward and the log-softmax
+        with torch.inference_mode():
+            for ids in batches:
+                torch.log_softmax(model(ids)[:, :-1], dim=-1, dtype=torch.float32).gather(-1, ids[:, 1:, None])
+
     variants = {
         "bare": bare,
+        "floor": floor,
         "batched": lambda: client.compute_logprobs_batch(prompts),
         "single": lambda: [client.compute_logprobs(p) for p in prompts],
     }
@@ -230,7 +246,7 @@ def bench_local(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
         for name, fn in variants.items():
             seconds, results[name] = timed(device, fn)
             best[name] = min(best[name], seconds)
-    bare_s, batched_s, single_s = best["bare"], best["batched"], best["single"]
+    bare_s, floor_s, batched_s, single_s = best["bare"], best["floor"], best["batched"], best["single"]
     batched, single = results["batched"], results["single"]
     # The bare pass computes the same numbers: check its first batch against the scorer's rows.
     with torch.inference_mode():
@@ -242,14 +258,12 @@ def bench_local(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
     diff_single = max_abs_diff(batched, single)
     tol = 1e-5 if client.dtype == torch.float32 else 0.1
     assert diff_bare <= tol and diff_single <= tol, (diff_bare, diff_single)
-    rows.append(
-        (
-            f"local, {where}, budget {client.max_tokens_per_batch} ({len(batches)} batches, "
-            f"{padded / tokens - 1:.1%} padding), {device.type}, {str(client.dtype).removeprefix('torch.')}",
-            f"bare forward {tokens / bare_s:9.0f} tok/s | scorer {tokens / batched_s:9.0f} tok/s "
-            f"({bare_s / batched_s:.1%} of bare) | one-by-one {tokens / single_s:9.0f} tok/s "
-            f"(batched is {single_s / batched_s:.2f}x) | max |diff| {max(diff_bare, diff_single):.1e}",
-        )
+    row(
+        f"local scorer, budget {client.max_tokens_per_batch}",
+        f"bare forward {tokens / bare_s:9.0f} tok/s | scorer {tokens / batched_s:9.0f} tok/s "
+        f"({bare_s / batched_s:.1%} of bare, {floor_s / batched_s:.1%} of forward+log-softmax "
+        f"{tokens / floor_s:.0f} tok/s) | one-by-one {tokens / single_s:9.0f} tok/s "
+        f"(batched is {single_s / batched_s:.2f}x) | max |diff| {max(diff_bare, diff_single):.1e}",
     )
 
     budgets = args.budgets or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
@@ -260,12 +274,10 @@ def bench_local(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
             result = measure_budget_in_subprocess(args, budget)
         diff = max_abs_diff(result.pop("logprobs"), batched)
         assert diff <= tol, (budget, diff)
-        rows.append(
-            (
-                f"  max_tokens_per_batch={budget:>6}",
-                f"{result['tokens_per_s']:9.0f} tok/s | peak memory +{result['peak_mib']:8.1f} MiB "
-                f"({result['batches']} batches) | max |diff| vs default {diff:.1e}",
-            )
+        row(
+            f"  max_tokens_per_batch={budget}",
+            f"scorer {result['tokens_per_s']:9.0f} tok/s | peak memory +{result['peak_mib']:8.1f} MiB "
+            f"({result['batches']} batches) | max |diff| vs default {diff:.1e}",
         )
 
 
@@ -336,10 +348,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="reduced sizes: a smoke test")
     parser.add_argument("--skip-remote", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeat", type=int, default=3, help="timed rounds; the best is reported")
+    parser.add_argument("--repeat", type=int, default=None, help="timed rounds, the best is reported (3; 1 with --quick)")
     parser.add_argument("--probe-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
     if args.probe_budget is not None:
         torch.save(measure_budget(args, args.probe_budget), args.probe_out)
         return
@@ -348,14 +362,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{load}, default budgets {_DEFAULT_TOKENS_PER_BATCH}")
     if args.device.startswith("cuda"):
         print(f"device: {torch.cuda.get_device_name(torch.device(args.device))}")
-    rows: list[tuple[str, str]] = []
     total = time.perf_counter()
     if not args.skip_remote:
-        bench_remote(args, rows)
-    bench_local(args, rows)
-    width = max(len(name) for name, _ in rows)
-    for name, figures in rows:
-        print(f"{name:<{width}}  {figures}")
+        bench_remote(args)
+    bench_local(args)
     print(json.dumps({"total_s": round(time.perf_counter() - total, 1), "load_average": os.getloadavg()}))
 
 

@@ -54,10 +54,28 @@ class SamplingClient(Protocol):
     def compute_logprobs(self, prompt: Any) -> list[float | None]: ...
 
 
-# The default token budget per forward pass (it counts padded tokens, B * T_max), by device type.
-# Provisional figures; benchmarks/bench_reference.py measures them.
+# The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,
+# measured with benchmarks/bench_reference.py (512 sequences of 16-512 tokens; scored tokens/s and
+# peak memory growth for each budget):
+# - CPU (2 threads; a 2.4M-parameter model, 4096-token vocabulary): throughput is flat from 512 to
+#   4096 padded tokens per batch (27-31k tokens/s, within the run-to-run noise) and ~20% lower at
+#   8192 and 16384 (activations and logits fall out of cache), while the peak grows with the budget
+#   (+43 MiB at 1024, +65 MiB at 2048, +108 MiB at 4096, +394 MiB at 16384). A CPU's matrix
+#   products are already efficient on one sequence of a few hundred tokens, so batching only has to
+#   gather short ones: 2048 keeps the whole gain at a small, bounded peak.
+# - CUDA (H200; the same model in float32, and a 169M-parameter bfloat16 model with a 32768-token
+#   vocabulary): throughput grows up to 16384 padded tokens per batch (the small model: 0.53M tok/s
+#   at 1024, 1.4M at 4096, 2.4M at 16384 and 32768, 2.0M at 65536; the 169M model: 0.61M at 2048,
+#   0.86M at 8192, 0.92M at 16384, 0.87M at 32768, 0.78M at 65536), while the peak doubles with
+#   each doubling (+1.2 GiB at 16384 for the 169M model): 16384 is the top of the plateau.
 # Other device types (mps, xpu, ...) get the CPU figure: small and safe until measured.
-_DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 4096, "cuda": 16384}
+# The logits dominate the peak (budget x vocabulary), so the default is further capped at
+# _DEFAULT_LOGITS_BYTES of float32 logits when the vocabulary is known: 16384 tokens at a 32768-token
+# vocabulary (the measured plateau), ~3500 at 152k (Qwen), where models big enough to have such a
+# vocabulary already fill a GPU with fewer tokens per batch.
+_DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 2048, "cuda": 16384}
+_DEFAULT_LOGITS_BYTES = 2 << 30
+_MIN_DEFAULT_TOKENS_PER_BATCH = 512
 # Rows of logits turned into float32 log-probabilities at a time, at most this many elements
 # (16 MiB of float32; at least one row): the float32 temporaries stay small next to the model's
 # own [B, T, V] output, so a batch's peak is about its logits, not twice them.
@@ -151,7 +169,8 @@ class TorchSamplingClient:
         device: where to score (default: where the model's parameters are).
         dtype: cast the model to this floating dtype (``torch.bfloat16`` or ``"bfloat16"``, ...).
         max_tokens_per_batch: padded-token budget of one forward pass; default by device type
-            (4096 on CPU, 16384 on CUDA; see the measurements in this module's source).
+            (2048 on CPU, 16384 on CUDA, fewer for a vocabulary over 32768 tokens; see
+            ``default_tokens_per_batch`` and the measurements in this module's source).
 
     Example:
         >>> import torch
@@ -179,10 +198,25 @@ class TorchSamplingClient:
         self.model = model
         self.device = target_device if target_device is not None else _module_device(model)
         self.dtype = target_dtype if target_dtype is not None else _module_dtype(model)
-        if budget is None:
-            budget = _DEFAULT_TOKENS_PER_BATCH.get(self.device.type, _DEFAULT_TOKENS_PER_BATCH["cpu"])
-        self.max_tokens_per_batch = budget
         self.vocab_size = _find_vocab_size(model)
+        self.max_tokens_per_batch = budget if budget is not None else self.default_tokens_per_batch(self.device, self.vocab_size)
+
+    @staticmethod
+    def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None = None) -> int:
+        """The default ``max_tokens_per_batch``: measured per device type, capped by the logits' size.
+
+        2048 on CPU and other devices, 16384 on CUDA; with a known ``vocab_size``, at most what keeps
+        one batch's float32 logits within 2 GiB (and never below 512).
+
+        Example:
+            >>> TorchSamplingClient.default_tokens_per_batch("cuda"), TorchSamplingClient.default_tokens_per_batch("cuda", 151936)
+            (16384, 3533)
+        """
+        device_type = torch.device(device).type
+        budget = _DEFAULT_TOKENS_PER_BATCH.get(device_type, _DEFAULT_TOKENS_PER_BATCH["cpu"])
+        if vocab_size:
+            budget = min(budget, max(_MIN_DEFAULT_TOKENS_PER_BATCH, _DEFAULT_LOGITS_BYTES // (4 * vocab_size)))
+        return budget
 
     @classmethod
     def snapshot(
@@ -274,11 +308,15 @@ class TorchSamplingClient:
         # Prompts of 0 or 1 tokens predict nothing; the longest go first, so the largest batch
         # (and the peak memory) comes at once rather than after minutes of scoring.
         order = sorted((i for i, t in enumerate(token_lists) if len(t) > 1), key=lambda i: -len(token_lists[i]))
+        scored: list[tuple[list[int], torch.Tensor]] = []
         with torch.inference_mode(), _eval_mode(self.model):
             for batch in self._pack(order, [len(t) for t in token_lists]):
-                rows = self._score_batch([token_lists[i] for i in batch])
-                for i, row in zip(batch, rows):
-                    results[i] = row
+                scored.append((batch, self._batch_logprobs([token_lists[i] for i in batch])))
+        # Copied to the host only now: on a GPU every batch is queued without waiting for the one
+        # before (no per-batch synchronisation), and the [B, T-1] results are small.
+        for batch, logprobs in scored:
+            for i, row in zip(batch, logprobs.cpu().tolist()):
+                results[i] = [None, *row[: len(token_lists[i]) - 1]]
         return results
 
     def _tokens(self, prompt: Any, index: int) -> list[int]:
@@ -307,26 +345,26 @@ class TorchSamplingClient:
         if batch:
             yield batch
 
-    def _score_batch(self, token_lists: list[list[int]]) -> list[list[float | None]]:
-        lengths = [len(t) for t in token_lists]
-        width = max(lengths)
+    def _batch_logprobs(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """``out[b, k]`` = log p(token k+1 | tokens up to k) of row b, float32, on the device."""
+        width = max(len(t) for t in token_lists)
         input_ids = torch.zeros((len(token_lists), width), dtype=torch.long)
         for row, tokens in enumerate(token_lists):
             input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        input_ids = input_ids.to(self.device)
+        if self.device.type == "cuda":
+            input_ids = input_ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            input_ids = input_ids.to(self.device)
         logits = self._logits(input_ids)[:, :-1]
         targets = input_ids[:, 1:].unsqueeze(-1)
-        vocab = logits.shape[-1]
-        rows_per_chunk = max(1, _LOGSOFTMAX_CHUNK_ELEMENTS // ((width - 1) * vocab))
+        rows_per_chunk = max(1, _LOGSOFTMAX_CHUNK_ELEMENTS // ((width - 1) * logits.shape[-1]))
         parts = []
         for start in range(0, logits.shape[0], rows_per_chunk):
-            chunk = logits[start : start + rows_per_chunk].float()
-            target_logits = chunk.gather(-1, targets[start : start + rows_per_chunk]).squeeze(-1)
-            parts.append(target_logits - torch.logsumexp(chunk, dim=-1))
-            del chunk
-        del logits
-        values = torch.cat(parts).cpu().tolist()
-        return [[None, *row[: length - 1]] for row, length in zip(values, lengths)]
+            # One fused kernel reads the logits in their dtype and writes float32 log-probabilities.
+            logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
+            parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk]).squeeze(-1))
+            del logprobs
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         output = self.model(input_ids)
