@@ -173,8 +173,9 @@ def read_preference_jsonl(path: str | os.PathLike[str]) -> list[PreferencePair]:
                 continue
             try:
                 record = json.loads(line)
-                pairs.append(([int(t) for t in record["chosen"]], [int(t) for t in record["rejected"]],
-                              int(record["prompt_length"])))
+                chosen = [int(t) for t in record["chosen"]]
+                rejected = [int(t) for t in record["rejected"]]
+                pairs.append((chosen, rejected, int(record["prompt_length"])))
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"{path}, line {line_number}: not a preference record ({error!r})") from None
     return pairs
@@ -214,4 +215,9 @@ def preference_batch(pairs: Sequence[PreferencePair], pad_id: int = 0) -> dict[s
         target_tokens[row, : n - 1] = torch.tensor(tokens[1:])
         weights[row, prompt_length - 1 : n - 1] = 1.0
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "target_tokens": target_tokens, "weights": weights, "attention_mask": attention_mask}
+    return {
+        "input_ids": input_ids,
+        "target_tokens": target_tokens,
+        "weights": weights,
+        "attention_mask": attention_mask,
+    }

@@ -12,6 +12,9 @@ real and controllable:
 - ``sampler_precision="bfloat16"``: the rounding gap of a bf16 inference engine;
 - ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo).
 
+The loss is not clipped (as in Loops): even a never-updated sampler still lets the policy learn
+the demo task, while the monitored gap grows to several nats per token.
+
 Each ``training_step`` takes ``{"prompt_ids": LongTensor[P, L]}`` (from ``PromptDataModule``),
 samples ``group_size`` completions per prompt with the sampler, rewards them, centres the rewards
 within each prompt's group (the advantages), and returns the loss with the padded tensors the
@@ -85,9 +88,9 @@ class RLPolicyModule(LightningModule):
 
     Example:
         >>> module = RLPolicyModule(num_digits=2, group_size=2)
-        >>> out = module.training_step({"prompt_ids": module.task.sample_prompts(3)}, 0)  # doctest: +SKIP
-        >>> out["mask"].shape  # doctest: +SKIP
-        torch.Size([6, 6])
+        >>> out = module.training_step({"prompt_ids": module.task.sample_prompts(3)}, 0)
+        >>> out["mask"].shape, out["advantages"].shape
+        (torch.Size([6, 6]), torch.Size([6]))
     """
 
     def __init__(
@@ -98,7 +101,7 @@ class RLPolicyModule(LightningModule):
         d_model: PositiveInt = 64,
         n_layers: PositiveInt = 2,
         n_heads: PositiveInt = 4,
-        lr: PositiveFloat = 3e-3,
+        lr: PositiveFloat = 1e-3,
         sampler_precision: Literal["float32", "bfloat16"] = "float32",
         sync_every: PositiveInt | None = 1,
     ) -> None:
@@ -142,6 +145,11 @@ class RLPolicyModule(LightningModule):
         return self.policy(input_ids)
 
     # ---- the sampler ---------------------------------------------------------------------------
+
+    @property
+    def sampler_synced_at_step(self) -> int | None:
+        """Optimizer steps taken when the sampler last received the policy's weights (None: not yet)."""
+        return self._synced_at_step
 
     def _optimizer_steps(self) -> int:
         return self.trainer.global_step if self._trainer is not None else 0

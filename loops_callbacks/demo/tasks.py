@@ -7,8 +7,8 @@ at the same position, so it lies in [0, 1] and is 1 only for the exact answer. A
 completion's first ``<eos>`` is ignored.
 
 Digits are drawn from the first ``num_symbols`` of ``0-9``: fewer symbols make the task easier.
-With the defaults (4 digits of 0-9) a randomly initialised ``TinyCausalLM`` starts near reward
-0.07 and learns the task by RL within about a minute on 2 CPU cores
+With the defaults (4 digits of 0-9) a randomly initialised ``TinyCausalLM`` trained by
+``RLPolicyModule`` goes from reward 0.06 to 0.999 in 400 steps, about 25 s on one CPU thread
 (``benchmarks/demo_learning.py`` measures it).
 
 Example:
