@@ -1,0 +1,165 @@
+"""How fast the demo models learn: RL reward and DPO accuracy before/after, with wall times.
+
+Runs the demo modules through ``lightning.Trainer`` the way the shipped experiments do:
+
+1. RL: ``RLPolicyModule`` on ``ReverseDigitsTask`` (random init), mean reward of sampled
+   completions on held-out prompts before and after ``--rl-steps`` optimizer steps.
+2. DPO: ``DPOPolicyModule`` on toy preference pairs (chosen = the correct completion, rejected =
+   one digit changed) against a frozen copy of its initial weights; accuracy (share of pairs with
+   a positive margin) on held-out pairs before and after ``--dpo-steps`` steps.
+3. With ``--variants``: the RL run again with a bfloat16 sampler, a sampler synced every 8
+   steps, and a sampler that is never synced, with the mean |trainer - sampler| logprob gap.
+
+Example:
+    /work/venv/bin/python benchmarks/demo_learning.py
+    /work/venv/bin/python benchmarks/demo_learning.py --threads 2 --variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+from typing import Any
+
+import lightning
+import torch
+from torch.utils.data import DataLoader
+
+from loops_callbacks.demo.data import PromptDataModule, make_preference_pairs, preference_batch
+from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
+from loops_callbacks.demo.model import token_logprobs
+from loops_callbacks.demo.rl import RLPolicyModule
+from loops_callbacks.demo.tasks import ReverseDigitsTask
+
+
+def _trainer(max_steps: int, callbacks: list[lightning.Callback] | None = None) -> lightning.Trainer:
+    return lightning.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+class _GapMeter(lightning.Callback):
+    """Mean |trainer - sampler| logprob over the action tokens of the whole run."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        active = outputs["mask"] > 0
+        gap = (outputs["training_logprobs"].detach() - outputs["logprobs"])[active]
+        self.total += gap.abs().sum().item()
+        self.count += gap.numel()
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
+
+
+def _mean_reward(module: RLPolicyModule, prompts: torch.Tensor) -> float:
+    """Mean reward of completions sampled from the current policy (copied into the sampler)."""
+    module.sync_sampler()
+    completions = module.sample(prompts)
+    rewards = [module.task.reward(p, c) for p, c in zip(prompts.tolist(), completions.tolist())]
+    return sum(rewards) / len(rewards)
+
+
+def run_rl(args: argparse.Namespace, **overrides: Any) -> dict[str, float]:
+    lightning.seed_everything(args.seed, verbose=False)
+    settings = dict(num_digits=args.num_digits, num_symbols=args.num_symbols, group_size=args.group_size)
+    module = RLPolicyModule(**settings, **overrides)
+    held_out = module.task.sample_prompts(256, torch.Generator().manual_seed(10_000 + args.seed))
+    before = _mean_reward(module, held_out)
+    gap = _GapMeter()
+    start = time.perf_counter()
+    _trainer(args.rl_steps, [gap]).fit(
+        module,
+        PromptDataModule(args.num_digits, args.num_symbols, batch_size=args.prompts_per_batch, seed=args.seed),
+    )
+    seconds = time.perf_counter() - start
+    return {"before": before, "after": _mean_reward(module, held_out), "seconds": seconds, "gap": gap.mean}
+
+
+def run_dpo(args: argparse.Namespace) -> dict[str, float]:
+    torch.manual_seed(args.seed)
+    task = ReverseDigitsTask(args.num_digits, args.num_symbols)
+    module = DPOPolicyModule(max_seq_len=task.prompt_length + task.max_new_tokens, beta=args.beta)
+    reference = copy.deepcopy(module.policy).eval()
+
+    def with_reference(pairs: list) -> dict[str, torch.Tensor]:
+        batch = preference_batch(pairs)
+        with torch.no_grad():
+            batch["ref_logprobs"] = token_logprobs(reference(batch["input_ids"]), batch["target_tokens"])
+        return batch
+
+    def accuracy(batch: dict[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            _, metrics = dpo_loss(module.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], module.beta)
+        return metrics["dpo_accuracy"].item()
+
+    pairs = make_preference_pairs(task, args.dpo_pairs, seed=args.seed)
+    held_out = with_reference(make_preference_pairs(task, 512, seed=10_000 + args.seed))
+    batches = [with_reference(pairs[i : i + 32]) for i in range(0, len(pairs), 32)]
+    before = accuracy(held_out)
+    start = time.perf_counter()
+    _trainer(args.dpo_steps).fit(module, DataLoader(batches, batch_size=None))
+    seconds = time.perf_counter() - start
+    return {"before": before, "after": accuracy(held_out), "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-digits", type=int, default=4)
+    parser.add_argument("--num-symbols", type=int, default=10)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompts-per-batch", type=int, default=16)
+    parser.add_argument("--rl-steps", type=int, default=400)
+    parser.add_argument("--dpo-steps", type=int, default=150)
+    parser.add_argument("--dpo-pairs", type=int, default=1024)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--variants", action="store_true", help="also run the sampler-gap variants")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+    print(
+        f"threads={args.threads} seed={args.seed} task=ReverseDigitsTask(num_digits={args.num_digits}, "
+        f"num_symbols={args.num_symbols}) group_size={args.group_size} prompts/batch={args.prompts_per_batch}"
+    )
+    rl = run_rl(args)
+    print(
+        f"RL   {args.rl_steps} steps: reward {rl['before']:.3f} -> {rl['after']:.3f} "
+        f"in {rl['seconds']:.1f} s (mean |trainer - sampler| {rl['gap']:.2e})"
+    )
+    dpo = run_dpo(args)
+    print(
+        f"DPO  {args.dpo_steps} steps (beta={args.beta}, {args.dpo_pairs} pairs): held-out accuracy "
+        f"{dpo['before']:.3f} -> {dpo['after']:.3f} in {dpo['seconds']:.1f} s"
+    )
+    if args.variants:
+        for label, overrides in (
+            ("bfloat16 sampler, sync_every=1", {"sampler_precision": "bfloat16"}),
+            ("float32 sampler, sync_every=8", {"sync_every": 8}),
+            ("float32 sampler, never synced", {"sync_every": None}),
+        ):
+            result = run_rl(args, **overrides)
+            print(
+                f"RL   {label:32s}: reward {result['before']:.3f} -> {result['after']:.3f} "
+                f"in {result['seconds']:.1f} s (mean |trainer - sampler| {result['gap']:.2e})"
+            )
+
+
+if __name__ == "__main__":
+    main()
