@@ -5,8 +5,9 @@ Runs the demo modules through ``lightning.Trainer`` the way the shipped experime
 1. RL: ``RLPolicyModule`` on ``ReverseDigitsTask`` (random init), mean reward of sampled
    completions on held-out prompts before and after ``--rl-steps`` optimizer steps.
 2. DPO: ``DPOPolicyModule`` on toy preference pairs (chosen = the correct completion, rejected =
-   one digit changed) against a frozen copy of its initial weights; accuracy (share of pairs with
-   a positive margin) on held-out pairs before and after ``--dpo-steps`` steps.
+   one digit changed), reference logprobs from a frozen copy of its initial weights attached with
+   ``attach_reference_logprobs``; accuracy (share of pairs with a positive margin) and mean margin
+   on held-out pairs before and after ``--dpo-steps`` steps (before, policy = reference: margin 0).
 3. With ``--variants``: the RL run again with a bfloat16 sampler, a sampler synced every 8
    steps, and a sampler that is never synced, with the mean |trainer - sampler| logprob gap.
 
@@ -18,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 import warnings
 from typing import Any
@@ -27,11 +27,13 @@ import lightning
 import torch
 from torch.utils.data import DataLoader
 
-from loops_callbacks.demo.data import PromptDataModule, make_preference_pairs, preference_batch
+from loops_callbacks.data import DPOPairDataset, collate_dpo_pairs, dpo_pair_datums
+from loops_callbacks.demo.data import PromptDataModule, make_preference_pairs
 from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
-from loops_callbacks.demo.model import token_logprobs
 from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
+from loops_callbacks.helpers.datum import attach_reference_logprobs
+from loops_callbacks.sampling import TorchSamplingClient
 
 
 def _trainer(max_steps: int, callbacks: list[lightning.Callback] | None = None) -> lightning.Trainer:
@@ -93,27 +95,34 @@ def run_dpo(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     task = ReverseDigitsTask(args.num_digits, args.num_symbols)
     module = DPOPolicyModule(max_seq_len=task.prompt_length + task.max_new_tokens, beta=args.beta)
-    reference = copy.deepcopy(module.policy).eval()
+    reference = TorchSamplingClient.snapshot(module)  # a frozen copy of the initial policy
 
-    def with_reference(pairs: list) -> dict[str, torch.Tensor]:
-        batch = preference_batch(pairs)
+    def scored(pairs: list) -> DPOPairDataset:
+        datums = [datum for chosen, rejected, k in pairs for datum in dpo_pair_datums(chosen, rejected, k)]
+        return DPOPairDataset(attach_reference_logprobs(datums, reference))
+
+    held_out = collate_dpo_pairs(list(scored(make_preference_pairs(task, 512, seed=10_000 + args.seed))))
+
+    def held_out_metrics() -> dict[str, float]:
         with torch.no_grad():
-            batch["ref_logprobs"] = token_logprobs(reference(batch["input_ids"]), batch["target_tokens"])
-        return batch
+            policy = module.policy_logprobs(held_out)
+            _, metrics = dpo_loss(policy, held_out["ref_logprobs"], held_out["weights"], module.beta)
+        return {name: value.item() for name, value in metrics.items()}
 
-    def accuracy(batch: dict[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            _, metrics = dpo_loss(module.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], module.beta)
-        return metrics["dpo_accuracy"].item()
-
-    pairs = make_preference_pairs(task, args.dpo_pairs, seed=args.seed)
-    held_out = with_reference(make_preference_pairs(task, 512, seed=10_000 + args.seed))
-    batches = [with_reference(pairs[i : i + 32]) for i in range(0, len(pairs), 32)]
-    before = accuracy(held_out)
+    train_pairs = scored(make_preference_pairs(task, args.dpo_pairs, seed=args.seed))
+    train = DataLoader(train_pairs, batch_size=32, shuffle=True, collate_fn=collate_dpo_pairs)
+    before = held_out_metrics()
     start = time.perf_counter()
-    _trainer(args.dpo_steps).fit(module, DataLoader(batches, batch_size=None))
+    _trainer(args.dpo_steps).fit(module, train)
     seconds = time.perf_counter() - start
-    return {"before": before, "after": accuracy(held_out), "seconds": seconds}
+    after = held_out_metrics()
+    return {
+        "before": before["dpo_accuracy"],
+        "after": after["dpo_accuracy"],
+        "margin_before": before["dpo_margin"],
+        "margin_after": after["dpo_margin"],
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -146,7 +155,8 @@ def main() -> None:
     dpo = run_dpo(args)
     print(
         f"DPO  {args.dpo_steps} steps (beta={args.beta}, {args.dpo_pairs} pairs): held-out accuracy "
-        f"{dpo['before']:.3f} -> {dpo['after']:.3f} in {dpo['seconds']:.1f} s"
+        f"{dpo['before']:.3f} -> {dpo['after']:.3f}, margin {dpo['margin_before']:.3f} -> {dpo['margin_after']:.3f} "
+        f"in {dpo['seconds']:.1f} s"
     )
     if args.variants:
         for label, overrides in (

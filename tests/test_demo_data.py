@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loops_callbacks.demo.data import (
-    PromptDataModule,
-    make_preference_pairs,
-    preference_batch,
-    read_preference_jsonl,
-    write_preference_jsonl,
-)
+from loops_callbacks.data import dpo_pair_datums, read_dpo_jsonl
+from loops_callbacks.demo.data import PromptDataModule, make_preference_pairs, write_preference_jsonl
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 
 
@@ -57,28 +52,17 @@ def test_preference_pairs_are_correct_versus_corrupted() -> None:
         make_preference_pairs(task, 1, num_corrupted=5)
 
 
-def test_jsonl_round_trip(tmp_path: Path) -> None:
+def test_jsonl_is_what_the_dpo_data_module_reads(tmp_path: Path) -> None:
     pairs = make_preference_pairs(ReverseDigitsTask(num_digits=2), 4, seed=0)
     path = tmp_path / "pairs.jsonl"
     write_preference_jsonl(path, pairs)
     lines = path.read_text().splitlines()
     assert len(lines) == 4
-    assert set(json.loads(lines[0])) == {"chosen", "rejected", "prompt_length"}
-    assert read_preference_jsonl(path) == pairs
+    assert json.loads(lines[0]) == {"chosen": pairs[0][0], "rejected": pairs[0][1], "prompt_length": 4}
 
-    path.write_text(lines[0] + "\n\n" + '{"chosen": [1]}\n')
-    with pytest.raises(ValueError, match="line 3"):
-        read_preference_jsonl(path)
-
-
-def test_preference_batch_layout() -> None:
-    # pair 0: prompt [1, 5], chosen response [6, 2], rejected response [7, 8, 2]
-    batch = preference_batch([([1, 5, 6, 2], [1, 5, 7, 8, 2], 2)])
-    assert batch["input_ids"].tolist() == [[1, 5, 6, 2, 0], [1, 5, 7, 8, 2]]
-    assert batch["target_tokens"].tolist() == [[5, 6, 2, 0, 0], [5, 7, 8, 2, 0]]
-    # position k weighs the token predicted at k: the response tokens are predicted at 1..len-2
-    assert batch["weights"].tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert batch["weights"].dtype == torch.float32
-    with pytest.raises(ValueError, match="pair 0: prompt_length=4"):
-        preference_batch([([1, 5, 6, 2], [1, 5, 7, 8, 2], 4)])
+    datums = read_dpo_jsonl(path)  # what DPODataModule(jsonl_path=...) reads
+    assert [d.model_input.to_ints() for d in datums] == [tokens for c, r, _ in pairs for tokens in (c, r)]
+    in_memory = [d for c, r, k in pairs for d in dpo_pair_datums(c, r, k)]
+    assert [d.loss_fn_inputs["weights"].data for d in datums] == [d.loss_fn_inputs["weights"].data for d in in_memory]
+    # position k weighs the token predicted at k: the 3 response tokens are predicted at 3, 4, 5
+    assert datums[0].loss_fn_inputs["weights"].data == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]

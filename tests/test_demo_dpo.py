@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -12,10 +11,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from loops_callbacks.demo.data import make_preference_pairs, preference_batch
+from loops_callbacks.data import DPOPairDataset, collate_dpo_pairs, dpo_pair_datums
+from loops_callbacks.demo.data import make_preference_pairs
 from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
-from loops_callbacks.demo.model import token_logprobs
 from loops_callbacks.demo.tasks import ReverseDigitsTask
+from loops_callbacks.helpers.datum import attach_reference_logprobs
+from loops_callbacks.sampling import TorchSamplingClient
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You are trying to `self.log\\(\\)`",
@@ -133,27 +134,27 @@ def test_malformed_batches_are_named() -> None:
         DPOPolicyModule(beta=0)
 
 
+def _scored_pairs(pairs: list, reference: TorchSamplingClient) -> DPOPairDataset:
+    datums = [datum for chosen, rejected, k in pairs for datum in dpo_pair_datums(chosen, rejected, k)]
+    return DPOPairDataset(attach_reference_logprobs(datums, reference))
+
+
 def test_accuracy_rises_on_the_toy_pairs() -> None:
     torch.manual_seed(0)
     task = ReverseDigitsTask(num_digits=3, num_symbols=5)
     module = DPOPolicyModule(d_model=64, max_seq_len=task.prompt_length + task.max_new_tokens, beta=0.5)
-    reference = copy.deepcopy(module.policy).eval()  # the frozen initial policy
+    reference = TorchSamplingClient.snapshot(module)  # a frozen copy of the initial policy
+    train = _scored_pairs(make_preference_pairs(task, 512, seed=1), reference)
+    held_out = collate_dpo_pairs(list(_scored_pairs(make_preference_pairs(task, 256, seed=2), reference)))
 
-    def with_reference(pairs: list) -> dict[str, torch.Tensor]:
-        batch = preference_batch(pairs)
+    def metrics() -> dict[str, float]:
         with torch.no_grad():
-            batch["ref_logprobs"] = token_logprobs(reference(batch["input_ids"]), batch["target_tokens"])
-        return batch
+            policy = module.policy_logprobs(held_out)
+            _, values = dpo_loss(policy, held_out["ref_logprobs"], held_out["weights"], module.beta)
+        return {name: value.item() for name, value in values.items()}
 
-    def accuracy(batch: dict[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            _, metrics = dpo_loss(module.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], module.beta)
-        return metrics["dpo_accuracy"].item()
-
-    train_pairs = make_preference_pairs(task, 512, seed=1)
-    held_out = with_reference(make_preference_pairs(task, 256, seed=2))
-    batches = [with_reference(train_pairs[i : i + 32]) for i in range(0, len(train_pairs), 32)]
-    before = accuracy(held_out)
-    _trainer(max_steps=80).fit(module, DataLoader(batches, batch_size=None))
-    after = accuracy(held_out)
-    assert before == 0.0 and after > 0.85, (before, after)  # identical to the reference: every margin is 0
+    before = metrics()
+    assert abs(before["dpo_margin"]) < 1e-4  # the policy is still the reference
+    _trainer(max_steps=80).fit(module, DataLoader(train, batch_size=32, collate_fn=collate_dpo_pairs))
+    after = metrics()
+    assert after["dpo_accuracy"] > 0.85 and after["dpo_margin"] > 0.5, after

@@ -4,10 +4,11 @@
   ``ReverseDigitsTask`` prompts for ``RLPolicyModule`` (infinite, or ``num_batches`` per epoch).
 - ``make_preference_pairs`` builds ``(chosen, rejected, prompt_length)`` pairs from the task:
   chosen = prompt + the correct completion, rejected = prompt + a corrupted one.
-- ``write_preference_jsonl`` / ``read_preference_jsonl`` store those pairs as records
-  ``{"chosen": [ids], "rejected": [ids], "prompt_length": k}``.
-- ``preference_batch`` pads pairs into the batch layout ``DPOPolicyModule`` consumes
-  (without ``ref_logprobs``), for tests and scripts that do not go through a DataModule.
+- ``write_preference_jsonl`` stores those pairs as records
+  ``{"chosen": [ids], "rejected": [ids], "prompt_length": k}``, the format
+  ``loops_callbacks.data.DPODataModule(jsonl_path=...)`` reads; in memory,
+  ``loops_callbacks.data.dpo_pair_datums(chosen, rejected, prompt_length)`` turns a pair into
+  datums.
 
 Example:
     >>> from loops_callbacks.demo.tasks import ReverseDigitsTask
@@ -38,8 +39,6 @@ __all__ = [
     "PromptBatches",
     "PromptDataModule",
     "make_preference_pairs",
-    "preference_batch",
-    "read_preference_jsonl",
     "write_preference_jsonl",
 ]
 
@@ -157,67 +156,11 @@ def make_preference_pairs(
 
 
 def write_preference_jsonl(path: str | os.PathLike[str], pairs: Sequence[PreferencePair]) -> None:
-    """Write one ``{"chosen": [...], "rejected": [...], "prompt_length": k}`` record per line."""
+    """Write one ``{"chosen": [...], "rejected": [...], "prompt_length": k}`` record per line.
+
+    ``loops_callbacks.data.DPODataModule(jsonl_path=path)`` (or ``read_dpo_jsonl``) reads the file.
+    """
     with open(path, "w", encoding="utf-8") as file:
         for chosen, rejected, prompt_length in pairs:
             record = {"chosen": list(chosen), "rejected": list(rejected), "prompt_length": prompt_length}
             file.write(json.dumps(record) + "\n")
-
-
-def read_preference_jsonl(path: str | os.PathLike[str]) -> list[PreferencePair]:
-    """Read the records ``write_preference_jsonl`` writes (blank lines are skipped)."""
-    pairs: list[PreferencePair] = []
-    with open(path, encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                chosen = [int(t) for t in record["chosen"]]
-                rejected = [int(t) for t in record["rejected"]]
-                pairs.append((chosen, rejected, int(record["prompt_length"])))
-            except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}, line {line_number}: not a preference record ({error!r})") from None
-    return pairs
-
-
-def preference_batch(pairs: Sequence[PreferencePair], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Pad pairs into ``DPOPolicyModule``'s batch layout (everything but ``ref_logprobs``).
-
-    Rows are interleaved (row 2i chosen, 2i+1 rejected) and right-padded with ``pad_id`` to the
-    longest sequence. Row r holds the full sequence ``tokens`` in ``input_ids``; position k belongs
-    to the token predicted at k: ``target_tokens[r, k] = tokens[k + 1]``, ``weights[r, k] = 1`` when
-    that token is part of the response (``k + 1 >= prompt_length``), and the last position of each
-    sequence predicts nothing (target ``pad_id``, weight 0).
-
-    Example:
-        >>> batch = preference_batch([([1, 5, 6, 2], [1, 5, 7], 2)])
-        >>> batch["target_tokens"].tolist(), batch["weights"].tolist()
-        ([[5, 6, 2, 0], [5, 7, 0, 0]], [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
-    """
-    rows: list[tuple[list[int], int]] = []
-    for index, (chosen, rejected, prompt_length) in enumerate(pairs):
-        for tokens in (chosen, rejected):
-            if not 1 <= prompt_length < len(tokens):
-                raise ValueError(
-                    f"pair {index}: prompt_length={prompt_length} leaves no response in a sequence of "
-                    f"{len(tokens)} tokens"
-                )
-            rows.append((list(tokens), prompt_length))
-    length = max((len(tokens) for tokens, _ in rows), default=0)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    target_tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    weights = torch.zeros(len(rows), length)
-    attention_mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for row, (tokens, prompt_length) in enumerate(rows):
-        n = len(tokens)
-        input_ids[row, :n] = torch.tensor(tokens)
-        target_tokens[row, : n - 1] = torch.tensor(tokens[1:])
-        weights[row, prompt_length - 1 : n - 1] = 1.0
-        attention_mask[row, :n] = 1
-    return {
-        "input_ids": input_ids,
-        "target_tokens": target_tokens,
-        "weights": weights,
-        "attention_mask": attention_mask,
-    }
