@@ -21,6 +21,7 @@ from loops_callbacks.action_tokens import FlatBatch, flatten_datums, flatten_pad
 from loops_callbacks.divergence import DivergenceStats
 from loops_callbacks.divergence_metrics import DEFAULT_PREFIX, scalar_metrics
 from loops_callbacks.sinks import MediaOptions, deliver
+from loops_callbacks.worst_tokens import Tokenizer
 
 __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError"]
 
@@ -117,7 +118,7 @@ class KLSampleTrainMonitor(Callback):
         max_histogram_tokens: int = 50000,
         log_worst_tokens: bool = True,
         top_n: int = 20,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         sample_size: int = 100_000,
         max_kl: float | None = None,
         kl_metric: str = "kl_sample_train_k3",

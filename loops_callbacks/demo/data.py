@@ -32,6 +32,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 
 __all__ = [
@@ -164,3 +165,37 @@ def write_preference_jsonl(path: str | os.PathLike[str], pairs: Sequence[Prefere
         for chosen, rejected, prompt_length in pairs:
             record = {"chosen": list(chosen), "rejected": list(rejected), "prompt_length": prompt_length}
             file.write(json.dumps(record) + "\n")
+
+
+class ReversePairsDataModule(DPODataModule):
+    """DPO pairs of the reverse-digits task, made in memory: chosen is right, rejected has a wrong digit.
+
+    A ``DPODataModule`` (reference logprobs attached before training, cached, sharded across
+    ranks) whose data come from ``make_preference_pairs`` instead of a file.
+
+    Example:
+        >>> data = ReversePairsDataModule(num_pairs=4, batch_size=2)
+        >>> len(data.dpo_data())
+        8
+    """
+
+    def __init__(
+        self,
+        num_pairs: PositiveInt = 1024,
+        num_digits: PositiveInt = 4,
+        num_symbols: PositiveInt = 10,
+        num_corrupted: PositiveInt = 1,
+        seed: int = 0,
+        batch_size: PositiveInt = 32,
+        reference: str | None = None,
+        cache_dir: str | None = None,
+        val_fraction: float = 0.0,
+        progress: bool = True,
+    ) -> None:
+        task = ReverseDigitsTask(num_digits, num_symbols)
+        pairs = make_preference_pairs(task, num_pairs, seed=seed, num_corrupted=num_corrupted)
+        records = [{"chosen": c, "rejected": r, "prompt_length": k} for c, r, k in pairs]
+        super().__init__(
+            data=records, batch_size=batch_size, reference=reference, cache_dir=cache_dir, seed=seed,
+            val_fraction=val_fraction, progress=progress,
+        )

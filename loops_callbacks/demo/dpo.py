@@ -146,11 +146,19 @@ class DPOPolicyModule(LightningModule):
 
     @override
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    @override
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The same loss and metrics on held-out pairs (``DPODataModule(val_fraction=...)``), as ``val/*``."""
+        return self._step(batch, "val")
+
+    def _step(self, batch: Mapping[str, torch.Tensor], stage: str) -> torch.Tensor:
         _check_batch(batch)
         loss, metrics = dpo_loss(self.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], self.beta)
         num_pairs = batch["input_ids"].shape[0] // 2
         for name, value in metrics.items():
-            self.log(f"train/{name}", value, prog_bar=name in ("dpo_loss", "dpo_accuracy"), batch_size=num_pairs)
+            self.log(f"{stage}/{name}", value, prog_bar=name in ("dpo_loss", "dpo_accuracy"), batch_size=num_pairs)
         return loss
 
     @override

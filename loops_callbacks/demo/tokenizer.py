@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 __all__ = ["CharTokenizer", "DEFAULT_ALPHABET"]
 
@@ -74,9 +73,9 @@ class CharTokenizer:
                 f"its alphabet is {self.alphabet!r}"
             ) from None
 
-    def decode(self, ids: Iterable[object]) -> str:
-        """The text of ``ids``; never raises (unknown ids render as ``<id>``)."""
-        return "".join(self._token_text(i) for i in ids)
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``; never raises (unknown ids render as ``<id>``)."""
+        return "".join(self._token_text(i) for i in token_ids)
 
     def _token_text(self, token: object) -> str:
         try:

@@ -1,0 +1,5 @@
+"""``python -m loops_callbacks``: the same as the ``loops-callbacks`` command."""
+
+from loops_callbacks.cli import main
+
+main()
