@@ -6,6 +6,8 @@ Every micro-batch it trains on is recorded, so tests can recompute the monitor's
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.util
 from typing import Any
 
 import lightning.pytorch as pl
@@ -140,3 +142,20 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class CleanDistributedExit(pl.Callback):
+    """Destroys the process group when a spawned rank exits.
+
+    Lightning destroys it in an ``atexit`` handler, which ``ddp_spawn`` workers never run (they
+    leave through ``os._exit``); a gloo group left alive can abort the worker at exit.
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and multiprocessing.parent_process() is not None:
+            multiprocessing.util.Finalize(None, _destroy_process_group, exitpriority=100)

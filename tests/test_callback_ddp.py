@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
-from tests.lightning_helpers import TinyPolicy, expected_metrics, quiet_trainer
+from tests.lightning_helpers import CleanDistributedExit, TinyPolicy, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
 from tests.test_rl_metrics import assert_metrics_equal
 
@@ -31,7 +31,7 @@ def test_two_ranks_log_the_metrics_of_the_global_batch(tmp_path: Any) -> None:
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
     trainer = quiet_trainer(
         strategy="ddp_spawn", devices=2, max_steps=3, accumulate_grad_batches=2, logger=logger,
-        callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)],
+        callbacks=[KLSampleTrainMonitor(log_worst_tokens=False), CleanDistributedExit()],
     )
     trainer.fit(RecordingPolicy(str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

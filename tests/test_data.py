@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.lightning_helpers import CleanDistributedExit
 from loops_callbacks.data import (
     CacheKey,
     DPODataModule,
@@ -651,7 +652,7 @@ def test_yaml_configs_parse() -> None:
 
 
 def _ddp_fit(model: L.LightningModule, datamodule: L.LightningDataModule, root: Any) -> None:
-    fit(model, datamodule, root, max_steps=2, strategy="ddp_spawn", devices=2)
+    fit(model, datamodule, root, max_steps=2, strategy="ddp_spawn", devices=2, callbacks=[CleanDistributedExit()])
 
 
 def assert_close_rows(actual: list[list[float]], expected: list[list[float]], atol: float = 1e-6) -> None:
