@@ -101,12 +101,12 @@ class NullLogger(pl.loggers.logger.Logger):
         pass
 
 
-def run(steps: int, monitor: KLSampleTrainMonitor | None) -> tuple[float, list[float]]:
+def run(steps: int, monitor: KLSampleTrainMonitor | None, accelerator: str = "cpu") -> tuple[float, list[float]]:
     torch.manual_seed(0)
     timer = StepTimes()
     callbacks: list[pl.Callback] = [timer] + ([monitor] if monitor else [])
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=steps, logger=NullLogger(), callbacks=callbacks,
+        accelerator=accelerator, devices=1, max_steps=steps, logger=NullLogger(), callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
@@ -120,17 +120,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 60, 1
     warnings.filterwarnings("ignore")
-    run(20, None)  # warm-up: imports, allocator
+    run(20, None, args.accelerator)  # warm-up: imports, allocator
 
     plain_runs, monitored_runs, step_times, hooks = [], [], [], []
     for _ in range(args.repeats):
-        plain_total, plain_steps = run(args.steps, None)
+        plain_total, plain_steps = run(args.steps, None, args.accelerator)
         monitor = TimedMonitor()
-        monitored_total, _ = run(args.steps, monitor)
+        monitored_total, _ = run(args.steps, monitor, args.accelerator)
         plain_runs.append(plain_total)
         monitored_runs.append(monitored_total)
         step_times += plain_steps
@@ -140,7 +141,7 @@ def main() -> None:
     logged = [s for is_logged, s in hooks if is_logged]
     not_logged = [s for is_logged, s in hooks if not is_logged]
     per_step_mean = sum(s for _, s in hooks) / len(hooks)
-    print(f"{args.steps} steps x {args.repeats} repeats, batch {BATCH} x {LENGTH} tokens, "
+    print(f"{args.accelerator}: {args.steps} steps x {args.repeats} repeats, batch {BATCH} x {LENGTH} tokens, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; median step {median_step * 1e3:.2f} ms")
     print(f"whole runs: without monitor {statistics.median(plain_runs):.2f} s, "
           f"with {statistics.median(monitored_runs):.2f} s, "

@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the same single core as the per-token and numpy floors)")
+    parser.add_argument("--device", default="cpu", help="where the tensor inputs live (cpu, cuda)")
     parser.add_argument("--child-memory", choices=["tensor", "list"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,6 +175,18 @@ def main() -> None:
     rows = oracle_rows(batch)
     tensor_datums, tensor_trainer = tensor_inputs(batch)
     list_datums, list_trainer = list_inputs(batch)
+    if args.device != "cpu":
+        device_datums = [
+            Datum(d.model_input, {k: v.to(args.device) for k, v in d.loss_fn_inputs.items()}) for d in tensor_datums
+        ]
+        device_trainer = [t.to(args.device) for t in tensor_trainer]
+        loops_log_kl_sample_train(None, 0, device_datums, training_logprobs=device_trainer)  # warm-up
+        on_device = best_of(lambda: loops_compute_kl_sample_train(device_datums, device_trainer), args.repeats)
+        on_device_log = best_of(
+            lambda: loops_log_kl_sample_train(None, 0, device_datums, training_logprobs=device_trainer), args.repeats
+        )
+        padded = torch.stack(device_trainer)
+        on_device_padded = best_of(lambda: loops_compute_kl_sample_train(device_datums, padded), args.repeats)
     padded_trainer = torch.stack(tensor_trainer)
     n_positions = args.datums * args.length
 
@@ -232,6 +245,12 @@ def main() -> None:
     for name, seconds in log_timings.items():
         reference, target = (t_list_ref_log, ">=25x") if "list" in name else (t_tensor_ref_log, ">=80x")
         print(f"  {name:32s} {seconds * 1e3:8.1f} {reference / seconds:12.0f}x {'':>9s}  {target}")
+    if args.device != "cpu":
+        print(f"on {args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else ''}): "
+              f"compute {on_device * 1e3:.1f} ms ({t_tensor_ref / on_device:.0f}x per-token), "
+              f"padded trainer {on_device_padded * 1e3:.1f} ms, "
+              f"log with histogram + table {on_device_log * 1e3:.1f} ms ({t_tensor_ref_log / on_device_log:.0f}x)")
+        return
     print("peak extra memory of loops_log_kl_sample_train (float64 copies of the positions, target ~10):")
     for form in ("tensor", "list"):
         print(f"  {form:32s} {peak_copies(form, args.datums, args.length):8.1f}")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from loops_callbacks import KLSampleTrainMonitor, loops_log_kl_sample_train
+from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.action_tokens import flatten_padded
 from loops_callbacks.divergence import DivergenceStats
 from tests.lightning_helpers import RecordingLogger, TinyPolicy, expected_metrics, quiet_trainer
@@ -63,7 +63,9 @@ def test_no_host_sync_until_to_host() -> None:
     assert stats.to_host().totals["n_action_tokens"] > 0
 
 
-def test_loops_function_on_cuda_tensors() -> None:
+def test_loops_functions_on_cuda_tensors() -> None:
+    from loops_callbacks import loops_compute_kl_sample_train
+    from loops_callbacks.action_tokens import flatten_datums
     from loops_callbacks.types import Datum, ModelInput
 
     batch = padded_batch("cuda", batch=8, length=32)
@@ -72,15 +74,15 @@ def test_loops_function_on_cuda_tensors() -> None:
               {"logprobs": batch["sampler_logprobs"][i], "mask": batch["mask"][i]})
         for i in range(8)
     ]
-    on_gpu = loops_log_kl_sample_train(None, 0, datums, training_logprobs=batch["training_logprobs"], log_histogram=False)
-    on_cpu = loops_log_kl_sample_train(
-        None, 0,
-        [Datum(d.model_input, {k: v.cpu() for k, v in d.loss_fn_inputs.items()}) for d in datums],
-        training_logprobs=batch["training_logprobs"].cpu(), log_histogram=False,
-    )
-    assert_metrics_equal({k: v for k, v in on_gpu.items() if isinstance(v, float)},
-                         {k: v for k, v in on_cpu.items() if isinstance(v, float)})
-    assert on_gpu[PREFIX + "worst_tokens"].data == on_cpu[PREFIX + "worst_tokens"].data
+    on_cpu = [Datum(d.model_input, {k: v.cpu() for k, v in d.loss_fn_inputs.items()}) for d in datums]
+    trainer = batch["training_logprobs"]
+    assert_metrics_equal(loops_compute_kl_sample_train(datums, trainer),
+                         loops_compute_kl_sample_train(on_cpu, trainer.cpu()))
+    rows = [
+        DivergenceStats.from_batch(flatten_datums(d, t, with_tokens=True), top_n=20).to_host().worst
+        for d, t in ((datums, trainer), (on_cpu, trainer.cpu()))
+    ]
+    assert (rows[0] == rows[1]).all()
 
 
 def test_monitor_on_gpu_with_bf16_mixed_and_accumulation() -> None:
