@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 
@@ -20,14 +19,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 K3 = "optim/train-sample-div/kl_sample_train_k3"
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(autouse=True)
-def one_thread_in_a_scratch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Runs write under tmp_path (the configs use relative run dirs); tiny models want one thread."""
+def in_a_scratch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs write under tmp_path: the configs use relative run directories."""
     monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fit(config: str, *extra: str) -> LoopsCLI:

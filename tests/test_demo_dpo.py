@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import lightning
@@ -17,6 +16,7 @@ from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.sampling import TorchSamplingClient
+from tests.lightning_helpers import quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You are trying to `self.log\\(\\)`",
@@ -27,19 +27,9 @@ pytestmark = pytest.mark.filterwarnings(
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices gain nothing from intra-op threads, and on a shared CPU they cost a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _trainer(**kwargs: Any) -> lightning.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
-    return lightning.Trainer(**{**defaults, **kwargs})
 
 
 def _hand_made_batch() -> dict[str, torch.Tensor]:
@@ -96,7 +86,7 @@ def test_loss_and_metrics_match_a_hand_computation() -> None:
         assert metrics[name].item() == pytest.approx(value, abs=1e-5), name
 
     # the same numbers reach the logger (logged before the optimizer step)
-    trainer = _trainer(max_steps=1)
+    trainer = quiet_trainer(max_steps=1)
     trainer.fit(module, DataLoader([batch], batch_size=None))
     for name, value in expected.items():
         assert trainer.callback_metrics[f"train/{name}"].item() == pytest.approx(value, abs=1e-5), name
@@ -155,6 +145,6 @@ def test_accuracy_rises_on_the_toy_pairs() -> None:
 
     before = metrics()
     assert abs(before["dpo_margin"]) < 1e-4  # the policy is still the reference
-    _trainer(max_steps=80).fit(module, DataLoader(train, batch_size=32, collate_fn=collate_dpo_pairs))
+    quiet_trainer(max_steps=80).fit(module, DataLoader(train, batch_size=32, collate_fn=collate_dpo_pairs))
     after = metrics()
     assert after["dpo_accuracy"] > 0.85 and after["dpo_margin"] > 0.5, after

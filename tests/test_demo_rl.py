@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from jsonargparse.typing import PositiveInt
 
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.rl import RLPolicyModule
+from tests.lightning_helpers import quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You are trying to `self.log\\(\\)`",  # training_step called without a Trainer
@@ -23,25 +23,9 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # Tiny matrices gain nothing from intra-op threads, and on a shared CPU they cost a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _trainer(**kwargs: Any) -> lightning.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return lightning.Trainer(**{**defaults, **kwargs})
 
 
 class _Recorder(lightning.Callback):
@@ -130,7 +114,7 @@ def test_sampler_receives_weights_every_sync_every_steps() -> None:
     torch.manual_seed(0)
     recorder = _Recorder()
     module = RLPolicyModule(num_digits=2, group_size=2, d_model=32, sync_every=2)
-    _trainer(max_steps=5, callbacks=[recorder]).fit(module, PromptDataModule(num_digits=2, batch_size=4))
+    quiet_trainer(max_steps=5, callbacks=[recorder]).fit(module, PromptDataModule(num_digits=2, batch_size=4))
     assert recorder.synced_at == [0, 0, 2, 2, 4]
     fresh = [gap <= 1e-6 for gap in recorder.max_gap]
     assert fresh == [True, False, True, False, True], recorder.max_gap
@@ -140,7 +124,7 @@ def test_stale_sampler_never_syncs_and_drifts() -> None:
     torch.manual_seed(0)
     recorder = _Recorder()
     module = RLPolicyModule(num_digits=2, group_size=2, d_model=32, sync_every=None)
-    _trainer(max_steps=4, callbacks=[recorder]).fit(module, PromptDataModule(num_digits=2, batch_size=4))
+    quiet_trainer(max_steps=4, callbacks=[recorder]).fit(module, PromptDataModule(num_digits=2, batch_size=4))
     assert recorder.synced_at == [0, 0, 0, 0]
     assert recorder.max_gap[0] <= 1e-6 and min(recorder.max_gap[1:]) > 1e-2
 
@@ -149,7 +133,7 @@ def test_bf16_mixed_with_gradient_accumulation() -> None:
     torch.manual_seed(0)
     recorder = _Recorder()
     module = RLPolicyModule(num_digits=2, group_size=2, d_model=32, sampler_precision="bfloat16")
-    trainer = _trainer(max_steps=3, precision="bf16-mixed", accumulate_grad_batches=2, callbacks=[recorder])
+    trainer = quiet_trainer(max_steps=3, precision="bf16-mixed", accumulate_grad_batches=2, callbacks=[recorder])
     trainer.fit(module, PromptDataModule(num_digits=2, batch_size=4))
     assert trainer.global_step == 3 and len(recorder.outputs) == 6
     assert recorder.synced_at == [0, 0, 1, 1, 2, 2]  # syncs count optimizer steps, not micro-batches
@@ -162,7 +146,7 @@ def test_bf16_mixed_with_gradient_accumulation() -> None:
 def test_resume_keeps_the_sampler_and_its_sync_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     module = RLPolicyModule(num_digits=2, group_size=2, d_model=32, sync_every=2)
-    first = _trainer(max_steps=3)
+    first = quiet_trainer(max_steps=3)
     first.fit(module, PromptDataModule(num_digits=2, batch_size=4))
     path = tmp_path / "rl.ckpt"
     first.save_checkpoint(path)
@@ -177,7 +161,7 @@ def test_resume_keeps_the_sampler_and_its_sync_step(tmp_path: Path) -> None:
     recorder = _Recorder()
     resumed = RLPolicyModule(num_digits=2, group_size=2, d_model=32, sync_every=2)
     datamodule = PromptDataModule(num_digits=2, batch_size=4)
-    _trainer(max_steps=5, callbacks=[recorder]).fit(resumed, datamodule, ckpt_path=path)
+    quiet_trainer(max_steps=5, callbacks=[recorder]).fit(resumed, datamodule, ckpt_path=path)
     # step 3 still samples with the sampler of step 2 (as an uninterrupted run would); step 4 syncs
     assert recorder.synced_at == [2, 4]
     assert recorder.max_gap[0] > 1e-3 and recorder.max_gap[1] <= 1e-6
@@ -214,6 +198,6 @@ def test_reward_rises_in_a_short_run() -> None:
     module = RLPolicyModule(num_digits=3, num_symbols=5, group_size=8)
     held_out = module.task.sample_prompts(128, torch.Generator().manual_seed(123))
     before = _mean_reward(module, held_out)
-    _trainer(max_steps=130).fit(module, PromptDataModule(num_digits=3, num_symbols=5, batch_size=8))
+    quiet_trainer(max_steps=130).fit(module, PromptDataModule(num_digits=3, num_symbols=5, batch_size=8))
     after = _mean_reward(module, held_out)
     assert before < 0.25 and after > 0.7, (before, after)
