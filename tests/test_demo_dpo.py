@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning
 import pytest
 import torch
 from torch.utils.data import DataLoader
