@@ -8,9 +8,10 @@ Local part: a small causal transformer as the reference model, 512 sequences of 
 the same padded batches, already on the device (the ceiling), against that forward plus the float32
 log-softmax any scorer needs (the floor of the work), and against one-by-one ``compute_logprobs``
 (each variant timed in interleaved rounds, best of ``--repeat``); then tokens/s
-and peak memory for several ``max_tokens_per_batch`` budgets (on CPU each budget runs in a fresh
-process and the peak is its resident-set growth (the kernel's high-water mark ``VmHWM``, reset
-before scoring); on CUDA it is the growth of ``torch.cuda.max_memory_allocated``).
+and peak memory for several ``max_tokens_per_batch`` budgets, measured on a second pass (the first
+fills per-shape kernel caches once); on CPU each budget runs in a fresh process and the peak is the
+growth of malloc'd bytes sampled every millisecond (``PeakHostMemory``); on CUDA it is the growth
+of ``torch.cuda.max_memory_allocated``.
 Every comparison asserts that the results agree (exactly for the remote part, within 1e-5 for the
 float32 local one).
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import ctypes
 import json
 import os
 import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -281,19 +284,63 @@ def bench_local(args: argparse.Namespace) -> None:
         )
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
 
 
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not allowed."""
+def _live_heap_reader() -> Any:
+    """Bytes currently allocated through malloc (glibc >= 2.33 ``mallinfo2``), or None elsewhere."""
     try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def live() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return live
+
+
+class PeakHostMemory:
+    """Peak growth of host memory in use while the block runs, sampled every millisecond on a thread.
+
+    It counts bytes allocated through malloc (torch's CPU tensors among them) with glibc's
+    ``mallinfo2``, so neither memory that the allocator keeps after a free nor pages the kernel
+    drops and faults back in blur it (both made resident-set figures noisy here). Without glibc it
+    falls back to the growth of ``ru_maxrss``, the process's resident high-water mark.
+    """
+
+    def __enter__(self) -> PeakHostMemory:
+        self.read = _live_heap_reader()
+        self.method = "malloc'd bytes" if self.read is not None else "ru_maxrss growth"
+        self.ru_base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        self._stop = threading.Event()
+        if self.read is not None:
+            self.base = self.peak = self.read()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.read())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self.read is not None:
+            self._thread.join()
+            self.peak = max(self.peak, self.read())
+
+    @property
+    def growth_bytes(self) -> int:
+        if self.read is None:
+            return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self.ru_base) * 1024  # KiB on Linux
+        return self.peak - self.base
 
 
 def measure_budget(args: argparse.Namespace, budget: int, model: nn.Module | None = None) -> dict[str, Any]:
@@ -301,25 +348,19 @@ def measure_budget(args: argparse.Namespace, budget: int, model: nn.Module | Non
     model = build_model(args) if model is None else model
     prompts = build_prompts(args)
     client = TorchSamplingClient(model, device=device, dtype=args.dtype, max_tokens_per_batch=budget)
-    client.compute_logprobs_batch(prompts[:2])  # warm-up
+    client.compute_logprobs_batch(prompts)  # warm-up: one pass fills the per-shape kernel caches
     tokens = sum(len(p) for p in prompts)
     batches = len(padded_batches(client, prompts))
-    reset = False
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    elif reset := _reset_peak_rss():
-        base = _rss_kib("VmRSS")
-    else:  # the process's peak so far: only growth beyond it shows
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    seconds, logprobs = timed(device, lambda: client.compute_logprobs_batch(prompts))
-    if device.type == "cuda":
+        seconds, logprobs = timed(device, lambda: client.compute_logprobs_batch(prompts))
         peak = torch.cuda.max_memory_allocated(device) - base
-    elif reset:
-        peak = (_rss_kib("VmHWM") - base) * 1024
     else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024  # KiB on Linux
+        with PeakHostMemory() as memory:
+            seconds, logprobs = timed(device, lambda: client.compute_logprobs_batch(prompts))
+        peak = memory.growth_bytes
     for _ in range(args.repeat - 1):
         seconds = min(seconds, timed(device, lambda: client.compute_logprobs_batch(prompts))[0])
     return {"tokens_per_s": tokens / seconds, "peak_mib": peak / 2**20, "batches": batches, "logprobs": logprobs}

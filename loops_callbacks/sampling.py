@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.types import ModelInput
 
 __all__ = ["SamplingClient", "TorchSamplingClient"]
 
@@ -51,7 +52,7 @@ class SamplingClient(Protocol):
         True
     """
 
-    def compute_logprobs(self, prompt: Any) -> list[float | None]: ...
+    def compute_logprobs(self, prompt: ModelInput) -> list[float | None]: ...
 
 
 # The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,

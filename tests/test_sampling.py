@@ -193,6 +193,9 @@ def test_fingerprint_equal_for_equal_weights_and_changes_with_any_weight() -> No
         b.model.head.bias[3] += 1e-6
     assert b.fingerprint() != a.fingerprint()
     assert TorchSamplingClient.snapshot(make_model(1), dtype="float64").fingerprint() != a.fingerprint()
+    half = TorchSamplingClient.snapshot(make_model(1), dtype=torch.bfloat16)
+    assert half.fingerprint() == TorchSamplingClient.snapshot(make_model(1), dtype="bfloat16").fingerprint()
+    assert half.fingerprint() != a.fingerprint()
 
 
 def test_fingerprint_is_stable_across_processes() -> None:

@@ -231,11 +231,19 @@ def _tensor_data_class(datum_class: type) -> type:
         if root in ("builtins", "loops_callbacks"):
             continue
         package = sys.modules.get(root)
-        for holder in (getattr(package, "types", None), package):
-            candidate = getattr(holder, "TensorData", None)
+        for holder in (_attribute(package, "types"), package):
+            candidate = _attribute(holder, "TensorData")
             if isinstance(candidate, type):
                 return candidate
     return TensorData
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)``, also where a package's lazy ``__getattr__`` fails otherwise."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - a lazy import of an unrelated package must not break scoring
+        return None
 
 
 class _Progress:
