@@ -87,7 +87,8 @@ def test_offline_wandb_run_gets_scalars_histogram_and_table(tmp_path: Any, monke
     window = datums_of([r for r in model.recorded if r["step"] == 3])
     from loops_callbacks import loops_log_kl_sample_train
 
-    assert table["data"] == loops_log_kl_sample_train(None, 3, *window)[PREFIX + "worst_tokens"].data
+    want = loops_log_kl_sample_train(None, 3, window[0], training_logprobs=window[1])
+    assert table["data"] == want[PREFIX + "worst_tokens"].data
     with open(os.path.join(run_dir, "..", "logs", "debug-internal.log")) as log:
         assert "monotonically increasing" not in log.read()  # W&B dropped nothing
 
