@@ -11,5 +11,6 @@ export PYTHONPATH=$PWD WANDB_MODE=offline PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.log"
 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tail -15 | tee "$out/test_cuda.log"
 python3 benchmarks/bench_reference.py --device cuda 2>&1 | tee "$out/bench_reference.log"
+python3 benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16 --skip-remote 2>&1 | tee "$out/bench_reference_medium_bf16.log"
 python3 benchmarks/bench_rl_metrics.py --device cuda 2>&1 | tee "$out/bench_rl_metrics.log"
 python3 benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tail -6 | tee "$out/bench_callback.log"
