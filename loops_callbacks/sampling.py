@@ -58,12 +58,15 @@ class SamplingClient(Protocol):
 # The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,
 # measured with benchmarks/bench_reference.py (512 sequences of 16-512 tokens; scored tokens/s and
 # peak memory growth for each budget):
-# - CPU (2 threads; a 2.4M-parameter model, 4096-token vocabulary): throughput is flat from 512 to
-#   4096 padded tokens per batch (27-31k tokens/s, within the run-to-run noise) and ~20% lower at
-#   8192 and 16384 (activations and logits fall out of cache), while the peak grows with the budget
-#   (+43 MiB at 1024, +65 MiB at 2048, +108 MiB at 4096, +394 MiB at 16384). A CPU's matrix
-#   products are already efficient on one sequence of a few hundred tokens, so batching only has to
-#   gather short ones: 2048 keeps the whole gain at a small, bounded peak.
+# - CPU (a 2.4M-parameter model with a 4096-token vocabulary; this project's 2-core machine, shared
+#   with other work, best of 3 interleaved rounds): 21.5k tokens/s at 512 padded tokens per batch,
+#   27.1k at 1024, 27.7k at 2048, 20.7k at 4096, 21.9k at 8192, 19.6k at 16384 (on 2 threads of an
+#   idle 16-core host: 31k, 27k, 30k, 27k, 23k, 24k); batching beyond a few thousand tokens only
+#   pushes activations and logits out of cache. The peak grows linearly with the budget (+25 MiB at
+#   512, +65 MiB at 2048, +161 MiB at 8192, +306 MiB at 16384; the float32 logits alone take
+#   budget x vocab x 4 bytes). A CPU's matrix products are already efficient on one sequence of a
+#   few hundred tokens, so batching only has to gather short ones: 2048 is the measured best at a
+#   small, bounded peak.
 # - CUDA (H200; the same model in float32, and a 169M-parameter bfloat16 model with a 32768-token
 #   vocabulary): throughput grows up to 16384 padded tokens per batch (the small model: 0.53M tok/s
 #   at 1024, 1.4M at 4096, 2.4M at 16384 and 32768, 2.0M at 65536; the 169M model: 0.61M at 2048,
