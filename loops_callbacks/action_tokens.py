@@ -264,7 +264,7 @@ def _build(
     # d = trainer - sampler in float64 (each value widened exactly). A float64 difference of two
     # logprobs is finite exactly when both are (float32 inputs cannot overflow it), so one
     # finiteness test covers both.
-    diff = trainer.to(torch.float64, copy=True).sub_(sampler)
+    diff = trainer.to(torch.float64, copy=True).sub_(sampler.to(torch.float64))  # same-dtype sub_ is vectorized
     counted = mask > 0
     if advantage_ok is not None:
         counted &= advantage_ok
@@ -320,8 +320,12 @@ def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _device_of(trainer: torch.Tensor | list[torch.Tensor], samplers: list[torch.Tensor]) -> torch.device:
-    """The trainer logprobs' device (where the model lives), else the sampler's, else CPU."""
-    for candidate in ([trainer] if isinstance(trainer, torch.Tensor) else trainer) + samplers:
+    """The trainer logprobs' device (where the model lives), else the sampler's, else CPU.
+
+    The first row of each stands for all (rows on several devices meet on the CPU in ``_cat``
+    and then move here).
+    """
+    for candidate in ([trainer] if isinstance(trainer, torch.Tensor) else trainer[:1]) + samplers[:1]:
         if candidate.device.type != "cpu":
             return candidate.device
     return torch.device("cpu")

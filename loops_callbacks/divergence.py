@@ -124,8 +124,7 @@ class DivergenceStats:
         def count(condition: torch.Tensor) -> torch.Tensor:
             return torch.count_nonzero(condition if valid is None else condition & valid)
 
-        def count_abs_above(bound: float) -> torch.Tensor:  # |d| > bound, without materializing |d|
-            return torch.count_nonzero(d > bound) + torch.count_nonzero(d < -bound)
+        abs_d = d.abs()
 
         row_counts = _row_sums(active, flat.row_lengths).to(torch.float64)
         seq_sum = _row_sums(d, row_counts.to(torch.int64) if compact else flat.row_lengths)
@@ -146,9 +145,9 @@ class DivergenceStats:
             torch.dot(w, w),
             None,  # sum_k3, below
             sampler.sum(dtype=torch.float64),
-            count_abs_above(1.0),
-            count_abs_above(2.0),
-            count_abs_above(4.0),
+            torch.count_nonzero(abs_d > 1.0),
+            torch.count_nonzero(abs_d > 2.0),
+            torch.count_nonzero(abs_d > 4.0),
             torch.count_nonzero(w > 2.0),
             count(w < 0.5),
             seq_mean.sum(),
@@ -162,7 +161,7 @@ class DivergenceStats:
         extrema = torch.stack([high, -low, _min_max(seq_mean.masked_fill(~scored, -inf))[1]])
         worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=device)
         if top_n:
-            ranked = d.abs() if valid is None else d.abs().masked_fill_(~valid, -inf)
+            ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
             chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
             flat_index = active.nonzero().squeeze(1).index_select(0, chosen) if compact else chosen
             worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
