@@ -163,7 +163,7 @@ class DivergenceStats:
         if top_n:
             ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
             chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
-            flat_index = active.nonzero().squeeze(1).index_select(0, chosen) if compact else chosen
+            flat_index = _positions_of_selected(active, flat.row_lengths, row_counts, chosen) if compact else chosen
             worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
         k3 = w.sub_(1.0).sub_(d)  # w's buffer is no longer needed: k3 = w - 1 - d per token
         if valid is not None:
@@ -289,16 +289,37 @@ def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest values, ties broken by the earliest index, in index order."""
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=ranked.device)
-    threshold = torch.topk(ranked, k, sorted=False).values.min()
-    if _on_host(ranked.device):  # few candidates: pick them directly
-        candidates = (ranked >= threshold).nonzero().squeeze(1)
+    if _on_host(ranked.device):
+        # The k-th largest of a strided subset is a lower bound of the k-th largest of all, so
+        # every value at or above it is a candidate (about k * stride of them); rank those only.
+        stride = max(1, min(64, ranked.shape[0] // (4 * k)))
+        bound = torch.topk(ranked[::stride], k, sorted=False).values.min() if stride > 1 else None
+        if bound is None:
+            bound = torch.topk(ranked, k, sorted=False).values.min()
+        candidates = (ranked >= bound).nonzero().squeeze(1)
         order = torch.sort(ranked.index_select(0, candidates), descending=True, stable=True).indices[:k]
         return candidates.index_select(0, order).sort().values
     # Fixed shapes (no host sync): all values above the k-th, then the earliest ties.
+    threshold = torch.topk(ranked, k, sorted=False).values.min()
     above = ranked > threshold
     tied = ranked == threshold
     take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
     return torch.topk(take.to(torch.float32), k, sorted=False).indices.sort().values
+
+
+def _positions_of_selected(
+    active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, selected: torch.Tensor
+) -> torch.Tensor:
+    """Flat indices of the ``selected`` entries of ``active``'s selection (CPU; a few rows)."""
+    counts = row_counts.to(torch.int64)
+    ends = torch.cumsum(counts, 0)
+    rows = torch.searchsorted(ends, selected, right=True)
+    row_starts = torch.cumsum(row_lengths, 0) - row_lengths
+    flat = []
+    for row, rank in zip(rows.tolist(), (selected - (ends - counts).index_select(0, rows)).tolist()):
+        start = int(row_starts[row])
+        flat.append(start + int(active[start : start + int(row_lengths[row])].nonzero()[rank]))
+    return torch.tensor(flat, dtype=torch.int64)
 
 
 def _worst_rows(

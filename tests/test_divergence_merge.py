@@ -112,3 +112,15 @@ def test_capped_sample_is_exact_below_the_cap_and_uniform_above() -> None:
     assert scalar_metrics(capped.to_host())[PREFIX + "diff_abs_p50"] == pytest.approx(
         scalar_metrics(exact)[PREFIX + "diff_abs_p50"], rel=0.2
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 20_000), k=st.integers(1, 30), levels=st.integers(1, 50), seed=st.integers(0, 2**16))
+def test_stable_top_k_on_large_inputs_with_ties(n: int, k: int, levels: int, seed: int) -> None:
+    """The candidate pre-filter never loses a top value; ties go to the earliest index."""
+    from loops_callbacks.divergence import _stable_top_k
+
+    values = torch.randint(0, levels, (n,), generator=torch.Generator().manual_seed(seed)).double()
+    k = min(k, n)
+    want = sorted(range(n), key=lambda i: (-values[i].item(), i))[:k]
+    assert _stable_top_k(values, k).tolist() == sorted(want)
