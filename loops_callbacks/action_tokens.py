@@ -94,6 +94,7 @@ def trainer_logprobs_from_output(forward_backward_output: Any) -> list[Any]:
     return [item["logprobs"] for item in outputs]
 
 
+@torch.no_grad()
 def flatten_datums(
     data: Sequence[Any],
     training_logprobs: Sequence[Any] | torch.Tensor,
@@ -196,6 +197,7 @@ def flatten_datums(
     )
 
 
+@torch.no_grad()
 def flatten_padded(
     *,
     sampler_logprobs: torch.Tensor,

@@ -260,31 +260,30 @@ class KLSampleTrainMonitor(Callback):
 
     def _read_batch(self, outputs: Any, batch: Any) -> FlatBatch:
         """The step's tokens, in either contract form; a clear error when the contract is broken."""
-        with torch.no_grad():
-            data = self._lookup(outputs, batch, "data")
-            if data is None and _is_datum_list(batch):
-                data = batch
-            with_tokens = self.top_n > 0
-            if data is not None:
-                return flatten_datums(data, self._trainer_logprobs(outputs, batch, datums=True), with_tokens=with_tokens)
-            missing = [self.keys[k] for k in ("logprobs", "mask") if self._lookup(outputs, batch, k) is None]
-            if missing:
-                raise ValueError(
-                    f"KLSampleTrainMonitor: neither training_step's output (keys: {_keys(outputs)}) nor the batch "
-                    f"(keys: {_keys(batch)}) has {missing}. Provide the sampler's per-token logprobs "
-                    f"{self.keys['logprobs']!r} and the action-token mask {self.keys['mask']!r} as [B, T] tensors "
-                    "(in the batch or in the dict training_step returns), or a list of Datum as the batch "
-                    "(or under 'data'); other key names can be set with sampler_logprobs_key= / mask_key=."
-                )
-            return flatten_padded(
-                sampler_logprobs=self._lookup(outputs, batch, "logprobs"),
-                training_logprobs=self._trainer_logprobs(outputs, batch, datums=False),
-                mask=self._lookup(outputs, batch, "mask"),
-                advantages=self._lookup(outputs, batch, "advantages"),
-                target_tokens=self._lookup(outputs, batch, "target_tokens"),
-                input_ids=self._lookup(outputs, batch, "input_ids"),
-                with_tokens=with_tokens,
+        data = self._lookup(outputs, batch, "data")
+        if data is None and _is_datum_list(batch):
+            data = batch
+        with_tokens = self.top_n > 0
+        if data is not None:
+            return flatten_datums(data, self._trainer_logprobs(outputs, batch, datums=True), with_tokens=with_tokens)
+        missing = [self.keys[k] for k in ("logprobs", "mask") if self._lookup(outputs, batch, k) is None]
+        if missing:
+            raise ValueError(
+                f"KLSampleTrainMonitor: neither training_step's output (keys: {_keys(outputs)}) nor the batch "
+                f"(keys: {_keys(batch)}) has {missing}. Provide the sampler's per-token logprobs "
+                f"{self.keys['logprobs']!r} and the action-token mask {self.keys['mask']!r} as [B, T] tensors "
+                "(in the batch or in the dict training_step returns), or a list of Datum as the batch "
+                "(or under 'data'); other key names can be set with sampler_logprobs_key= / mask_key=."
             )
+        return flatten_padded(
+            sampler_logprobs=self._lookup(outputs, batch, "logprobs"),
+            training_logprobs=self._trainer_logprobs(outputs, batch, datums=False),
+            mask=self._lookup(outputs, batch, "mask"),
+            advantages=self._lookup(outputs, batch, "advantages"),
+            target_tokens=self._lookup(outputs, batch, "target_tokens"),
+            input_ids=self._lookup(outputs, batch, "input_ids"),
+            with_tokens=with_tokens,
+        )
 
     def _trainer_logprobs(self, outputs: Any, batch: Any, *, datums: bool) -> Any:
         logprobs = self._lookup(outputs, batch, "training_logprobs")

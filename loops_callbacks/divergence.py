@@ -94,6 +94,7 @@ class DivergenceStats:
     sample_size: int | None = None
 
     @classmethod
+    @torch.no_grad()
     def from_batch(
         cls,
         flat: FlatBatch,
