@@ -156,7 +156,7 @@ def flatten_datums(
                 "every per-position field must have the datum's length (nothing is truncated: a "
                 "mismatch means sampler and trainer positions are misaligned)"
             )
-        model_input = datum_model_input(datum, index=i)
+        model_input = datum_model_input(datum)
         if model_input is not None and model_input_length(model_input) != length:
             raise ValueError(
                 f"datum {i}: model_input has length {model_input_length(model_input)} but "

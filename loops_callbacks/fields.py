@@ -99,7 +99,7 @@ def _from_list(values: Sequence[Any], where: str) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def datum_model_input(datum: Any, *, index: int) -> Any:
+def datum_model_input(datum: Any) -> Any:
     """The datum's ``model_input`` (attribute or mapping key), or ``None`` when it has none."""
     if isinstance(datum, Mapping):
         return datum.get("model_input")

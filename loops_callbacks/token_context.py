@@ -74,7 +74,7 @@ class DatumTokens:
         width = CONTEXT_BEFORE + 1 + CONTEXT_AFTER
         rows = torch.full((datum.shape[0], width), NO_TOKEN, dtype=torch.int64)
         for row, (i, k) in enumerate(zip(datum.tolist(), position.tolist())):  # one per table row
-            model_input = datum_model_input(self.data[i], index=i)
+            model_input = datum_model_input(self.data[i])
             ids = model_input_tokens(model_input) if model_input is not None else []
             start = max(0, k + 1 - CONTEXT_BEFORE)
             window = ids[start : k + 2 + CONTEXT_AFTER]

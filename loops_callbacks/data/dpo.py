@@ -246,7 +246,7 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
     prompts: list[int | None] = []
     for index, datum in enumerate(data):
         label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
-        model_input = datum_model_input(datum, index=index)
+        model_input = datum_model_input(datum)
         if model_input is None:
             raise ValueError(f"{label} has no model_input ({type(datum).__name__})")
         try:
@@ -351,7 +351,7 @@ class DPOPairDataset(Dataset):
 
 def _row_tensors(datum: Any, index: int) -> dict[str, torch.Tensor]:
     label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
-    model_input = datum_model_input(datum, index=index)
+    model_input = datum_model_input(datum)
     if model_input is None:
         raise ValueError(f"{label} has no model_input")
     input_ids = torch.tensor(model_input_tokens(model_input), dtype=torch.long)

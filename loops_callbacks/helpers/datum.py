@@ -96,7 +96,7 @@ def attach_reference_logprobs(
     data = list(data)
     model_inputs, lengths = [], []
     for index, datum in enumerate(data):
-        model_input = datum_model_input(datum, index=index)
+        model_input = datum_model_input(datum)
         if model_input is None:
             raise ValueError(f"datum {index}: has no model_input ({type(datum).__name__})")
         datum_loss_fn_inputs(datum, index=index)  # fail before any scoring if it has none
