@@ -83,6 +83,10 @@ class KLSampleTrainMonitor(Callback):
 
           return {"loss": loss, "forward_backward_output": ForwardBackwardOutput(...)}
 
+      (A ``DataLoader`` of datums needs ``collate_fn=list``. The worst-tokens table's token ids
+      are then read from the datums on the host: one small synchronization per micro-batch of a
+      logged step, where the padded form gathers them on the device.)
+
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
 
