@@ -26,7 +26,7 @@ import loops_callbacks.data  # noqa: F401  (registers the DataModules for short 
 import loops_callbacks.demo  # noqa: F401  (registers the demo models and data)
 from loops_callbacks.callbacks import KLSampleTrainMonitor
 
-__all__ = ["LoopsCLI", "main"]
+__all__ = ["LoopsCLI", "main", "run_cli"]
 
 
 class LoopsCLI(LightningCLI):
@@ -75,8 +75,8 @@ def _wandb_offline_unless_logged_in() -> None:
     os.environ["WANDB_MODE"] = "offline"
 
 
-def main(args: Any = None) -> LoopsCLI:
-    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks``."""
+def run_cli(args: Any = None) -> LoopsCLI:
+    """Parse ``args`` (default: the command line), run the subcommand, return the CLI object."""
     _wandb_offline_unless_logged_in()
     return LoopsCLI(
         LightningModule,
@@ -86,6 +86,11 @@ def main(args: Any = None) -> LoopsCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+def main(args: Any = None) -> None:
+    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks`` (exit status 0 on success)."""
+    run_cli(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ import yaml
 from lightning.pytorch import LightningDataModule, LightningModule
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.cli import LoopsCLI, main
+from loops_callbacks.cli import LoopsCLI, run_cli
 from loops_callbacks.demo import CharTokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -29,7 +29,7 @@ def in_a_scratch_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def fit(config: str, *extra: str) -> LoopsCLI:
-    return main(["fit", "--config", str(CONFIGS / config), *extra])
+    return run_cli(["fit", "--config", str(CONFIGS / config), *extra])
 
 
 def wandb_run_dir(root: str) -> str:
@@ -70,7 +70,7 @@ def test_stale_sampler_is_stopped_by_the_guard_rail(capsys: Any) -> None:
 
 def printed_config(config: Path, capsys: Any) -> str:
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(config), "--print_config"])
+        run_cli(["fit", "--config", str(config), "--print_config"])
     assert exit_.value.code in (0, None)
     return capsys.readouterr().out
 
@@ -108,3 +108,16 @@ def test_bad_config_values_fail_at_parse_time_naming_the_key(override: list[str]
         fit("rl_tiny.yaml", *override)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_console_script_exits_zero(tmp_path: Path) -> None:
+    """`loops-callbacks` (as installed) and `python -m loops_callbacks` end with status 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "loops_callbacks", "fit", "--config", str(CONFIGS / "rl_tiny.yaml"),
+         "--trainer.max_steps", "2", "--trainer.logger", "false"],
+        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
