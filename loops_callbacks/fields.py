@@ -18,8 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from loops_callbacks.types import _TORCH_DTYPES, TensorData
-
 __all__ = [
     "field_to_tensor",
     "field_length",
@@ -65,8 +63,6 @@ def _as_tensor(value: Any, where: str) -> torch.Tensor:
         return _from_numpy(value, where)
     if isinstance(value, (list, tuple)):
         return _from_list(value, where)
-    if isinstance(value, TensorData) and _TORCH_DTYPES[value.dtype].is_floating_point:  # ours: list-backed
-        return _from_list(value.data, where).reshape(value.shape)
     to_numpy = getattr(value, "to_numpy", None)
     if callable(to_numpy):  # tinker's TensorData (numpy-backed) and ours
         return _from_numpy(np.asarray(to_numpy()), where)
