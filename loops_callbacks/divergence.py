@@ -121,17 +121,8 @@ class DivergenceStats:
         w = d.clamp(max=W_CLAMP).exp_()
         if valid is not None:
             w.masked_fill_(~valid, 0.0)
-
-        def count(condition: torch.Tensor) -> torch.Tensor:
-            return torch.count_nonzero(condition if valid is None else condition & valid)
-
         abs_d = d.abs()
-
-        row_counts = _row_sums(active, flat.row_lengths).to(torch.float64)
-        seq_sum = _row_sums(d, row_counts.to(torch.int64) if compact else flat.row_lengths)
-        scored = row_counts > 0
-        seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
-        seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
+        row_counts, scored, seq_mean, seq_w = _sequence_stats(d, active, flat.row_lengths, compact)
         sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
         device = d.device
         sums = [
@@ -150,7 +141,7 @@ class DivergenceStats:
             torch.count_nonzero(abs_d > 2.0),
             torch.count_nonzero(abs_d > 4.0),
             torch.count_nonzero(w > 2.0),
-            count(w < 0.5),
+            torch.count_nonzero(w < 0.5 if valid is None else (w < 0.5) & valid),
             seq_mean.sum(),
             seq_w.sum(),
         ]
@@ -269,6 +260,21 @@ def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     summed = values if values.is_floating_point() else values.to(torch.int64)
     row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths, output_size=values.numel())
     return torch.zeros(rows, dtype=summed.dtype, device=values.device).index_add_(0, row_of, summed)
+
+
+def _sequence_stats(
+    d: torch.Tensor, active: torch.Tensor, row_lengths: torch.Tensor, compact: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per datum: action-token count, whether it has any, mean d, and exp(min(mean d, 80)).
+
+    ``d`` holds the selected action tokens (``compact``) or every position with 0 elsewhere.
+    """
+    row_counts = _row_sums(active, row_lengths).to(torch.float64)
+    seq_sum = _row_sums(d, row_counts.to(torch.int64) if compact else row_lengths)
+    scored = row_counts > 0
+    seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
+    seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
+    return row_counts, scored, seq_mean, seq_w
 
 
 def _keys_of(stats: DivergenceStats) -> torch.Tensor:
