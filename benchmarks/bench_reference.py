@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.sampling import _DEFAULT_TOKENS_PER_BATCH, TorchSamplingClient
+from loops_callbacks.reference.clients import _DEFAULT_TOKENS_PER_BATCH, TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 
 MODELS = {

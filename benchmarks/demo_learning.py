@@ -33,7 +33,7 @@ from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
 from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.sampling import TorchSamplingClient
+from loops_callbacks.reference.clients import TorchSamplingClient
 
 
 def _trainer(max_steps: int, callbacks: list[lightning.Callback] | None = None) -> lightning.Trainer:

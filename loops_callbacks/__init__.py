@@ -1,19 +1,30 @@
-"""Lightning plugins for RL post-training, with the Baseten Loops SDK helpers' names and results."""
+"""Lightning plugins for RL post-training, with the Baseten Loops SDK helpers' names and results.
 
-from loops_callbacks.callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
-from loops_callbacks.helpers.datum import attach_reference_logprobs
+Two pipelines: ``loops_callbacks.divergence`` (sampler-vs-trainer logprob divergence, the
+``KLSampleTrainMonitor`` callback and its guard rail) and ``loops_callbacks.reference`` (reference
+logprobs for DPO), with ``loops_callbacks.data`` for DPO DataModules. The SDK's import paths
+``loops_callbacks.rl_metrics`` and ``loops_callbacks.helpers.datum`` are kept.
+
+Example:
+    >>> from loops_callbacks import KLSampleTrainMonitor, attach_reference_logprobs
+    >>> KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop").on_exceed
+    'stop'
+"""
+
+from loops_callbacks.divergence.monitor import KLSampleTrainMonitor, SampleTrainDivergenceError
+from loops_callbacks.reference.attach import attach_reference_logprobs
+from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.rl_metrics import loops_compute_kl_sample_train, loops_log_kl_sample_train
-from loops_callbacks.sampling import SamplingClient, TorchSamplingClient
 from loops_callbacks.types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, TensorData
 
 __all__ = [
     "Datum",
-    "KLSampleTrainMonitor",
-    "SampleTrainDivergenceError",
-    "SamplingClient",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "KLSampleTrainMonitor",
     "ModelInput",
+    "SampleTrainDivergenceError",
+    "SamplingClient",
     "TensorData",
     "TorchSamplingClient",
     "attach_reference_logprobs",

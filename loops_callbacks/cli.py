@@ -21,10 +21,9 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
-
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.demo  # noqa: F401  (registers the demo models and data)
-from loops_callbacks.callbacks import KLSampleTrainMonitor
+from loops_callbacks.divergence.monitor import KLSampleTrainMonitor
 
 __all__ = ["LoopsCLI", "main", "run_cli"]
 

@@ -1,8 +1,9 @@
 """``loops_compute_kl_sample_train`` and ``loops_log_kl_sample_train``, as in the Loops SDK.
 
-Both are thin wrappers: flatten the batch once (``action_tokens``), read it into statistics
-(``divergence``), turn those into the metrics dict (``divergence_metrics``) and, for the logging
-variant, build the W&B histogram and worst-tokens table (``wandb_media``).
+Both are thin wrappers over ``loops_callbacks.divergence``: flatten the batch once
+(``action_tokens``), read it into statistics (``statistics``), turn those into the metrics dict
+(``metrics``) and, for the logging variant, build the W&B histogram and worst-tokens table
+(``media``). The import path matches the SDK's (``loops.rl_metrics``).
 
 Example:
     >>> import torch
@@ -22,11 +23,11 @@ from typing import Any
 
 import torch
 
-from loops_callbacks.action_tokens import flatten_datums, trainer_logprobs_from_output
-from loops_callbacks.divergence import DivergenceStats
-from loops_callbacks.divergence_metrics import DEFAULT_PREFIX, scalar_metrics
-from loops_callbacks.wandb_media import divergence_media
-from loops_callbacks.worst_tokens import Tokenizer
+from loops_callbacks.divergence.action_tokens import flatten_datums, trainer_logprobs_from_output
+from loops_callbacks.divergence.media import divergence_media
+from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.worst_tokens import Tokenizer
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train", "DEFAULT_PREFIX"]
 

@@ -18,7 +18,7 @@ from typing_extensions import deprecated
 
 from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.sampling import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.action_tokens import flatten_padded
-from loops_callbacks.divergence import DivergenceStats
+from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.lightning_helpers import RecordingLogger, TinyPolicy, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
 from tests.test_rl_metrics import assert_metrics_equal
@@ -42,7 +42,7 @@ def host_of(device: str, **kwargs: Any) -> Any:
 
 
 def test_cuda_statistics_equal_the_cpu_ones() -> None:
-    from loops_callbacks.divergence_metrics import scalar_metrics
+    from loops_callbacks.divergence.metrics import scalar_metrics
 
     cpu, cuda = host_of("cpu"), host_of("cuda")
     assert_metrics_equal(scalar_metrics(cuda), scalar_metrics(cpu))
@@ -65,7 +65,7 @@ def test_no_host_sync_until_to_host() -> None:
 
 def test_loops_functions_on_cuda_tensors() -> None:
     from loops_callbacks import loops_compute_kl_sample_train
-    from loops_callbacks.action_tokens import flatten_datums
+    from loops_callbacks.divergence.action_tokens import flatten_datums
     from loops_callbacks.types import Datum, ModelInput
 
     batch = padded_batch("cuda", batch=8, length=32)

@@ -1,4 +1,4 @@
-"""The DPO DataModule hook: reference logprobs scored once, cached, resumable, sharded across ranks.
+"""The DPO DataModule's reference logprobs: scored once, cached, resumable, sharded across ranks.
 
 Real ``lightning.Trainer`` runs on CPU with a toy DPO module. The classes used by the ``ddp_spawn``
 test are defined at module level so that the spawned ranks can unpickle them.
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.lightning_helpers import CleanDistributedExit
 from loops_callbacks.data import (
     CacheKey,
     DPODataModule,
@@ -29,16 +28,18 @@ from loops_callbacks.data import (
     ReferenceCacheWarning,
     ReferenceLogprobsMixin,
     collate_dpo_pairs,
+    compute_reference_logprobs,
     data_fingerprint,
     dpo_pair_datums,
     read_cache,
     write_cache,
 )
-from loops_callbacks.data.cache import CACHE_FILE_NAME
 from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.sampling import TorchSamplingClient
+from loops_callbacks.reference.cache import CACHE_FILE_NAME
+from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
+from tests.lightning_helpers import CleanDistributedExit
 
 os.environ.setdefault("WANDB_MODE", "offline")
 VOCAB = 16
@@ -569,12 +570,12 @@ class _TwoRanks:
 
 
 def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatch: Any) -> None:
-    import loops_callbacks.data.hook as hook
+    import loops_callbacks.reference.across_ranks as across_ranks
 
-    monkeypatch.setattr(hook, "_Group", _TwoRanks)
+    monkeypatch.setattr(across_ranks, "_Group", _TwoRanks)
     client = CountingClient()
     with pytest.raises(RuntimeError, match="failed on another rank \\(rank 0: RuntimeError: out of memory\\)"):
-        hook.compute_reference_logprobs(pair_datums(make_pairs(4)), client, cache_path=tmp_path / "c", progress=False)
+        compute_reference_logprobs(pair_datums(make_pairs(4)), client, cache_path=tmp_path / "c", progress=False)
     assert client.scored == 4  # rank 1 scored its own pairs (1 and 3) only
     assert not (tmp_path / "c").exists()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from loops_callbacks.demo.data import make_preference_pairs
 from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.sampling import TorchSamplingClient
+from loops_callbacks.reference.clients import TorchSamplingClient
 from tests.lightning_helpers import quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings(

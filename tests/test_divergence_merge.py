@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.action_tokens import flatten_datums
-from loops_callbacks.divergence import DivergenceStats
-from loops_callbacks.divergence_metrics import scalar_metrics
+from loops_callbacks.divergence.action_tokens import flatten_datums
+from loops_callbacks.divergence.metrics import scalar_metrics
+from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.oracle import PREFIX
 from tests.test_rl_metrics import as_datums, assert_metrics_equal, rows
 
@@ -118,7 +118,7 @@ def test_capped_sample_is_exact_below_the_cap_and_uniform_above() -> None:
 @given(n=st.integers(1, 20_000), k=st.integers(1, 30), levels=st.integers(1, 50), seed=st.integers(0, 2**16))
 def test_stable_top_k_on_large_inputs_with_ties(n: int, k: int, levels: int, seed: int) -> None:
     """The candidate pre-filter never loses a top value; ties go to the earliest index."""
-    from loops_callbacks.divergence import _stable_top_k
+    from loops_callbacks.divergence.statistics import _stable_top_k
 
     values = torch.randint(0, levels, (n,), generator=torch.Generator().manual_seed(seed)).double()
     k = min(k, n)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence_metrics import abs_percentiles_linear
+from loops_callbacks.divergence.metrics import abs_percentiles_linear
 from tests.oracle import percentiles_pure_python
 
 finite = st.floats(-1e6, 1e6, allow_nan=False)

@@ -244,7 +244,7 @@ def test_accelerator_code_path_gives_the_same_results(batch: list[dict[str, Any]
     """The fixed-shape (no host sync) path used on accelerators, run on the CPU."""
     from unittest import mock
 
-    from loops_callbacks import divergence
+    from loops_callbacks.divergence import statistics as divergence
 
     datums, trainer = as_datums(batch, "lists")
     with mock.patch.object(divergence, "_on_host", return_value=False):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from loops_callbacks.sampling import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.types import ModelInput
 
 VOCAB = 23
@@ -201,7 +201,7 @@ def test_fingerprint_equal_for_equal_weights_and_changes_with_any_weight() -> No
 def test_fingerprint_is_stable_across_processes() -> None:
     code = (
         "import torch\n"
-        "from loops_callbacks.sampling import TorchSamplingClient\n"
+        "from loops_callbacks.reference.clients import TorchSamplingClient\n"
         "m = torch.nn.Sequential(torch.nn.Embedding(6, 4), torch.nn.Linear(4, 6))\n"
         "with torch.no_grad():\n"
         "    for i, p in enumerate(m.parameters()):\n"

@@ -1,10 +1,12 @@
-"""DPO data with reference logprobs, attached once before training: cached, resumable, sharded over ranks.
+"""DPO data for Lightning: the Loops pair convention and DataModules that attach reference logprobs.
 
 - ``dpo``: the Loops DPO datum convention (``dpo_pair_datums``), JSONL records, checks, batches;
-- ``cache``: the on-disk cache of reference logprobs;
-- ``reference``: what a ``reference`` setting (client, module, checkpoint, ``None``) scores with;
-- ``hook``: ``compute_reference_logprobs`` and ``ReferenceLogprobsMixin`` for any DataModule;
+- ``reference_mixin``: ``ReferenceLogprobsMixin`` for any DataModule, and
+  ``compute_reference_logprobs`` (checks the pairs, then scores them with ``loops_callbacks.reference``);
 - ``module``: ``DPODataModule``, ready for LightningCLI.
+
+The scoring itself (clients, resolving a ``reference`` setting, the cache, the cross-rank
+computation) lives in ``loops_callbacks.reference``; its names are re-exported here.
 
 Example (your own DataModule)::
 
@@ -20,7 +22,6 @@ Example (your own DataModule)::
             return DataLoader(DPOPairDataset(self.scored_data), batch_size=8, collate_fn=collate_dpo_pairs)
 """
 
-from loops_callbacks.data.cache import CacheKey, data_fingerprint, read_cache, write_cache
 from loops_callbacks.data.dpo import (
     DPOPairDataset,
     check_vocabulary,
@@ -30,15 +31,11 @@ from loops_callbacks.data.dpo import (
     read_dpo_jsonl,
     validate_dpo_pairs,
 )
-from loops_callbacks.data.hook import (
-    ReferenceCacheWarning,
-    ReferenceConfig,
-    ReferenceLogprobsMixin,
-    ReferenceLogprobsReport,
-    compute_reference_logprobs,
-)
 from loops_callbacks.data.module import DPODataModule
-from loops_callbacks.data.reference import load_reference_checkpoint, resolve_reference
+from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
+from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport
+from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
 
 __all__ = [
     "CacheKey",

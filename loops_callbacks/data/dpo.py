@@ -364,7 +364,7 @@ def _row_tensors(datum: Any, index: int) -> dict[str, torch.Tensor]:
         row["target_tokens"] = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
     for key in ("weights", "ref_logprobs"):
         if key not in inputs:
-            hint = " (attach them with the reference-logprob hook first)" if key == "ref_logprobs" else ""
+            hint = " (attach them first, e.g. with attach_reference_logprobs)" if key == "ref_logprobs" else ""
             raise ValueError(f"{label} has no {key!r}{hint}")
         row[key] = field_to_tensor(inputs[key], where=f"{label}, key {key!r}").float()
     for key, values in row.items():

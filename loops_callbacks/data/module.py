@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
 from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs, dpo_records_to_datums, read_dpo_jsonl
-from loops_callbacks.data.hook import ReferenceLogprobsMixin, ScoringDtype
-from loops_callbacks.sampling import SamplingClient
+from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
+from loops_callbacks.reference.clients import SamplingClient
 
 __all__ = ["DPODataModule"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loops_callbacks.sampling import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 
 __all__ = ["load_reference_checkpoint", "resolve_reference"]
 

@@ -2,7 +2,7 @@
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence import ROW
+    >>> from loops_callbacks.divergence.statistics import ROW
     >>> row = np.full(ROW.WIDTH, -1.0)
     >>> row[:7] = [2.0, -2.0, -0.5, -2.5, 0, 1, 9]
     >>> row[ROW.BEFORE][-2:] = [7, 8]
@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loops_callbacks.divergence import ROW
-from loops_callbacks.divergence_metrics import importance_weight
-from loops_callbacks.token_context import NO_TOKEN
+from loops_callbacks.divergence.metrics import importance_weight
+from loops_callbacks.divergence.statistics import ROW
+from loops_callbacks.divergence.token_context import NO_TOKEN
 
 __all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context", "worst_tokens_markdown"]
 

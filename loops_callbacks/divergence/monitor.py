@@ -17,11 +17,11 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from loops_callbacks.action_tokens import FlatBatch, flatten_datums, flatten_padded, trainer_logprobs_from_output
-from loops_callbacks.divergence import DivergenceStats
-from loops_callbacks.divergence_metrics import DEFAULT_PREFIX, scalar_metrics
-from loops_callbacks.sinks import MediaOptions, deliver
-from loops_callbacks.worst_tokens import Tokenizer
+from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded, trainer_logprobs_from_output
+from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.sinks import MediaOptions, deliver
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.worst_tokens import Tokenizer
 
 __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError"]
 

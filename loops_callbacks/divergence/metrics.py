@@ -6,7 +6,7 @@ and s = sampler logprob:
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence import HostDivergence
+    >>> from loops_callbacks.divergence.statistics import HostDivergence
     >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
     ...                       extrema={}, worst=np.zeros((0, 67)), diffs=np.zeros(0))
     >>> scalar_metrics(host, prefix="div/")
@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from loops_callbacks.divergence import W_CLAMP, HostDivergence
+from loops_callbacks.divergence.statistics import W_CLAMP, HostDivergence
 
 __all__ = [
     "DEFAULT_PREFIX",

@@ -9,7 +9,7 @@ A logger that fails is reported as a warning and skipped: monitoring must never 
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence import HostDivergence
+    >>> from loops_callbacks.divergence.statistics import HostDivergence
     >>> class Printer:
     ...     def log_metrics(self, metrics, step):
     ...         print(step, metrics)
@@ -27,10 +27,10 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from loops_callbacks.divergence import HostDivergence
-from loops_callbacks.divergence_metrics import histogram_values
-from loops_callbacks.wandb_media import HISTOGRAM_KEY, TABLE_KEY, divergence_media
-from loops_callbacks.worst_tokens import Tokenizer, worst_token_rows, worst_tokens_markdown
+from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, divergence_media
+from loops_callbacks.divergence.metrics import histogram_values
+from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.worst_tokens import Tokenizer, worst_token_rows, worst_tokens_markdown
 
 __all__ = ["MediaOptions", "deliver"]
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from loops_callbacks.divergence.token_context import DatumTokens, PaddedTokens, TokenLookup
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -38,7 +39,6 @@ from loops_callbacks.fields import (
     field_to_tensor,
     model_input_length,
 )
-from loops_callbacks.token_context import DatumTokens, PaddedTokens, TokenLookup
 
 __all__ = ["FlatBatch", "flatten_datums", "flatten_padded", "trainer_logprobs_from_output"]
 

@@ -14,7 +14,7 @@ key per token, which merges exactly), so percentiles stay exact while the union 
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.action_tokens import flatten_padded
+    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
     >>> host = DivergenceStats.from_batch(flat).to_host()
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loops_callbacks.action_tokens import FlatBatch
-from loops_callbacks.token_context import CONTEXT_AFTER, CONTEXT_BEFORE, NO_TOKEN
+from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE, NO_TOKEN
 
 __all__ = ["DivergenceStats", "HostDivergence", "TOTALS", "EXTREMA", "ROW", "W_CLAMP"]
 

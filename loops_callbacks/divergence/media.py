@@ -4,7 +4,7 @@
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence import HostDivergence
+    >>> from loops_callbacks.divergence.statistics import HostDivergence
     >>> host = HostDivergence(totals={"n_action_tokens": 0.0}, extrema={}, worst=np.zeros((0, 67)),
     ...                       diffs=np.zeros(0))
     >>> divergence_media(host, prefix="div/")
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loops_callbacks.divergence import HostDivergence
-from loops_callbacks.divergence_metrics import histogram_values
-from loops_callbacks.worst_tokens import WORST_TOKEN_COLUMNS, Tokenizer, worst_token_rows
+from loops_callbacks.divergence.metrics import histogram_values
+from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.worst_tokens import WORST_TOKEN_COLUMNS, Tokenizer, worst_token_rows
 
 __all__ = ["HISTOGRAM_KEY", "TABLE_KEY", "divergence_media"]
 
