@@ -33,7 +33,16 @@ import torch
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE, NO_TOKEN
 
-__all__ = ["DivergenceStats", "HostDivergence", "TOTALS", "EXTREMA", "ROW", "W_CLAMP"]
+__all__ = [
+    "DivergenceStats",
+    "HostDivergence",
+    "TOTALS",
+    "EXTREMA",
+    "ROW",
+    "W_CLAMP",
+    "LOGPROB_CEILING",
+    "LOGPROB_FLOOR",
+]
 
 W_CLAMP = 80.0
 """Importance weights are exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
@@ -57,9 +66,18 @@ TOTALS = (
     "n_w_lt_half",
     "sum_seq_mean_d",
     "sum_seq_w",
+    "n_sampler_above_zero",  # logprobs > LOGPROB_CEILING: impossible (probabilities passed as logprobs?)
+    "n_trainer_above_zero",
+    "n_sampler_below_floor",  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
+    "n_trainer_below_floor",
 )
-EXTREMA = ("max_d", "neg_min_d", "max_seq_mean_d")
+EXTREMA = ("max_d", "neg_min_d", "max_seq_mean_d", "max_sampler", "neg_min_sampler", "max_trainer", "neg_min_trainer")
 """Maxima (minima stored negated, so every extremum merges with max); -inf when empty."""
+
+LOGPROB_CEILING = 1e-4
+"""A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
+LOGPROB_FLOOR = -1e4
+"""A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
 _T = {name: i for i, name in enumerate(TOTALS)}
 
 
@@ -124,6 +142,7 @@ class DivergenceStats:
         abs_d = d.abs()
         row_counts, scored, seq_mean, seq_w = _sequence_stats(d, active, flat.row_lengths, compact)
         sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
+        trainer = _select(flat.trainer, active) if compact else flat.trainer.masked_fill(~active, 0.0)
         device = d.device
         sums = [
             torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
@@ -144,13 +163,20 @@ class DivergenceStats:
             torch.count_nonzero(w < 0.5 if valid is None else (w < 0.5) & valid),
             seq_mean.sum(),
             seq_w.sum(),
+            torch.count_nonzero(sampler > LOGPROB_CEILING),
+            torch.count_nonzero(trainer > LOGPROB_CEILING),
+            torch.count_nonzero(sampler < LOGPROB_FLOOR),
+            torch.count_nonzero(trainer < LOGPROB_FLOOR),
         ]
         inf = float("inf")
-        if valid is None:
-            low, high = _min_max(d)
-        else:
-            low, high = _min_max(d.masked_fill(~valid, inf))[0], _min_max(d.masked_fill(~valid, -inf))[1]
-        extrema = torch.stack([high, -low, _min_max(seq_mean.masked_fill(~scored, -inf))[1]])
+        extrema = torch.stack(
+            [
+                *_max_and_negated_min(d, valid),
+                _min_max(seq_mean.masked_fill(~scored, -inf))[1],
+                *_max_and_negated_min(sampler, valid),
+                *_max_and_negated_min(trainer, valid),
+            ]
+        )
         worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=device)
         if top_n:
             ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
@@ -238,6 +264,16 @@ class DivergenceStats:
 def _on_host(device: torch.device) -> bool:
     """Whether host synchronizations are free here (the CPU), so data-dependent shapes are fine."""
     return device.type == "cpu"
+
+
+def _max_and_negated_min(values: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, -min) of ``values`` where ``valid`` (all when ``None``); -inf for both when there are none."""
+    inf = float("inf")
+    if valid is None:
+        low, high = _min_max(values)
+    else:
+        low, high = _min_max(values.masked_fill(~valid, inf))[0], _min_max(values.masked_fill(~valid, -inf))[1]
+    return high, -low
 
 
 def _select(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
