@@ -3,7 +3,8 @@ KL Sample-Train Monitor
 =======================
 
 Logs, every optimizer step, how far the sampler's logprobs are from the trainer's on exactly the
-tokens that step trained on, and stops a run whose sampler and trainer have come apart.
+tokens that step trained on, and stops a run whose sampler and trainer have come apart — or whose
+numbers can no longer be trusted (``loops_callbacks.divergence.guard_rail``).
 """
 
 from __future__ import annotations
@@ -14,24 +15,46 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded, trainer_logprobs_from_output
+from loops_callbacks.divergence.guard_rail import (
+    DEFAULT_MAX_NONFINITE_FRACTION,
+    GuardRail,
+    SampleTrainDivergenceError,
+    impossible_inputs,
+)
+from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
-from loops_callbacks.divergence.sinks import MediaOptions, deliver
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.sinks import MediaOptions, deliver, deliver_text
+from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
+from loops_callbacks.run_warnings import RunWarnings
+from loops_callbacks.validation import check_int
 
-__all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError"]
+__all__ = ["DATA_KEYS", "KLSampleTrainMonitor", "SampleTrainDivergenceError"]
 
+DATA_KEYS = (
+    "data",
+    "training_logprobs",
+    "forward_backward_output",
+    "logprobs",
+    "mask",
+    "advantages",
+    "target_tokens",
+    "input_ids",
+)
+"""The names ``keys=`` may remap; by default each is read under its own name."""
 
-class SampleTrainDivergenceError(RuntimeError):
-    """Raised by ``KLSampleTrainMonitor(on_exceed="raise")`` when the divergence passes ``max_kl``."""
+GUARD_RAIL_TEXT_KEY = "guard_rail"
+"""Text key (under the prefix) of the guard rail's message, at the step it acted."""
+
+_WATCHING_NOTHING_AFTER = 3
+"""Logged steps without action tokens, from the start of a run, before the monitor says so."""
 
 
 class KLSampleTrainMonitor(Callback):
-    r"""Monitor sampler-vs-trainer logprob divergence after every forward/backward.
+    r"""Log sampler-vs-trainer logprob divergence once per optimizer step, and stop a run whose sampler broke.
 
     The metrics are those of ``loops_log_kl_sample_train`` (same keys, same formulas), computed
     over all micro-batches of an accumulation window on every rank and logged once per optimizer
@@ -55,14 +78,30 @@ class KLSampleTrainMonitor(Callback):
             action tokens per step the percentiles are exact; beyond, they come from a uniform
             sample of this size (rank error of a percentile below 3·sqrt(q(1-q)/sample_size):
             ±0.09 percentile points at p99 with the default).
-        max_kl: guard rail: the bound on ``kl_metric``; ``None`` disables it.
-        kl_metric: the metric the guard rail watches (a name like ``"kl_sample_train_k3"`` or a
-            full key).
-        patience: logged steps in a row above ``max_kl`` before acting.
+        max_kl: guard rail: the bound on ``kl_metric``; ``None`` disables it (untrusted steps are
+            then still warned about, never acted on).
+        kl_metric: the metric the guard rail watches: one of the scalar keys below, bare
+            (``"kl_sample_train_k3"``) or with the prefix; any other name is a ``ValueError``.
+        patience: logged steps in a row that exceed before acting.
         on_exceed: ``"warn"``, ``"stop"`` (end training cleanly, as ``EarlyStopping`` does) or
             ``"raise"`` (:class:`SampleTrainDivergenceError`).
-        data_key, training_logprobs_key, forward_backward_output_key, sampler_logprobs_key,
-            mask_key, advantages_key, target_tokens_key, input_ids_key: where to read the data.
+        max_nonfinite_fraction: a logged step whose masked-in action tokens had more than this
+            share of missing, NaN or infinite logprobs exceeds (default 0.01; 0 skipped is the
+            healthy case, and any skipped token is counted in ``n_skipped_nonfinite``).
+        keys: where to read the data, as ``{name: key}`` for any of ``data``,
+            ``training_logprobs``, ``forward_backward_output``, ``logprobs`` (the sampler's),
+            ``mask``, ``advantages``, ``target_tokens``, ``input_ids``; each defaults to its name.
+
+    Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
+    be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
+    numbers cannot be trusted: more than ``max_nonfinite_fraction`` non-finite logprobs (every
+    token non-finite: the metrics are missing), the metric NaN, infinite, or negative where it
+    cannot be (all but ``kl_sample_train_v1_loops``, ``diff_mean``, ``seq_log_ratio_mean``,
+    ``chi2_token``), or a logprob below -1e4 (a sentinel such as ``torch.finfo(float32).min``).
+    The message says which. A step without masked-in action tokens is not judged; a run whose
+    logged steps all have none gets one warning (the monitor is watching nothing). Logprobs above
+    1e-4 (probabilities passed as logprobs?) and sentinels get one warning per run naming the key
+    and an example position. The patience counter is saved in checkpoints.
 
     Data contract (read in ``on_train_batch_end``; each key is looked up in ``training_step``'s
     returned dict first, then in the batch):
@@ -128,24 +167,19 @@ class KLSampleTrainMonitor(Callback):
         kl_metric: str = "kl_sample_train_k3",
         patience: int = 1,
         on_exceed: Literal["warn", "stop", "raise"] = "stop",
-        data_key: str = "data",
-        training_logprobs_key: str = "training_logprobs",
-        forward_backward_output_key: str = "forward_backward_output",
-        sampler_logprobs_key: str = "logprobs",
-        mask_key: str = "mask",
-        advantages_key: str = "advantages",
-        target_tokens_key: str = "target_tokens",
-        input_ids_key: str = "input_ids",
+        max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION,
+        keys: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         if interval not in ("optimizer_step", "forward_backward"):
             raise ValueError(f"interval must be 'optimizer_step' or 'forward_backward', got {interval!r}")
         if on_exceed not in ("warn", "stop", "raise"):
             raise ValueError(f"on_exceed must be 'warn', 'stop' or 'raise', got {on_exceed!r}")
-        for name, value, least in [("log_every_n_steps", log_every_n_steps, 1), ("top_n", top_n, 0),
-                                   ("sample_size", sample_size, 1), ("patience", patience, 1)]:
-            if value is not None and (not isinstance(value, int) or value < least):
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if log_every_n_steps is not None:
+            check_int("log_every_n_steps", log_every_n_steps, least=1)
+        check_int("top_n", top_n, least=0)
+        check_int("sample_size", sample_size, least=1)
+        check_int("patience", patience, least=1)
         if max_kl is not None and not max_kl >= 0:
             raise ValueError(f"max_kl must be >= 0 or None, got {max_kl!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -156,26 +190,22 @@ class KLSampleTrainMonitor(Callback):
         self.media = MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
         self.top_n = top_n if log_worst_tokens else 0
         self.sample_size = sample_size
+        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)
         self.max_kl = max_kl
-        self.kl_key = kl_metric if kl_metric.startswith(prefix) else prefix + kl_metric
+        self.kl_key = self.guard_rail.key
         self.patience = patience
         self.on_exceed = on_exceed
-        self.keys = {
-            "data": data_key,
-            "training_logprobs": training_logprobs_key,
-            "forward_backward_output": forward_backward_output_key,
-            "logprobs": sampler_logprobs_key,
-            "mask": mask_key,
-            "advantages": advantages_key,
-            "target_tokens": target_tokens_key,
-            "input_ids": input_ids_key,
-        }
+        self.keys = _data_keys(keys)
         self.exceeded_steps = 0
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
+        self.warnings = RunWarnings()
         self._window: DivergenceStats | None = None
+        self._last_flat: FlatBatch | None = None
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._logged_steps = 0
+        self._steps_with_action_tokens = 0
 
     @property
     @override
@@ -184,15 +214,21 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            check_loop_internals(trainer)
         self._window = None
+        self._last_flat = None
         self._contract_checked = False
         self._generators = {}
+        self._logged_steps = 0
+        self._steps_with_action_tokens = 0
+        self.warnings.reset()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = _optimizer_step_index(trainer)
+        step = optimizer_step_index(trainer)
         logged = self._logs_at(trainer, step)
         if not logged and self._contract_checked:
             return
@@ -204,9 +240,16 @@ class KLSampleTrainMonitor(Callback):
             flat, top_n=self.top_n, sample_size=self.sample_size, generator=self._generator(flat.device)
         )
         self._window = stats if self._window is None else self._window.merge(stats)
-        if self.interval == "forward_backward" or not _accumulating(trainer):
+        self._last_flat = flat
+        if self.interval == "forward_backward" or not accumulating(trainer):
             window, self._window = self._window, None
             self._publish(trainer, window, step)
+            self._last_flat = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._logged_steps and not self._steps_with_action_tokens:
+            self._warn_watching_nothing()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -236,31 +279,74 @@ class KLSampleTrainMonitor(Callback):
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
         if trainer.is_global_zero:
             deliver(trainer.loggers, metrics, host, step=step, media=self.media)
-        self._guard(trainer, metrics, step)
+        self._watch_inputs(host, step)
+        self._guard(trainer, metrics, host, step)
 
-    def _guard(self, trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
-        if self.max_kl is None or self.kl_key not in metrics:
-            return
-        value = metrics[self.kl_key]
-        if not value > self.max_kl:
+    def _watch_inputs(self, host: HostDivergence, step: int) -> None:
+        """Count steps with something to judge; warn once per run about impossible logprobs."""
+        self._logged_steps += 1
+        totals = host.totals
+        if totals["n_action_tokens"] + totals["n_skipped_nonfinite"] > 0:
+            self._steps_with_action_tokens += 1
+        elif self._logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
+            self._warn_watching_nothing()
+        for problem, message in impossible_inputs(host).items():
+            if not self.warnings.said(problem):
+                self.warnings.warn(
+                    problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
+                )
+
+    def _warn_watching_nothing(self) -> None:
+        self.warnings.warn(
+            "watching_nothing",
+            f"KLSampleTrainMonitor: none of the {self._logged_steps} logged step(s) had an action token "
+            f"({self.keys['mask']!r} > 0 with a non-zero {self.keys['advantages']!r}); the monitor is watching "
+            "nothing — check the mask (1.0 on the tokens the policy sampled) and the advantages",
+        )
+
+    def _example(self, problem: str) -> str:
+        """Where one offending logprob sits in the step's last micro-batch, and under which key."""
+        side, _, kind = problem.partition("_")
+        key = self.keys["logprobs"] if side == "sampler" else self.keys["training_logprobs"]
+        flat = self._last_flat
+        if kind == "all_zero" or flat is None:
+            return f"key {key!r}"
+        values = flat.sampler if side == "sampler" else flat.trainer
+        offending = flat.active & (values > LOGPROB_CEILING if kind == "above_zero" else values < LOGPROB_FLOOR)
+        found = torch.nonzero(offending)
+        if found.numel() == 0:
+            return f"key {key!r}, in an earlier micro-batch of the step"
+        index = int(found[0, 0])
+        ends = torch.cumsum(flat.row_lengths, 0).cpu()
+        datum = int(torch.searchsorted(ends, index, right=True))
+        position = index - (int(ends[datum - 1]) if datum else 0)
+        return f"key {key!r}, e.g. {float(values[index]):.3g} at datum {datum}, position {position} of the last micro-batch"
+
+    def _guard(self, trainer: pl.Trainer, metrics: Mapping[str, float], host: HostDivergence, step: int) -> None:
+        reason = self.guard_rail.exceeds(metrics, host)
+        if reason is None:
+            untrusted = self.guard_rail.untrusted(metrics, host)
+            if untrusted is not None:  # no bound set: say it, act on nothing
+                self.warnings.warn(f"untrusted:{untrusted}", f"KLSampleTrainMonitor, step {step}: {untrusted}")
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
         if self.exceeded_steps < self.patience:
             return
         message = (
-            f"{self.kl_key} = {value:.6g} exceeded max_kl = {self.max_kl:g} at step {step} "
-            f"({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): the sampler's "
-            "logprobs no longer match the trainer's — check that the sampler receives the trainer's "
+            f"{reason} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
+            "the sampler's logprobs no longer match the trainer's — check that the sampler receives the trainer's "
             "weights, and that both use the same tokenizer, precision and sampling settings."
         )
-        if self.on_exceed == "raise":
-            raise SampleTrainDivergenceError(message)
         if self.on_exceed == "stop":
             self.stop_reason = message
             trainer.should_stop = True
             message += " Signaling Trainer to stop."
-        rank_zero_warn(message)
+        if trainer.is_global_zero:
+            deliver_text(trainer.loggers, self.prefix + GUARD_RAIL_TEXT_KEY, message, step=step)
+        if self.on_exceed == "raise":
+            raise SampleTrainDivergenceError(message)
+        self.warnings.warn(f"exceeded:{step}", message)
 
     def _read_batch(self, outputs: Any, batch: Any) -> FlatBatch:
         """The step's tokens, in either contract form; a clear error when the contract is broken."""
@@ -277,7 +363,7 @@ class KLSampleTrainMonitor(Callback):
                 f"(keys: {_keys(batch)}) has {missing}. Provide the sampler's per-token logprobs "
                 f"{self.keys['logprobs']!r} and the action-token mask {self.keys['mask']!r} as [B, T] tensors "
                 "(in the batch or in the dict training_step returns), or a list of Datum as the batch "
-                "(or under 'data'); other key names can be set with sampler_logprobs_key= / mask_key=."
+                "(or under 'data'); other key names can be set with keys={'logprobs': ..., 'mask': ...}."
             )
         return flatten_padded(
             sampler_logprobs=self._lookup(outputs, batch, "logprobs"),
@@ -301,7 +387,7 @@ class KLSampleTrainMonitor(Callback):
             f"KLSampleTrainMonitor: training_step's output has no {self.keys['training_logprobs']!r}{also} "
             f"(keys: {_keys(outputs)}). Return the trainer's per-token logprobs of the target tokens, e.g. "
             f"`return {{'loss': loss, {self.keys['training_logprobs']!r}: logprobs}}` with logprobs [B, T] "
-            "(position k = the token predicted at k), or set training_logprobs_key= to your key."
+            "(position k = the token predicted at k), or set keys={'training_logprobs': <your key>}."
         )
 
     def _lookup(self, outputs: Any, batch: Any, name: str) -> Any:
@@ -312,17 +398,16 @@ class KLSampleTrainMonitor(Callback):
         return None
 
 
-def _optimizer_step_index(trainer: pl.Trainer) -> int:
-    """The 0-based optimizer step this micro-batch belongs to: the step Lightning logs it under."""
-    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
-
-
-def _accumulating(trainer: pl.Trainer) -> bool:
-    """Whether more micro-batches follow before the optimizer steps (Lightning's own rule)."""
-    if not trainer.lightning_module.automatic_optimization:
-        return False
-    should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-    return bool(should_accumulate()) if callable(should_accumulate) else False
+def _data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
+    """``keys`` over the defaults; ``ValueError`` naming an unknown name or a non-string key."""
+    given = dict(keys or {})
+    unknown = sorted(set(given) - set(DATA_KEYS))
+    if unknown:
+        raise ValueError(f"keys has unknown names {unknown}; the names are {list(DATA_KEYS)}")
+    bad = {name: key for name, key in given.items() if not isinstance(key, str) or not key}
+    if bad:
+        raise ValueError(f"keys must map each name to a non-empty string, got {bad}")
+    return {name: given.get(name, name) for name in DATA_KEYS}
 
 
 def _is_datum_list(batch: Any) -> bool:

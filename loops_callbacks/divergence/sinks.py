@@ -32,7 +32,7 @@ from loops_callbacks.divergence.metrics import histogram_values
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer, worst_token_rows, worst_tokens_markdown
 
-__all__ = ["MediaOptions", "deliver"]
+__all__ = ["MediaOptions", "deliver", "deliver_text"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,25 @@ def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence
             writer.add_histogram(media.prefix + HISTOGRAM_KEY, histogram_values(host.diffs, media.max_histogram_tokens), step)
         if media.log_worst_tokens:
             writer.add_text(media.prefix + TABLE_KEY, worst_tokens_markdown(worst_token_rows(host.worst, media.tokenizer)), step)
+
+
+def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> None:
+    """Log a line of text at ``step`` where a logger can show it (TensorBoard text, a W&B table).
+
+    Used for the guard rail's message, so a stop is visible beside the curves. Loggers that show
+    no text (CSV) are skipped; a failing logger is a warning.
+
+    Example:
+        >>> deliver_text([object()], "div/guard_rail", "stopped", step=3)  # nothing to show it: skipped
+    """
+    for logger in loggers:
+        try:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(key, text, step)
+            elif isinstance(logger, WandbLogger):
+                import wandb
+
+                logger.log_metrics({key: wandb.Table(columns=["step", "message"], data=[[step, text]])}, step=step)
+        except Exception as error:  # monitoring never stops training by itself
+            rank_zero_warn(f"KLSampleTrainMonitor could not log text to {type(logger).__name__} at step {step}: {error!r}")
+

@@ -1,0 +1,171 @@
+"""The guard rail: judging one logged step, and what its inputs make impossible to trust.
+
+A logged step *exceeds* when the watched metric is above ``max_kl``, and also when the step cannot
+be trusted — the guard rail treats what it cannot judge as unsafe:
+
+* more than ``max_nonfinite_fraction`` of the masked-in action tokens had a missing, NaN or
+  infinite logprob (all of them: the metrics are missing altogether);
+* the watched metric is NaN or infinite, or negative where it cannot be (every metric but
+  ``kl_sample_train_v1_loops``, ``diff_mean``, ``seq_log_ratio_mean`` and ``chi2_token``);
+* a logprob is below ``LOGPROB_FLOOR`` (-1e4): a sentinel such as ``torch.finfo(float32).min``,
+  whose diff overflows every formula.
+
+A step without masked-in action tokens is not judged (nothing to compare); the monitor warns when
+every logged step of a run is like that. Logprobs above ``LOGPROB_CEILING`` (1e-4: probabilities
+passed as logprobs?) are reported by ``impossible_inputs`` as a warning and named in the message
+when the step exceeds.
+
+Example:
+    >>> import numpy as np
+    >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
+    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_skipped_nonfinite": 64.0}
+    >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, 67)), np.zeros(0))
+    >>> rail = GuardRail(max_kl=0.05, metric="kl_sample_train_k3", prefix="div/")
+    >>> rail.untrusted({"div/n_action_tokens": 0.0}, host)
+    '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from loops_callbacks.divergence.metrics import EXTRA_METRICS, SDK_METRICS
+from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
+
+__all__ = ["GuardRail", "SampleTrainDivergenceError", "impossible_inputs", "watchable_metric_key"]
+
+SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
+"""Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
+
+DEFAULT_MAX_NONFINITE_FRACTION = 0.01
+
+
+class SampleTrainDivergenceError(RuntimeError):
+    """Raised by ``KLSampleTrainMonitor(on_exceed="raise")`` when a logged step exceeds the guard rail."""
+
+
+def watchable_metric_key(metric: str, prefix: str) -> str:
+    """The full key of ``metric`` (a bare name or a prefixed key); ``ValueError`` for any other name.
+
+    Example:
+        >>> watchable_metric_key("kl_sample_train_k3", "div/")
+        'div/kl_sample_train_k3'
+        >>> watchable_metric_key("kl_k3", "div/")
+        Traceback (most recent call last):
+        ...
+        ValueError: kl_metric='kl_k3' is not a metric the monitor logs; use one of ['kl_sample_train_v1_loops', ...
+    """
+    names = (*SDK_METRICS, *EXTRA_METRICS)
+    name = metric.removeprefix(prefix) if prefix else metric
+    if name not in names:
+        raise ValueError(
+            f"kl_metric={metric!r} is not a metric the monitor logs; use one of {list(names)} "
+            f"(or the full key, with the prefix {prefix!r})"
+        )
+    return prefix + name
+
+
+@dataclass
+class GuardRail:
+    """The bound on one metric, with the rules of the module docstring; ``None`` bound: never exceeds."""
+
+    max_kl: float | None
+    metric: str
+    prefix: str
+    max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
+
+    def __post_init__(self) -> None:
+        self.key = watchable_metric_key(self.metric, self.prefix)
+        if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
+            raise ValueError(f"max_nonfinite_fraction must be in [0, 1], got {self.max_nonfinite_fraction!r}")
+
+    @property
+    def name(self) -> str:
+        return self.key.removeprefix(self.prefix)
+
+    def untrusted(self, metrics: Mapping[str, float], host: HostDivergence) -> str | None:
+        """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
+        totals = host.totals
+        n = totals["n_action_tokens"]
+        skipped = totals["n_skipped_nonfinite"]
+        masked_in = n + skipped
+        if masked_in == 0:
+            return None
+        if skipped / masked_in > self.max_nonfinite_fraction or n == 0:
+            return (
+                f"{skipped:.0f} of {masked_in:.0f} action tokens had a non-finite logprob (None, NaN or inf), "
+                f"more than max_nonfinite_fraction = {self.max_nonfinite_fraction:g}"
+            )
+        sentinel = _sentinel(host)
+        value = metrics[self.key]
+        if not math.isfinite(value) or (value < 0 and self.name not in SIGNED_METRICS):
+            why = sentinel or _positive(host) or f"{self.name} cannot be {'negative' if math.isfinite(value) else value}"
+            return f"{self.name} = {value:.3g}: {why}"
+        if sentinel:
+            return sentinel
+        return None
+
+    def exceeds(self, metrics: Mapping[str, float], host: HostDivergence) -> str | None:
+        """Why this step exceeds the guard rail, or ``None``; an untrusted step always exceeds."""
+        if self.max_kl is None:
+            return None
+        reason = self.untrusted(metrics, host)
+        if reason is not None:
+            return f"the step cannot be trusted: {reason}"
+        value = metrics.get(self.key)
+        if value is None or not value > self.max_kl:
+            return None
+        hint = _positive(host)
+        return f"{self.key} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
+
+
+def impossible_inputs(host: HostDivergence) -> dict[str, str]:
+    """Problems with the logprobs themselves, by a stable key (for warning once per run).
+
+    Example:
+        >>> import numpy as np
+        >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
+        >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
+        >>> extrema = dict.fromkeys(EXTREMA, -np.inf) | {"max_sampler": 0.9}
+        >>> impossible_inputs(HostDivergence(totals, extrema, np.zeros((0, 67)), np.zeros(0)))
+        {'sampler_above_zero': '3 of 4 sampler logprobs are > 0 (largest 0.9): these look like probabilities, not logprobs'}
+    """
+    totals, extrema = host.totals, host.extrema
+    n = totals["n_action_tokens"]
+    found = {}
+    if n > 0 and totals["n_trainer_zero"] == n:
+        found["trainer_all_zero"] = (
+            f"every one of the {n:.0f} action tokens' trainer logprobs is exactly 0.0: the loss probably "
+            "emitted no per-token logprobs (are all advantages 0?); the divergence metrics are meaningless"
+        )
+    for side in ("sampler", "trainer"):
+        above = totals[f"n_{side}_above_zero"]
+        if above:
+            found[f"{side}_above_zero"] = (
+                f"{above:.0f} of {n:.0f} {side} logprobs are > 0 (largest {extrema[f'max_{side}']:.3g}): "
+                "these look like probabilities, not logprobs"
+            )
+        below = totals[f"n_{side}_below_floor"]
+        if below:
+            found[f"{side}_below_floor"] = (
+                f"{below:.0f} of {n:.0f} {side} logprobs are below {LOGPROB_FLOOR:g} "
+                f"(smallest {-extrema[f'neg_min_{side}']:.3g}): these look like sentinel values, not logprobs"
+            )
+    return found
+
+
+def _sentinel(host: HostDivergence) -> str | None:
+    for side in ("sampler", "trainer"):
+        if host.totals[f"n_{side}_below_floor"]:
+            return f"a {side} logprob of {-host.extrema[f'neg_min_{side}']:.3g} looks like a sentinel"
+    return None
+
+
+def _positive(host: HostDivergence) -> str | None:
+    for side in ("sampler", "trainer"):
+        if host.totals[f"n_{side}_above_zero"]:
+            return f"{side} logprobs up to {host.extrema[f'max_{side}']:.3g} are > 0: probabilities passed as logprobs?"
+    return None
+
