@@ -1,0 +1,333 @@
+"""Preference records from every common source, and the format of each, found automatically.
+
+Sources (``read_preference_records``): a JSONL, JSON or Parquet file; an in-memory list of dicts;
+a ``datasets.Dataset`` (a split of a ``DatasetDict``); or ``datasets.load_dataset`` arguments
+(``{"path": ..., "name": ..., "split": ..., "data_files": ...}``). Each record comes with where it
+was found (``"line 3 of pairs.jsonl"``, ``"row 7 of pairs.parquet"``), so every error can say.
+
+Formats (``parse_preference``), TRL's names:
+
+- ``standard``: ``{"prompt": str, "chosen": str, "rejected": str}``;
+- ``conversational``: ``prompt``, ``chosen`` and ``rejected`` are lists of ``{"role", "content"}``
+  messages (``chosen`` / ``rejected`` hold the assistant turn(s));
+- ``implicit_standard`` / ``implicit_conversational``: no ``prompt``; ``chosen`` and ``rejected``
+  are full texts or conversations whose shared start is the prompt (TRL's ``extract_prompt``);
+  a record whose ``prompt`` is a string but whose ``chosen`` / ``rejected`` are conversations is
+  implicit too (TRL's ``maybe_extract_prompt``);
+- ``token_ids``: ``{"chosen": [ids], "rejected": [ids], "prompt_length": k}`` (or per-token
+  ``chosen_weights`` / ``rejected_weights``), the Loops DPO records of ``dpo_records_to_datums``.
+
+Keys whose value is ``None`` count as absent (Arrow fills missing columns with ``None``); other
+keys are ignored, except ``tools`` and ``chat_template_kwargs`` of conversational records, which
+are passed to the chat template as TRL does.
+
+Example:
+    >>> example = parse_preference({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "item 0")
+    >>> example.format, example.prompt, example.chosen
+    ('standard', '2+2=', '4')
+    >>> parse_preference({"chosen": "The sky is blue", "rejected": "The sky is green"}, "item 1").prompt
+    'The sky is'
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "HF_EXTRA_HINT",
+    "LocatedRecord",
+    "PreferenceExample",
+    "PreferenceFormat",
+    "import_optional",
+    "parse_preference",
+    "read_preference_records",
+]
+
+PreferenceFormat = Literal["standard", "conversational", "implicit_standard", "implicit_conversational", "token_ids"]
+
+HF_EXTRA_HINT = 'pip install "loops-callbacks[hf]"'
+
+_FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def import_optional(module: str, feature: str) -> Any:
+    """Import ``module`` (``transformers``, ``datasets``, ``pyarrow``), or an ImportError naming the extra.
+
+    Example:
+        >>> import_optional("json", "reading JSON").__name__
+        'json'
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{feature} needs the {module.split('.')[0]!r} package, part of the 'hf' extra: {HF_EXTRA_HINT}"
+        ) from error
+
+
+@dataclass(frozen=True)
+class LocatedRecord:
+    """A record and where it came from (``"line 3 of pairs.jsonl"``)."""
+
+    record: Any
+    where: str
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One preference pair in a known format, the implicit prompt already extracted.
+
+    ``prompt``, ``chosen`` and ``rejected`` are strings (standard formats) or lists of messages
+    (conversational formats); for ``token_ids`` the original record is in ``record`` and the
+    three are empty.
+    """
+
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    format: PreferenceFormat
+    where: str
+    tools: Any = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    record: Mapping[str, Any] | None = None
+
+    @property
+    def conversational(self) -> bool:
+        return self.format in ("conversational", "implicit_conversational")
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def parse_preference(record: Any, where: str) -> PreferenceExample:
+    """The ``PreferenceExample`` of one record; ``ValueError`` naming ``where`` and the keys when it fits no format.
+
+    Example:
+        >>> parse_preference({"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}, "item 0").format
+        'token_ids'
+    """
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: a preference record must be a JSON object / dict, got {type(record).__name__}")
+    present = {key: value for key, value in record.items() if value is not None}
+    missing = [key for key in ("chosen", "rejected") if key not in present]
+    if missing:
+        raise ValueError(
+            f"{where}: the record has no {' or '.join(repr(k) for k in missing)}, so it fits no preference format "
+            f"(keys: {sorted(record)}). {_FORMATS_HELP}"
+        )
+    chosen, rejected = present["chosen"], present["rejected"]
+    kinds = (_kind(chosen), _kind(rejected))
+    if kinds == ("ids", "ids"):
+        return PreferenceExample("", "", "", "token_ids", where, record=present)
+    if kinds == ("text", "text"):
+        prompt = present.get("prompt")
+        if prompt is None:
+            prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
+            return PreferenceExample(prompt, chosen, rejected, "implicit_standard", where)
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{where}: 'chosen' and 'rejected' are strings but 'prompt' is {_describe(prompt)}; a standard record "
+                f"has a string prompt (keys: {sorted(record)}). {_FORMATS_HELP}"
+            )
+        return PreferenceExample(prompt, chosen, rejected, "standard", where)
+    if kinds == ("messages", "messages"):
+        _check_messages(chosen, "chosen", where)
+        _check_messages(rejected, "rejected", where)
+        tools = present.get("tools")
+        if isinstance(tools, str):
+            tools = json.loads(tools)
+        kwargs = present.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"{where}: 'chat_template_kwargs' must be a dict, got {_describe(kwargs)}")
+        prompt = present.get("prompt")
+        if prompt is None or isinstance(prompt, str):  # a string prompt beside full conversations: implicit
+            prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
+            fmt: PreferenceFormat = "implicit_conversational"
+        else:
+            if _kind(prompt) != "messages" or not prompt:
+                raise ValueError(
+                    f"{where}: 'chosen' and 'rejected' are conversations but 'prompt' is {_describe(prompt)}; "
+                    f"a conversational prompt is a non-empty list of messages (keys: {sorted(record)})"
+                )
+            _check_messages(prompt, "prompt", where)
+            fmt = "conversational"
+        return PreferenceExample(list(prompt), list(chosen), list(rejected), fmt, where, tools, dict(kwargs))
+    raise ValueError(
+        f"{where}: the record fits no preference format: 'chosen' is {_describe(chosen)} and 'rejected' is "
+        f"{_describe(rejected)} (keys: {sorted(record)}). {_FORMATS_HELP}"
+    )
+
+
+_FORMATS_HELP = (
+    "Formats: standard {prompt, chosen, rejected} strings; conversational lists of {role, content} messages; "
+    "implicit prompt (chosen and rejected full texts or conversations, no prompt); or token ids "
+    "{chosen: [ids], rejected: [ids], prompt_length: k}."
+)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if hasattr(value, "tolist") and not isinstance(value, Mapping):  # numpy arrays from Arrow / pandas
+        value = value.tolist()
+    if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
+        return "messages"
+    if (
+        isinstance(value, Sequence)
+        and value
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
+    ):
+        return "ids"
+    return "other"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Sequence):
+        if not value:
+            return "an empty list"
+        first = value[0]
+        if isinstance(first, Mapping):
+            return f"a list of dicts with keys {sorted(first)} (a message needs 'role')"
+        return f"a list of {type(first).__name__}"
+    return f"a {type(value).__name__}"
+
+
+def _check_messages(messages: Sequence[Any], name: str, where: str) -> None:
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise ValueError(f"{where}: {name}[{index}] has role {role!r}; a message's role must be a string")
+
+
+def _extract_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, Any]:
+    """TRL's ``extract_prompt``: the shared start of ``chosen`` and ``rejected`` is the prompt.
+
+    The prompt ends where the two first differ; a space just before that point goes to the
+    completions (``"The sky is| blue"``). Where one is a prefix of the other (or they are equal),
+    TRL leaves the last element of the shorter one in the completions, so neither is empty; so do
+    we. Unlike TRL, an empty chosen or rejected is an error, not a crash, and a difference at the
+    very first element gives an empty prompt (TRL would look at the last character instead).
+    """
+    shortest = min(len(chosen), len(rejected))
+    if shortest == 0:
+        raise ValueError(f"{where}: an implicit-prompt record needs non-empty 'chosen' and 'rejected'")
+    index = next((i for i in range(shortest) if chosen[i] != rejected[i]), shortest - 1)
+    if index == shortest - 1 and chosen[index] == rejected[index]:
+        pass  # one is a prefix of the other: leave the last shared element to the completions
+    elif index > 0 and isinstance(chosen, str) and chosen[index - 1] == " ":
+        index -= 1
+    return chosen[:index], chosen[index:], rejected[index:]
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def read_preference_records(source: Any, *, description: str | None = None) -> list[LocatedRecord]:
+    """Every record of ``source``, each with where it was found.
+
+    ``source`` is a path (``.jsonl``, ``.json`` — an array of records or one per line —, or
+    ``.parquet``), a ``datasets.Dataset``, ``datasets.load_dataset`` arguments as a dict with
+    ``"path"``, or a list of records. Blank JSONL lines are skipped.
+
+    Example:
+        >>> [r.where for r in read_preference_records([{"chosen": "a", "rejected": "b"}])]
+        ['item 0 of the data list']
+    """
+    if isinstance(source, (str, os.PathLike)):
+        return _read_file(os.fspath(source))
+    if isinstance(source, Mapping):
+        return _read_load_dataset(source)
+    if _is_dataset_dict(source):
+        raise ValueError(
+            f"a DatasetDict holds several splits ({sorted(source)}); pass one, e.g. dataset[{next(iter(source))!r}]"
+        )
+    if _is_dataset(source):
+        return _read_dataset(source, description or "the dataset")
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        label = description or "the data list"
+        return [LocatedRecord(record, f"item {index} of {label}") for index, record in enumerate(source)]
+    raise ValueError(
+        f"preference data must be a file path, a list of records, a datasets.Dataset or load_dataset arguments, "
+        f"got {type(source).__name__}"
+    )
+
+
+def _read_file(path: str) -> list[LocatedRecord]:
+    kind = next((k for suffix, k in _FILE_KINDS.items() if path.lower().endswith(suffix)), None)
+    if kind is None:
+        raise ValueError(
+            f"{path!r}: unknown preference file type; use .jsonl, .json or .parquet "
+            "(or dataset={'path': 'json', 'data_files': ...} for anything load_dataset reads)"
+        )
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"preference file {path!r} does not exist")
+    if kind == "parquet":
+        parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
+        rows = parquet.read_table(path).to_pylist()
+        return [LocatedRecord(row, f"row {index} of {path}") for index, row in enumerate(rows)]
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    if kind == "json" and text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON at line {error.lineno}: {error.msg}") from None
+        return [LocatedRecord(item, f"item {index} of {path}") for index, item in enumerate(items)]
+    return list(_json_lines(text, path))
+
+
+def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"line {number} of {path}"
+        try:
+            yield LocatedRecord(json.loads(line), where)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON: {error}") from None
+
+
+def _is_dataset(source: Any) -> bool:
+    return type(source).__module__.startswith("datasets.") and hasattr(source, "column_names")
+
+
+def _is_dataset_dict(source: Any) -> bool:
+    return type(source).__module__.startswith("datasets.") and isinstance(source, Mapping)
+
+
+def _read_dataset(dataset: Any, label: str) -> list[LocatedRecord]:
+    return [LocatedRecord(row, f"row {index} of {label}") for index, row in enumerate(dataset)]
+
+
+_LOAD_DATASET_KEYS = ("path", "name", "split", "data_files", "data_dir", "revision")
+
+
+def _read_load_dataset(arguments: Mapping[str, Any]) -> list[LocatedRecord]:
+    if "path" not in arguments:
+        raise ValueError(
+            f"dataset={dict(arguments)!r}: load_dataset arguments need 'path' (a hub name, a directory, or a "
+            "builder such as 'json' / 'parquet' with data_files)"
+        )
+    unknown = sorted(set(arguments) - set(_LOAD_DATASET_KEYS))
+    if unknown:
+        raise ValueError(f"dataset: unknown load_dataset argument(s) {unknown}; use {list(_LOAD_DATASET_KEYS)}")
+    datasets = import_optional("datasets", "loading a preference data set with load_dataset")
+    kwargs = {key: value for key, value in arguments.items() if value is not None}
+    loaded = datasets.load_dataset(**kwargs)
+    split = kwargs.get("split")
+    if _is_dataset_dict(loaded):
+        if len(loaded) != 1:
+            raise ValueError(f"dataset={kwargs!r} has several splits ({sorted(loaded)}); choose one with split:")
+        split = next(iter(loaded))
+        loaded = loaded[split]
+    label = f"{kwargs['path']}" + (f" ({kwargs['name']})" if kwargs.get("name") else "") + f" split {split!r}"
+    return _read_dataset(loaded, label)

@@ -1,0 +1,390 @@
+"""Preference pairs to Loops DPO datums with a Hugging Face tokenizer, as TRL's ``DPOTrainer`` tokenizes them.
+
+For each pair (``parse_preference`` has found its format and extracted an implicit prompt):
+
+1. the prompt and the prompt + completion are tokenized *together*, as TRL 1.x does:
+   conversational records with the tokenizer's chat template (the prompt with the generation
+   prompt, ``prompt + chosen`` without it; the record's ``tools`` and ``chat_template_kwargs``
+   passed along), standard records with ``tokenizer(text)`` after appending the EOS token to a
+   ``chosen`` / ``rejected`` that lacks it;
+2. the completion starts where the tokenized prompt and the tokenized prompt + completion first
+   differ (the earlier point of the chosen and the rejected sequence, so that both share one
+   prompt): that is ``prompt_length``. When it is not the end of the tokenized prompt (a chat
+   template that renders the prompt alone differently, tokens merging across the boundary),
+   TRL's warning is given, once, with a count. The training sequence is the tokenized
+   prompt + completion itself;
+3. limits: ``max_prompt_length`` keeps the *end* of a longer prompt (so the completion survives;
+   TRL 1.x has no such limit), then ``max_length`` keeps the *start* of a longer sequence, as
+   TRL's ``truncation_mode="keep_start"`` does, and pairs whose prompt alone fills ``max_length``
+   are dropped (as TRL drops them). A pair left without a completion token in either sequence
+   is dropped, never trained on. Truncated and dropped pairs are counted and reported in one
+   warning, on rank 0;
+4. datums in the Loops DPO convention (``dpo_pair_datums``): the full sequence in
+   ``model_input``, weight 1 on the positions that predict completion tokens.
+
+Token-id records (``{"chosen": [ids], "rejected": [ids], "prompt_length": k}``) skip step 1 and
+2 and get the same limits.
+
+Example:
+    >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
+    >>> tokenizer = build_chat_tokenizer()
+    >>> records = [{"prompt": [{"role": "user", "content": "Hi"}],
+    ...             "chosen": [{"role": "assistant", "content": "Hello!"}],
+    ...             "rejected": [{"role": "assistant", "content": "Go away."}]}]
+    >>> datums, report = preference_datums(records, tokenizer, progress=False)
+    >>> prompt = tokenizer.apply_chat_template(records[0]["prompt"], add_generation_prompt=True)["input_ids"]
+    >>> datums[0].model_input.to_ints()[: len(prompt)] == prompt, report.num_pairs
+    (True, 1)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loops_callbacks.data.dpo import _datum, _record_pair
+from loops_callbacks.data.preference import (
+    LocatedRecord,
+    PreferenceExample,
+    import_optional,
+    parse_preference,
+    read_preference_records,
+)
+from loops_callbacks.types import Datum
+
+__all__ = [
+    "PreferenceDataWarning",
+    "TokenizationReport",
+    "apply_length_limits",
+    "common_prefix_length",
+    "load_tokenizer",
+    "preference_datums",
+    "tokenize_preferences",
+]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 256  # records per batched tokenizer call
+
+
+class PreferenceDataWarning(UserWarning):
+    """Preference pairs were truncated or dropped by the length limits, or their prompt split was unusual."""
+
+
+@dataclass
+class TokenizationReport:
+    """What ``preference_datums`` did to the pairs: formats seen, truncations and drops.
+
+    ``prompt_not_prefix`` counts pairs whose tokenized prompt is not a prefix of the tokenized
+    prompt + completion (TRL's warning); ``prompt_truncated`` pairs lost the start of their prompt
+    to ``max_prompt_length``; ``truncated`` lost the end of a sequence to ``max_length``;
+    ``dropped_prompt_fills_max_length`` and ``dropped_empty_completion`` were left out;
+    ``record_indices[p]`` is the index of the record that became pair ``p``.
+    """
+
+    num_records: int = 0
+    num_pairs: int = 0
+    formats: dict[str, int] = field(default_factory=dict)
+    prompt_not_prefix: int = 0
+    prompt_truncated: int = 0
+    truncated: int = 0
+    dropped_prompt_fills_max_length: int = 0
+    dropped_empty_completion: int = 0
+    record_indices: list[int] = field(default_factory=list)  # the record of each kept pair, in order
+    examples: dict[str, str] = field(default_factory=dict)  # first occurrence of each event: where (and what)
+
+    def note(self, event: str, where: str) -> None:
+        setattr(self, event, getattr(self, event) + 1)
+        self.examples.setdefault(event, where)
+
+    def warning(self) -> str | None:
+        """One message for everything worth a warning, or ``None``."""
+        parts = []
+        if self.prompt_not_prefix:
+            parts.append(
+                f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
+                "prompt+completion, usually because the chat template renders the prompt alone differently or "
+                "because tokens merge across the boundary; their completion starts where the two diverge, and the "
+                f"rest of the prompt is left out of the training sequence (first: {self.examples['prompt_not_prefix']}). "
+                "The model is trained on a context that differs from the one it sees at inference: use a chat template "
+                "that renders the prompt the same way in both cases, or end the prompt on a token boundary"
+            )
+        for event, text in (
+            ("prompt_truncated", "had their prompt cut to its last max_prompt_length tokens"),
+            ("truncated", "had a sequence cut to its first max_length tokens"),
+            ("dropped_prompt_fills_max_length", "were dropped: their prompt alone fills max_length"),
+            ("dropped_empty_completion", "were dropped: no completion token left in the chosen or rejected sequence"),
+        ):
+            count = getattr(self, event)
+            if count:
+                parts.append(f"{count} of {self.num_records} pair(s) {text} (first: {self.examples[event]})")
+        return "; ".join(parts) + "." if parts else None
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained(tokenizer)`` for a name/path."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        transformers = import_optional("transformers", f"loading the tokenizer {os.fspath(tokenizer)!r}")
+        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    if callable(tokenizer) and callable(getattr(tokenizer, "apply_chat_template", None)):
+        return tokenizer
+    raise TypeError(
+        f"tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
+        f"got {type(tokenizer).__name__}"
+    )
+
+
+def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
+    """How many leading tokens ``ids`` and ``other`` share.
+
+    Example:
+        >>> common_prefix_length([1, 2, 3], [1, 2, 4, 5]), common_prefix_length([1, 2], [1, 2, 3])
+        (2, 2)
+    """
+    length = min(len(ids), len(other))
+    if length == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(ids[:length]) != np.asarray(other[:length]))
+    return int(differ[0]) if differ.size else length
+
+
+def tokenize_preferences(
+    examples: Sequence[PreferenceExample], tokenizer: Any, *, progress: bool = False
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt_ids, prompt_chosen_ids, prompt_rejected_ids)`` of each text or chat example, as TRL 1.x computes them.
+
+    Batched: one tokenizer call per chunk of records (and per distinct ``tools`` /
+    ``chat_template_kwargs``), which gives the same ids as TRL's one call per record.
+    """
+    for example in examples:
+        if example.conversational and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{example.where}: a conversational record needs a tokenizer with a chat template, and "
+                f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has none; set "
+                "tokenizer.chat_template or use the model's own tokenizer"
+            )
+    results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
+    bar = _progress_bar(len(examples), progress)
+    try:
+        for start in range(0, len(examples), _CHUNK):
+            groups: dict[str, list[int]] = {}
+            for index in range(start, min(start + _CHUNK, len(examples))):
+                groups.setdefault(_call_key(examples[index]), []).append(index)
+            for indices in groups.values():
+                for index, ids in zip(indices, _tokenize_group([examples[i] for i in indices], tokenizer)):
+                    results[index] = ids
+            if bar is not None:
+                bar.update(min(_CHUNK, len(examples) - start))
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def _call_key(example: PreferenceExample) -> str:
+    if not example.conversational:
+        return "text"
+    return json.dumps([example.tools, example.chat_template_kwargs], sort_keys=True, default=str)
+
+
+def _tokenize_group(examples: list[PreferenceExample], tokenizer: Any) -> list[tuple[list[int], list[int], list[int]]]:
+    if examples[0].conversational:
+        kwargs: dict[str, Any] = {"tools": examples[0].tools, **examples[0].chat_template_kwargs}
+
+        def render(conversations: list[list[Any]], generation_prompt: bool) -> list[list[int]]:
+            encoded = tokenizer.apply_chat_template(
+                conversations, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True, **kwargs
+            )
+            return [list(ids) for ids in encoded["input_ids"]]
+
+        prompts = render([e.prompt for e in examples], True)
+        chosen = render([e.prompt + e.chosen for e in examples], False)
+        rejected = render([e.prompt + e.rejected for e in examples], False)
+    else:
+        eos = tokenizer.eos_token
+        texts = [e.prompt for e in examples]
+        texts += [e.prompt + _with_eos(e.chosen, eos) for e in examples]
+        texts += [e.prompt + _with_eos(e.rejected, eos) for e in examples]
+        ids = [list(i) for i in tokenizer(texts)["input_ids"]]
+        count = len(examples)
+        prompts, chosen, rejected = ids[:count], ids[count : 2 * count], ids[2 * count :]
+    return list(zip(prompts, chosen, rejected))
+
+
+def _with_eos(text: str, eos: str | None) -> str:
+    return text if eos is None or text.endswith(eos) else text + eos
+
+
+def _progress_bar(total: int, progress: bool) -> Any:
+    if not progress or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="tokenizing preference pairs", unit="pair")
+
+
+def apply_length_limits(
+    chosen: list[int],
+    rejected: list[int],
+    prompt_length: int,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+) -> tuple[list[int], list[int], int, list[str]]:
+    """The pair within the limits, and what happened (events of ``TokenizationReport``; a ``dropped_*`` one means drop it).
+
+    ``max_prompt_length`` keeps the last tokens of a longer prompt; then ``max_length`` keeps the
+    first tokens of a longer sequence, and a prompt that fills it drops the pair.
+
+    Example:
+        >>> apply_length_limits([1, 2, 3, 4, 5], [1, 2, 3, 6], 3, max_length=4, max_prompt_length=2)
+        ([2, 3, 4, 5], [2, 3, 6], 2, ['prompt_truncated'])
+        >>> apply_length_limits([1, 2, 3, 4, 5], [1, 2, 3, 6], 3, max_length=4)
+        ([1, 2, 3, 4], [1, 2, 3, 6], 3, ['truncated'])
+    """
+    events: list[str] = []
+    if max_prompt_length is not None and prompt_length > max_prompt_length:
+        cut = prompt_length - max_prompt_length
+        chosen, rejected, prompt_length = chosen[cut:], rejected[cut:], max_prompt_length
+        events.append("prompt_truncated")
+    if max_length is not None:
+        if prompt_length >= max_length:
+            return chosen, rejected, prompt_length, [*events, "dropped_prompt_fills_max_length"]
+        if len(chosen) > max_length or len(rejected) > max_length:
+            chosen, rejected = chosen[:max_length], rejected[:max_length]
+            events.append("truncated")
+    if len(chosen) <= prompt_length or len(rejected) <= prompt_length:
+        events.append("dropped_empty_completion")
+    return chosen, rejected, prompt_length, events
+
+
+def preference_datums(
+    source: Any,
+    tokenizer: Any = None,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    progress: bool = True,
+    warn: bool = True,
+) -> tuple[list[Datum], TokenizationReport]:
+    """Interleaved Loops DPO datums (chosen at even indices, rejected at odd) from preference records.
+
+    Args:
+        source: anything ``read_preference_records`` reads (a file path, a list of records, a
+            ``datasets.Dataset``, ``load_dataset`` arguments), or already located records.
+        tokenizer: a Hugging Face tokenizer or its name/path; needed for text and chat records.
+        max_length: longest sequence (prompt + completion) in tokens; keeps the start.
+        max_prompt_length: longest prompt in tokens; keeps the end.
+        progress: a progress bar while tokenizing.
+        warn: one ``PreferenceDataWarning`` (rank 0) summing up truncations, drops and prompt splits.
+
+    Raises:
+        ValueError: a record that fits no format (naming its file and line, or row, and its keys),
+            bad limits, a missing tokenizer or chat template, or no pair left.
+    """
+    _check_limits(max_length, max_prompt_length)
+    located = list(source) if _is_located(source) else read_preference_records(source)
+    report = TokenizationReport(num_records=len(located))
+    examples = [parse_preference(item.record, item.where) for item in located]
+    for example in examples:
+        report.formats[example.format] = report.formats.get(example.format, 0) + 1
+    text = [i for i, e in enumerate(examples) if e.format != "token_ids"]
+    tokenized: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    if text:
+        if tokenizer is None:
+            raise ValueError(
+                f"{examples[text[0]].where}: {examples[text[0]].format} records are text and need a tokenizer "
+                "(a Hugging Face tokenizer, or its name/path)"
+            )
+        tokenizer = load_tokenizer(tokenizer)
+        tokenized = dict(zip(text, tokenize_preferences([examples[i] for i in text], tokenizer, progress=progress)))
+
+    data: list[Datum] = []
+    limited = max_length is not None or max_prompt_length is not None
+    for index, example in enumerate(examples):
+        if example.format == "token_ids":
+            label = f"pair {index} ({example.where})"
+            pair = _record_pair(example.record, label)  # checks the record
+            if not limited:
+                data.extend(pair)
+                report.record_indices.append(index)
+                continue
+            if example.record.get("prompt_length") is None:
+                _check_weighted_within_limits(example.record, label, max_length, max_prompt_length)
+                data.extend(pair)
+                report.record_indices.append(index)
+                continue
+            chosen, rejected = list(example.record["chosen"]), list(example.record["rejected"])
+            prompt_length = int(example.record["prompt_length"])
+        else:
+            prompt_ids, chosen, rejected = tokenized[index]
+            prompt_length = min(common_prefix_length(prompt_ids, chosen), common_prefix_length(prompt_ids, rejected))
+            if prompt_length < len(prompt_ids):
+                shown = tokenizer.decode(prompt_ids[prompt_length:])
+                report.note("prompt_not_prefix", f"{example.where}, prompt end {shown!r} left out")
+            if prompt_length == 0:
+                prompt_length = 1  # token 0 is never predicted (nor by TRL); its two sequences must share it
+                if chosen[:1] != rejected[:1]:
+                    report.note("dropped_empty_completion", example.where)
+                    continue
+        chosen, rejected, prompt_length, events = apply_length_limits(
+            chosen, rejected, prompt_length, max_length=max_length, max_prompt_length=max_prompt_length
+        )
+        for event in events:
+            report.note(event, example.where)
+        if any(event.startswith("dropped") for event in events):
+            continue
+        data.append(_datum(chosen, [0.0] * prompt_length + [1.0] * (len(chosen) - prompt_length)))
+        data.append(_datum(rejected, [0.0] * prompt_length + [1.0] * (len(rejected) - prompt_length)))
+        report.record_indices.append(index)
+    report.num_pairs = len(data) // 2
+    if not data:
+        raise ValueError(
+            f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
+        )
+    message = report.warning()
+    if message and warn:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(message, category=PreferenceDataWarning)
+    log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
+    return data, report
+
+
+def _is_located(source: Any) -> bool:
+    return isinstance(source, list) and bool(source) and isinstance(source[0], LocatedRecord)
+
+
+def _check_weighted_within_limits(
+    record: Mapping[str, Any], label: str, max_length: int | None, max_prompt_length: int | None
+) -> None:
+    """A record given by per-token weights has no prompt to cut: it must fit the limits as it is."""
+    for name in ("chosen", "rejected"):
+        length = len(record[name])
+        prompt = int(np.flatnonzero(np.asarray(record[f"{name}_weights"]) > 0)[0])
+        if (max_length is not None and length > max_length) or (
+            max_prompt_length is not None and prompt > max_prompt_length
+        ):
+            raise ValueError(
+                f"{label}: the {name} sequence ({length} tokens, {prompt} before the first weighted one) exceeds "
+                f"max_length={max_length} / max_prompt_length={max_prompt_length}, and a record given by per-token "
+                "weights is not truncated: give prompt_length instead, or shorten it"
+            )
+
+
+def _check_limits(max_length: int | None, max_prompt_length: int | None) -> None:
+    for name, value, low in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{name}={value!r} must be an int >= {low} or None")
+    if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length} must be less than max_length={max_length}, or a prompt cut to "
+            "max_prompt_length leaves no room for the completion"
+        )
+
