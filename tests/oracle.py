@@ -146,6 +146,14 @@ def _text(ids: list[int], tokenizer: Any) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
 
 
+def _token_text(token: int, tokenizer: Any) -> str:
+    """The SDK's token cell: ``tokenizer.decode([id])``, or the id as a decimal string."""
+    try:
+        return str(tokenizer.decode([token])) if tokenizer is not None else str(token)
+    except Exception:
+        return str(token)
+
+
 def worst_rows(rows: list[dict[str, Any]], top_n: int = 20, tokenizer: Any = None) -> list[list[Any]]:
     tokens = action_tokens(rows)[0]
     ranked = sorted(tokens, key=lambda tok: -abs(tok[3] - tok[2]))  # stable: earlier tokens first on ties
@@ -159,6 +167,7 @@ def worst_rows(rows: list[dict[str, Any]], top_n: int = 20, tokenizer: Any = Non
             token = ids[k + 1]
         else:
             token = "<end>"
+        column = token if token == "<end>" else _token_text(token, tokenizer)
         p = k + 1
         before, after = ids[max(0, p - 40) : p], ids[p + 1 : p + 21]
         centre = "<end>" if token == "<end>" else _text([token], tokenizer)
@@ -167,5 +176,5 @@ def worst_rows(rows: list[dict[str, Any]], top_n: int = 20, tokenizer: Any = Non
             + _text(after[:3], tokenizer) + "⟧" + _text(after[3:], tokenizer)
         )
         d = t - s
-        table.append([rank, i, p, token, round(s, 4), round(t, 4), round(d, 4), round(math.exp(min(d, 80.0)), 4), context])
+        table.append([rank, i, p, column, round(s, 4), round(t, 4), round(d, 4), round(math.exp(min(d, 80.0)), 4), context])
     return table

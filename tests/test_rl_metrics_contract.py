@@ -50,7 +50,7 @@ def test_rows_by_hand_with_a_tokenizer() -> None:
     trainer[0][9] = -0.5  # d = +0.5 at the last position: no next token -> <end>
     rows = table_rows(data, trainer, top_n=2, tokenizer=Letters())
     assert rows == [
-        [1, 0, 5, 5, -1.0, -3.0, -2.0, round(math.exp(-2.0), 4), "ab⟦cde»f«ghi⟧j"],
+        [1, 0, 5, "f", -1.0, -3.0, -2.0, round(math.exp(-2.0), 4), "ab⟦cde»f«ghi⟧j"],
         [2, 0, 10, "<end>", -1.0, -0.5, 0.5, round(math.exp(0.5), 4), "abcdefg⟦hij»<end>«⟧"],
     ]
 
@@ -61,7 +61,7 @@ def test_rows_by_hand_without_a_tokenizer_and_with_target_tokens() -> None:
     trainer = [[-1.0] * 60]
     trainer[0][44] = -1.25
     (row,) = table_rows(data, trainer, top_n=1)
-    assert row[:8] == [1, 0, 45, 1094, -1.0, -1.25, -0.25, round(math.exp(-0.25), 4)]
+    assert row[:8] == [1, 0, 45, "1094", -1.0, -1.25, -0.25, round(math.exp(-0.25), 4)]
     before = " ".join(map(str, range(55, 92)))  # model_input[5:42], then the 3 near tokens 92..94
     after = " ".join(map(str, range(99, 110)))  # model_input[49:60]: the 20 after are cut by the end
     assert row[8] == f"{before}⟦92 93 94»1094«96 97 98⟧{after}"
@@ -70,11 +70,28 @@ def test_rows_by_hand_without_a_tokenizer_and_with_target_tokens() -> None:
 def test_a_tokenizer_that_raises_falls_back_to_ids_and_text_is_escaped() -> None:
     data = [datum([7, 8, 9, 1], [-1.0, -1.0, -1.0, -1.0])]
     rows = table_rows(data, [[-1.0, -2.0, -1.0, -1.0]], top_n=1, tokenizer=Broken())
-    assert rows[0][8] == "⟦7 8»9«1⟧"
+    assert rows[0][3] == "9" and rows[0][8] == "⟦7 8»9«1⟧"
     rows = table_rows(data, [[-1.0, -2.0, -1.0, -1.0]], top_n=1, tokenizer=Escapes())
+    assert rows[0][3] == "line\nbreak\r"  # the token cell is decode([id]) itself, as in the SDK
     assert rows[0][8] == "⟦-»line\\nbreak\\r«?⟧"
     rows = table_rows(data, [[-3.0, -1.0, -1.0, -1.0]], top_n=1, tokenizer=Escapes())
     assert rows[0][8] == "⟦x\\ty»\\\\«-⟧"
+
+
+@pytest.mark.parametrize(
+    "tokenizer, tokens, want",
+    [
+        (Letters(), [0, 1, 2], ["b", "c", "<end>"]),  # decode([id])
+        (None, [0, 49947, 2], ["49947", "2", "<end>"]),  # the id as a decimal string
+        (Broken(), [0, 49947, 2], ["49947", "2", "<end>"]),  # a tokenizer that cannot decode: the id
+    ],
+)
+def test_the_token_column_is_text_in_every_case(tokenizer: Any, tokens: list[int], want: list[str]) -> None:
+    """The SDK's token column: never an int, so a W&B column never mixes ints and text."""
+    data = [datum(tokens, [-1.0, -1.0, -1.0])]
+    rows = table_rows(data, [[-4.0, -3.0, -2.0]], top_n=3, tokenizer=tokenizer)
+    assert [row[3] for row in rows] == want
+    assert all(type(row[3]) is str for row in rows)
 
 
 def test_each_row_carries_its_own_diff_and_weight() -> None:
@@ -177,6 +194,7 @@ def test_a_real_offline_run_accepts_the_dict_and_writes_the_table(tmp_path: Any)
         content = json.load(handle)
     assert content["columns"][-1] == "context" and len(content["data"]) == 20
     assert content["data"][0][8].count("⟦") == 1  # decoded context text
+    assert all(isinstance(row[3], str) for row in content["data"])  # the token column is text, one type
 
 
 def test_tensor_data_round_trip_keeps_none() -> None:

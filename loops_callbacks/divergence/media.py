@@ -50,7 +50,6 @@ def divergence_media(
 
         media[prefix + TABLE_KEY] = wandb.Table(
             columns=list(WORST_TOKEN_COLUMNS),
-            data=worst_token_rows(host.worst, tokenizer),
-            allow_mixed_types=True,
+            data=worst_token_rows(host.worst, tokenizer),  # every column one type: the token column is text
         )
     return media

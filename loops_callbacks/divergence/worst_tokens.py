@@ -7,7 +7,7 @@ Example:
     >>> row[:7] = [2.0, -2.0, -0.5, -2.5, 0, 1, 9]
     >>> row[ROW.BEFORE][-2:] = [7, 8]
     >>> worst_token_rows(row[None, :])
-    [[1, 0, 2, 9, -0.5, -2.5, -2.0, 0.1353, '⟦7 8»9«⟧']]
+    [[1, 0, 2, '9', -0.5, -2.5, -2.0, 0.1353, '⟦7 8»9«⟧']]
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ from loops_callbacks.divergence.metrics import importance_weight
 from loops_callbacks.divergence.statistics import ROW
 from loops_callbacks.divergence.token_context import NO_TOKEN
 
-__all__ = ["WORST_TOKEN_COLUMNS", "Tokenizer", "worst_token_rows", "format_context", "worst_tokens_markdown"]
+__all__ = [
+    "WORST_TOKEN_COLUMNS",
+    "Tokenizer",
+    "worst_token_rows",
+    "token_text",
+    "format_context",
+    "worst_tokens_markdown",
+]
 
 WORST_TOKEN_COLUMNS = [
     "rank",
@@ -47,8 +54,10 @@ class Tokenizer(Protocol):
 def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> list[list[Any]]:
     """Table rows, rank 1 first: each row's own diff and importance weight, rounded to 4 places.
 
-    ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k); the
-    token is ``target_tokens[k]``, else ``model_input[k + 1]``, else ``"<end>"``. ``is_weight``
+    ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k). The
+    token is ``target_tokens[k]``, else ``model_input[k + 1]``; the ``token`` column always holds
+    text, as in the Loops SDK: ``tokenizer.decode([id])``, the id as a decimal string without a
+    tokenizer (or when it cannot decode the id), ``"<end>"`` when there is no token. ``is_weight``
     is ``importance_weight(d)``, exp(min(d, 80)), as in the importance-ratio metrics.
     """
     rows = []
@@ -60,7 +69,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
                 rank,
                 int(row[ROW.DATUM]),
                 int(row[ROW.POSITION]) + 1,
-                END if token == NO_TOKEN else token,
+                token_text(token, tokenizer),
                 round(float(row[ROW.SAMPLER]), 4),
                 round(float(row[ROW.TRAINER]), 4),
                 round(diff, 4),
@@ -87,6 +96,23 @@ def format_context(before: Sequence[int], token: int, after: Sequence[int], toke
     )
 
 
+def token_text(token: int, tokenizer: Tokenizer | None) -> str:
+    """The ``token`` column: ``tokenizer.decode([token])``, else ``str(token)``; ``"<end>"`` for no token.
+
+    Example:
+        >>> token_text(49947, None), token_text(-1, None)
+        ('49947', '<end>')
+    """
+    if token == NO_TOKEN:
+        return END
+    if tokenizer is not None:
+        try:
+            return str(tokenizer.decode([token]))
+        except Exception:  # a tokenizer that cannot decode this id: the id, as without one
+            pass
+    return str(token)
+
+
 def _ids(values: np.ndarray) -> list[int]:
     return [int(v) for v in values if v != NO_TOKEN]
 
@@ -102,21 +128,33 @@ def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
             text = None
     if text is None:
         text = " ".join(str(i) for i in ids)
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return _escape(text)
 
 
 def worst_tokens_markdown(rows: list[list[Any]]) -> str:
-    """The table as Markdown (TensorBoard's text panel renders it).
+    """The table as Markdown (TensorBoard's text panel renders it); token and context as code.
 
     Example:
-        >>> print(worst_tokens_markdown([[1, 0, 2, 9, -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
+        >>> print(worst_tokens_markdown([[1, 0, 2, "9", -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
         | rank | datum | position | token | logp_sampler | logp_trainer | diff | is_weight | context |
         |---|---|---|---|---|---|---|---|---|
-        | 1 | 0 | 2 | 9 | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
+        | 1 | 0 | 2 | `9` | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
     """
+    token_column = WORST_TOKEN_COLUMNS.index("token")
     lines = ["| " + " | ".join(WORST_TOKEN_COLUMNS) + " |", "|" + "---|" * len(WORST_TOKEN_COLUMNS)]
     for row in rows:
         *numbers, context = row
-        cells = [str(value) for value in numbers] + ["`" + str(context).replace("|", "\\|") + "`"]
+        cells = [_code(_escape(str(value))) if i == token_column else str(value) for i, value in enumerate(numbers)]
+        cells.append(_code(str(context)))  # already escaped by format_context
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def _code(text: str) -> str:
+    """A Markdown code span that survives a table cell: ``|`` escaped, a longer fence around backticks."""
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
