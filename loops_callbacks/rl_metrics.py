@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from loops_callbacks.divergence.action_tokens import flatten_datums, trainer_logprobs_from_output
+from loops_callbacks.divergence.guard_rail import impossible_inputs
 from loops_callbacks.divergence.media import divergence_media
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train", "DEFAULT_PREFIX"]
@@ -44,10 +45,15 @@ def loops_compute_kl_sample_train(
 
     ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask``
     (optional ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per
-    datum (or one right-padded ``[B, T]`` tensor). Keys and formulas: see the README table.
+    datum (or one right-padded ``[B, T]`` tensor). The keys and their formulas are listed in
+    ``loops_callbacks.divergence.metrics``. Impossible inputs (trainer logprobs all exactly 0.0,
+    logprobs above 0 or below -1e4) are logged as warnings on the ``loops_callbacks`` logger; the
+    numbers are returned anyway.
     """
     flat = flatten_datums(data, training_logprobs)
-    return scalar_metrics(DivergenceStats.from_batch(flat).to_host(), prefix=prefix)
+    host = DivergenceStats.from_batch(flat).to_host()
+    _report_inputs(host)
+    return scalar_metrics(host, prefix=prefix)
 
 
 def loops_log_kl_sample_train(
@@ -80,6 +86,7 @@ def loops_log_kl_sample_train(
     rows = top_n if log_worst_tokens else 0
     flat = flatten_datums(data, training_logprobs, with_tokens=rows > 0)
     host = DivergenceStats.from_batch(flat, top_n=rows).to_host()
+    _report_inputs(host)
     metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
     metrics.update(
         divergence_media(
@@ -97,3 +104,8 @@ def loops_log_kl_sample_train(
         except Exception as error:  # monitoring must never break training
             logger.warning("could not log divergence metrics to W&B at step %s: %r", step, error)
     return metrics
+
+
+def _report_inputs(host: HostDivergence) -> None:
+    for message in impossible_inputs(host).values():
+        logger.warning("%s", message)

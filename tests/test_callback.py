@@ -253,3 +253,29 @@ def test_invalid_arguments_name_the_value() -> None:
         KLSampleTrainMonitor(on_exceed="panic")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="decode"):
         KLSampleTrainMonitor(tokenizer=object())
+
+
+def test_keys_remap_where_the_data_is_read_and_reject_unknown_names() -> None:
+    class Renamed(TinyPolicy):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            return {"loss": out["loss"], "trainer_lp": out["training_logprobs"], "sampler_lp": out["logprobs"]}
+
+    model, logger = Renamed(), RecordingLogger()
+    monitor = KLSampleTrainMonitor(keys={"training_logprobs": "trainer_lp", "logprobs": "sampler_lp"})
+    quiet_trainer(max_steps=2, logger=logger, callbacks=[monitor]).fit(model)
+    ours = [m for _, m in logger.calls if K3 in m]
+    assert len(ours) == 2
+    assert_metrics_equal(scalars(ours[-1]), expected_metrics([model.recorded[-1]]))
+    with pytest.raises(ValueError, match=r"keys has unknown names \['sampler_logprobs'\]; the names are \['data'"):
+        KLSampleTrainMonitor(keys={"sampler_logprobs": "lp"})
+
+
+def test_a_renamed_lightning_loop_attribute_fails_at_setup_naming_the_version(monkeypatch: Any) -> None:
+    import lightning
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    monkeypatch.delattr(_TrainingEpochLoop, "_should_accumulate")
+    trainer = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor()])
+    with pytest.raises(RuntimeError, match=rf"_should_accumulate\(\).*Lightning {lightning.__version__} does not have"):
+        trainer.fit(TinyPolicy())

@@ -1,8 +1,37 @@
 """The metric formulas: host-side statistics in, the Loops-named metrics dict out.
 
 This is the one place each formula lives; the plain functions and the Lightning callback both
-call ``scalar_metrics``. With n action tokens, d = trainer − sampler logprob, w = exp(min(d, 80))
-and s = sampler logprob:
+call ``scalar_metrics``. With n action tokens (mask > 0, advantage != 0 where advantages are
+given, both logprobs finite), d = trainer − sampler logprob, w = exp(min(d, 80)) and
+s = sampler logprob, each key (after the prefix, default ``optim/train-sample-div/``) is:
+
+==============================  ====================================================================
+``kl_sample_train_v1_loops``    −mean(d)
+``kl_sample_train_v2_loops``    ½·mean(d²)
+``kl_sample_train_k3``          mean(w − 1 − d)
+``is_ratio_mean``               mean(w)
+``ess_fraction``                (Σw)² / (n·Σw²), 0 when the denominator is 0
+``diff_mean``                   mean(d)
+``diff_abs_p50/p90/p99``        percentiles of |d| (numpy's linear method)
+``diff_abs_max``                max |d|
+``frac_abs_gt_1/2/4``           share of tokens with |d| > 1, 2, 4
+``entropy``                     −mean(s)
+``n_action_tokens``             n
+``is_ratio_max``, ``_min``      max w, min w
+``chi2_token``                  mean(w²) − 1
+``seq_log_ratio_mean``          mean over datums with action tokens of the datum's mean d
+``seq_is_ratio_mean``           mean over those datums of exp(min(mean d, 80))
+``seq_is_ratio_max``            max over those datums of exp(min(mean d, 80))
+``frac_is_ratio_gt_2``          share of tokens with w > 2
+``frac_is_ratio_lt_0.5``        share of tokens with w < 0.5
+``n_sequences``                 datums in the batch
+``n_skipped_nonfinite``         masked-in positions dropped for a None/NaN/inf logprob
+==============================  ====================================================================
+
+The first 15 are the Loops SDK's keys and formulas (``SDK_METRICS``); the rest are this package's
+(``EXTRA_METRICS``). With no action tokens only ``n_action_tokens`` (0.0) and the two counts are
+returned.
+
 
 Example:
     >>> import numpy as np
@@ -15,7 +44,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 
 import numpy as np
@@ -31,8 +59,6 @@ __all__ = [
     "importance_weight",
     "abs_percentiles_linear",
 ]
-
-logger = logging.getLogger("loops_callbacks")
 
 DEFAULT_PREFIX = "optim/train-sample-div/"
 
@@ -73,22 +99,14 @@ _PERCENTILES = (50, 90, 99)
 
 
 def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
-    """The scalar metrics; with no action tokens only ``n_action_tokens`` (0.0) and the two counts.
-
-    Logs a warning when every active trainer logprob is exactly 0.0 (usually: all advantages
-    were 0, so the loss emitted no per-token logprobs); the numbers are returned anyway.
-    """
+    """The scalar metrics of the module docstring; with no action tokens only ``n_action_tokens`` (0.0)
+    and the two counts. Problems with the inputs are for the caller to report
+    (``loops_callbacks.divergence.guard_rail.impossible_inputs``)."""
     t, e = host.totals, host.extrema
     n = t["n_action_tokens"]
     counts = {"n_sequences": t["n_datums"], "n_skipped_nonfinite": t["n_skipped_nonfinite"]}
     if n == 0:
         return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
-    if t["n_trainer_zero"] == n:
-        logger.warning(
-            "every one of the %d active trainer logprobs is exactly 0.0: the loss probably emitted "
-            "no per-token logprobs (are all advantages 0?); divergence metrics are meaningless this step",
-            int(n),
-        )
     abs_percentiles = abs_percentiles_linear(host.diffs, _PERCENTILES)
     ess_denominator = n * t["sum_w2"]
     scored = t["n_scored_datums"]

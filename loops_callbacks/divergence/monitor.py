@@ -17,7 +17,12 @@ import torch
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
-from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded, trainer_logprobs_from_output
+from loops_callbacks.divergence.action_tokens import (
+    FlatBatch,
+    flatten_datums,
+    flatten_padded,
+    trainer_logprobs_from_output,
+)
 from loops_callbacks.divergence.guard_rail import (
     DEFAULT_MAX_NONFINITE_FRACTION,
     GuardRail,
