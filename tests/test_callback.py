@@ -62,12 +62,24 @@ def test_forward_backward_interval_logs_every_micro_batch() -> None:
         assert_metrics_equal(scalars(metrics), expected_metrics([record]))
 
 
-def test_respects_log_every_n_steps_and_costs_nothing_between() -> None:
+def test_respects_log_every_n_steps_and_costs_nothing_between(monkeypatch: Any) -> None:
+    from loops_callbacks.divergence import monitor as monitor_module
+    from loops_callbacks.divergence.statistics import DivergenceStats
+
+    computed = []
+
+    def counting_from_batch(flat: Any, **kwargs: Any) -> DivergenceStats:
+        computed.append(flat)
+        return DivergenceStats.from_batch(flat, **kwargs)
+
+    counting = type("CountingStats", (), {"from_batch": staticmethod(counting_from_batch)})
+    monkeypatch.setattr(monitor_module, "DivergenceStats", counting)
     model, logger = TinyPolicy(), RecordingLogger()
     monitor = KLSampleTrainMonitor(log_every_n_steps=3)
     trainer = quiet_trainer(max_steps=7, logger=logger, callbacks=[monitor])
     trainer.fit(model)
     assert [step for step, m in logger.calls if K3 in m] == [2, 5]
+    assert len(computed) == 2  # statistics ran on the two logged steps only
 
 
 def test_offline_wandb_run_gets_scalars_histogram_and_table(tmp_path: Any, monkeypatch: Any) -> None:
