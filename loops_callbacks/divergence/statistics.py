@@ -37,6 +37,7 @@ __all__ = [
     "DivergenceStats",
     "HostDivergence",
     "TOTALS",
+    "TOTAL_INDEX",
     "EXTREMA",
     "ROW",
     "W_CLAMP",
@@ -78,7 +79,8 @@ LOGPROB_CEILING = 1e-4
 """A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
 LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
-_T = {name: i for i, name in enumerate(TOTALS)}
+TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
+"""Position of each named total in ``DivergenceStats.totals``."""
 
 
 class ROW:
@@ -144,30 +146,34 @@ class DivergenceStats:
         sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
         trainer = _select(flat.trainer, active) if compact else flat.trainer.masked_fill(~active, 0.0)
         device = d.device
-        sums = [
-            torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
-            torch.count_nonzero(scored),
-            torch.count_nonzero(active),
-            torch.count_nonzero(flat.counted & ~active),
-            torch.count_nonzero((flat.trainer == 0.0) & active),
-            d.sum(),
-            torch.dot(d, d),
-            w.sum(),
-            torch.dot(w, w),
-            None,  # sum_k3, below
-            sampler.sum(dtype=torch.float64),
-            torch.count_nonzero(abs_d > 1.0),
-            torch.count_nonzero(abs_d > 2.0),
-            torch.count_nonzero(abs_d > 4.0),
-            torch.count_nonzero(w > 2.0),
-            torch.count_nonzero(w < 0.5 if valid is None else (w < 0.5) & valid),
-            seq_mean.sum(),
-            seq_w.sum(),
-            torch.count_nonzero(sampler > LOGPROB_CEILING),
-            torch.count_nonzero(trainer > LOGPROB_CEILING),
-            torch.count_nonzero(sampler < LOGPROB_FLOOR),
-            torch.count_nonzero(trainer < LOGPROB_FLOOR),
-        ]
+        sums: dict[str, torch.Tensor] = {
+            "n_datums": torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
+            "n_scored_datums": torch.count_nonzero(scored),
+            "n_action_tokens": torch.count_nonzero(active),
+            "n_skipped_nonfinite": torch.count_nonzero(flat.counted & ~active),
+            "n_trainer_zero": torch.count_nonzero((flat.trainer == 0.0) & active),
+            "sum_d": d.sum(),
+            "sum_d2": torch.dot(d, d),
+            "sum_w": w.sum(),
+            "sum_w2": torch.dot(w, w),
+            "sum_sampler": sampler.sum(dtype=torch.float64),
+            "n_abs_gt_1": torch.count_nonzero(abs_d > 1.0),
+            "n_abs_gt_2": torch.count_nonzero(abs_d > 2.0),
+            "n_abs_gt_4": torch.count_nonzero(abs_d > 4.0),
+            "n_w_gt_2": torch.count_nonzero(w > 2.0),
+            "n_w_lt_half": torch.count_nonzero(w < 0.5 if valid is None else (w < 0.5) & valid),
+            "sum_seq_mean_d": seq_mean.sum(),
+            "sum_seq_w": seq_w.sum(),
+            "n_sampler_above_zero": torch.count_nonzero(sampler > LOGPROB_CEILING),
+            "n_trainer_above_zero": torch.count_nonzero(trainer > LOGPROB_CEILING),
+            "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
+            "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
+        }
+        k3 = w.sub_(1.0).sub_(d)  # every use of w is above: its buffer becomes k3 = w - 1 - d per token
+        if valid is not None:
+            k3.masked_fill_(~valid, 0.0)
+        sums["sum_k3"] = k3.sum()
+        totals = torch.stack([sums[name].to(torch.float64) for name in TOTALS])
         inf = float("inf")
         extrema = torch.stack(
             [
@@ -183,11 +189,6 @@ class DivergenceStats:
             chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
             flat_index = _positions_of_selected(active, flat.row_lengths, row_counts, chosen) if compact else chosen
             worst = _worst_rows(flat, flat_index, chosen, ranked, d, top_n)
-        k3 = w.sub_(1.0).sub_(d)  # w's buffer is no longer needed: k3 = w - 1 - d per token
-        if valid is not None:
-            k3.masked_fill_(~valid, 0.0)
-        sums[_T["sum_k3"]] = k3.sum()
-        totals = torch.stack([value.to(torch.float64) for value in sums])
         keys = None
         if sample_size is not None:
             keys = torch.rand(d.shape, dtype=torch.float64, device=device, generator=generator)
@@ -198,7 +199,7 @@ class DivergenceStats:
     def merge(self, later: DivergenceStats) -> DivergenceStats:
         """Statistics of this batch followed by ``later`` (datum indices of ``later`` shift)."""
         shifted = later.worst.clone()
-        shifted[:, ROW.DATUM] += self.totals[_T["n_datums"]]
+        shifted[:, ROW.DATUM] += self.totals[TOTAL_INDEX["n_datums"]]
         top_n = max(self.worst.shape[0], later.worst.shape[0])
         keys = None
         if self.sample_keys is not None or later.sample_keys is not None:
