@@ -1,0 +1,251 @@
+"""DPO against attached reference logprobs: the loss, a base LightningModule, and one for any Hugging Face causal LM.
+
+A batch (as ``loops_callbacks.data.DPODataModule`` builds it) is a dict of ``[2P, T]`` tensors,
+rows interleaved (row 2i = pair i's chosen sequence, row 2i+1 its rejected one), right-padded
+with 0:
+
+- ``input_ids``: the full sequence (the datum's ``model_input``);
+- ``target_tokens``: ``target_tokens[k] = input_ids[k + 1]`` (position k belongs to the token
+  predicted at k; the last position predicts nothing);
+- ``weights``: 1.0 on completion positions, 0.0 on prompt, padding and the last position;
+- ``ref_logprobs``: the reference model's logprobs, same positions;
+- ``attention_mask``: True on real tokens (not needed: attention is causal and padding is on the
+  right, so the logits of real positions do not depend on it).
+
+With ``pi`` and ``ref`` the weighted sums of the policy's and the reference's logprobs over a
+row, the loss of pair i is ``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` (TRL's
+``sigmoid`` loss). Logged (means over the batch's pairs): ``{train,val}/dpo_loss``,
+``dpo_accuracy`` (share of pairs with a positive margin), ``dpo_margin`` (chosen minus rejected
+reward), ``chosen_reward`` and ``rejected_reward`` (``beta * (pi - ref)``).
+
+Example:
+    >>> import torch
+    >>> logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
+    >>> loss, metrics = dpo_loss(logprobs, torch.full((2, 2), -1.5), torch.ones(2, 2), beta=0.5)
+    >>> round(loss.item(), 4), metrics["dpo_accuracy"].item(), metrics["dpo_margin"].item()
+    (0.3133, 1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jsonargparse.typing import PositiveFloat
+from lightning.pytorch import LightningModule
+from typing_extensions import override
+
+from loops_callbacks.data.preference import import_optional
+
+__all__ = ["DPOModule", "HFDPOModule", "dpo_loss"]
+
+_REQUIRED_KEYS = ("input_ids", "target_tokens", "weights")
+
+
+def dpo_loss(
+    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DPO loss of interleaved rows, and its metrics (detached, means over pairs).
+
+    Args:
+        policy_logprobs: ``[2P, T]`` policy logprobs of the target tokens.
+        ref_logprobs: ``[2P, T]`` reference logprobs (values where ``weights`` is 0 are ignored,
+            even NaN).
+        weights: ``[2P, T]`` per-position weights, 1.0 on completion tokens.
+        beta: the DPO temperature.
+
+    Returns:
+        ``(loss, metrics)`` with metrics ``dpo_loss``, ``dpo_accuracy``, ``dpo_margin``,
+        ``chosen_reward``, ``rejected_reward``.
+    """
+    if not (policy_logprobs.shape == ref_logprobs.shape == weights.shape) or policy_logprobs.dim() != 2:
+        raise ValueError(
+            f"dpo_loss needs [2P, T] tensors of one shape, got policy_logprobs {tuple(policy_logprobs.shape)}, "
+            f"ref_logprobs {tuple(ref_logprobs.shape)}, weights {tuple(weights.shape)}"
+        )
+    if policy_logprobs.shape[0] % 2:
+        raise ValueError(
+            f"dpo_loss needs interleaved chosen/rejected rows, got an odd number of rows: {policy_logprobs.shape[0]}"
+        )
+    active = weights != 0
+    weights = weights.to(policy_logprobs.dtype)
+    policy = (torch.where(active, policy_logprobs, 0.0) * weights).sum(dim=1)
+    reference = (torch.where(active, ref_logprobs.to(policy.dtype), 0.0) * weights).sum(dim=1)
+    rewards = beta * (policy - reference)
+    chosen_reward, rejected_reward = rewards[0::2], rewards[1::2]
+    margin = chosen_reward - rejected_reward
+    loss = -F.logsigmoid(margin).mean()
+    metrics = {
+        "dpo_loss": loss.detach(),
+        "dpo_accuracy": (margin > 0).float().mean(),
+        "dpo_margin": margin.detach().mean(),
+        "chosen_reward": chosen_reward.detach().mean(),
+        "rejected_reward": rejected_reward.detach().mean(),
+    }
+    return loss, metrics
+
+
+def target_logprobs(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    """``out[b, k] = log p(target_tokens[b, k])`` under ``logits[b, k]``, in float32 (float64 stays float64)."""
+    if logits.shape[:-1] != target_tokens.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target_tokens {tuple(target_tokens.shape)} "
+            "do not share the [B, T] dimensions"
+        )
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+class DPOModule(LightningModule):
+    """DPO on batches of interleaved pairs with attached reference logprobs; subclasses provide the policy.
+
+    A subclass builds its model in ``__init__`` and defines ``forward(input_ids) -> logits
+    [B, T, V]``; that also lets ``DPODataModule`` score the reference with a frozen copy of the
+    module (the usual "reference = initial policy"). Training and validation steps, the metrics
+    and AdamW over the trainable parameters are here.
+
+    Args:
+        beta: the DPO temperature (how far from the reference the policy may move).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(self, beta: PositiveFloat = 0.1, lr: PositiveFloat = 1e-6, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        for name, value in (("beta", beta), ("lr", lr)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{type(self).__name__} {name} must be a positive number, got {value!r}")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise ValueError(f"{type(self).__name__} weight_decay must be a number >= 0, got {weight_decay!r}")
+        self.beta = float(beta)
+        self.lr = float(lr)
+        self.weight_decay = float(weight_decay)
+
+    def policy_logprobs(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``[2P, T]`` float32 policy logprobs of ``batch["target_tokens"]`` (with grad)."""
+        return target_logprobs(self(batch["input_ids"]), batch["target_tokens"])
+
+    @override
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    @override
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The same loss and metrics on held-out pairs (``DPODataModule(val_fraction=...)``), as ``val/*``."""
+        return self._step(batch, "val")
+
+    def _step(self, batch: Mapping[str, torch.Tensor], stage: str) -> torch.Tensor:
+        self._check_batch(batch)
+        loss, metrics = dpo_loss(self.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], self.beta)
+        num_pairs = batch["input_ids"].shape[0] // 2
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value, prog_bar=name in ("dpo_loss", "dpo_accuracy"), batch_size=num_pairs)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(parameters, lr=self.lr, weight_decay=self.weight_decay)
+
+    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        name = type(self).__name__
+        if "ref_logprobs" not in batch:
+            raise ValueError(
+                f"{name}: the batch has no 'ref_logprobs' - the reference logprobs were not attached. "
+                "Score every datum with a frozen reference model before training: use "
+                "loops_callbacks.data.DPODataModule (it attaches them), or call "
+                "loops_callbacks.attach_reference_logprobs(datums, reference) on the datums the "
+                f"batches are built from. The batch has keys {sorted(batch)}."
+            )
+        missing = [key for key in _REQUIRED_KEYS if key not in batch]
+        if missing:
+            raise ValueError(f"{name}: the batch lacks {missing}; it has keys {sorted(batch)}")
+        shapes = {key: tuple(batch[key].shape) for key in (*_REQUIRED_KEYS, "ref_logprobs")}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"{name}: batch fields must share one [2P, T] shape, got {shapes}")
+
+
+class HFDPOModule(DPOModule):
+    """DPO on any Hugging Face causal LM: a checkpoint, or a randomly initialised model from a config.
+
+    Args:
+        model: a checkpoint's name or path (``AutoModelForCausalLM.from_pretrained``; its tokenizer
+            is the data's default), or a dict for a randomly initialised model: either
+            ``{"config": {"model_type": "llama", ...}, "tokenizer": name_or_path}`` or the config
+            dict alone (then give the DataModule a ``tokenizer``). A config without
+            ``vocab_size`` takes the tokenizer's size.
+        beta, lr, weight_decay: see ``DPOModule`` (TRL's defaults: beta 0.1, lr 1e-6).
+        from_pretrained_kwargs: more ``from_pretrained`` arguments (``revision``,
+            ``attn_implementation``, ``dtype``, ...).
+
+    Use the Trainer's ``precision`` (``bf16-mixed``, ``bf16-true``) for lower precision. The
+    reference, by default, is a frozen copy of this module before the first step.
+
+    Example::
+
+        model:
+          class_path: loops_callbacks.models.HFDPOModule
+          init_args:
+            model: Qwen/Qwen2.5-0.5B-Instruct
+            beta: 0.1
+            lr: 1.0e-6
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        beta: PositiveFloat = 0.1,
+        lr: PositiveFloat = 1e-6,
+        weight_decay: float = 0.0,
+        from_pretrained_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(beta=beta, lr=lr, weight_decay=weight_decay)
+        self.save_hyperparameters()
+        transformers = import_optional("transformers", "HFDPOModule")
+        self.tokenizer_name_or_path: str | None
+        if isinstance(model, str):
+            self.tokenizer_name_or_path = model
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(model, **(from_pretrained_kwargs or {}))
+        elif isinstance(model, Mapping):
+            config, self.tokenizer_name_or_path = _config_and_tokenizer(model)
+            config = dict(config)
+            if "model_type" not in config:
+                raise ValueError(
+                    f"HFDPOModule model config {sorted(config)} has no 'model_type' (e.g. 'llama', 'qwen2', 'gpt2')"
+                )
+            if "vocab_size" not in config and self.tokenizer_name_or_path is not None:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_name_or_path)
+                config["vocab_size"] = len(tokenizer)
+            model_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+            self.model = transformers.AutoModelForCausalLM.from_config(model_config)
+        else:
+            raise ValueError(
+                f"HFDPOModule model must be a checkpoint name/path or a config dict, got {type(model).__name__}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids must be below it)."""
+        return int(self.model.config.vocab_size)
+
+    @override
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The policy's logits ``[B, T, V]`` (causal attention; right padding does not change real positions)."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _config_and_tokenizer(model: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
+    if "config" not in model:
+        return model, None
+    unknown = sorted(set(model) - {"config", "tokenizer"})
+    if unknown or not isinstance(model["config"], Mapping):
+        raise ValueError(
+            f"HFDPOModule model: a dict is a config ({{'model_type': ...}}) or {{'config': {{...}}, 'tokenizer': "
+            f"name_or_path}}; got keys {sorted(model)}"
+        )
+    tokenizer = model.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise ValueError(f"HFDPOModule model['tokenizer'] must be a name or path, got {type(tokenizer).__name__}")
+    return model["config"], tokenizer
