@@ -619,8 +619,13 @@ def test_jsonl_input(tmp_path: Any) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({}, "exactly one of data and jsonl_path, got neither"),
-        ({"data": [], "jsonl_path": "x.jsonl"}, "got both"),
+        ({}, "exactly one of data, path, dataset and jsonl_path, got neither"),
+        ({"data": [], "jsonl_path": "x.jsonl"}, "got data and jsonl_path"),
+        ({"path": "x.jsonl", "dataset": {"path": "json"}}, "got path and dataset"),
+        ({"data": "pairs.jsonl"}, "a file goes in path="),
+        ({"dataset": {"data_files": "x.jsonl"}}, "load_dataset arguments with a 'path'"),
+        ({"path": "x.jsonl", "max_length": 1}, "max_length=1 must be an int >= 2"),
+        ({"path": "x.jsonl", "max_length": 8, "max_prompt_length": 8}, "max_prompt_length=8 must be less than"),
         ({"data": [], "batch_size": 0}, "batch_size=0 must be an int >= 1"),
         ({"data": [], "scoring_dtype": "float64"}, "scoring_dtype='float64' is not one of"),
         ({"data": [], "max_tokens_per_batch": -5}, "max_tokens_per_batch=-5"),

@@ -1,4 +1,4 @@
-"""``DPODataModule``: preference pairs from memory or JSONL, reference logprobs attached before training."""
+"""``DPODataModule``: preference pairs from files, data sets or memory, reference logprobs attached before training."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs, dpo_records_to_datums, read_dpo_jsonl
+from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs
+from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
+from loops_callbacks.data.tokenization import TokenizationReport, preference_datums
 from loops_callbacks.reference.clients import SamplingClient
 
 __all__ = ["DPODataModule"]
@@ -23,24 +25,49 @@ __all__ = ["DPODataModule"]
 class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
     """Interleaved DPO pairs with reference logprobs, in batches that never split a pair.
 
-    The pairs come from ``data`` (a ``list`` of interleaved datums, chosen at even indices and
-    rejected at odd, in the Loops DPO convention of ``dpo_pair_datums``; or a list of records as
-    below) or from ``jsonl_path``, a file of one record per line::
+    The pairs come from exactly one of:
 
+    - ``path``: a ``.jsonl``, ``.json`` or ``.parquet`` file of preference records;
+    - ``dataset``: ``datasets.load_dataset`` arguments (``path``, ``name``, ``split``,
+      ``data_files``, ``data_dir``, ``revision``);
+    - ``data``: a list of records, a ``datasets.Dataset``, or a list of interleaved datums (chosen
+      at even indices, rejected at odd, in the Loops DPO convention of ``dpo_pair_datums``);
+    - ``jsonl_path``: the same as ``path`` (kept for existing configs).
+
+    Records may be in any of TRL's formats, found per record (see
+    ``loops_callbacks.data.preference``): standard ``{"prompt", "chosen", "rejected"}`` strings,
+    conversational lists of ``{"role", "content"}`` messages, an implicit prompt (full ``chosen``
+    and ``rejected`` only), or token ids::
+
+        {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", ...}], "rejected": [...]}
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
         {"chosen": [full token ids], "rejected": [full token ids], "prompt_length": 5}
-        {"chosen": [...], "rejected": [...], "chosen_weights": [...], "rejected_weights": [...]}
 
-    In ``setup("fit")`` the data are checked and their reference logprobs loaded from the cache or
-    scored (see ``ReferenceLogprobsMixin``); the default reference is a frozen copy of the
-    LightningModule at that moment (the initial policy), so its ``forward(input_ids)`` must
+    Text and chat records are tokenized once, in ``setup("fit")``, with ``tokenizer`` (default:
+    the LightningModule's ``tokenizer_name_or_path``, as ``HFDPOModule`` has), exactly as TRL's
+    ``DPOTrainer`` tokenizes them (see ``loops_callbacks.data.tokenization``), within
+    ``max_length`` (keeps the start; pairs whose prompt fills it are dropped) and
+    ``max_prompt_length`` (keeps the end of a long prompt). What was truncated or dropped is
+    counted in ``tokenization_report`` and said in one warning. Changing the tokenizer or a limit
+    changes the token ids, and so the reference cache's key: the pairs are scored again.
+
+    In ``setup("fit")`` the data are then checked and their reference logprobs loaded from the
+    cache or scored (see ``ReferenceLogprobsMixin``); the default reference is a frozen copy of
+    the LightningModule at that moment (the initial policy), so its ``forward(input_ids)`` must
     return logits. Batches (``collate_dpo_pairs``) hold ``batch_size`` pairs as ``[2P, T]`` tensors
     ``input_ids``, ``target_tokens``, ``weights``, ``ref_logprobs``, ``attention_mask``, rows
     interleaved (2i chosen, 2i + 1 rejected) and right-padded with 0 / False. The dataset's items
     are pairs, so Lightning's ``DistributedSampler`` shards pairs across ranks.
 
     Args:
-        data: interleaved datums, or records (one per pair); give this or ``jsonl_path``.
-        jsonl_path: a JSONL file of records; give this or ``data``.
+        data: records, a ``datasets.Dataset``, or interleaved datums.
+        jsonl_path: a JSONL file of records (same as ``path``).
+        path: a ``.jsonl``, ``.json`` or ``.parquet`` file of records.
+        dataset: ``datasets.load_dataset`` arguments, e.g. ``{"path": "json", "data_files": "pairs.jsonl",
+            "split": "train"}``.
+        tokenizer: a Hugging Face tokenizer, or its name/path for ``AutoTokenizer.from_pretrained``.
+        max_length: longest prompt + completion, in tokens.
+        max_prompt_length: longest prompt, in tokens (less than ``max_length``).
         batch_size: pairs per batch.
         reference: a checkpoint path (Lightning ``.ckpt`` or a state dict of the LightningModule),
             an ``nn.Module``, a ``SamplingClient``, or ``None`` for the initial policy.
@@ -55,7 +82,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         val_fraction: share of the pairs held out for ``val_dataloader`` (0: no validation).
         reference_fingerprint: identity of a client whose weights cannot be hashed here, so that
             its logprobs can be cached.
-        progress: a progress bar on rank 0 while scoring.
+        progress: progress bars on rank 0 while tokenizing and scoring.
 
     Example::
 
@@ -63,7 +90,10 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         data:
           class_path: loops_callbacks.data.DPODataModule
           init_args:
-            jsonl_path: data/pairs.jsonl
+            path: data/pairs.jsonl          # or dataset: {path: trl-lib/ultrafeedback_binarized, split: train}
+            tokenizer: Qwen/Qwen2.5-0.5B-Instruct
+            max_length: 1024
+            max_prompt_length: 512
             batch_size: 16
             reference: checkpoints/sft.ckpt   # omit for the initial policy
             scoring_dtype: bfloat16
@@ -71,7 +101,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     def __init__(
         self,
-        data: list | None = None,
+        data: list | Any = None,
         jsonl_path: str | None = None,
         batch_size: int = 8,
         reference: str | nn.Module | SamplingClient | None = None,
@@ -85,20 +115,43 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         val_fraction: float = 0.0,
         reference_fingerprint: str | None = None,
         progress: bool = True,
+        path: str | None = None,
+        dataset: dict[str, Any] | None = None,
+        tokenizer: str | Any = None,
+        max_length: int | None = None,
+        max_prompt_length: int | None = None,
     ) -> None:
         super().__init__()
-        if (data is None) == (jsonl_path is None):
+        given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset), ("jsonl_path", jsonl_path)) if value is not None]
+        if len(given) != 1:
             raise ValueError(
-                f"DPODataModule needs exactly one of data and jsonl_path, got "
-                f"{'both' if data is not None else 'neither'} (jsonl_path={jsonl_path!r})"
+                "DPODataModule needs exactly one of data, path, dataset and jsonl_path, got "
+                f"{' and '.join(given) if given else 'neither'}"
             )
-        if data is not None and not isinstance(data, (list, tuple)):
-            raise ValueError(f"DPODataModule data must be a list of datums or records, got {type(data).__name__}")
-        if jsonl_path is not None and not isinstance(jsonl_path, (str, os.PathLike)):
-            raise ValueError(f"DPODataModule jsonl_path={jsonl_path!r} must be a path")
+        if data is not None and (isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__len__")):
+            raise ValueError(
+                f"DPODataModule data must be a list of datums or records, or a datasets.Dataset, got {type(data).__name__}"
+                + (" (a file goes in path=, load_dataset arguments in dataset=)" if isinstance(data, (str, Mapping)) else "")
+            )
+        for name, value in (("path", path), ("jsonl_path", jsonl_path)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"DPODataModule {name}={value!r} must be a path")
+        if dataset is not None and (not isinstance(dataset, Mapping) or "path" not in dataset):
+            raise ValueError(
+                f"DPODataModule dataset={dataset!r} must be load_dataset arguments with a 'path', e.g. "
+                "{'path': 'json', 'data_files': 'pairs.jsonl', 'split': 'train'}"
+            )
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"DPODataModule {name}={value!r} must be an int >= {low}")
+        for name, value, low in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"DPODataModule {name}={value!r} must be an int >= {low} or None")
+        if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
+            raise ValueError(
+                f"DPODataModule max_prompt_length={max_prompt_length} must be less than max_length={max_length}, "
+                "or a prompt cut to max_prompt_length leaves no room for the completion"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"DPODataModule seed={seed!r} must be an int")
         if not isinstance(shuffle, bool):
@@ -114,32 +167,61 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             reference_fingerprint=reference_fingerprint,
             progress=progress,
         )
-        self.data = list(data) if data is not None else None
-        self.jsonl_path = os.fspath(jsonl_path) if jsonl_path is not None else None
+        self.data = data if data is None or not isinstance(data, (list, tuple)) else list(data)
+        file = path if path is not None else jsonl_path
+        self.path = os.fspath(file) if file is not None else None
+        self.jsonl_path = self.path if jsonl_path is not None else None
+        self.dataset = dict(dataset) if dataset is not None else None
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_prompt_length = max_prompt_length
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
         self.val_fraction = float(val_fraction)
+        self.tokenization_report: TokenizationReport | None = None
+        self._datums: list[Any] | None = None
         self._train: Subset | None = None
         self._val: Subset | None = None
 
     @override
     def dpo_data(self) -> list[Any]:
-        """The interleaved datums, from ``jsonl_path`` or ``data`` (records become pairs)."""
-        if self.jsonl_path is not None:
-            return read_dpo_jsonl(self.jsonl_path)
-        assert self.data is not None
-        is_record = [isinstance(item, Mapping) and "chosen" in item for item in self.data]
-        if all(is_record):
-            return dpo_records_to_datums(self.data)
-        if any(is_record):
-            first = is_record.index(not is_record[0])
-            raise ValueError(
-                f"DPODataModule data mixes records and datums (item 0 is {'a record' if is_record[0] else 'a datum'}, "
-                f"item {first} is not); give one kind"
-            )
-        return list(self.data)
+        """The interleaved datums: the given datums, or the records read and tokenized (once)."""
+        if self._datums is None:
+            self._datums = self._load()
+        return self._datums
+
+    def _load(self) -> list[Any]:
+        if self.data is not None and isinstance(self.data, list):
+            is_record = [isinstance(item, Mapping) and "chosen" in item for item in self.data]
+            if not any(is_record):
+                return list(self.data)
+            if not all(is_record):
+                first = is_record.index(not is_record[0])
+                raise ValueError(
+                    f"DPODataModule data mixes records and datums (item 0 is "
+                    f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
+                )
+        source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
+        records = read_preference_records(source)
+        rank_zero = getattr(getattr(self, "trainer", None), "is_global_zero", True)
+        data, self.tokenization_report = preference_datums(
+            records,
+            self._tokenizer_source(),
+            max_length=self.max_length,
+            max_prompt_length=self.max_prompt_length,
+            progress=self._reference_config.progress and rank_zero,
+        )
+        return data
+
+    def _tokenizer_source(self) -> Any:
+        """``tokenizer``, else the LightningModule's ``tokenizer_name_or_path`` (``HFDPOModule``), else ``None``."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        trainer = getattr(self, "trainer", None)
+        module = trainer.lightning_module if trainer is not None else None
+        return getattr(module, "tokenizer_name_or_path", None)
 
     @override
     def setup(self, stage: str) -> None:

@@ -286,6 +286,7 @@ def _read_file(path: str) -> list[LocatedRecord]:
 
 
 def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
+    count = 0
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -293,7 +294,8 @@ def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
         try:
             yield LocatedRecord(json.loads(line), where)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not valid JSON: {error}") from None
+            raise ValueError(f"pair {count} ({where}): not valid JSON: {error}") from None
+        count += 1
 
 
 def _is_dataset(source: Any) -> bool:
