@@ -37,12 +37,15 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.reference.clients import _DEFAULT_TOKENS_PER_BATCH, TorchSamplingClient
+from loops_callbacks.reference.clients import TorchSamplingClient
+from loops_callbacks.reference.packing import plan_batches
+from loops_callbacks.reference.scorer import _DEFAULT_TOKENS_PER_BATCH
 from loops_callbacks.types import Datum, ModelInput, TensorData
 
 MODELS = {
@@ -191,10 +194,11 @@ def bench_remote(args: argparse.Namespace) -> None:
 
 def padded_batches(client: TorchSamplingClient, prompts: list[list[int]]) -> list[torch.Tensor]:
     """The scorer's own batches (same packing), as padded id tensors already on the device."""
-    lengths = [len(p) for p in prompts]
-    order = sorted((i for i, p in enumerate(prompts) if len(p) > 1), key=lambda i: -lengths[i])
+    lengths = np.array([len(p) for p in prompts])
+    order, plan = plan_batches(lengths, client.max_tokens_per_batch)
     batches = []
-    for batch in client._pack(order, lengths):
+    for start, stop in plan:
+        batch = order[start:stop]
         ids = torch.zeros((len(batch), lengths[batch[0]]), dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, : lengths[i]] = torch.tensor(prompts[i])

@@ -269,11 +269,22 @@ def test_bad_arguments_name_the_value(kwargs: dict[str, Any], error: type[Except
         TorchSamplingClient.snapshot(make_model(), **kwargs)
 
 
-def test_model_must_be_a_module() -> None:
-    with pytest.raises(TypeError, match="got function"):
-        TorchSamplingClient(lambda ids: ids)  # type: ignore[arg-type]
+def test_model_must_be_a_module_or_a_callable() -> None:
+    with pytest.raises(TypeError, match="a torch.nn.Module or a callable fn\\(input_ids\\) -> logits, got str"):
+        TorchSamplingClient("gpt2")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got str"):
         TorchSamplingClient.snapshot("gpt2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot cast a plain callable"):
+        TorchSamplingClient(lambda ids: ids, dtype="bfloat16")
+
+
+def test_a_plain_callable_is_scored_on_the_general_path() -> None:
+    model = make_model()
+    client = TorchSamplingClient(lambda input_ids: model(input_ids), max_tokens_per_batch=40)
+    assert client.path == "logits" and client.vocab_size is None and client.fingerprint() is None
+    for tokens, lp in zip(PROMPTS, client.compute_logprobs_batch(PROMPTS)):
+        assert_close(lp, by_hand(model, tokens))
+    assert "max_tokens_per_batch=40" in repr(client)
 
 
 def test_default_budget_by_device_type() -> None:

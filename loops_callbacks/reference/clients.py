@@ -19,18 +19,21 @@ Example:
 from __future__ import annotations
 
 import copy
-import hashlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
 from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.fingerprint import weights_fingerprint
+from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
 from loops_callbacks.types import ModelInput
 
-__all__ = ["SamplingClient", "TorchSamplingClient"]
+__all__ = ["SamplingClient", "TorchSamplingClient", "check_token_ids"]
 
 
 @runtime_checkable
@@ -54,36 +57,6 @@ class SamplingClient(Protocol):
 
     def compute_logprobs(self, prompt: ModelInput) -> list[float | None]: ...
 
-
-# The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,
-# measured with benchmarks/bench_reference.py (512 sequences of 16-512 tokens; scored tokens/s and
-# peak memory growth for each budget):
-# - CPU (a 2.4M-parameter model with a 4096-token vocabulary; this project's 2-core machine, shared
-#   with other work, best of 3 interleaved rounds): 21.5k tokens/s at 512 padded tokens per batch,
-#   27.1k at 1024, 27.7k at 2048, 20.7k at 4096, 21.9k at 8192, 19.6k at 16384 (on 2 threads of an
-#   idle 16-core host: 31k, 27k, 30k, 27k, 23k, 24k); batching beyond a few thousand tokens only
-#   pushes activations and logits out of cache. The peak grows linearly with the budget (+25 MiB at
-#   512, +65 MiB at 2048, +161 MiB at 8192, +306 MiB at 16384; the float32 logits alone take
-#   budget x vocab x 4 bytes). A CPU's matrix products are already efficient on one sequence of a
-#   few hundred tokens, so batching only has to gather short ones: 2048 is the measured best at a
-#   small, bounded peak.
-# - CUDA (H200; the same model in float32, and a 169M-parameter bfloat16 model with a 32768-token
-#   vocabulary): throughput grows up to 16384 padded tokens per batch (the small model: 0.53M tok/s
-#   at 1024, 1.4M at 4096, 2.4M at 16384 and 32768, 2.0M at 65536; the 169M model: 0.61M at 2048,
-#   0.86M at 8192, 0.92M at 16384, 0.87M at 32768, 0.78M at 65536), while the peak doubles with
-#   each doubling (+1.2 GiB at 16384 for the 169M model): 16384 is the top of the plateau.
-# Other device types (mps, xpu, ...) get the CPU figure: small and safe until measured.
-# The logits dominate the peak (budget x vocabulary), so the default is further capped at
-# _DEFAULT_LOGITS_BYTES of float32 logits when the vocabulary is known: 16384 tokens at a 32768-token
-# vocabulary (the measured plateau), ~3500 at 152k (Qwen), where models big enough to have such a
-# vocabulary already fill a GPU with fewer tokens per batch.
-_DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 2048, "cuda": 16384}
-_DEFAULT_LOGITS_BYTES = 2 << 30
-_MIN_DEFAULT_TOKENS_PER_BATCH = 512
-# Rows of logits turned into float32 log-probabilities at a time, at most this many elements
-# (16 MiB of float32; at least one row): the float32 temporaries stay small next to the model's
-# own [B, T, V] output, so a batch's peak is about its logits, not twice them.
-_LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 22
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -137,44 +110,40 @@ def _module_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-@contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """Run in eval mode (no dropout), then give every submodule its own mode back."""
-    training = [m for m in module.modules() if m.training]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m in training:
-            m.training = True
-
-
 class TorchSamplingClient:
     """A ``SamplingClient`` over a local causal LM, scoring many prompts per forward pass.
 
-    ``model`` is any ``nn.Module`` that maps token ids ``LongTensor[B, T]`` to logits
-    ``[B, T, V]`` (or returns an object with ``.logits``, as Hugging Face models do). It is called
-    as ``model(input_ids)`` and nothing else: prompts are right-padded, and with causal attention
-    a real position only attends to positions before it, never to the padding after the end of
-    its row, so no attention mask is needed and a padded row scores exactly as it would alone
-    (up to float rounding of differently shaped matrix products).
+    ``model`` is an ``nn.Module`` that maps token ids ``LongTensor[B, T]`` to logits ``[B, T, V]``
+    (or returns an object with ``.logits``, as Hugging Face models do), or a plain callable
+    ``fn(input_ids) -> logits``. It is called as ``model(input_ids)`` and nothing else: prompts
+    are right-padded, and with causal attention a real position only attends to positions
+    before it, never to the padding after the end of its row, so no attention mask is needed and
+    a padded row scores exactly as it would alone (up to float rounding of differently shaped
+    matrix products).
 
-    ``compute_logprobs_batch`` sorts the prompts by length, packs them into batches of at most
+    Prompts are packed once into flat arrays, sorted by length and cut into batches of at most
     ``max_tokens_per_batch`` padded tokens (rows x longest row; a prompt longer than the budget
-    gets a batch of its own), runs one forward per batch under ``torch.inference_mode()`` in eval
-    mode, and gathers each target token's log-probability from a float32 log-softmax computed a
-    few rows at a time, so no more than the model's own ``[B, T, V]`` output is held per batch.
+    gets a batch of its own); the batches are built on the device and scored in eval mode under
+    ``torch.inference_mode()``, and the results stay one device tensor until the end
+    (``loops_callbacks.reference.scorer``). A module that exposes its output head (Hugging Face's
+    ``get_output_embeddings()``) is scored from its final hidden states a chunk of rows at a time,
+    never holding its ``[B, T, V]`` logits (``loops_callbacks.reference.heads``); other models and
+    callables take the general path (their logits, turned into float32 log-probabilities a few
+    rows at a time).
 
     The model is used in place, not copied: ``device`` / ``dtype`` move or cast it like
     ``module.to`` (``None`` keeps where and how it is). Use ``snapshot`` for a frozen copy.
 
     Args:
-        model: the causal LM.
-        device: where to score (default: where the model's parameters are).
-        dtype: cast the model to this floating dtype (``torch.bfloat16`` or ``"bfloat16"``, ...).
+        model: the causal LM (an ``nn.Module``) or a callable ``fn(input_ids) -> logits``.
+        device: where to score (default: where the model's parameters are; the CPU for a callable).
+        dtype: cast the model to this floating dtype (``torch.bfloat16`` or ``"bfloat16"``, ...);
+            not for a callable.
         max_tokens_per_batch: padded-token budget of one forward pass; default by device type
-            (2048 on CPU, 16384 on CUDA, fewer for a vocabulary over 32768 tokens; see
-            ``default_tokens_per_batch`` and the measurements in this module's source).
+            (2048 on CPU, 16384 on CUDA; on the general path fewer for a vocabulary over 32768
+            tokens; see ``loops_callbacks.reference.scorer``).
+        output_head: score from the output head when the model exposes one (``False``: always
+            the model's logits).
 
     Example:
         >>> import torch
@@ -182,45 +151,75 @@ class TorchSamplingClient:
         >>> client = TorchSamplingClient(model, max_tokens_per_batch=64)
         >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [4], [5, 6]])]
         [3, 1, 2]
+        >>> uniform = TorchSamplingClient(lambda ids: torch.zeros(*ids.shape, 4))
+        >>> [round(v, 4) for v in uniform.compute_logprobs([1, 2])[1:]]
+        [-1.3863]
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Callable[[torch.Tensor], Any],
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         max_tokens_per_batch: int | None = None,
+        output_head: bool = True,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        is_module = isinstance(model, nn.Module)
+        if not is_module and not callable(model):
+            raise TypeError(
+                f"model must be a torch.nn.Module or a callable fn(input_ids) -> logits, got {type(model).__name__}"
+            )
         target_device = _check_device(device)
         target_dtype = _check_dtype(dtype)
         budget = _check_budget(max_tokens_per_batch)
-        if target_device is not None or target_dtype is not None:
+        if not is_module and target_dtype is not None:
+            raise ValueError(
+                f"dtype={dtype!r} cannot cast a plain callable reference; cast its model yourself, or pass the nn.Module"
+            )
+        if is_module and (target_device is not None or target_dtype is not None):
             model.to(device=target_device, dtype=target_dtype)
         self.model = model
-        self.device = target_device if target_device is not None else _module_device(model)
-        self.dtype = target_dtype if target_dtype is not None else _module_dtype(model)
-        self.vocab_size = _find_vocab_size(model)
-        self.max_tokens_per_batch = budget if budget is not None else self.default_tokens_per_batch(self.device, self.vocab_size)
+        if is_module:
+            self.device = target_device if target_device is not None else _module_device(model)
+            self.dtype: torch.dtype | None = target_dtype if target_dtype is not None else _module_dtype(model)
+            self.vocab_size = _find_vocab_size(model)
+        else:
+            self.device = target_device if target_device is not None else torch.device("cpu")
+            self.dtype = None
+            self.vocab_size = None
+        self.scorer = TokenScorer(
+            model,
+            model=model if is_module else None,
+            device=self.device,
+            max_tokens_per_batch=budget,
+            output_head=output_head,
+            vocab_size=self.vocab_size,
+        )
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        """The padded-token budget of one forward pass (the given one, or the default of the path)."""
+        return self.scorer.max_tokens_per_batch
+
+    @property
+    def path(self) -> str:
+        """``"output_head"`` (chunked, from hidden states) or ``"logits"`` (the general path)."""
+        return self.scorer.path
 
     @staticmethod
     def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None = None) -> int:
-        """The default ``max_tokens_per_batch``: measured per device type, capped by the logits' size.
+        """The default ``max_tokens_per_batch``: measured per device type, capped by full logits' size.
 
-        2048 on CPU and other devices, 16384 on CUDA; with a known ``vocab_size``, at most what keeps
-        one batch's float32 logits within 2 GiB (and never below 512).
+        2048 on CPU and other devices, 16384 on CUDA; with a ``vocab_size`` (the general path, where
+        the model's logits exist), at most what keeps one batch's float32 logits within 2 GiB
+        (and never below 512). The output-head path passes no ``vocab_size``.
 
         Example:
             >>> TorchSamplingClient.default_tokens_per_batch("cuda"), TorchSamplingClient.default_tokens_per_batch("cuda", 151936)
             (16384, 3533)
         """
-        device_type = torch.device(device).type
-        budget = _DEFAULT_TOKENS_PER_BATCH.get(device_type, _DEFAULT_TOKENS_PER_BATCH["cpu"])
-        if vocab_size:
-            budget = min(budget, max(_MIN_DEFAULT_TOKENS_PER_BATCH, _DEFAULT_LOGITS_BYTES // (4 * vocab_size)))
-        return budget
+        return default_tokens_per_batch(device, vocab_size)
 
     @classmethod
     def snapshot(
@@ -230,13 +229,15 @@ class TorchSamplingClient:
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         max_tokens_per_batch: int | None = None,
+        output_head: bool = True,
     ) -> TorchSamplingClient:
         """A client over a frozen deep copy of ``module``, pinned to its weights of now.
 
         The copy is in eval mode with ``requires_grad_(False)``, cast/moved to ``dtype`` /
         ``device`` when given; later training of ``module`` does not change it, and ``module``
         itself is untouched. The local analogue of Tinker's ``save_weights_and_get_sampling_client``.
-        Pass the bare ``nn.Module`` (e.g. ``pl_module.model``), not a whole ``LightningModule``.
+        It costs a second copy of the weights: the default reference of ``DPODataModule`` is the
+        policy itself instead (``loops_callbacks.reference.policy``).
 
         Example:
             >>> import torch
@@ -253,21 +254,29 @@ class TorchSamplingClient:
         frozen = copy.deepcopy(module)
         frozen.eval()
         frozen.requires_grad_(False)
-        return cls(frozen, device=target_device, dtype=target_dtype, max_tokens_per_batch=max_tokens_per_batch)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({type(self.model).__name__}, device={str(self.device)!r}, "
-            f"dtype={self.dtype}, max_tokens_per_batch={self.max_tokens_per_batch}, "
-            f"vocab_size={self.vocab_size})"
+        return cls(
+            frozen,
+            device=target_device,
+            dtype=target_dtype,
+            max_tokens_per_batch=max_tokens_per_batch,
+            output_head=output_head,
         )
 
-    def fingerprint(self) -> str:
-        """A sha256 hex digest of the scoring model's weights and the scoring dtype.
+    def __repr__(self) -> str:
+        name = type(self.model).__name__ if isinstance(self.model, nn.Module) else getattr(self.model, "__name__", "callable")
+        return (
+            f"{type(self).__name__}({name}, device={str(self.device)!r}, dtype={self.dtype}, "
+            f"max_tokens_per_batch={self.max_tokens_per_batch}, vocab_size={self.vocab_size}, path={self.path!r})"
+        )
+
+    def fingerprint(self) -> str | None:
+        """A sha256 hex digest of the scoring model's weights and dtype (``None`` for a callable).
 
         It covers the model's class name and every parameter and buffer (name, dtype, shape,
-        bytes), so it is equal for equal weights in any process and changes when any weight does.
-        It reads every weight (one pass over the model); use it as a cache key, not per step.
+        bytes), so it is equal for equal weights in any process and changes when any weight does
+        (``loops_callbacks.reference.fingerprint``). It reads every weight: a cache key, not a
+        per-step check. A plain callable has no weights to read: give ``reference_fingerprint``
+        to cache its results.
 
         Example:
             >>> import torch
@@ -275,15 +284,9 @@ class TorchSamplingClient:
             >>> len(client.fingerprint())
             64
         """
-        digest = hashlib.sha256()
-        model_class = type(self.model)
-        digest.update(f"{model_class.__module__}.{model_class.__qualname__}|{self.dtype}\n".encode())
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        for name, tensor in named:
-            data = tensor.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}\n".encode())
-            digest.update(memoryview(data.view(torch.uint8).numpy()))
-        return digest.hexdigest()
+        if not isinstance(self.model, nn.Module):
+            return None
+        return weights_fingerprint(self.model, tag=str(self.dtype), group=Group.local())
 
     def compute_logprobs(self, prompt: Any) -> list[float | None]:
         """Log-probabilities of ``prompt``'s tokens; element 0 is ``None``.
@@ -301,94 +304,70 @@ class TorchSamplingClient:
     def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
         """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
 
+        The SDK's list form; ``score_packed`` is the same without lists.
+
         Example:
             >>> import torch
             >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
             >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
             [3, 0, 1]
         """
-        token_lists = [self._tokens(prompt, index) for index, prompt in enumerate(prompts)]
-        results: list[list[float | None]] = [[None] * min(len(t), 1) for t in token_lists]
-        # Prompts of 0 or 1 tokens predict nothing; the longest go first, so the largest batch
-        # (and the peak memory) comes at once rather than after minutes of scoring.
-        order = sorted((i for i, t in enumerate(token_lists) if len(t) > 1), key=lambda i: -len(token_lists[i]))
-        scored: list[tuple[list[int], torch.Tensor]] = []
-        with torch.inference_mode(), _eval_mode(self.model):
-            for batch in self._pack(order, [len(t) for t in token_lists]):
-                scored.append((batch, self._batch_logprobs([token_lists[i] for i in batch])))
-        # Copied to the host only now: on a GPU every batch is queued without waiting for the one
-        # before (no per-batch synchronisation), and the [B, T-1] results are small.
-        for batch, logprobs in scored:
-            for i, row in zip(batch, logprobs.cpu().tolist()):
-                results[i] = [None, *row[: len(token_lists[i]) - 1]]
+        packed = PackedTokens.from_sequences([self._tokens(prompt, index) for index, prompt in enumerate(prompts)])
+        values = self.score_packed(packed).cpu().numpy()
+        results: list[list[float | None]] = []
+        for index in range(len(packed)):
+            start, stop = int(packed.offsets[index]), int(packed.offsets[index + 1])
+            results.append([None, *values[start : stop - 1].tolist()] if stop > start else [])
         return results
+
+    def score_packed(
+        self,
+        packed: PackedTokens,
+        *,
+        progress: Callable[[int], None] | None = None,
+        lockstep: Any = None,
+    ) -> torch.Tensor:
+        """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device.
+
+        Value k of a sequence is log p(token k + 1 | tokens up to k); its last value is 0.
+
+        Example:
+            >>> import torch
+            >>> from loops_callbacks.reference.packing import PackedTokens
+            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
+            >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
+            torch.Size([3])
+        """
+        check_token_ids(packed, self.vocab_size)
+        return self.scorer.score(packed, progress=progress, lockstep=lockstep)
 
     def _tokens(self, prompt: Any, index: int) -> list[int]:
         try:
-            tokens = model_input_tokens(prompt)
+            return model_input_tokens(prompt)
         except (TypeError, ValueError) as error:
             raise TypeError(f"prompt {index}: {error}") from None
-        if tokens and self.vocab_size is not None:
-            low, high = min(tokens), max(tokens)
-            if low < 0 or high >= self.vocab_size:
-                bad = low if low < 0 else high
-                raise ValueError(
-                    f"prompt {index}: token id {bad} is outside the model's vocabulary [0, {self.vocab_size})"
-                )
-        return tokens
 
-    def _pack(self, order: list[int], lengths: list[int]) -> Iterator[list[int]]:
-        """Consecutive runs of ``order`` (longest first) whose rows x longest row fit the budget."""
-        batch: list[int] = []
-        for i in order:
-            longest = lengths[batch[0]] if batch else lengths[i]
-            if batch and (len(batch) + 1) * longest > self.max_tokens_per_batch:
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
 
-    def _batch_logprobs(self, token_lists: list[list[int]]) -> torch.Tensor:
-        """``out[b, k]`` = log p(token k+1 | tokens up to k) of row b, float32, on the device."""
-        width = max(len(t) for t in token_lists)
-        input_ids = torch.zeros((len(token_lists), width), dtype=torch.long)
-        for row, tokens in enumerate(token_lists):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        if self.device.type == "cuda":
-            input_ids = input_ids.pin_memory().to(self.device, non_blocking=True)
-        else:
-            input_ids = input_ids.to(self.device)
-        logits = self._logits(input_ids)[:, :-1]
-        targets = input_ids[:, 1:].unsqueeze(-1)
-        rows_per_chunk = max(1, _LOGSOFTMAX_CHUNK_ELEMENTS // ((width - 1) * logits.shape[-1]))
-        parts = []
-        for start in range(0, logits.shape[0], rows_per_chunk):
-            # One fused kernel reads the logits in their dtype and writes float32 log-probabilities.
-            logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
-            parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk]).squeeze(-1))
-            del logprobs
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+def check_token_ids(packed: PackedTokens, vocab_size: int | None, *, label: str = "prompt") -> None:
+    """``ValueError`` naming the first sequence (``label`` and index) holding an id outside ``[0, vocab_size)``.
 
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        output = self.model(input_ids)
-        if isinstance(output, torch.Tensor):
-            logits = output
-        elif getattr(output, "logits", None) is not None:
-            logits = output.logits
-        elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-            logits = output[0]
-        else:
-            raise TypeError(
-                f"the model returned {type(output).__name__}; expected logits [B, T, V] or an object with .logits"
-            )
-        del output  # e.g. a Hugging Face key/value cache: free it before the log-softmax
-        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
-            raise ValueError(
-                f"the model returned logits of shape {tuple(logits.shape)} for input_ids of shape "
-                f"{tuple(input_ids.shape)}; expected [B, T, V] = [{input_ids.shape[0]}, {input_ids.shape[1]}, V]"
-            )
-        return logits
+    Example:
+        >>> check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 9]]), 9)
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt 1: token id 9 is outside the model's vocabulary [0, 9)
+    """
+    if packed.num_tokens == 0:
+        return
+    bad = packed.ids < 0
+    if vocab_size is not None:
+        bad |= packed.ids >= vocab_size
+    if not bad.any():
+        return
+    position = int(np.argmax(bad))
+    index = int(np.searchsorted(packed.offsets, position, side="right")) - 1
+    vocabulary = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
+    raise ValueError(f"{label} {index}: token id {int(packed.ids[position])} is outside {vocabulary}")
 
 
 def _find_vocab_size(model: nn.Module) -> int | None:

@@ -1,0 +1,144 @@
+"""A fingerprint of a model's weights that is the same however they are placed or sharded.
+
+``weights_fingerprint`` is the sha256 of the model's class, a ``tag`` (e.g. the scoring dtype)
+and, sorted by name, every parameter's and buffer's name, dtype, shape and the sha256 of its
+bytes. Names are taken without the wrappers' prefixes (FSDP's ``_fsdp_wrapped_module.``,
+activation checkpointing's, ``torch.compile``'s ``_orig_mod.``), so a model gets the same
+fingerprint in one process, replicated under DDP, or sharded under FSDP / FSDP2 on any number of
+ranks, and a cache written by one run is found by the others.
+
+Across ranks each tensor is hashed by one rank (tensor i by rank i % world_size) and the digests
+are gathered, so the work is shared. Sharded weights are never gathered whole on one rank: an
+FSDP2 ``DTensor`` is gathered one parameter at a time (``full_tensor()``), an FSDP (1) unit with
+``use_orig_params=True`` one unit at a time (``summon_full_params(recurse=False)``); weights
+sharded any other way (FSDP with flat parameters) are hashed shard by shard, a fingerprint that
+then also depends on the layout.
+
+Example:
+    >>> import torch
+    >>> a = torch.nn.Linear(2, 2)
+    >>> b = torch.nn.Linear(2, 2)
+    >>> b.load_state_dict(a.state_dict())
+    <All keys matched successfully>
+    >>> weights_fingerprint(a) == weights_fingerprint(b), len(weights_fingerprint(a))
+    (True, 64)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from loops_callbacks.reference.collectives import Group
+
+__all__ = ["clean_name", "weights_fingerprint"]
+
+_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes.
+
+    Example:
+        >>> clean_name("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w")
+        'layers.0.w'
+    """
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(memoryview(data.view(torch.uint8).numpy())).hexdigest()
+
+
+def _entry(name: str, tensor: torch.Tensor, digest: str) -> str:
+    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{digest}"
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    return type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None))
+
+
+def _fsdp1_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return FullyShardedDataParallel
+
+
+def weights_fingerprint(module: nn.Module, *, tag: str = "", group: Group | None = None) -> str:
+    """sha256 hex digest of ``module``'s weights and ``tag``; see the module docstring.
+
+    Call it on every rank of the group at once when the weights are distributed (it gathers).
+    ``module`` is the outermost module that holds the weights (for FSDP (1), the root wrapper).
+    """
+    group = group or Group()
+    entries = _entries(module, group)
+    if group.world_size > 1:
+        merged: dict[str, str] = {}
+        for part in group.all_gather_objects(entries):
+            merged.update(part)
+        entries = merged
+    inner = module
+    fsdp = _fsdp1_class()
+    while fsdp is not None and isinstance(inner, fsdp):
+        inner = inner.module
+    model_class = type(inner)
+    digest = hashlib.sha256(f"{model_class.__module__}.{model_class.__qualname__}|{tag}\n".encode())
+    for name in sorted(entries):
+        digest.update(f"{entries[name]}\n".encode())
+    return digest.hexdigest()
+
+
+def _entries(module: nn.Module, group: Group) -> dict[str, str]:
+    """This rank's share of the ``name -> entry`` lines."""
+    fsdp = _fsdp1_class()
+    if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
+        return _fsdp1_entries(module, fsdp, group)
+    entries: dict[str, str] = {}
+    named = [*module.named_parameters(), *module.named_buffers()]
+    for index, (name, tensor) in enumerate(named):
+        mine = index % group.world_size == group.rank
+        if _is_dtensor(tensor):
+            full = tensor.full_tensor()  # a collective: every rank, every DTensor, in the same order
+            if mine:
+                entries[clean_name(name)] = _entry(clean_name(name), full, _digest(full))
+            del full
+        elif mine:
+            entries[clean_name(name)] = _entry(clean_name(name), tensor, _digest(tensor))
+    return entries
+
+
+def _fsdp1_entries(module: nn.Module, fsdp: type, group: Group) -> dict[str, str]:
+    """FSDP (1): one unit's weights gathered at a time; flat parameters are hashed shard by shard."""
+    entries: dict[str, str] = {}
+    names = [name for name, _ in module.named_parameters()]
+    if any("_flat_param" in name for name in names):
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            key = f"rank{group.rank}/{group.world_size}:{clean_name(name)}"
+            entries[key] = _entry(key, tensor, _digest(tensor))
+        return entries
+    index = 0
+    for unit_name, unit in module.named_modules():
+        if not isinstance(unit, fsdp):
+            continue
+        nested = [f"{clean_name(n)}." for n, m in unit.named_modules() if isinstance(m, fsdp) and m is not unit]
+        prefix = f"{clean_name(unit_name)}." if clean_name(unit_name) else ""
+        with fsdp.summon_full_params(unit, recurse=False, writeback=False):
+            for name, tensor in unit.named_parameters():
+                local = clean_name(name)
+                if any(local.startswith(p) for p in nested):
+                    continue  # another unit's (still sharded) weight
+                if index % group.world_size == group.rank:
+                    entries[prefix + local] = _entry(prefix + local, tensor, _digest(tensor))
+                index += 1
+    for name, tensor in module.named_buffers():  # FSDP does not shard buffers
+        if index % group.world_size == group.rank:
+            entries[clean_name(name)] = _entry(clean_name(name), tensor, _digest(tensor))
+        index += 1
+    return entries

@@ -1,0 +1,261 @@
+"""``TokenScorer``: packed token sequences in, one flat float32 tensor of log-probabilities out.
+
+The engine under ``TorchSamplingClient`` and ``PolicyReference``. It calls a causal LM as
+``call(input_ids)`` on right-padded batches built on the device (``packing.DeviceBatches``), in
+eval mode, without autograd and with the Hugging Face key/value cache off, and gets the
+log-probabilities of the target tokens either from the model's output head fed chunk by chunk
+(no ``[B, T, V]`` logits) or from its logits (``heads``). The head path is verified once on a
+short probe before it is trusted; a model that fails the check is scored on the general path.
+
+In lock-step (``lockstep=`` a process group), every rank runs the same number of forward passes
+(the ranks with fewer batches run tiny padding batches), so a model whose forward is a collective
+(FSDP, FSDP2) never waits for a rank that has finished.
+
+Right padding needs no attention mask: with causal attention a real position only attends to
+the positions before it, so a padded row scores as it would alone (up to float rounding).
+
+Example:
+    >>> import torch
+    >>> from loops_callbacks.reference.packing import PackedTokens
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    >>> scorer = TokenScorer(model, model=model, device="cpu", max_tokens_per_batch=8)
+    >>> values = scorer.score(PackedTokens.from_sequences([[1, 2, 3], [4]]))
+    >>> values.shape, float(values[2]), float(values[3]), scorer.path
+    (torch.Size([4]), 0.0, 0.0, 'logits')
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from loops_callbacks.reference.heads import OutputHead, find_output_head, logits_logprobs, model_logits
+from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, plan_batches
+
+__all__ = ["TokenScorer", "default_head_rows", "default_tokens_per_batch"]
+
+# The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,
+# measured with benchmarks/bench_reference.py (512 sequences of 16-512 tokens; scored tokens/s and
+# peak memory growth for each budget):
+# - CPU (a 2.4M-parameter model with a 4096-token vocabulary; this project's 2-core machine, shared
+#   with other work, best of 3 interleaved rounds): 21.5k tokens/s at 512 padded tokens per batch,
+#   27.1k at 1024, 27.7k at 2048, 20.7k at 4096, 21.9k at 8192, 19.6k at 16384; batching beyond a
+#   few thousand tokens only pushes activations out of cache. A CPU's matrix products are already
+#   efficient on one sequence of a few hundred tokens, so batching only has to gather short ones.
+# - CUDA (H200; the same model in float32, and a 169M-parameter bfloat16 model with a 32768-token
+#   vocabulary): throughput grows up to 16384 padded tokens per batch (the 169M model: 0.61M tok/s
+#   at 2048, 0.86M at 8192, 0.92M at 16384, 0.87M at 32768), while the peak doubles with each
+#   doubling: 16384 is the top of the plateau.
+# Other device types (mps, xpu, ...) get the CPU figure: small and safe until measured.
+# On the output-head path a batch holds activations only (the head's logits exist one chunk at a
+# time), so the budget does not depend on the vocabulary. On the general path the model's own
+# logits (budget x vocabulary in its dtype) dominate: the default is capped at
+# _DEFAULT_LOGITS_BYTES of them (16384 tokens at a 32768-token vocabulary, ~3500 at 152k).
+_DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 2048, "cuda": 16384}
+_DEFAULT_LOGITS_BYTES = 2 << 30
+_MIN_DEFAULT_TOKENS_PER_BATCH = 512
+# Bytes of float32 logits per chunk of rows on the output-head path, by device type (the chunk also
+# exists once in the model's dtype): large enough for efficient matrix products, small next to a
+# model's weights. On this project's CPU 16-64 MiB chunks score at the same speed (bench_reference.py).
+_HEAD_CHUNK_BYTES: dict[str, int] = {"cpu": 32 << 20, "cuda": 256 << 20}
+_PROBE_TOKENS = 16
+
+Path = Literal["output_head", "logits"]
+
+
+def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None = None) -> int:
+    """The default padded-token budget: measured per device type, capped by full logits' size.
+
+    ``vocab_size`` is given for the general path (where the model's ``[B, T, V]`` logits exist),
+    ``None`` on the output-head path (no cap).
+
+    Example:
+        >>> default_tokens_per_batch("cuda"), default_tokens_per_batch("cuda", 151936), default_tokens_per_batch("cpu")
+        (16384, 3533, 2048)
+    """
+    device_type = torch.device(device).type
+    budget = _DEFAULT_TOKENS_PER_BATCH.get(device_type, _DEFAULT_TOKENS_PER_BATCH["cpu"])
+    if vocab_size:
+        budget = min(budget, max(_MIN_DEFAULT_TOKENS_PER_BATCH, _DEFAULT_LOGITS_BYTES // (4 * vocab_size)))
+    return budget
+
+
+def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
+    """Rows per chunk on the output-head path: ``_HEAD_CHUNK_BYTES`` of float32 logits (at least 1).
+
+    Example:
+        >>> default_head_rows("cpu", 131072), default_head_rows("cuda", 131072)
+        (64, 512)
+    """
+    device_type = torch.device(device).type
+    return max(1, _HEAD_CHUNK_BYTES.get(device_type, _HEAD_CHUNK_BYTES["cpu"]) // (4 * vocab_size))
+
+
+class Lockstep(Protocol):
+    """What lock-step scoring needs of a process group: every rank's largest batch count."""
+
+    world_size: int
+
+    def max_int(self, value: int) -> int: ...
+
+
+class TokenScorer:
+    """Scores ``PackedTokens`` with a causal LM; see the module docstring.
+
+    Args:
+        call: ``call(input_ids [B, T]) -> logits [B, T, V]`` (or an object with ``.logits``).
+        model: the ``nn.Module`` behind ``call`` (eval mode, KV cache off, output head), or ``None``
+            for a plain callable (general path only).
+        device: where batches are built.
+        max_tokens_per_batch: padded tokens per forward; ``None`` for the default of the path.
+        output_head: ``True`` to use the model's output head when it has one (verified once),
+            ``False`` for the general path.
+        vocab_size: for the general path's default budget, when known.
+        autocast: a context manager factory entered around every forward (mixed precision).
+        grad_mode: ``"inference"`` (``torch.inference_mode``) or ``"no_grad"`` (what FSDP needs).
+        head_rows: rows per chunk on the head path (default: ``default_head_rows``).
+    """
+
+    def __init__(
+        self,
+        call: Callable[[torch.Tensor], Any],
+        *,
+        model: nn.Module | None,
+        device: str | torch.device,
+        max_tokens_per_batch: int | None = None,
+        output_head: bool = True,
+        vocab_size: int | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        grad_mode: Literal["inference", "no_grad"] = "inference",
+        head_rows: int | None = None,
+    ) -> None:
+        self.call = call
+        self.model = model
+        self.device = torch.device(device)
+        self.autocast = autocast or contextlib.nullcontext
+        self.grad_mode = grad_mode
+        self.head: OutputHead | None = None
+        self.why_not_head = "output_head=False" if not output_head else "no nn.Module to look into"
+        if output_head and model is not None:
+            self.head, self.why_not_head = find_output_head(model)
+        self.vocab_size = vocab_size if vocab_size is not None else (self.head.vocab_size if self.head else None)
+        self._explicit_budget = max_tokens_per_batch
+        self._verified = self.head is None
+        self.head_rows = head_rows
+
+    @property
+    def path(self) -> Path:
+        """``"output_head"`` or ``"logits"`` (the head path until its one-time check says otherwise)."""
+        return "output_head" if self.head is not None else "logits"
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        if self._explicit_budget is not None:
+            return self._explicit_budget
+        return default_tokens_per_batch(self.device, None if self.head is not None else self.vocab_size)
+
+    def score(
+        self,
+        packed: PackedTokens,
+        *,
+        lockstep: Lockstep | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Flat float32 log-probabilities of ``packed`` (``ref_logprobs`` layout), on the device.
+
+        ``progress(n)`` is told each batch's number of real tokens. With ``lockstep``, call it on
+        every rank of the group at the same time.
+        """
+        with self._scoring():
+            if not self._verified:
+                self._verify()
+            order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
+            batches = DeviceBatches(packed, order, self.device)
+            lengths = packed.lengths[order]
+            for start, stop in plan:
+                ids = batches.input_ids(start, stop, int(lengths[start]))
+                batches.store(start, stop, self._batch_logprobs(ids))
+                if progress is not None:
+                    progress(int(lengths[start:stop].sum()))
+            if lockstep is not None and lockstep.world_size > 1:
+                padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+                for _ in range(lockstep.max_int(len(plan)) - len(plan)):
+                    self._batch_logprobs(padding)
+            return batches.result()
+
+    def _batch_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, T - 1]`` float32: log p(token k + 1 | tokens up to k) of each row."""
+        targets = input_ids[:, 1:]
+        with self.autocast():
+            if self.head is not None:
+                rows = self.head_rows or default_head_rows(self.device, self.head.vocab_size)
+                with self.head.capture(targets, rows_per_chunk=rows) as captured:
+                    self.call(input_ids)
+                assert captured.logprobs is not None
+                return captured.logprobs
+            output = self.call(input_ids)
+            logits = model_logits(output, input_ids)[:, :-1]
+            del output  # e.g. a Hugging Face key/value cache: freed before the log-softmax
+            return logits_logprobs(logits, targets)
+
+    def _verify(self) -> None:
+        """Check the head path once on a short probe (the same forward on every rank); else fall back."""
+        assert self.head is not None
+        probe = torch.arange(_PROBE_TOKENS, device=self.device).remainder_(self.head.vocab_size)[None]
+        with self.autocast():
+            why = self.head.verify(self.call, probe)
+        self._verified = True
+        if why:
+            self.why_not_head, self.head = why, None
+
+    @contextlib.contextmanager
+    def _scoring(self) -> Iterator[None]:
+        grad = torch.inference_mode() if self.grad_mode == "inference" else _no_grad_outside_inference()
+        with grad, _eval_mode(self.model), _kv_cache_off(self.model):
+            yield
+
+
+@contextlib.contextmanager
+def _no_grad_outside_inference() -> Iterator[None]:
+    """``no_grad`` with inference mode off (FSDP's collectives write into its own tensors)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module | None) -> Iterator[None]:
+    """Run in eval mode (no dropout), then give every submodule its own mode back."""
+    if module is None:
+        yield
+        return
+    training = [m for m in module.modules() if m.training]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
+@contextlib.contextmanager
+def _kv_cache_off(module: nn.Module | None) -> Iterator[None]:
+    """Hugging Face models build no key/value cache while scoring (``config.use_cache = False``)."""
+    configs = []
+    if module is not None:
+        seen: set[int] = set()
+        for m in module.modules():
+            config = getattr(m, "config", None)
+            if getattr(config, "use_cache", None) is True and id(config) not in seen:
+                seen.add(id(config))
+                configs.append(config)
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True
