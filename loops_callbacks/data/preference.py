@@ -244,12 +244,12 @@ def read_preference_records(source: Any, *, description: str | None = None) -> l
     """
     if isinstance(source, (str, os.PathLike)):
         return _read_file(os.fspath(source))
-    if isinstance(source, Mapping):
-        return _read_load_dataset(source)
     if _is_dataset_dict(source):
         raise ValueError(
             f"a DatasetDict holds several splits ({sorted(source)}); pass one, e.g. dataset[{next(iter(source))!r}]"
         )
+    if isinstance(source, Mapping):
+        return _read_load_dataset(source)
     if _is_dataset(source):
         return _read_dataset(source, description or "the dataset")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
