@@ -5,6 +5,9 @@
 * ``TensorBoardLogger``: scalars, ``add_histogram`` and the table as Markdown text;
 * any other logger (CSV, MLflow, ...): scalars.
 
+``deliver_text`` writes one text entry (e.g. why the guard rail stopped the run) to each logger
+that can show text: TensorBoard's text panel (``add_text``, Markdown) and W&B (an HTML panel).
+
 A logger that fails is reported as a warning and skipped: monitoring must never stop training.
 
 Example:
@@ -20,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import html
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +64,29 @@ def deliver(
             )
 
 
+def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> None:
+    """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others are skipped.
+
+    Used for the guard rail's message, so a stop is visible beside the curves.
+    ``TensorBoardLogger``: ``add_text`` (the TEXT tab renders Markdown); ``WandbLogger``: a
+    ``wandb.Html`` panel holding the text as preformatted HTML, through ``log_metrics``. Loggers
+    that show no text (CSV) are skipped; a failing logger is a warning, never an error.
+
+    Example:
+        >>> deliver_text([object()], "div/stop", "stopped", step=3)  # a logger without text: nothing
+    """
+    for logger in loggers:
+        try:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(key, text, step)
+            elif isinstance(logger, WandbLogger):
+                import wandb
+
+                logger.log_metrics({key: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+        except Exception as error:  # a full disk, a closed W&B run
+            rank_zero_warn(f"KLSampleTrainMonitor could not log {key!r} to {type(logger).__name__} at step {step}: {error!r}")
+
+
 def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence, step: int, media: MediaOptions) -> None:
     if isinstance(logger, WandbLogger):
         extra = divergence_media(
@@ -79,25 +106,3 @@ def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence
             writer.add_histogram(media.prefix + HISTOGRAM_KEY, histogram_values(host.diffs, media.max_histogram_tokens), step)
         if media.log_worst_tokens:
             writer.add_text(media.prefix + TABLE_KEY, worst_tokens_markdown(worst_token_rows(host.worst, media.tokenizer)), step)
-
-
-def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> None:
-    """Log a line of text at ``step`` where a logger can show it (TensorBoard text, a W&B table).
-
-    Used for the guard rail's message, so a stop is visible beside the curves. Loggers that show
-    no text (CSV) are skipped; a failing logger is a warning.
-
-    Example:
-        >>> deliver_text([object()], "div/guard_rail", "stopped", step=3)  # nothing to show it: skipped
-    """
-    for logger in loggers:
-        try:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(key, text, step)
-            elif isinstance(logger, WandbLogger):
-                import wandb
-
-                logger.log_metrics({key: wandb.Table(columns=["step", "message"], data=[[step, text]])}, step=step)
-        except Exception as error:  # monitoring never stops training by itself
-            rank_zero_warn(f"KLSampleTrainMonitor could not log text to {type(logger).__name__} at step {step}: {error!r}")
-
