@@ -1,17 +1,46 @@
-"""Test-wide settings: W&B never touches the network and writes under a temporary directory."""
+"""Test-wide settings: nothing touches the network, and nothing is written outside pytest's tmp dirs.
+
+W&B is offline and every directory it writes (runs, service logs, cache, settings) lies in one
+session tmp dir; Hypothesis keeps no example database in the checkout. ``.ci/run`` checks that
+the suite leaves the checkout as it found it.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
 
-os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["WANDB_MODE"] = "offline"  # never the network, whatever the environment says
 os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("WANDB_DIR", tempfile.mkdtemp(prefix="loops-callbacks-wandb-"))
+
+settings.register_profile("no-database", database=None)
+settings.load_profile("no-database")
+
+_WANDB_DIRS = {
+    "WANDB_DIR": "runs",
+    "WANDB_CACHE_DIR": "cache",
+    "WANDB_CONFIG_DIR": "config",
+    "WANDB_DATA_DIR": "data",
+    "WANDB_ARTIFACT_DIR": "artifacts",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def wandb_in_a_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every W&B directory in this session's tmp dir (set before any test starts a W&B run)."""
+    root = tmp_path_factory.mktemp("wandb")
+    with pytest.MonkeyPatch.context() as patch:
+        for variable, name in _WANDB_DIRS.items():
+            (root / name).mkdir()
+            patch.setenv(variable, str(root / name))
+        yield
+        if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+            sys.modules["wandb"].run.finish()  # a run a failed test left open writes nothing later
 
 
 @pytest.fixture
