@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.cli import LoopsCLI, run_cli
+from loops_callbacks.cli import LoopsCLI, run_cli, run_summary
 from loops_callbacks.demo import CharTokenizer
+from loops_callbacks.divergence.sinks import deliver_text
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-K3 = "optim/train-sample-div/kl_sample_train_k3"
+P = "optim/train-sample-div/"
+K3 = P + "kl_sample_train_k3"
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,6 +43,23 @@ def wandb_run_dir(root: str) -> str:
     return runs[0]
 
 
+def tensorboard_command(out: str) -> str:
+    """The log dir of the one `tensorboard --logdir ...` command the summary printed."""
+    commands = re.findall(r"tensorboard --logdir (\S+)", out)
+    assert len(commands) == 1, out
+    return commands[0]
+
+
+def tensorboard_events(log_dir: str) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}).Reload()
+
+
+def text_at(events: Any, tag: str) -> dict[int, str]:
+    return {event.step: event.tensor_proto.string_val[0].decode() for event in events.Tensors(tag)}
+
+
 @pytest.mark.parametrize("config", ["rl_tiny.yaml", "rl_stale_sampler.yaml"])
 def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(config: str, capsys: Any) -> None:
     cli = fit(config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
@@ -49,6 +71,19 @@ def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(config: st
     assert len(tables) == 2  # steps 1 and 3
     out = capsys.readouterr().out
     assert "wandb sync" in out and "metrics.csv" in out and "kl_sample_train_k3" in out
+    log_dir = tensorboard_command(out)
+    assert log_dir == f"runs/{config.removesuffix('.yaml')}/tensorboard/version_0"
+    # what that command shows: the scalars over steps, the diff histogram and the worst-tokens table
+    events = tensorboard_events(log_dir)
+    assert [event.step for event in events.Scalars(K3)] == [1, 3]
+    assert [event.step for event in events.Scalars("train/reward")] == [1, 3]
+    assert [event.step for event in events.Histograms(P + "per_token_diff_hist")] == [1, 3]
+    tables = text_at(events, P + "worst_tokens/text_summary")
+    assert sorted(tables) == [1, 3]
+    header, _, *rows = tables[3].splitlines()
+    assert header.split(" | ")[3] == "token" and len(rows) == 20
+    texts = {f"`{CharTokenizer().decode([i])}`" for i in range(CharTokenizer().vocab_size)} | {"`<end>`"}
+    assert {row.split(" | ")[3] for row in rows} <= texts  # the tokenizer's text of each token
 
 
 def test_dpo_config_attaches_reference_logprobs_and_trains(capsys: Any) -> None:
@@ -65,7 +100,12 @@ def test_stale_sampler_is_stopped_by_the_guard_rail(capsys: Any) -> None:
     monitor = next(c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor))
     assert monitor.stop_reason is not None and "exceeded max_kl = 0.05" in monitor.stop_reason
     assert cli.trainer.global_step < 150
-    assert "Stopped by KLSampleTrainMonitor" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Stopped by KLSampleTrainMonitor" in out
+    # the stop is in the TensorBoard run too, as text at the step it fired
+    (step,) = map(int, re.findall(r"at step (\d+)", monitor.stop_reason))
+    texts = text_at(tensorboard_events(tensorboard_command(out)), P + "guard_rail/text_summary")
+    assert list(texts) == [step] and "exceeded max_kl = 0.05" in texts[step]
 
 
 def printed_config(config: Path, capsys: Any) -> str:
@@ -75,23 +115,100 @@ def printed_config(config: Path, capsys: Any) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("config", ["rl_tiny.yaml", "rl_stale_sampler.yaml", "dpo_tiny.yaml"])
+@pytest.mark.parametrize("config", ["rl_tiny.yaml", "rl_stale_sampler.yaml", "rl_unmonitored.yaml", "dpo_tiny.yaml"])
 def test_print_config_round_trips(config: str, tmp_path: Path, capsys: Any) -> None:
     first = printed_config(CONFIGS / config, capsys)
     (tmp_path / "printed.yaml").write_text(first)
     second = printed_config(tmp_path / "printed.yaml", capsys)
     assert yaml.safe_load(second) == yaml.safe_load(first)
-    assert yaml.safe_load(first)["trainer"]["max_steps"] in (150, 300)
+    assert yaml.safe_load(first)["trainer"]["max_steps"] == yaml.safe_load((CONFIGS / config).read_text())["trainer"]["max_steps"]
 
 
-def test_the_snippet_adds_the_monitor_to_any_experiment() -> None:
-    parsed = LoopsCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-        args=["--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.logger", "false",
-              f"--trainer.callbacks+={CONFIGS / 'callbacks' / 'kl_monitor.yaml'}"],
-    )
-    monitors = [c for c in parsed.trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
+SNIPPET = "--trainer.callbacks+=configs/callbacks/kl_monitor.yaml"
+
+
+@pytest.fixture
+def configs_here(tmp_path: Path) -> None:
+    """The shipped configs under ./configs, so the README's relative command lines run as written."""
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+
+
+@pytest.mark.usefixtures("configs_here")
+def test_the_snippet_command_monitors_the_unmonitored_rl_experiment(capsys: Any) -> None:
+    cli = run_cli(["fit", "--config", "configs/rl_unmonitored.yaml", SNIPPET,  # the command line of the README
+                   "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1"])
+    monitors = [c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
     assert len(monitors) == 1 and monitors[0].max_kl == 0.05 and monitors[0].on_exceed == "stop"
+    assert K3 in monitors[0].last_metrics
+    assert "kl_sample_train_k3" in capsys.readouterr().out
+
+
+def test_the_unmonitored_rl_experiment_has_no_monitor() -> None:
+    parsed = LoopsCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                      run=False, args=["--config", str(CONFIGS / "rl_unmonitored.yaml"), "--trainer.logger", "false"])
+    assert not any(isinstance(c, KLSampleTrainMonitor) for c in parsed.trainer.callbacks)
+
+
+@pytest.mark.usefixtures("configs_here")
+def test_the_snippet_does_not_fit_the_other_shipped_experiments() -> None:
+    """As the snippet's comment says: rl_tiny already has a monitor; dpo_tiny has no sampler logprobs."""
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `KLSampleTrainMonitor`"):
+        run_cli(["fit", "--config", "configs/rl_tiny.yaml", SNIPPET, "--trainer.logger", "false"])
+    with pytest.raises(ValueError, match="'logprobs', 'mask'"):
+        run_cli(["fit", "--config", "configs/dpo_tiny.yaml", SNIPPET, "--trainer.logger", "false",
+                 "--trainer.max_steps", "1"])
+
+
+def test_wandb_writes_in_the_run_directory_wherever_its_service_started(tmp_path: Path) -> None:
+    """W&B's service resolves a relative dir against its own working directory, not the run's:
+    the CLI hands W&B the config's directory made absolute, so nothing lands where the service started."""
+    import wandb
+
+    elsewhere, here = tmp_path / "elsewhere", tmp_path / "here"
+    elsewhere.mkdir(), here.mkdir()
+    os.chdir(elsewhere)
+    wandb.init(dir=str(elsewhere), project="loops-callbacks-tests").finish()  # the service runs from here on
+    os.chdir(here)
+    cli = fit("rl_unmonitored.yaml", "--trainer.max_steps", "1")
+    (logger,) = [logger for logger in cli.trainer.loggers if isinstance(logger, WandbLogger)]
+    assert logger.experiment.settings.root_dir == str(here / "runs" / "rl_unmonitored")
+    wandb_run_dir(str(here / "runs" / "rl_unmonitored"))
+    assert not (elsewhere / "runs").exists()  # (where its output.log went before)
+
+
+def test_summary_without_loggers_and_without_minus_zero() -> None:
+    monitor = KLSampleTrainMonitor()
+    monitor.last_metrics = {P + "diff_mean": -0.0, P + "frac_abs_gt_1": 0.0, P + "chi2_token": -1.5e-05}
+    summary = run_summary(Trainer(logger=False, callbacks=[monitor], enable_progress_bar=False))
+    assert "Logs:" not in summary
+    assert re.search(r"diff_mean\s+0$", summary, re.MULTILINE), summary
+    assert not re.search(r"(?<![\w.])-0(?![\w.])", summary), summary
+    assert re.search(r"chi2_token\s+-1.5e-05$", summary, re.MULTILINE)
+
+
+def test_deliver_text_reaches_tensorboard_and_wandb_and_skips_the_rest(tmp_path: Path) -> None:
+    tensorboard = TensorBoardLogger(str(tmp_path), name="tb")
+    wandb_logger = WandbLogger(save_dir=str(tmp_path), project="loops-callbacks-tests", offline=True)
+    message = "kl_sample_train_k3 = 0.12 exceeded max_kl = 0.05 at step 9 <stop>"
+    try:
+        deliver_text([object(), tensorboard, wandb_logger], P + "guard_rail", message, step=9)
+        run_dir = wandb_logger.experiment.dir
+    finally:
+        wandb_logger.experiment.finish()
+    tensorboard.experiment.flush()
+    assert text_at(tensorboard_events(tensorboard.log_dir), P + "guard_rail/text_summary") == {9: message}
+    (page,) = glob.glob(os.path.join(run_dir, "media", "html", "**", "*.html"), recursive=True)
+    assert "exceeded max_kl = 0.05 at step 9 &lt;stop&gt;" in Path(page).read_text()
+
+
+def test_a_logger_that_cannot_take_text_is_a_warning(tmp_path: Path) -> None:
+    class FullDisk(TensorBoardLogger):
+        @property
+        def experiment(self) -> Any:
+            raise OSError("No space left on device")
+
+    with pytest.warns(UserWarning, match="could not log 'stop' to FullDisk at step 3: OSError"):
+        deliver_text([FullDisk(str(tmp_path))], "stop", "why", step=3)
 
 
 @pytest.mark.parametrize(
