@@ -18,11 +18,13 @@ from tests.oracle import PREFIX
 from tests.test_rl_metrics import as_datums, assert_metrics_equal, rows
 
 
-def stats_of(batch: list[dict[str, Any]], top_n: int, sample_size: int | None = None) -> DivergenceStats:
+def stats_of(
+    batch: list[dict[str, Any]], top_n: int, sample_size: int | None = None, seed: int = 1
+) -> DivergenceStats:
     datums, trainer = as_datums(batch, "lists")
     return DivergenceStats.from_batch(
         flatten_datums(datums, trainer, with_tokens=True), top_n=top_n, sample_size=sample_size,
-        generator=torch.Generator().manual_seed(1),
+        generator=torch.Generator().manual_seed(seed),
     )
 
 
@@ -45,40 +47,65 @@ def test_merged_parts_equal_the_whole(batch: list[dict[str, Any]], cuts: list[in
 
 
 class ThreadGroup:
-    """A two-'rank' all_gather between threads, with the semantics of torch.distributed's."""
+    """'Ranks' as threads, with ``torch.distributed``'s semantics for the two collectives."""
 
     def __init__(self, world: int) -> None:
+        self.world = world
         self.slots: list[torch.Tensor | None] = [None] * world
         self.barrier = threading.Barrier(world)
 
-    def gather_for(self, rank: int):
-        def gather(tensor: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = tensor
-            self.barrier.wait()
-            stacked = torch.stack(self.slots)  # every rank's tensor, in rank order
-            self.barrier.wait()
-            return stacked
-        return gather
+    def for_rank(self, rank: int) -> ThreadCollectives:
+        return ThreadCollectives(self, rank)
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        stacked = torch.stack(self.slots)  # every rank's tensor, in rank order
+        self.barrier.wait()
+        return stacked
 
 
-@settings(max_examples=40, deadline=None)
-@given(batch=rows(max_datums=8), cut=st.integers(0, 8), top_n=st.integers(0, 5), capped=st.booleans())
-def test_all_gather_of_ranks_equals_the_concatenation(
-    batch: list[dict[str, Any]], cut: int, top_n: int, capped: bool
-) -> None:
-    first, second = batch[:cut], batch[cut:]
-    size = 10_000 if capped else None
-    ranks = [stats_of(first, top_n, size), stats_of(second, top_n, size)]
-    group, results = ThreadGroup(2), [None, None]
+class ThreadCollectives:
+    """One thread's view of a ``ThreadGroup``: a ``reduction.Collectives``."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, group.world
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.exchange(self.rank, tensor)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.exchange(self.rank, tensor).sum(0)
+
+
+def reduce_in_threads(parts: list[DivergenceStats], seed: int = 0) -> list[DivergenceStats]:
+    """Every 'rank''s result of ``reduce_across_ranks`` on ``parts`` (part r on rank r)."""
+    group, results = ThreadGroup(len(parts)), [None] * len(parts)
 
     def run(rank: int) -> None:
-        results[rank] = ranks[rank].all_gather(group.gather_for(rank))
+        generator = torch.Generator().manual_seed(seed + rank)
+        results[rank] = parts[rank].reduce_across_ranks(group.for_rank(rank), generator=generator)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=60)
+    assert all(result is not None for result in results)
+    return results
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=rows(max_datums=8), cuts=st.lists(st.integers(0, 8), min_size=1, max_size=3),
+       top_n=st.integers(0, 5), capped=st.booleans())
+def test_reduction_across_ranks_equals_the_concatenation(
+    batch: list[dict[str, Any]], cuts: list[int], top_n: int, capped: bool
+) -> None:
+    size = 10_000 if capped else None
+    parts = split(batch, cuts)
+    if len(parts) == 1:
+        parts.append([])  # a rank with nothing at all
+    results = reduce_in_threads([stats_of(part, top_n, size) for part in parts])
     whole = stats_of(batch, top_n).to_host()
     for result in results:
         host = result.to_host()

@@ -277,7 +277,7 @@ class KLSampleTrainMonitor(Callback):
 
     def _publish(self, trainer: pl.Trainer, window: DivergenceStats, step: int) -> None:
         if trainer.world_size > 1:
-            window = window.all_gather(lambda tensor: trainer.strategy.all_gather(tensor))
+            window = window.reduce_across_ranks(trainer.strategy, generator=self._generator(window.totals.device))
         host = window.to_host()  # the one host synchronization of a logged step
         metrics = scalar_metrics(host, prefix=self.prefix)
         self.last_metrics = metrics

@@ -2,15 +2,16 @@
 
 ``DivergenceStats.from_batch`` reads a ``FlatBatch`` once into sums, counts, maxima, the
 ``top_n`` most divergent tokens (with their context token ids) and a sample of the per-token
-diffs d = trainer logprob − sampler logprob. Statistics of micro-batches and of ranks combine
-with ``merge`` / ``all_gather`` exactly as if computed on the concatenated batch (sums up to
-floating-point summation order; counts, maxima and rows exactly). ``to_host`` moves everything
-to the host in one transfer, the only synchronization.
+diffs d = trainer logprob − sampler logprob. Statistics of micro-batches combine with ``merge``,
+those of ranks with ``reduce_across_ranks`` (module ``reduction``), exactly as if computed on the
+concatenated batch (sums up to floating-point summation order; counts, maxima and rows exactly).
+``to_host`` moves everything to the host in one transfer, the only synchronization.
 
 The sample keeps every diff when ``sample_size`` is ``None`` (the plain functions). With a
 ``sample_size`` it is a uniform sample without replacement of the union (bottom-k of one random
 key per token, which merges exactly), so percentiles stay exact while the union has at most
-``sample_size`` tokens.
+``sample_size`` tokens. Across ranks it becomes a stratified sample with proportional allocation
+(every token kept with the same probability; see ``reduction``).
 
 Example:
     >>> import torch
@@ -24,8 +25,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -213,24 +214,17 @@ class DivergenceStats:
             sample_size=self.sample_size,
         )._capped()
 
-    def all_gather(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> DivergenceStats:
-        """Statistics of every rank's batches, rank 0's first; ``gather`` returns ``[world, ...]``.
+    def reduce_across_ranks(self, group: Any, *, generator: torch.Generator | None = None) -> DivergenceStats:
+        """Statistics of every rank's batches, rank 0's first, the same on every rank.
 
-        Every rank must call it (it is a collective); each gets the same result.
+        A collective: every rank calls it. ``group`` is a ``reduction.Collectives`` or a Lightning
+        strategy (``trainer.strategy``); ``generator`` draws the sample allocation's one random
+        number. Two collectives whose size does not grow with the ranks beyond a few hundred bytes
+        per rank; ``loops_callbacks.divergence.reduction`` says what they carry.
         """
-        length = self.sample_values.shape[0]
-        size = self.sample_size
-        if size is None:  # the sample is not capped: ranks hold different lengths, pad to the longest
-            size = int(gather(torch.tensor([length], device=self.totals.device)).max())
-        values = torch.nn.functional.pad(self.sample_values, (0, size - length))
-        keys = torch.nn.functional.pad(_keys_of(self), (0, size - length), value=float("inf"))
-        parts = zip(gather(self.totals), gather(self.extrema), gather(self.worst), gather(values), gather(keys))
-        merged: DivergenceStats | None = None
-        for totals, extrema, worst, part_values, part_keys in parts:
-            part = DivergenceStats(totals, extrema, worst, part_values, part_keys, self.sample_size)
-            merged = part if merged is None else merged.merge(part)
-        assert merged is not None
-        return merged
+        from loops_callbacks.divergence.reduction import reduce_across_ranks  # it imports this module
+
+        return reduce_across_ranks(self, group, generator=generator)
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
