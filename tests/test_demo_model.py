@@ -1,11 +1,14 @@
-"""TinyCausalLM: shapes, causality (so right padding is safe), and token_logprobs."""
+"""TinyCausalLM: shapes, causality (so right padding is safe), token_logprobs, the KV cache, and
+bf16 numerics computed in float32."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from loops_callbacks.demo.model import TinyCausalLM, token_logprobs
+from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
 
 
 def _model() -> TinyCausalLM:
@@ -61,3 +64,65 @@ def test_bad_arguments_are_named() -> None:
         TinyCausalLM(vocab_size=10, d_model=0)
     with pytest.raises(ValueError, match="length 9 > max_seq_len=8"):
         TinyCausalLM(vocab_size=10, d_model=8, n_heads=2, max_seq_len=8)(torch.zeros(1, 9, dtype=torch.long))
+
+
+def _peaked(seed: int = 0) -> TinyCausalLM:
+    """A model with large random weights: peaked distributions, where bf16 rounding shows."""
+    torch.manual_seed(seed)
+    model = TinyCausalLM(vocab_size=14, d_model=64, n_layers=2, n_heads=4, max_seq_len=12).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    return model
+
+
+def _bf16(model: TinyCausalLM, compute_dtype: torch.dtype | None) -> TinyCausalLM:
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low.compute_dtype = compute_dtype
+    return low
+
+
+def test_kv_cache_continues_the_sequence_like_a_full_forward() -> None:
+    model = _peaked()
+    input_ids = torch.randint(0, 14, (6, 11))
+    for variant, atol in ((model, 1e-5), (_bf16(model, torch.float32), 0.0)):
+        full = variant(input_ids)
+        cache = KVCache()
+        pieces = [variant(input_ids[:, :5], cache=cache)]
+        pieces += [variant(input_ids[:, k : k + 1], cache=cache) for k in range(5, 9)]
+        pieces.append(variant(input_ids[:, 9:], cache=cache))  # two tokens at once after the cache
+        assert cache.length == 11
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="length 13 > max_seq_len=12"):
+        model(input_ids[:, :2], cache=cache)
+
+
+def test_shared_prompt_cache_equals_repeated_prompts() -> None:
+    model = _bf16(_peaked(), torch.float32)
+    prompts, continuation = torch.randint(0, 14, (3, 6)), torch.randint(0, 14, (6, 1))
+    shared, repeated = KVCache(), KVCache()
+    model(prompts, cache=shared)
+    shared.repeat_interleave(2)
+    model(prompts.repeat_interleave(2, dim=0), cache=repeated)
+    torch.testing.assert_close(model(continuation, cache=shared), model(continuation, cache=repeated), rtol=0, atol=0)
+
+
+def test_float32_compute_with_bf16_weights_is_native_bf16_up_to_summation_order() -> None:
+    model = _peaked()
+    input_ids = torch.randint(0, 14, (64, 12))
+    exact = token_logprobs(model(input_ids[:, :-1]), input_ids[:, 1:])
+    native_logits = _bf16(model, None)(input_ids[:, :-1])
+    emulated_logits = _bf16(model, torch.float32)(input_ids[:, :-1])
+    assert native_logits.dtype == torch.bfloat16 and emulated_logits.dtype == torch.float32
+    # every stored value is a bf16 value; almost all logits are the native ones, bit for bit
+    assert torch.equal(emulated_logits, emulated_logits.bfloat16().float())
+    assert (emulated_logits != native_logits.float()).float().mean() < 0.01
+    native = token_logprobs(native_logits, input_ids[:, 1:])
+    emulated = token_logprobs(emulated_logits, input_ids[:, 1:])
+    precision_gap = (native - exact).abs().mean()
+    assert precision_gap > 1e-3  # the bf16 rounding is real...
+    assert (emulated - native).abs().mean() < precision_gap / 100  # ...and the emulation reproduces it
+    # without the rounding (float32 weights and activations) there would be no gap at all
+    unrounded = copy.deepcopy(model)
+    unrounded.compute_dtype = torch.float32
+    torch.testing.assert_close(token_logprobs(unrounded(input_ids[:, :-1]), input_ids[:, 1:]), exact, rtol=0, atol=0)

@@ -7,10 +7,22 @@ the policy kept in ``sampler_precision`` that receives the policy's weights ever
 optimizer steps, so the sampler/trainer logprob gap that ``loops_log_kl_sample_train`` monitors is
 real and controllable:
 
-- ``sampler_precision="float32", sync_every=1``: no gap (0 within float rounding) unless the
-  trainer runs under mixed precision;
+- ``sampler_precision="float32", sync_every=1``: no gap (the sampler's logprobs equal the
+  trainer's exactly) unless the trainer runs under mixed precision;
 - ``sampler_precision="bfloat16"``: the rounding gap of a bf16 inference engine;
 - ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo).
+
+What the bf16 sampler does. Its weights are bfloat16 (a sync rounds the policy's float32
+weights to bf16, as loading them into a bf16 engine does) and every tensor its forward pass
+stores is rounded to bf16: embedding sums, layer-norm, linear, GELU and attention outputs,
+residual sums, the logits. The kernels run in float32 (``TinyCausalLM(compute_dtype=float32)``),
+which is how bf16 kernels accumulate anyway, so the numbers are those of PyTorch's native bf16
+forward up to summation order (about 0.1% of the logits differ, by about one bf16 ulp; the
+bf16-vs-float32 gap is a thousand times larger) while CPUs without native bf16, which emulate
+bf16 kernels several times slower than float32 ones, run it at float32 speed. Sampling keeps a
+KV cache (one prompt pass, then one pass per new token, as an inference engine decodes); the
+logprobs of the sampled tokens come from one more pass of the same sampler over the whole
+sequence, the same shapes the trainer scores, so a float32 sampler agrees with the trainer exactly.
 
 The loss is not clipped (as in Loops): even a never-updated sampler still lets the policy learn
 the demo task, while the monitored gap grows to several nats per token.
@@ -57,7 +69,7 @@ from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
-from loops_callbacks.demo.model import TinyCausalLM, token_logprobs
+from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 
 __all__ = ["RLPolicyModule"]
@@ -76,7 +88,8 @@ class RLPolicyModule(LightningModule):
         group_size: completions sampled per prompt (at least 2: advantages are relative to the group).
         d_model, n_layers, n_heads: size of the ``TinyCausalLM`` policy.
         lr: AdamW learning rate.
-        sampler_precision: dtype the sampler's weights and forward passes use.
+        sampler_precision: dtype of the sampler's weights and of every tensor its forward passes
+            store (kernels run in float32; see the module docstring).
         sync_every: copy the policy's weights into the sampler every this many optimizer steps;
             ``None`` = never (the sampler stays the policy of the first training batch).
 
@@ -135,6 +148,7 @@ class RLPolicyModule(LightningModule):
             max_seq_len=self.task.prompt_length + self.task.max_new_tokens,
         )
         self.sampler = copy.deepcopy(self.policy).to(_PRECISIONS[sampler_precision]).requires_grad_(False)
+        self.sampler.compute_dtype = torch.float32  # bf16 storage, float32 kernels: a bf16 engine's numbers
         # Optimizer steps taken when the sampler last received the policy's weights; None = not yet
         # (the first training batch syncs, so weights loaded into the policy after __init__ count).
         self._synced_at_step: int | None = None
@@ -167,19 +181,28 @@ class RLPolicyModule(LightningModule):
         return nullcontext()
 
     @torch.no_grad()
-    def sample(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """Sample one completion per row of ``prompt_ids [B, L]`` with the sampler (temperature 1).
+    def sample(self, prompt_ids: torch.Tensor, repeats: int = 1) -> torch.Tensor:
+        """Sample completions of ``prompt_ids [P, L]`` with the sampler (temperature 1).
 
-        Returns ``[B, max_new_tokens]`` token ids; positions after a row's first ``<eos>`` are
-        ``pad_id``.
+        Each prompt is sampled ``repeats`` times (its samples are adjacent rows) and processed
+        once: its keys and values are shared by its samples, as an engine's prefix cache does.
+        Decoding keeps a KV cache, so each new token costs one one-token pass.
+
+        Returns ``[P * repeats, max_new_tokens]`` token ids; positions after a row's first
+        ``<eos>`` are ``pad_id``.
         """
-        sequences = prompt_ids
+        cache = KVCache()
+        completion: list[torch.Tensor] = []
         with self._sampler_context(prompt_ids.device):
-            for _ in range(self.task.max_new_tokens):
-                logits = self.sampler(sequences)[:, -1].float()
-                next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-                sequences = torch.cat([sequences, next_token], dim=1)
-        completions = sequences[:, prompt_ids.shape[1] :]
+            logits = self.sampler(prompt_ids, cache=cache)[:, -1].float()
+            if repeats > 1:
+                cache.repeat_interleave(repeats)
+                logits = logits.repeat_interleave(repeats, dim=0)
+            for step in range(self.task.max_new_tokens):  # one pass per new token, all rows at once
+                if step:
+                    logits = self.sampler(completion[-1], cache=cache)[:, -1].float()
+                completion.append(torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1))
+        completions = torch.cat(completion, dim=1)
         return completions.masked_fill(~_up_to_first(completions, self.tokenizer.eos_id), self.tokenizer.pad_id)
 
     @torch.no_grad()
@@ -209,8 +232,8 @@ class RLPolicyModule(LightningModule):
                 f"got {tuple(prompts.shape)}; do the datamodule's num_digits and the module's match?"
             )
         num_prompts, prompt_length = prompts.shape
+        completions = self.sample(prompts, repeats=self.group_size)
         prompts = prompts.repeat_interleave(self.group_size, dim=0)  # rows of one group are adjacent
-        completions = self.sample(prompts)
         sequences = torch.cat([prompts, completions], dim=1)
         input_ids, target_tokens = sequences[:, :-1], sequences[:, 1:]
 
