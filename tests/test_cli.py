@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,16 @@ def test_dpo_config_attaches_reference_logprobs_and_trains(capsys: Any) -> None:
     assert "train/dpo_accuracy" in cli.trainer.callback_metrics
     wandb_run_dir("runs/dpo_tiny")
     assert glob.glob("runs/dpo_tiny/reference_logprobs/*")  # the cache a rerun loads
+
+
+def test_dpo_without_held_out_pairs_runs_no_validation_and_warns_nothing() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = fit("dpo_tiny.yaml", "--data.init_args.val_fraction", "0", "--trainer.logger", "false",
+                  "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1")
+    under_pytest = "LightningCLI's args parameter"  # sys.argv holds pytest's arguments
+    assert [str(w.message) for w in caught if not str(w.message).startswith(under_pytest)] == []
+    assert cli.trainer.global_step == 2 and cli.trainer.limit_val_batches == 0
 
 
 def test_stale_sampler_is_stopped_by_the_guard_rail(capsys: Any) -> None:

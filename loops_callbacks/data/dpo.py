@@ -44,11 +44,13 @@ from loops_callbacks.types import Datum, ModelInput, TensorData
 
 __all__ = [
     "DPOPairDataset",
+    "OutOfVocabularyError",
     "check_vocabulary",
     "collate_dpo_pairs",
     "dpo_pair_datums",
     "dpo_records_to_datums",
     "read_dpo_jsonl",
+    "utf8_error_in_jsonl",
     "validate_dpo_pairs",
 ]
 
@@ -206,20 +208,56 @@ def _record_pair(record: Any, label: str) -> tuple[Datum, Datum]:
 def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
     """Interleaved datums from a JSONL file of ``dpo_records_to_datums`` records (blank lines skipped).
 
-    Errors name the pair index and the line of the file.
+    Errors (a ``ValueError``, also for text that is not UTF-8) name the pair index and the line of
+    the file.
     """
     data: list[Datum] = []
-    with open(path, encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            label = f"pair {len(data) // 2} (line {line_number} of {os.fspath(path)})"
+            line = _utf8_line(raw, label)
             if not line.strip():
                 continue
-            label = f"pair {len(data) // 2} (line {line_number} of {os.fspath(path)})"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{label}: not valid JSON: {error}") from None
             data.extend(_record_pair(record, label))
     return data
+
+
+def _utf8_line(raw: bytes, label: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{label}: not UTF-8 text (byte {raw[error.start]:#04x} at byte {error.start} of the line: "
+            f"{error.reason}); save the file as UTF-8"
+        ) from None
+
+
+def utf8_error_in_jsonl(path: str | os.PathLike[str]) -> ValueError | None:
+    """The ``ValueError`` naming the pair and line of the first line of ``path`` that is not UTF-8, if any.
+
+    For readers that decode the whole file at once and only learn that some byte is not UTF-8.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "pairs.jsonl")
+        >>> with open(path, "wb") as file:
+        ...     _ = file.write(b'{"chosen": [1, 2]}\\n\\n{"chosen": "caf\\xe9"}\\n')
+        >>> str(utf8_error_in_jsonl(path)).replace(path, "pairs.jsonl")
+        'pair 1 (line 3 of pairs.jsonl): not UTF-8 text (byte 0xe9 at byte 15 of the line: invalid continuation byte); save the file as UTF-8'
+    """
+    pairs = 0
+    with open(path, "rb") as file:
+        for line_number, raw in enumerate(file, start=1):
+            try:
+                _utf8_line(raw, f"pair {pairs} (line {line_number} of {os.fspath(path)})")
+            except ValueError as error:
+                return error
+            pairs += bool(raw.strip())
+    return None
 
 
 def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:
@@ -299,8 +337,17 @@ def _check_same_prompt(
     raise ValueError(f"{where} at token {position}: {chosen[position]} vs {rejected[position]}")
 
 
+class OutOfVocabularyError(ValueError):
+    """A token id outside the reference's vocabulary: ``pair``, datum ``index``, ``position``, ``token``."""
+
+    def __init__(self, message: str, *, pair: int, index: int, position: int, token: int) -> None:
+        super().__init__(message)
+        self.pair, self.index, self.position, self.token = pair, index, position, token
+
+
 def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) -> None:
-    """``ValueError`` naming the pair, datum and position of the first token id outside ``[0, vocab_size)``.
+    """``OutOfVocabularyError`` (a ``ValueError``) naming the pair, datum and position of the first
+    token id outside ``[0, vocab_size)``.
 
     Negative ids are always rejected; with ``vocab_size=None`` only they are.
     """
@@ -309,9 +356,13 @@ def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) ->
         if ids and (min(ids) < 0 or max(ids) >= high):
             position = next(i for i, token in enumerate(ids) if token < 0 or token >= high)
             vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-            raise ValueError(
+            raise OutOfVocabularyError(
                 f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index}) has token id "
-                f"{ids[position]} at position {position}, outside {vocabulary}"
+                f"{ids[position]} at position {position}, outside {vocabulary}",
+                pair=index // 2,
+                index=index,
+                position=position,
+                token=int(ids[position]),
             )
 
 

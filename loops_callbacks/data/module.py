@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs
+from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, collate_dpo_pairs, utf8_error_in_jsonl
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
 from loops_callbacks.data.tokenization import TokenizationReport, preference_datums
@@ -79,7 +80,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             over under DDP and seeds itself from ``seed_everything``).
         seed: seed of the shuffling and of the validation split.
         num_workers: ``DataLoader`` workers.
-        val_fraction: share of the pairs held out for ``val_dataloader`` (0: no validation).
+        val_fraction: share of the pairs held out for ``val_dataloader`` (0: no validation; the
+            Trainer's validation loop is then switched off, ``limit_val_batches = 0``).
         reference_fingerprint: identity of a client whose weights cannot be hashed here, so that
             its logprobs can be cached.
         progress: progress bars on rank 0 while tokenizing and scoring.
@@ -204,7 +206,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
                 )
         source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-        records = read_preference_records(source)
+        try:
+            records = read_preference_records(source)
+        except UnicodeDecodeError:
+            if not isinstance(source, (str, os.PathLike)):
+                raise
+            raise (utf8_error_in_jsonl(source) or ValueError(f"{os.fspath(source)}: not UTF-8 text")) from None
         rank_zero = getattr(getattr(self, "trainer", None), "is_global_zero", True)
         data, self.tokenization_report = preference_datums(
             records,
@@ -213,7 +220,31 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             max_prompt_length=self.max_prompt_length,
             progress=self._reference_config.progress and rank_zero,
         )
+        self._pair_where = [records[index].where for index in self.tokenization_report.record_indices]
         return data
+
+    @property
+    def scored_data(self) -> list[Any]:
+        with self._errors_name_the_file_line():
+            return super().scored_data
+
+    @contextmanager
+    def _errors_name_the_file_line(self) -> Iterator[None]:
+        """An out-of-vocabulary error names the record's line of the file (or row, or item) beside the pair."""
+        try:
+            yield
+        except OutOfVocabularyError as error:
+            where = getattr(self, "_pair_where", None)
+            prefix = f"pair {error.pair}"
+            if not where or error.pair >= len(where) or not str(error).startswith(prefix + ":"):
+                raise
+            raise OutOfVocabularyError(
+                f"{prefix} ({where[error.pair]}){str(error).removeprefix(prefix)}",
+                pair=error.pair,
+                index=error.index,
+                position=error.position,
+                token=error.token,
+            ) from None
 
     def _tokenizer_source(self) -> Any:
         """``tokenizer``, else the LightningModule's ``tokenizer_name_or_path`` (``HFDPOModule``), else ``None``."""
@@ -225,7 +256,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        super().setup(stage)
+        with self._errors_name_the_file_line():
+            super().setup(stage)
         if stage != "fit":
             return
         dataset = DPOPairDataset(self.scored_data)
@@ -240,6 +272,10 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             order = np.random.default_rng(self.seed).permutation(len(dataset))
         self._val = Subset(dataset, sorted(order[:num_val].tolist()))
         self._train = Subset(dataset, sorted(order[num_val:].tolist()))
+        trainer = getattr(self, "trainer", None)
+        if num_val == 0 and trainer is not None:
+            # no held-out pairs: no validation loop at all (Lightning warns about an empty val loader)
+            trainer.limit_val_batches = 0
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -1,0 +1,74 @@
+"""A bad preference file says which file and which line: bytes that are not UTF-8, token ids outside the vocabulary."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from loops_callbacks.data import DPODataModule, read_dpo_jsonl
+from loops_callbacks.data.dpo import OutOfVocabularyError
+
+
+class SmallVocabulary:
+    """A reference client whose vocabulary is ids 0..15."""
+
+    vocab_size = 16
+
+    def compute_logprobs(self, prompt: object) -> list[float | None]:
+        return [None] + [-1.0] * (prompt.length - 1)  # type: ignore[attr-defined]
+
+
+def pairs_file(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def record(chosen: list[int], rejected: list[int]) -> bytes:
+    return json.dumps({"chosen": chosen, "rejected": rejected, "prompt_length": 1}).encode()
+
+
+@pytest.fixture
+def latin1_file(tmp_path: Path) -> Path:
+    # line 3 holds a Latin-1 "é" (0xe9), which is not UTF-8; line 2 is blank, so it is pair 1
+    bad = b'{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1, "note": "caf\xe9"}'
+    return pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), b"", bad])
+
+
+def test_read_dpo_jsonl_names_the_file_and_line_of_bytes_that_are_not_utf8(latin1_file: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"pair 1 (line 3 of {latin1_file}): not UTF-8 text (byte 0xe9")):
+        read_dpo_jsonl(latin1_file)
+
+
+def test_the_datamodule_names_the_file_and_line_of_bytes_that_are_not_utf8(latin1_file: Path) -> None:
+    data = DPODataModule(path=str(latin1_file), use_cache=False, progress=False)
+    with pytest.raises(ValueError, match=re.escape(f"pair 1 (line 3 of {latin1_file}): not UTF-8 text")) as error:
+        data.dpo_data()
+    assert not isinstance(error.value, UnicodeDecodeError)
+
+
+def test_an_out_of_vocabulary_id_names_the_pair_and_the_line_of_the_file(tmp_path: Path) -> None:
+    path = pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), b"", record([1, 5], [1, 6]),
+                                                 record([1, 2, 99], [1, 4])])
+    data = DPODataModule(path=str(path), reference=SmallVocabulary(), use_cache=False, progress=False)
+    with pytest.raises(OutOfVocabularyError) as error:
+        data.setup("fit")
+        data.scored_data  # noqa: B018  (with a lazily scored reference, the check runs here)
+    assert str(error.value) == (
+        f"pair 2 (line 4 of {path}): the chosen datum (index 4) has token id 99 at position 2, "
+        "outside the reference's vocabulary [0, 16)"
+    )
+    assert (error.value.pair, error.value.index, error.value.position, error.value.token) == (2, 4, 2, 99)
+    assert isinstance(error.value, ValueError)
+
+
+def test_in_memory_datums_keep_the_plain_message() -> None:
+    from loops_callbacks.data import dpo_pair_datums
+
+    data = DPODataModule(data=[*dpo_pair_datums([1, 2], [1, 3], 1), *dpo_pair_datums([1, 40], [1, 3], 1)],
+                         reference=SmallVocabulary(), use_cache=False, progress=False)
+    with pytest.raises(OutOfVocabularyError, match=r"^pair 1: the chosen datum \(index 2\) has token id 40 at position 1"):
+        data.setup("fit")
+        data.scored_data  # noqa: B018
