@@ -4,7 +4,7 @@
 ``rejected`` lists of messages): a user asks a short question (sums, capitals, colours,
 opposites, words spelled backwards), sometimes after a system message or an earlier exchange;
 the chosen reply answers it, the rejected one is unhelpful (a refusal, a rude or evasive
-reply) or, in a quarter of the pairs, answers wrongly in the same words.
+reply) or, in half of the pairs, answers wrongly in the same words.
 
 ``build_chat_tokenizer`` trains a byte-level BPE (512 ids, 4 of them special) on that data and
 wraps it in ``PreTrainedTokenizerFast`` with a ChatML-style chat template that starts with the
@@ -100,7 +100,7 @@ def _question(rng: random.Random) -> tuple[str, str, str]:
     return f"Spell {word} backwards.", f"{word} backwards is {word[::-1]}.", f"{word} backwards is {''.join(scrambled)}."
 
 
-def make_chat_preferences(num_pairs: int, *, seed: int = 0, wrong_fraction: float = 0.25) -> list[dict[str, Any]]:
+def make_chat_preferences(num_pairs: int, *, seed: int = 0, wrong_fraction: float = 0.5) -> list[dict[str, Any]]:
     """Conversational preference records ``{"prompt": [...], "chosen": [...], "rejected": [...]}``.
 
     A third of the prompts start with a system message and a fifth carry an earlier exchange;
