@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonargparse
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,9 @@ from loops_callbacks.data import (
     read_cache,
     write_cache,
 )
-from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.fields import field_to_tensor, model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
+from loops_callbacks.reference.across_ranks import ReferenceCacheError
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
@@ -113,9 +115,10 @@ class CountingClient:
 
 
 class ReportingDPODataModule(DPODataModule):
-    """Writes, per rank, what setup did, how many prompts the torch scorer scored, and the result.
+    """Writes, per rank, what the scoring did and the result.
 
-    ``perturb_rank`` changes that rank's module weights before scoring (as an unseeded init would).
+    ``perturb_rank`` changes that rank's module weights in ``setup`` (as an unseeded init would);
+    DDP gives every rank rank 0's weights afterwards, when it wraps the module.
     """
 
     def __init__(self, *args: Any, report_dir: str, perturb_rank: int | None = None, **kwargs: Any) -> None:
@@ -124,32 +127,21 @@ class ReportingDPODataModule(DPODataModule):
         self.perturb_rank = perturb_rank
 
     def setup(self, stage: str) -> None:
-        rank = self.trainer.global_rank
-        if stage == "fit" and rank == self.perturb_rank:
+        if stage == "fit" and self.trainer.global_rank == self.perturb_rank:
             with torch.no_grad():
                 self.trainer.lightning_module.head.bias.add_(1.0)
-        scored = [0]
-        original = TorchSamplingClient.compute_logprobs_batch
+        super().setup(stage)
 
-        def counting(client: TorchSamplingClient, prompts: Any) -> Any:
-            scored[0] += len(prompts)
-            return original(client, prompts)
-
-        TorchSamplingClient.compute_logprobs_batch = counting  # this rank's process only
-        try:
-            super().setup(stage)
-        finally:
-            TorchSamplingClient.compute_logprobs_batch = original
-        if stage != "fit":
-            return
+    def train_dataloader(self) -> DataLoader:
+        loader = super().train_dataloader()
         report = {
             "source": self.reference_report.source,
             "scored_here": self.reference_report.scored_here,
-            "prompts_scored": scored[0],
-            "ref_logprobs": [list(d.loss_fn_inputs["ref_logprobs"].data) for d in self.scored_data],
+            "ref_logprobs": ref_values(self.scored_data),
         }
-        with open(os.path.join(self.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as file:
+        with open(os.path.join(self.report_dir, f"rank{self.trainer.global_rank}.json"), "w", encoding="utf-8") as file:
             json.dump(report, file)
+        return loader
 
 
 def fit(
@@ -177,7 +169,8 @@ def fit(
 
 
 def ref_values(data: list[Any]) -> list[list[float]]:
-    return [list(d.loss_fn_inputs["ref_logprobs"].data) for d in data]
+    """Each datum's ``ref_logprobs`` as floats, whatever the field's kind (a float32 array, ``TensorData``)."""
+    return [field_to_tensor(d.loss_fn_inputs["ref_logprobs"], where="test").tolist() for d in data]
 
 
 def toy_model(seed: int = 0) -> ToyDPO:
@@ -352,42 +345,186 @@ def test_client_without_fingerprint_is_not_cached(tmp_path: Any) -> None:
 # ----------------------------------------------------------------------------- which reference
 
 
-def test_default_reference_is_the_initial_policy_and_resume_scores_nothing(tmp_path: Any, monkeypatch: Any) -> None:
+class WatchedDPO(ToyDPO):
+    """``ToyDPO`` that records, for every forward outside a training step, what the trainer had set up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scoring_calls: list[dict[str, Any]] = []
+        self.in_step = False
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.in_step:
+            trainer = self._trainer
+            self.scoring_calls.append(
+                {
+                    "optimizers": len(trainer.optimizers) if trainer is not None else 0,
+                    "step": trainer.global_step if trainer is not None else -1,
+                    "grad": torch.is_grad_enabled(),
+                    "training": self.training,
+                }
+            )
+        return super().forward(input_ids)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.in_step = True
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            self.in_step = False
+
+
+def watched_model(seed: int) -> WatchedDPO:
+    torch.manual_seed(seed)
+    return WatchedDPO()
+
+
+def test_default_reference_is_the_policy_itself_after_the_strategy_setup(tmp_path: Any, monkeypatch: Any) -> None:
     data = pair_datums(make_pairs(8))
-    model = toy_model(3)
+    model = watched_model(3)
     initial = copy.deepcopy(model)
-    scored: list[int] = []
-    original = TorchSamplingClient.compute_logprobs_batch
+    copies: list[str] = []
+    original_deepcopy = copy.deepcopy
 
-    def counting(self: TorchSamplingClient, prompts: Any) -> Any:
-        scored.append(len(prompts))
-        return original(self, prompts)
+    def counting_deepcopy(obj: Any, *args: Any) -> Any:
+        if isinstance(obj, nn.Module):
+            copies.append(type(obj).__name__)
+        return original_deepcopy(obj, *args)
 
-    monkeypatch.setattr(TorchSamplingClient, "compute_logprobs_batch", counting)
+    monkeypatch.setattr(copy, "deepcopy", counting_deepcopy)
     module = DPODataModule(data, batch_size=2, progress=False)
-    trainer = fit(model, module, tmp_path, max_steps=6)
+    fit(model, module, tmp_path, max_steps=6)
+    assert copies == []  # no copy of the weights, at any time
+    assert model.scoring_calls, "the policy itself scored the pairs"
+    # every scoring forward ran once the strategy had set up the optimizers, before step 1, in eval
+    # mode and without autograd
+    assert all(c == {"optimizers": 1, "step": 0, "grad": False, "training": False} for c in model.scoring_calls)
+    assert model.training  # its mode given back
     assert not torch.equal(model.head.weight, initial.head.weight)  # training moved the weights
     expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(initial)))
-    scored.clear()
-    assert ref_values(module.scored_data) == expected
+    assert_close_rows(ref_values(module.scored_data), expected, atol=1e-6)
+    assert module.reference_report.source == "scored"
+    # the values are float32 views of one buffer, not lists of Python floats
+    fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_data]
+    assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in fields)
+    assert len({id(f.base) for f in fields}) == 1
 
-    # resume from a checkpoint of the trained module: setup runs before the checkpoint is
-    # restored, so the snapshot is again the initial policy and the cache is used as it is
+
+def _trained_checkpoint(tmp_path: Any, data: list[Datum], seed: int = 3) -> tuple[Any, list[list[float]]]:
+    """A first run with the default reference and the cache; its checkpoint and its reference values."""
+    model = watched_model(seed)
+    module = DPODataModule(data, batch_size=2, progress=False)
+    trainer = fit(model, module, tmp_path, max_steps=4)
     ckpt = tmp_path / "trained.ckpt"
     trainer.save_checkpoint(ckpt)
-    resumed_model = toy_model(3)
-    resumed = DPODataModule(data, batch_size=2, progress=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ReferenceCacheWarning)
-        fit(resumed_model, resumed, tmp_path, max_steps=8, ckpt_path=str(ckpt))
-    assert scored == []
-    assert resumed.reference_report.source == "cache"
-    assert ref_values(resumed.scored_data) == expected
-    assert not torch.equal(resumed_model.head.weight, initial.head.weight)  # the checkpoint was restored
+    return ckpt, ref_values(module.scored_data)
 
-    # a resumed run whose fresh module differs from the first run's initial weights is warned about
-    with pytest.warns(ReferenceCacheWarning, match="resumed run"):
-        fit(toy_model(4), DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=8, ckpt_path=str(ckpt))
+
+def test_resume_uses_the_cache_never_the_trained_or_a_fresh_module(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(8))
+    ckpt, expected = _trained_checkpoint(tmp_path, data)
+    assert torch.load(ckpt, weights_only=False)["DPODataModule"]["reference_logprobs"]["reference_fingerprint"]
+    # a fresh module with another (unseeded-like) initialization: irrelevant, the checkpoint's
+    # weights are restored and the reference comes from the cache
+    for seed in (3, 4):
+        resumed_model = watched_model(seed)
+        resumed = DPODataModule(data, batch_size=2, progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReferenceCacheWarning)
+            fit(resumed_model, resumed, tmp_path, max_steps=6, ckpt_path=str(ckpt))
+        assert resumed_model.scoring_calls == []  # nothing scored with the trained weights
+        assert resumed.reference_report.source == "cache"
+        assert ref_values(resumed.scored_data) == expected
+        # and its checkpoints still name the initial policy
+        assert resumed.state_dict()["reference_logprobs"] == torch.load(ckpt, weights_only=False)["DPODataModule"]["reference_logprobs"]
+
+
+def test_resume_without_its_cache_is_an_error_that_names_the_fix(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    ckpt, _ = _trained_checkpoint(tmp_path, data)
+    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    os.remove(cache_file)
+    model = watched_model(3)
+    with pytest.raises(ReferenceCacheError, match="does not exist") as error:
+        fit(model, DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=6, ckpt_path=str(ckpt))
+    message = str(error.value)
+    assert str(cache_file) in message and "reference=<a checkpoint of the initial policy" in message
+    assert "resumes from" in message and model.scoring_calls == []
+    with pytest.raises(ReferenceCacheError, match="the cache is off"):
+        fit(watched_model(3), DPODataModule(data, use_cache=False, progress=False), tmp_path, ckpt_path=str(ckpt))
+
+
+def test_resume_with_another_reference_cache_is_an_error(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    ckpt, _ = _trained_checkpoint(tmp_path, data, seed=3)
+    # another run (another initial policy) replaces the cache in the same directory
+    fit(watched_model(9), DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=1)
+    model = watched_model(3)
+    with pytest.raises(ReferenceCacheError, match="the reference weights changed"):
+        fit(model, DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=6, ckpt_path=str(ckpt))
+    assert model.scoring_calls == []
+    # and a cache of other data
+    fit(watched_model(3), DPODataModule(pair_datums(make_pairs(6, seed=5)), progress=False), tmp_path, max_steps=1)
+    with pytest.raises(ReferenceCacheError, match="the data changed"):
+        fit(watched_model(3), DPODataModule(data, progress=False), tmp_path, max_steps=6, ckpt_path=str(ckpt))
+
+
+def test_resume_from_a_checkpoint_that_does_not_name_its_reference(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    ckpt, expected = _trained_checkpoint(tmp_path, data)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    del checkpoint["DPODataModule"]
+    torch.save(checkpoint, tmp_path / "anonymous.ckpt")
+    resumed = DPODataModule(data, batch_size=2, progress=False)
+    with pytest.warns(ReferenceCacheWarning, match="does not record which initial policy"):
+        fit(watched_model(3), resumed, tmp_path, max_steps=6, ckpt_path=str(tmp_path / "anonymous.ckpt"))
+    assert ref_values(resumed.scored_data) == expected
+
+
+def test_scored_data_before_the_strategy_setup_is_an_error(tmp_path: Any) -> None:
+    class Early(DPODataModule):
+        def setup(self, stage: str) -> None:
+            super().setup(stage)
+            _ = self.scored_data
+
+    with pytest.raises(RuntimeError, match="before the strategy set the LightningModule up"):
+        fit(toy_model(), Early(pair_datums(make_pairs(2)), progress=False), tmp_path, max_steps=1)
+
+
+class BuiltInConfigureModel(ToyDPO):
+    """Layers made in ``configure_model`` (as FSDP users do): none exist at ``setup``."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.lr, self.beta = 0.5, 0.5
+        self.embed: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.embed is None:
+            torch.manual_seed(21)
+            self.embed, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+
+def test_a_model_built_in_configure_model_is_its_own_reference(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(4))
+    model = BuiltInConfigureModel()
+    module = DPODataModule(data, batch_size=2, use_cache=False, progress=False)
+    fit(model, module, tmp_path, max_steps=1)
+    torch.manual_seed(21)
+    reference = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    assert_close_rows(ref_values(module.scored_data), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
+
+
+def test_a_callable_reference(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(4))
+    reference = toy_model(8).eval()
+    module = DPODataModule(data, reference=lambda ids: reference(ids), progress=False)
+    with pytest.warns(ReferenceCacheWarning, match="not cached"):
+        fit(toy_model(), module, tmp_path, max_steps=1)
+    assert_close_rows(ref_values(module.scored_data), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
+    module = DPODataModule(data, reference=lambda ids: reference(ids), reference_fingerprint="toy-8", progress=False)
+    fit(toy_model(), module, tmp_path, max_steps=1)
+    assert (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).is_file()
 
 
 def test_checkpoint_and_module_references(tmp_path: Any) -> None:
@@ -557,15 +694,25 @@ class _TwoRanks:
     """Rank 1 of two, where rank 0's scoring failed (stands in for ``torch.distributed``)."""
 
     rank, world_size = 1, 2
+    device = torch.device("cpu")
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        other = (obj[0], "RuntimeError: out of memory") if isinstance(obj, tuple) else obj
-        return [other, obj]
+    def __init__(self) -> None:
+        self.failed = False
 
-    def broadcast(self, obj: Any) -> Any:
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        return ["RuntimeError: out of memory", obj] if self.failed else [obj, obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
-    def warn_once(self, message: str) -> None:
+    def any_true(self, flag: bool) -> bool:
+        self.failed = True  # rank 0's flag
+        return True
+
+    def max_int(self, value: int) -> int:
+        return value
+
+    def warn_once(self, message: str, category: type[Warning] = UserWarning) -> None:
         pass
 
 
@@ -574,9 +721,12 @@ def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatc
 
     monkeypatch.setattr(across_ranks, "_Group", _TwoRanks)
     client = CountingClient()
+    data = pair_datums(make_pairs(4))
     with pytest.raises(RuntimeError, match="failed on another rank \\(rank 0: RuntimeError: out of memory\\)"):
-        compute_reference_logprobs(pair_datums(make_pairs(4)), client, cache_path=tmp_path / "c", progress=False)
-    assert client.scored == 4  # rank 1 scored its own pairs (1 and 3) only
+        compute_reference_logprobs(data, client, cache_path=tmp_path / "c", progress=False)
+    lengths = np.array([d.model_input.length for d in data])
+    bounds = across_ranks._shard_bounds(lengths, 2, 2)
+    assert 0 < client.scored == bounds[2] - bounds[1] < len(data)  # rank 1 scored its own block only
     assert not (tmp_path / "c").exists()
 
 
@@ -683,16 +833,16 @@ def test_two_ranks_each_score_half_and_agree_with_one_process(tmp_path: Any) -> 
     fit(copy.deepcopy(model), single, tmp_path)
     expected = ref_values(single.scored_data)
 
-    # rank 1's module weights are perturbed before setup (an unseeded init): both ranks score with
-    # rank 0's weights (which DDP gives the policy), each only its pairs (p % 2 == rank)
+    # the default reference under DDP: each rank scores one block of pairs with the policy itself,
+    # after DDP has given it rank 0's weights (rank 1's were perturbed in setup)
     cache_dir = str(tmp_path / "cache")
     module = ReportingDPODataModule(
         data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path), perturb_rank=1
     )
     _ddp_fit(copy.deepcopy(model), module, tmp_path)
     reports = _reports(tmp_path)
-    assert [r["prompts_scored"] for r in reports] == [10, 8]  # pairs 0, 2, 4, 6, 8 and 1, 3, 5, 7
-    assert [(r["source"], r["scored_here"]) for r in reports] == [("scored", 10), ("scored", 8)]
+    assert [r["source"] for r in reports] == ["scored", "scored"]
+    assert sum(r["scored_here"] for r in reports) == len(data) and all(r["scored_here"] > 0 for r in reports)
     for report in reports:
         assert_close_rows(report["ref_logprobs"], expected)
 
@@ -700,6 +850,6 @@ def test_two_ranks_each_score_half_and_agree_with_one_process(tmp_path: Any) -> 
     module = ReportingDPODataModule(data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path))
     _ddp_fit(copy.deepcopy(model), module, tmp_path)
     reports = _reports(tmp_path)
-    assert [(r["source"], r["prompts_scored"]) for r in reports] == [("cache", 0), ("cache", 0)]
+    assert [(r["source"], r["scored_here"]) for r in reports] == [("cache", 0), ("cache", 0)]
     for report in reports:
         assert_close_rows(report["ref_logprobs"], expected)

@@ -184,8 +184,9 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         self.val_fraction = float(val_fraction)
         self.tokenization_report: TokenizationReport | None = None
         self._datums: list[Any] | None = None
-        self._train: Subset | None = None
-        self._val: Subset | None = None
+        self._pairs: DPOPairDataset | None = None
+        self._train: list[int] | None = None
+        self._val: list[int] | None = None
 
     @override
     def dpo_data(self) -> list[Any]:
@@ -260,18 +261,20 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             super().setup(stage)
         if stage != "fit":
             return
-        dataset = DPOPairDataset(self.scored_data)
-        order = np.arange(len(dataset))
+        # only the split here: the reference logprobs come with the first dataloader (``_loader``)
+        num_pairs = self.num_dpo_pairs
+        order = np.arange(num_pairs)
         num_val = 0
         if self.val_fraction > 0:
-            num_val = max(1, round(len(dataset) * self.val_fraction))
-            if num_val >= len(dataset):
+            num_val = max(1, round(num_pairs * self.val_fraction))
+            if num_val >= num_pairs:
                 raise ValueError(
-                    f"DPODataModule val_fraction={self.val_fraction} of {len(dataset)} pairs leaves no training pairs"
+                    f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no training pairs"
                 )
-            order = np.random.default_rng(self.seed).permutation(len(dataset))
-        self._val = Subset(dataset, sorted(order[:num_val].tolist()))
-        self._train = Subset(dataset, sorted(order[num_val:].tolist()))
+            order = np.random.default_rng(self.seed).permutation(num_pairs)
+        self._pairs = None
+        self._val = sorted(order[:num_val].tolist())
+        self._train = sorted(order[num_val:].tolist())
         trainer = getattr(self, "trainer", None)
         if num_val == 0 and trainer is not None:
             # no held-out pairs: no validation loop at all (Lightning warns about an empty val loader)
@@ -291,9 +294,13 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
         return self._loader(self._val, shuffle=False, generator=None) if len(self._val) else []
 
-    def _loader(self, dataset: Subset, *, shuffle: bool, generator: torch.Generator | None) -> DataLoader:
+    def _loader(self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None) -> DataLoader:
+        if self._pairs is None:
+            # With the default reference the policy is scored here, on the first dataloader the
+            # trainer asks for: after the strategy has set it up, before the first optimizer step.
+            self._pairs = DPOPairDataset(self.scored_data)
         return DataLoader(
-            dataset,
+            Subset(self._pairs, indices),
             batch_size=self.batch_size,
             shuffle=shuffle,
             generator=generator,

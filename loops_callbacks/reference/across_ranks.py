@@ -3,15 +3,24 @@
 It knows datums and token ids, not what the data mean (DPO pairs are checked by the caller,
 ``loops_callbacks.data``). In order:
 
-1. the cache key is made: the reference's fingerprint (its weights, or the ``reference_fingerprint``
-   you give for a client whose weights cannot be read here), the token data and the scoring dtype;
-2. rank 0 reads the cache file; a whole file for this key is used and nothing is scored; a file
-   for another key (changed reference or data) or a damaged one is warned about and replaced;
-3. otherwise each rank scores only its shard (units of ``shard_unit`` datums, dealt in turn) with
-   ``attach_reference_logprobs`` (a progress bar on rank 0), and the results are gathered on every
-   rank (``torch.distributed.all_gather_object``); rank 0 writes the cache (temporary file +
-   ``os.replace``);
-4. every rank gets the same new datums, as ``attach_reference_logprobs`` returns them.
+1. the token ids are packed once into flat arrays (``PackedTokens``) and the cache key is made:
+   the reference's fingerprint (its weights, or the ``reference_fingerprint`` you give for a
+   client whose weights cannot be read here), the token data and the scoring dtype;
+2. rank 0 reads the cache file and checks it whole; a file for this key is used and nothing is
+   scored: every rank memory-maps it (copy-on-write, so the ranks of a machine share its pages),
+   or, where a rank cannot open it, receives its values from rank 0 as a tensor. A file for
+   another key (changed reference or data) or a damaged one is warned about and replaced;
+3. otherwise each rank scores one contiguous block of ``shard_unit``-datum units, with about the
+   same number of tokens as every other rank's: with ``score_packed`` when the reference has it
+   (``TorchSamplingClient``, ``PolicyReference``: no Python list on the way; the policy scores in
+   lock-step), else with ``attach_reference_logprobs`` (remote clients). The blocks are gathered
+   as one float32 tensor on every rank (one broadcast per rank, in place), and rank 0 writes the
+   cache (temporary file + ``os.replace``);
+4. every rank gets the same new datums, their ``ref_logprobs`` float32 views of that one array
+   (``attach_reference_values``): 4 bytes a token, and no Python float per token.
+
+With ``cached_only`` nothing is scored: the values must come from the cache (a resumed run whose
+reference was the initial policy), and a missing or mismatching file is a ``ReferenceCacheError``.
 """
 
 from __future__ import annotations
@@ -20,19 +29,23 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
-from loops_callbacks.reference.attach import attach_reference_logprobs
-from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
-from loops_callbacks.reference.clients import TorchSamplingClient
+from loops_callbacks.reference.attach import attach_reference_logprobs, attach_reference_values
+from loops_callbacks.reference.cache import CacheKey, data_fingerprint, map_cache, read_cache, write_cache
+from loops_callbacks.reference.clients import TorchSamplingClient, check_token_ids
+from loops_callbacks.reference.collectives import Group as _Group
+from loops_callbacks.reference.packing import PackedTokens
 
-__all__ = ["ReferenceCacheWarning", "ReferenceLogprobsReport", "score_across_ranks"]
+__all__ = ["ReferenceCacheError", "ReferenceCacheWarning", "ReferenceLogprobsReport", "score_across_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +54,18 @@ class ReferenceCacheWarning(UserWarning):
     """The reference-logprob cache could not be used (stale or damaged) or written, or is off."""
 
 
+class ReferenceCacheError(RuntimeError):
+    """The values had to come from the cache (``cached_only``) and it is missing or does not match."""
+
+
 @dataclass
 class ReferenceLogprobsReport:
     """What ``score_across_ranks`` did, as seen from this rank.
 
     ``source`` is ``"cache"`` (loaded, nothing scored) or ``"scored"``; ``scored_here`` counts the
     datums this rank scored; ``cache_status`` is the lookup's outcome (``"hit"``, ``"missing"``,
-    ``"stale"``, ``"corrupt"``, or ``"off"`` when there is no cache).
+    ``"stale"``, ``"corrupt"``, or ``"off"`` when there is no cache); ``cache_key`` is the key the
+    values are (or would be) cached under.
     """
 
     source: Literal["cache", "scored"]
@@ -56,44 +74,51 @@ class ReferenceLogprobsReport:
     seconds: float
     cache_path: str | None
     cache_status: str
+    cache_key: CacheKey | None = None
+    reference_fingerprint: str | None = None
 
 
 def score_across_ranks(
     data: Sequence[Any],
     reference: Any,
-    tokens: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]] | PackedTokens,
     *,
     cache_path: str | os.PathLike[str] | None = None,
     reference_fingerprint: str | None = None,
     scoring_dtype: str | None = None,
     progress: bool = True,
     shard_unit: int = 1,
+    cached_only: str | None = None,
 ) -> tuple[list[Any], ReferenceLogprobsReport]:
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
     Call it on every rank of an initialized ``torch.distributed`` group (or in a single process)
     with the same ``data``, already checked by the caller, and ``tokens`` (each datum's token ids,
-    used for the cache key and the lengths). The datums are dealt to the ranks in units of
-    ``shard_unit`` consecutive datums (unit u on rank ``u % world_size``) and all ranks get every
-    result. Without a ``cache_path``, or without a fingerprint for ``reference`` (a
-    client with no ``fingerprint()`` method and no ``reference_fingerprint`` given), nothing is
-    cached.
+    or them packed). The datums are dealt to the ranks in contiguous blocks of ``shard_unit``
+    consecutive datums, balanced by tokens, and all ranks get every result. Without a
+    ``cache_path``, or without a fingerprint for ``reference`` (a client with no
+    ``fingerprint()`` method and no ``reference_fingerprint`` given), nothing is cached.
 
     Args:
         data: the datums to score.
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
-            ranks is given rank 0's weights first (as DDP does to the policy).
-        tokens: ``data``'s token ids, one list per datum.
-        cache_path: the cache file (read by rank 0, written by rank 0).
+            ranks is given rank 0's weights first (as DDP does to the policy). Unused with ``cached_only``.
+        tokens: ``data``'s token ids, one list per datum (or ``PackedTokens``).
+        cache_path: the cache file (read by rank 0, mapped by every rank, written by rank 0).
         reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
-            (e.g. the checkpoint path a remote sampler serves).
+            (e.g. the checkpoint path a remote sampler serves); with ``cached_only``, the identity
+            the cached values must have (``None``: any reference, for these data and dtype).
         scoring_dtype: part of the cache key (``None`` means the model's own dtype).
-        progress: a progress bar on rank 0 while scoring.
+        progress: a progress bar (tokens) on rank 0 while scoring.
         shard_unit: datums that stay together on one rank (2 keeps a DPO pair's two sequences
             together); ``len(data)`` must be a multiple of it.
+        cached_only: never score; the cache must hold the values. The text says why (and how to
+            fix a miss): it ends the ``ReferenceCacheError`` message.
 
     Returns:
-        The new datums (in ``data``'s order) and a ``ReferenceLogprobsReport``.
+        The new datums (in ``data``'s order), each ``ref_logprobs`` a float32 view of one array
+        for our datums (the datum's own ``TensorData`` for Tinker / Loops datums), and a
+        ``ReferenceLogprobsReport``.
 
     Example:
         >>> from loops_callbacks.types import Datum, ModelInput
@@ -102,56 +127,66 @@ def score_across_ranks(
         ...         return [None] + [-0.5] * (prompt.length - 1)
         >>> data = [Datum(ModelInput.from_ints([1, 2, 3]))]
         >>> scored, report = score_across_ranks(data, Flat(), [[1, 2, 3]], progress=False)
-        >>> scored[0].loss_fn_inputs["ref_logprobs"].data, report.source
+        >>> scored[0].loss_fn_inputs["ref_logprobs"].tolist(), report.source
         ([-0.5, -0.5, 0.0], 'scored')
     """
     start = time.perf_counter()
     data = list(data)
     if len(data) % shard_unit:
         raise ValueError(f"score_across_ranks: {len(data)} datums are not a whole number of units of {shard_unit}")
+    packed = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
+    if len(packed) != len(data):
+        raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
     group = _Group()
-    fingerprint = _reference_fingerprint(reference, reference_fingerprint, group)
-    lengths = [len(ids) for ids in tokens]
-
     path = os.fspath(cache_path) if cache_path is not None else None
+    if cached_only is not None:
+        if path is None:
+            raise ReferenceCacheError(f"there is no reference-logprob cache to read (the cache is off): {cached_only}")
+        fingerprint = reference_fingerprint
+    else:
+        # every rank checks every id, so that a bad one fails all ranks alike, before any forward
+        check_token_ids(packed, getattr(reference, "vocab_size", None), label="datum")
+        fingerprint = _reference_fingerprint(reference, reference_fingerprint, group)
+
     key = None
-    if path is not None and fingerprint is None:
+    if path is not None and fingerprint is None and cached_only is None:
         group.warn_once(
             f"the reference ({type(reference).__name__}) has no fingerprint() and no reference_fingerprint was "
-            "given, so its logprobs are not cached and will be scored again on every run"
+            "given, so its logprobs are not cached and will be scored again on every run",
+            ReferenceCacheWarning,
         )
     elif path is not None:
-        key = CacheKey(reference=fingerprint, data=data_fingerprint(tokens), dtype=scoring_dtype or "model")
-    values, status = _load_on_rank_zero(path, key, lengths, group)
+        key = CacheKey(reference=fingerprint, data=data_fingerprint(packed), dtype=scoring_dtype or "model")
+    values, status, reason, stored_reference = _load(path, key, packed.lengths, group, warn=cached_only is None)
+    if values is None and cached_only is not None:
+        raise ReferenceCacheError(f"the reference-logprob cache {path!r} {_describe(status, reason)}: {cached_only}")
 
     scored_here = 0
     if values is None:
-        units = range(group.rank, len(data) // shard_unit, group.world_size)
-        mine = [unit * shard_unit + offset for unit in units for offset in range(shard_unit)]
+        bounds = _shard_bounds(packed.lengths, shard_unit, group.world_size)
+        first, last = bounds[group.rank], bounds[group.rank + 1]
         failure: BaseException | None = None
+        local = torch.zeros(0, dtype=torch.float32)
         try:
-            shard = attach_reference_logprobs([data[i] for i in mine], reference, progress=progress and group.rank == 0)
-            shard_values: list[np.ndarray] | str = [_ref_values(datum, i) for datum, i in zip(shard, mine)]
-        except Exception as error:  # every rank must reach the gather, or the others wait forever
-            failure, shard_values = error, f"{type(error).__name__}: {error}"
-        gathered = group.all_gather((mine, shard_values))
-        if failure is not None:
-            raise failure
-        failed = [f"rank {rank}: {parts}" for rank, (_, parts) in enumerate(gathered) if isinstance(parts, str)]
-        if failed:
+            local = _score_block(data[first:last], reference, packed.slice(first, last), progress and group.rank == 0)
+        except Exception as error:  # every rank must reach the next collective, or the others wait forever
+            failure = error
+        if group.any_true(failure is not None):
+            messages = group.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+            if failure is not None:
+                raise failure
+            failed = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None]
             raise RuntimeError(f"scoring the reference logprobs failed on another rank ({'; '.join(failed)})")
-        scored_here = len(mine)
-        values = [np.empty(0)] * len(data)
-        for indices, parts in gathered:
-            for i, part in zip(indices, parts):
-                values[i] = part
+        scored_here = last - first
+        value_bounds = [int(packed.offsets[b]) for b in bounds]
+        values = group.gather_blocks(local, value_bounds).cpu().numpy()
         if group.rank == 0 and key is not None:
             try:
-                write_cache(path, key, values)
+                write_cache(path, key, values, packed.lengths)
             except OSError as error:
-                group.warn_once(f"could not write the reference-logprob cache {path!r}: {error}")
+                group.warn_once(f"could not write the reference-logprob cache {path!r}: {error}", ReferenceCacheWarning)
 
-    result = attach_reference_logprobs(data, _Replay(values))
+    result = attach_reference_values(data, values, packed.offsets)
     report = ReferenceLogprobsReport(
         source="cache" if status == "hit" else "scored",
         num_datums=len(data),
@@ -159,11 +194,14 @@ def score_across_ranks(
         seconds=time.perf_counter() - start,
         cache_path=path,
         cache_status=status,
+        cache_key=key,
+        reference_fingerprint=fingerprint if fingerprint is not None else stored_reference,
     )
     if group.rank == 0:
         log.info(
-            "reference logprobs of %d datums: %s in %.1f s (cache %s: %s)",
+            "reference logprobs of %d datums (%d tokens): %s in %.1f s (cache %s: %s)",
             len(data),
+            packed.num_tokens,
             "loaded" if status == "hit" else f"scored on {group.world_size} rank(s)",
             report.seconds,
             path,
@@ -171,99 +209,117 @@ def score_across_ranks(
         )
     return result, report
 
+
+def _describe(status: str, reason: str) -> str:
+    return {"missing": "does not exist"}.get(status, f"cannot be used ({reason})")
+
+
+def _shard_bounds(lengths: np.ndarray, unit: int, world_size: int) -> list[int]:
+    """Datum index bounds of each rank's block: whole units, about the same number of tokens each.
+
+    A unit goes to the rank whose share of the tokens holds the unit's middle token.
+
+    Example:
+        >>> _shard_bounds(np.array([4, 4, 1, 1, 1, 1, 1, 1, 1, 1]), 2, 2)
+        [0, 2, 10]
+    """
+    num_units = len(lengths) // unit
+    if num_units == 0:
+        return [0] * (world_size + 1)
+    unit_tokens = lengths.reshape(num_units, unit).sum(axis=1).astype(np.float64)
+    middles = np.cumsum(unit_tokens) - unit_tokens / 2
+    targets = unit_tokens.sum() * np.arange(world_size + 1) / world_size
+    cuts = np.searchsorted(middles, targets, side="left")
+    cuts[0], cuts[-1] = 0, num_units
+    return [int(c) * unit for c in cuts]
+
+
+@contextmanager
+def _token_progress(enabled: bool, total: int) -> Iterator[Callable[[int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="reference logprobs", unit="tok", unit_scale=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
+
+
+def _score_block(data: list[Any], reference: Any, packed: PackedTokens, progress: bool) -> torch.Tensor:
+    """This rank's values, flat float32: from ``score_packed`` when the reference has it, else via the SDK helper."""
+    score_packed = getattr(reference, "score_packed", None)
+    if callable(score_packed):
+        with _token_progress(progress, packed.num_tokens) as report:
+            return score_packed(packed, progress=report).to(torch.float32)
+    scored = attach_reference_logprobs(data, reference, progress=progress)
+    parts = [_ref_values(datum, first_index) for first_index, datum in enumerate(scored)]
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.float32)
+
+
 def _reference_fingerprint(reference: Any, given: str | None, group: _Group) -> str | None:
     """The reference's fingerprint, the same on every rank (rank 0's weights win for a torch client)."""
     method = getattr(reference, "fingerprint", None)
-    fingerprint = given if given is not None else (str(method()) if callable(method) else None)
+    fingerprint = given if given is not None else (method() if callable(method) else None)
+    fingerprint = None if fingerprint is None else str(fingerprint)
     if group.world_size == 1:
         return fingerprint
-    fingerprints = group.all_gather(fingerprint)
+    fingerprints = group.all_gather_objects(fingerprint)
     if len(set(fingerprints)) == 1:
         return fingerprint
-    if isinstance(reference, TorchSamplingClient) and given is None:
+    if isinstance(reference, TorchSamplingClient) and isinstance(reference.model, nn.Module) and given is None:
         group.warn_once(
             "the reference weights differ across ranks (an unseeded initialization?); every rank scores with "
-            "rank 0's weights, which DDP also gives the policy"
+            "rank 0's weights, which DDP also gives the policy",
+            ReferenceCacheWarning,
         )
-        mine = {k: v.cpu() for k, v in reference.model.state_dict().items()} if group.rank == 0 else None
-        state = group.broadcast(mine)
-        reference.model.load_state_dict(state)
+        with torch.no_grad():
+            for tensor in reference.model.state_dict().values():
+                group.broadcast_tensor(tensor)
         return reference.fingerprint()
     raise ValueError(
         f"the reference differs across ranks (fingerprints {fingerprints}); every rank must score with the same one"
     )
 
 
-def _load_on_rank_zero(
-    path: str | None, key: CacheKey | None, lengths: list[int], group: _Group
-) -> tuple[list[np.ndarray] | None, str]:
-    """Rank 0 reads the cache and tells every rank what it found (so all ranks take the same branch)."""
+def _load(
+    path: str | None, key: CacheKey | None, lengths: np.ndarray, group: _Group, *, warn: bool
+) -> tuple[np.ndarray | None, str, str, str | None]:
+    """Rank 0 checks the cache whole; every rank maps it (or receives it); all take the same branch.
+
+    Returns the values (or ``None``), the lookup's status and reason, and the found file's reference.
+    """
     if path is None or key is None:
-        return None, "off"
-    found: tuple[list[np.ndarray] | None, str] = (None, "missing")
+        return None, "off", "", None
+    lookup = None
+    summary: tuple[str, str, bytes | None, str | None] = ("missing", "", None, None)
     if group.rank == 0:
         lookup = read_cache(path, key, lengths)
-        if lookup.status in ("stale", "corrupt"):
+        if warn and lookup.status in ("stale", "corrupt"):
             warnings.warn(
-                f"the reference-logprob cache {path!r} is not used and will be replaced: {lookup.reason}; "
-                "scoring again"
-                + (
-                    " (on a resumed run this means the module's initial weights are not those of the first run: "
-                    "seed the run, or pass the initial weights as reference=<checkpoint>)"
-                    if lookup.reason.startswith("the reference weights")
-                    else ""
-                ),
+                f"the reference-logprob cache {path!r} is not used and will be replaced: {lookup.reason}; scoring again",
                 ReferenceCacheWarning,
                 stacklevel=3,
             )
-        found = (lookup.values, lookup.status)
-    return group.broadcast(found) if group.world_size > 1 else found
+        summary = (lookup.status, lookup.reason, lookup.digest, lookup.key.reference if lookup.key else None)
+    status, reason, digest, stored_reference = group.broadcast_object(summary)
+    if status != "hit":
+        return None, status, reason, stored_reference
+    if group.rank == 0:
+        assert lookup is not None
+        flat = lookup.flat
+    else:
+        assert digest is not None
+        flat = map_cache(path, key, lengths, digest).flat
+    if group.any_true(flat is None):  # a rank that cannot open rank 0's file (no shared file system)
+        buffer = torch.from_numpy(np.array(flat)) if group.rank == 0 else torch.empty(int(lengths.sum()), dtype=torch.float32)
+        received = group.broadcast_tensor(buffer).numpy()
+        flat = flat if group.rank == 0 else received
+    return flat, status, reason, stored_reference
 
 
 def _ref_values(datum: Any, index: int) -> np.ndarray:
     field = datum_loss_fn_inputs(datum, index=index)["ref_logprobs"]
-    return field_to_tensor(field, where=f"datum {index}, key 'ref_logprobs'").double().cpu().numpy()
-
-
-class _Replay:
-    """A client that answers with values already scored, so that ``attach_reference_logprobs`` builds
-    the datums the same way whether the values were scored here, on another rank, or read from the cache.
-    """
-
-    def __init__(self, values: list[np.ndarray]) -> None:
-        self.values = values
-        self.next = 0
-
-    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
-        answers = [[None, *v[:-1].tolist()] for v in self.values[self.next : self.next + len(prompts)]]
-        self.next += len(prompts)
-        return answers
-
-
-class _Group:
-    """This process's rank and the collectives, over ``torch.distributed`` when it is initialized."""
-
-    def __init__(self) -> None:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.rank = torch.distributed.get_rank() if distributed else 0
-        self.world_size = torch.distributed.get_world_size() if distributed else 1
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, obj)
-        return gathered
-
-    def broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def warn_once(self, message: str) -> None:
-        if self.rank == 0:
-            warnings.warn(message, ReferenceCacheWarning, stacklevel=3)
-
-
+    return field_to_tensor(field, where=f"datum {index}, key 'ref_logprobs'").to(torch.float32).cpu().numpy()

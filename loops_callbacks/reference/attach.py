@@ -24,10 +24,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
 from loops_callbacks.types import TensorData
 
-__all__ = ["attach_reference_logprobs"]
+__all__ = ["attach_reference_logprobs", "attach_reference_values"]
 
 D = TypeVar("D")
 Progress = Callable[[int, int], None]
@@ -117,9 +119,43 @@ def attach_reference_logprobs(
             logprobs = _run_coroutine(_score_async(async_fn, model_inputs, max_concurrency, report))
 
     return [
-        _with_ref_logprobs(datum, index, _shift(lp, lengths[index], index))
+        _with_ref_logprobs(datum, index, _as_field(datum, _shift(lp, lengths[index], index)))
         for index, (datum, lp) in enumerate(zip(data, logprobs))
     ]
+
+
+def attach_reference_values(data: Sequence[D], values: np.ndarray, offsets: np.ndarray) -> list[D]:
+    """New datums whose ``ref_logprobs`` are float32 views of ``values`` (no copy, no Python floats).
+
+    ``values`` holds every datum's ``ref_logprobs`` back to back (datum i's are
+    ``values[offsets[i]:offsets[i + 1]]``, already in the SDK's layout: last value 0). Our datums
+    and mapping datums get the numpy view itself, which ``DPOPairDataset`` and ``field_to_tensor``
+    read without a copy; datums of a package with its own ``TensorData`` (Tinker, Loops) get that
+    class, as ``attach_reference_logprobs`` gives them.
+
+    Example:
+        >>> import numpy as np
+        >>> from loops_callbacks.types import Datum, ModelInput
+        >>> data = [Datum(ModelInput.from_ints([1, 2, 3])), Datum(ModelInput.from_ints([4]))]
+        >>> values = np.array([-1.0, -2.0, 0.0, 0.0], dtype=np.float32)
+        >>> scored = attach_reference_values(data, values, np.array([0, 3, 4]))
+        >>> scored[0].loss_fn_inputs["ref_logprobs"].tolist(), np.shares_memory(scored[0].loss_fn_inputs["ref_logprobs"], values)
+        ([-1.0, -2.0, 0.0], True)
+    """
+    data = list(data)
+    if len(offsets) != len(data) + 1:
+        raise ValueError(f"attach_reference_values: {len(offsets) - 1} value ranges for {len(data)} datums")
+    result = []
+    for index, datum in enumerate(data):
+        view = values[offsets[index] : offsets[index + 1]]
+        model_input = datum_model_input(datum)
+        length = model_input_length(model_input) if model_input is not None else -1
+        if length != view.shape[0]:
+            raise ValueError(f"datum {index}: {view.shape[0]} reference values for a model_input of length {length}")
+        tensor_data = _tensor_data_class(type(datum))
+        field: Any = view if tensor_data is TensorData else tensor_data(view.tolist(), "float32", [len(view)])
+        result.append(_with_ref_logprobs(datum, index, field))
+    return result
 
 
 def _shift(logprobs: Any, length: int, index: int) -> list[float]:
@@ -200,10 +236,14 @@ def _score_in_order(sync_fn: Callable[..., Any], model_inputs: list[Any], max_co
     return results
 
 
-def _with_ref_logprobs(datum: Any, index: int, ref: list[float]) -> Any:
+def _as_field(datum: Any, ref: list[float]) -> Any:
+    """The SDK's field: ``TensorData(ref, "float32", [n])`` of the datum's own package."""
+    return _tensor_data_class(type(datum))(ref, "float32", [len(ref)])
+
+
+def _with_ref_logprobs(datum: Any, index: int, field: Any) -> Any:
     """A copy of ``datum`` whose ``loss_fn_inputs`` also holds ``ref_logprobs``; the datum is not modified."""
-    tensor_data = _tensor_data_class(type(datum))(ref, "float32", [len(ref)])
-    inputs = {**datum_loss_fn_inputs(datum, index=index), "ref_logprobs": tensor_data}
+    inputs = {**datum_loss_fn_inputs(datum, index=index), "ref_logprobs": field}
     if isinstance(datum, Mapping):
         return {**datum, "loss_fn_inputs": inputs}
     if dataclasses.is_dataclass(datum):

@@ -6,12 +6,16 @@ token data (every datum's ``model_input`` tokens, in order) and the scoring dtyp
 
 File layout (little-endian)::
 
-    b"LOOPSREF"  uint32 header size  header (UTF-8 JSON)  int64 lengths[N]  float64 values[M]  sha256[32]
+    b"LOOPSREF"  uint32 header size  header (UTF-8 JSON, space-padded)  int64 lengths[N]  float32 values[M]  sha256[32]
 
 The trailing sha256 covers every byte before it. ``read_cache`` returns the values only when the
 file is whole (size, checksum), its key equals the one asked for, and its lengths equal the
-data's; otherwise it says why, and the caller scores again. Values are stored as float64, so a
-cached result is bit-for-bit the one that was scored.
+data's; otherwise it says why, and the caller scores again. Values are float32, as scored (and
+as the SDK's ``ref_logprobs`` are), so a cached result is bit-for-bit the one that was scored;
+the header is padded so that they start on an 8-byte boundary. They are not read into memory:
+``read_cache`` and ``map_cache`` return a copy-on-write memory map of the file, so processes on
+one machine share its pages and a data set of any size costs each of them at most 4 bytes a
+token (and only the pages it touches).
 
 Example:
     >>> import os, tempfile
@@ -20,8 +24,8 @@ Example:
     >>> path = os.path.join(tempfile.mkdtemp(), CACHE_FILE_NAME)
     >>> write_cache(path, key, [np.array([-0.5, 0.0]), np.array([0.0])])
     >>> lookup = read_cache(path, key, [2, 1])
-    >>> lookup.status, [v.tolist() for v in lookup.values]
-    ('hit', [[-0.5, 0.0], [0.0]])
+    >>> lookup.status, [v.tolist() for v in lookup.values], lookup.flat.dtype
+    ('hit', [[-0.5, 0.0], [0.0]], dtype('float32'))
     >>> read_cache(path, CacheKey("other", key.data, "float32"), [2, 1]).reason
     'the reference weights changed'
 """
@@ -35,24 +39,28 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["CACHE_FILE_NAME", "CacheKey", "CacheLookup", "data_fingerprint", "read_cache", "write_cache"]
+__all__ = ["CACHE_FILE_NAME", "CacheKey", "CacheLookup", "data_fingerprint", "map_cache", "read_cache", "write_cache"]
 
 CACHE_FILE_NAME = "ref_logprobs.cache"
 _MAGIC = b"LOOPSREF"
-_VERSION = 1
+_VERSION = 2
 _DIGEST_SIZE = 32
 _KEY_NAMES = {"reference": "the reference weights", "data": "the data", "dtype": "the scoring dtype"}
 
 
 @dataclass(frozen=True)
 class CacheKey:
-    """What the cached values depend on; a file made for another key is never used."""
+    """What the cached values depend on; a file made for another key is never used.
 
-    reference: str
+    ``reference=None`` asks for a file of these data and dtype whatever reference made it (a
+    resumed run that cannot know its initial weights' fingerprint).
+    """
+
+    reference: str | None
     data: str
     dtype: str
 
@@ -68,43 +76,71 @@ class CacheLookup:
     status: Literal["hit", "missing", "stale", "corrupt"]
     values: list[np.ndarray] | None = None
     reason: str = ""
+    flat: np.ndarray | None = None
+    digest: bytes | None = None
+    key: CacheKey | None = None
 
 
-def data_fingerprint(token_lists: Sequence[Sequence[int]]) -> str:
+def data_fingerprint(token_lists: Sequence[Sequence[int]] | Any) -> str:
     """sha256 of the datums' token ids and their order (and of where each datum starts and ends).
+
+    ``token_lists`` is a list of id lists, or ``PackedTokens`` (the same digest, without Python work per token).
 
     Example:
         >>> data_fingerprint([[1, 2], [3]]) == data_fingerprint([[1], [2, 3]])
         False
     """
-    lengths = np.fromiter((len(tokens) for tokens in token_lists), dtype="<i8", count=len(token_lists))
-    flat = np.fromiter((t for tokens in token_lists for t in tokens), dtype="<i8", count=int(lengths.sum()))
+    if hasattr(token_lists, "ids") and hasattr(token_lists, "offsets"):
+        lengths = np.diff(token_lists.offsets).astype("<i8", copy=False)
+        flat = np.asarray(token_lists.ids).astype("<i8", copy=False)
+    else:
+        lengths = np.fromiter((len(tokens) for tokens in token_lists), dtype="<i8", count=len(token_lists))
+        flat = np.fromiter((t for tokens in token_lists for t in tokens), dtype="<i8", count=int(lengths.sum()))
     digest = hashlib.sha256(b"loops-callbacks token data v1\n")
     digest.update(lengths.tobytes())
     digest.update(flat.tobytes())
     return digest.hexdigest()
 
 
-def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np.ndarray]) -> None:
-    """Write ``values`` (one 1-D array per datum) for ``key``: a temporary file, then ``os.replace``.
+def write_cache(
+    path: str | os.PathLike[str],
+    key: CacheKey,
+    values: Sequence[np.ndarray] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray | None = None,
+) -> None:
+    """Write ``values`` for ``key``: a temporary file, then ``os.replace``.
 
+    ``values`` is one 1-D array per datum, or one flat float32 array with the datums' ``lengths``.
     A reader sees the old file or the new one, never a partial one. Creates the directory.
     """
     path = os.fspath(path)
-    lengths = np.array([len(v) for v in values], dtype="<i8")
-    flat = np.concatenate([np.asarray(v, dtype="<f8").reshape(-1) for v in values]) if values else np.zeros(0, "<f8")
+    if key.reference is None:
+        raise ValueError("write_cache needs the reference's fingerprint in its key (got reference=None)")
+    if lengths is None:
+        sizes = np.array([len(v) for v in values], dtype="<i8")
+        flat = (
+            np.concatenate([np.asarray(v, dtype="<f4").reshape(-1) for v in values]) if len(values) else np.zeros(0, "<f4")
+        )
+    else:
+        sizes = np.asarray(lengths, dtype="<i8")
+        flat = np.ascontiguousarray(values, dtype="<f4").reshape(-1)
+        if int(sizes.sum()) != flat.size:
+            raise ValueError(f"write_cache: the lengths add up to {int(sizes.sum())} values, the array holds {flat.size}")
     header = json.dumps(
-        {"version": _VERSION, "key": dataclasses.asdict(key), "num_datums": len(lengths), "num_values": len(flat)},
+        {"version": _VERSION, "key": dataclasses.asdict(key), "num_datums": len(sizes), "num_values": int(flat.size)},
         sort_keys=True,
     ).encode()
-    body = b"".join([_MAGIC, struct.pack("<I", len(header)), header, lengths.tobytes(), flat.astype("<f8").tobytes()])
+    header += b" " * (-(len(_MAGIC) + 4 + len(header)) % 8)  # the values start 8-byte aligned
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     temporary = f"{path}.tmp.{os.getpid()}"
     try:
         with open(temporary, "wb") as file:
-            file.write(body)
-            file.write(hashlib.sha256(body).digest())
+            digest = hashlib.sha256()
+            for part in (_MAGIC, struct.pack("<I", len(header)), header, memoryview(sizes), memoryview(flat)):
+                digest.update(part)
+                file.write(part)
+            file.write(digest.digest())
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -113,48 +149,91 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
             os.remove(temporary)
 
 
-def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int]) -> CacheLookup:
-    """The cached values for ``key`` when ``path`` holds a whole file for it with these ``lengths``."""
+def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
+    """The cached values for ``key`` when ``path`` holds a whole file for it with these ``lengths``.
+
+    Every byte is read once to check the checksum; the values stay a memory map of the file.
+    """
+    return _open(path, key, lengths, expected_digest=None)
+
+
+def map_cache(
+    path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray, digest: bytes
+) -> CacheLookup:
+    """``read_cache`` for a file another process has checked whole: its trailing sha256 must be ``digest``.
+
+    Reads the header, the lengths and the 32-byte trailer only (no pass over the values).
+    """
+    return _open(path, key, lengths, expected_digest=digest)
+
+
+def _open(
+    path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray, expected_digest: bytes | None
+) -> CacheLookup:
     try:
-        with open(path, "rb") as file:
-            blob = file.read()
+        blob = np.memmap(path, dtype=np.uint8, mode="c")
     except FileNotFoundError:
         return CacheLookup("missing")
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: an empty file cannot be mapped
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            return CacheLookup("corrupt", reason="it is not a reference-logprob cache file (bad magic bytes)")
         return CacheLookup("corrupt", reason=f"it cannot be read ({error})")
-    return _parse(blob, key, lengths)
+    return _parse(blob, key, lengths, expected_digest)
 
 
-def _parse(blob: bytes, key: CacheKey, lengths: Sequence[int]) -> CacheLookup:
+def _parse(
+    blob: np.ndarray, key: CacheKey, lengths: Sequence[int] | np.ndarray, expected_digest: bytes | None = None
+) -> CacheLookup:
     prefix = len(_MAGIC) + 4
-    if len(blob) < prefix or blob[: len(_MAGIC)] != _MAGIC:
+    if len(blob) < prefix or bytes(blob[: len(_MAGIC)]) != _MAGIC:
         return CacheLookup("corrupt", reason="it is not a reference-logprob cache file (bad magic bytes)")
-    (header_size,) = struct.unpack("<I", blob[len(_MAGIC) : prefix])
+    (header_size,) = struct.unpack("<I", bytes(blob[len(_MAGIC) : prefix]))
     try:
-        header = json.loads(blob[prefix : prefix + header_size].decode())
+        header = json.loads(bytes(blob[prefix : prefix + header_size]).decode())
         num_datums, num_values = int(header["num_datums"]), int(header["num_values"])
         stored_key = CacheKey(**header["key"])
         version = header["version"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         return CacheLookup("corrupt", reason=f"its header is damaged ({type(error).__name__}: {error})")
-    expected_size = prefix + header_size + 8 * (num_datums + num_values) + _DIGEST_SIZE
+    if version != _VERSION:
+        return CacheLookup("stale", reason=f"it has format version {version!r}, not {_VERSION}", key=stored_key)
+    expected_size = prefix + header_size + 8 * num_datums + 4 * num_values + _DIGEST_SIZE
     if len(blob) != expected_size:
         return CacheLookup(
             "corrupt", reason=f"it is truncated or damaged: {len(blob)} bytes where its header promises {expected_size}"
         )
-    if hashlib.sha256(blob[:-_DIGEST_SIZE]).digest() != blob[-_DIGEST_SIZE:]:
-        return CacheLookup("corrupt", reason="its checksum does not match its contents")
-    if version != _VERSION:
-        return CacheLookup("stale", reason=f"it has format version {version!r}, not {_VERSION}")
-    changed = [name for name, label in _KEY_NAMES.items() if getattr(stored_key, name) != getattr(key, name)]
+    trailer = bytes(blob[-_DIGEST_SIZE:])
+    if expected_digest is None:
+        digest = hashlib.sha256()
+        step = 64 << 20
+        for start in range(0, len(blob) - _DIGEST_SIZE, step):
+            digest.update(memoryview(blob[start : min(start + step, len(blob) - _DIGEST_SIZE)]))
+        if digest.digest() != trailer:
+            return CacheLookup("corrupt", reason="its checksum does not match its contents")
+    elif trailer != expected_digest:
+        return CacheLookup("corrupt", reason="it is not the file the first rank checked (another checksum)")
+    changed = [
+        name
+        for name in _KEY_NAMES
+        if getattr(key, name) is not None and getattr(stored_key, name) != getattr(key, name)
+    ]
     if changed:
-        return CacheLookup("stale", reason=" and ".join(_KEY_NAMES[name] for name in changed) + " changed")
+        return CacheLookup(
+            "stale", reason=" and ".join(_KEY_NAMES[name] for name in changed) + " changed", key=stored_key
+        )
     start = prefix + header_size
     stored_lengths = np.frombuffer(blob, dtype="<i8", count=num_datums, offset=start)
     if num_datums != len(lengths) or not np.array_equal(stored_lengths, np.asarray(lengths, dtype=np.int64)):
         return CacheLookup("corrupt", reason="its datum lengths do not match the data")
     if int(stored_lengths.sum()) != num_values:
         return CacheLookup("corrupt", reason="its lengths do not add up to its number of values")
-    flat = np.frombuffer(blob, dtype="<f8", count=num_values, offset=start + 8 * num_datums).astype(np.float64)
+    values_start = start + 8 * num_datums
+    flat = blob[values_start : values_start + 4 * num_values].view("<f4")
     bounds = np.cumsum(stored_lengths)[:-1]
-    return CacheLookup("hit", values=list(np.split(flat, bounds)) if num_datums else [])
+    return CacheLookup(
+        "hit",
+        values=list(np.split(flat, bounds)) if num_datums else [],
+        flat=flat,
+        digest=trailer,
+        key=stored_key,
+    )

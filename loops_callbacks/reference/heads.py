@@ -225,15 +225,17 @@ class OutputHead:
 
         One forward of ``probe`` (``[1, T]`` ids): the head's real ``forward`` runs, and from the
         same hidden states the chunked computation's logits are compared with the model's output
-        (relative to the largest logit, within 8 units of the model's dtype's precision).
+        (relative to the largest logit, within 8 units of the coarsest precision involved).
         """
         linear = self.module
         original = linear.forward
         seen: dict[str, torch.Tensor] = {}
+        dtypes: set[torch.dtype] = set()
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
-            logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), linear.weight, linear.bias).float()
-            seen["ours"] = self.transform(logits)
+            logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), linear.weight, linear.bias)
+            dtypes.update({hidden.dtype, logits.dtype, linear.weight.dtype})
+            seen["ours"] = self.transform(logits.float())
             return original(hidden)
 
         with _replaced_forward(linear, forward):
@@ -241,15 +243,18 @@ class OutputHead:
         if "ours" not in seen:
             return f"the output head {self.owner} was not called by the model's forward (a compiled model?)"
         try:
-            theirs = model_logits(output, probe).float().reshape(-1, self.vocab_size)
+            logits = model_logits(output, probe)
         except (TypeError, ValueError, RuntimeError) as error:
             return f"the model's output does not hold its logits as expected ({error})"
+        dtypes.add(logits.dtype)
+        theirs = logits.float().reshape(-1, logits.shape[-1])
         ours = seen["ours"]
         if ours.shape != theirs.shape:
             return f"the head's logits have shape {tuple(ours.shape)}, the model's {tuple(theirs.shape)}"
         scale = max(1.0, float(theirs.abs().max()))
         error = float((ours - theirs).abs().max()) / scale
-        tolerance = max(1e-5, 8 * torch.finfo(linear.weight.dtype).eps)
+        # 8 units of the coarsest precision on the way (weights, autocast, the model's logits)
+        tolerance = max(1e-5, *(8 * torch.finfo(d).eps for d in dtypes if d.is_floating_point))
         if not math.isfinite(error) or error > tolerance:
             return (
                 f"the model transforms its logits after the output head in a way not applied here "

@@ -1,20 +1,21 @@
-"""Turning a ``reference`` setting into a ``SamplingClient``: a client, a module, a checkpoint, or a snapshot.
+"""Turning a ``reference`` setting into a ``SamplingClient``: a client, a module, a callable, a checkpoint, the policy.
 
 ``reference`` may be:
 
 - a ``SamplingClient`` (anything with ``compute_logprobs``): used as it is;
 - an ``nn.Module`` mapping ``input_ids [B, T]`` to logits ``[B, T, V]``: a frozen copy is scored
   (``TorchSamplingClient.snapshot``), so the module itself is never cast or moved;
+- a plain callable ``fn(input_ids) -> logits``: called as it is (``TorchSamplingClient``);
 - a path to a Lightning ``.ckpt`` (its ``"state_dict"``) or to a ``torch.save``d state dict of
   the LightningModule: loaded into a frozen copy of the LightningModule;
-- ``None``: a frozen copy of the LightningModule as it is now. Called from a DataModule's
-  ``setup("fit")`` that is the initial policy: no optimizer has stepped yet, and a checkpoint
-  being resumed is restored only after ``setup``.
+- ``None``: the LightningModule itself, used in place (``PolicyReference``: no copy). A
+  DataModule with ``ReferenceLogprobsMixin`` scores it once the strategy has set it up, before
+  the first optimizer step (``PolicyReference.from_trainer``), and never on a resumed run.
 
 The module and checkpoint ways call the (Lightning) module as ``module(input_ids)``, so its
 ``forward`` must take token ids and return logits (or an object with ``.logits``). A module whose
-layers are built in ``configure_model`` (after ``setup``) has none at ``setup`` to copy or load a
-checkpoint into: give such a module a reference module or client.
+layers are built in ``configure_model`` has none before the strategy's setup to copy or load a
+checkpoint into: give such a module the default reference, a reference module, or a client.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.policy import PolicyReference
 
 __all__ = ["load_reference_checkpoint", "resolve_reference"]
 
@@ -43,24 +45,34 @@ def resolve_reference(
     """The ``SamplingClient`` that ``reference`` stands for (see the module docstring).
 
     ``dtype``, ``device`` and ``max_tokens_per_batch`` apply to the local (torch) ways; a
-    client given as it is keeps its own settings.
+    client given as it is keeps its own settings. A plain callable cannot be cast (``dtype``).
+
+    Example:
+        >>> import torch
+        >>> type(resolve_reference(lambda ids: torch.zeros(*ids.shape, 5))).__name__
+        'TorchSamplingClient'
     """
     options = {"dtype": dtype, "device": device, "max_tokens_per_batch": max_tokens_per_batch}
     if reference is None:
         if lightning_module is None:
             raise ValueError(
-                "reference=None means a snapshot of the LightningModule, but there is none (no trainer attached); "
-                "pass a SamplingClient, an nn.Module or a checkpoint path"
+                "reference=None means the LightningModule itself, but there is none (no trainer attached); "
+                "pass a SamplingClient, an nn.Module, a callable or a checkpoint path"
             )
-        return TorchSamplingClient.snapshot(lightning_module, **options)
+        return PolicyReference(
+            lightning_module, device=device, scoring_dtype=dtype, max_tokens_per_batch=max_tokens_per_batch
+        )
     if isinstance(reference, (str, os.PathLike)):
         return load_reference_checkpoint(reference, lightning_module, **options)
     if isinstance(reference, nn.Module):
         return TorchSamplingClient.snapshot(reference, **options)
     if isinstance(reference, SamplingClient) or callable(getattr(reference, "compute_logprobs_batch", None)):
         return reference
+    if callable(reference):
+        return TorchSamplingClient(reference, **options)
     raise TypeError(
-        f"reference must be a SamplingClient, an nn.Module, a checkpoint path or None, got {type(reference).__name__}"
+        "reference must be a SamplingClient, an nn.Module, a callable fn(input_ids) -> logits, a checkpoint path "
+        f"or None, got {type(reference).__name__}"
     )
 
 

@@ -1,0 +1,193 @@
+"""``PolicyReference``: the policy itself as the DPO reference, scored in place under the training strategy.
+
+DPO's usual reference is the initial policy. Instead of a frozen copy (twice the weights, taken
+before the strategy has placed or sharded anything), the LightningModule is scored as it is once
+the strategy has set it up (moved to its device, wrapped by DDP, sharded by FSDP / FSDP2, built in
+``configure_model``) and before the first optimizer step: when the trainer first asks the
+DataModule for data (``ReferenceLogprobsMixin``). No copy of the weights exists at any time.
+
+- The module is called as ``module(input_ids)`` (through the FSDP (1) root wrapper when there is
+  one, so that its weights are gathered), in eval mode, under ``torch.no_grad()`` (FSDP's
+  collectives cannot run under ``inference_mode``), and in the training precision
+  (``trainer.precision_plugin.forward_context()``, e.g. bf16 autocast) unless ``scoring_dtype``
+  asks for another autocast dtype. Nothing of the module is cast or moved.
+- Every rank scores its share in lock-step (``TokenScorer``): the same number of forward passes
+  on every rank, so a forward that is a collective never hangs.
+- ``fingerprint()`` is a collective (``loops_callbacks.reference.fingerprint``): the same digest
+  whatever the placement or sharding, without gathering the whole model on one rank.
+
+Example:
+    >>> import torch
+    >>> from loops_callbacks.reference.packing import PackedTokens
+    >>> policy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    >>> reference = PolicyReference(policy)
+    >>> reference.score_packed(PackedTokens.from_sequences([[1, 2, 3]])).shape, len(reference.fingerprint())
+    (torch.Size([3]), 64)
+    >>> next(policy.parameters()).requires_grad  # used in place, left as it was
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.reference.clients import _find_vocab_size, _module_device, check_token_ids
+from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
+from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.scorer import TokenScorer
+
+__all__ = ["PolicyReference", "policy_tag"]
+
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
+    """What the policy's values depend on besides its weights: the autocast dtype asked for, or the precision.
+
+    Example:
+        >>> class Trainer:
+        ...     precision = "bf16-mixed"
+        >>> policy_tag(Trainer(), None), policy_tag(Trainer(), "float16")
+        ('policy|precision=bf16-mixed', 'float16')
+    """
+    return scoring_dtype or f"policy|precision={trainer.precision}"
+
+
+class PolicyReference:
+    """The policy module as a reference scorer, used in place; see the module docstring.
+
+    Args:
+        module: the policy (a LightningModule, or any causal LM ``module(input_ids) -> logits``).
+        forward_module: what to call instead of ``module`` (the FSDP (1) root that wraps it).
+        device: where batches are built (default: where the module's weights are).
+        scoring_dtype: ``"bfloat16"`` / ``"float16"``: autocast to that dtype; ``"float32"``: no
+            autocast (the weights must be float32); ``None``: ``autocast`` (the training precision).
+        autocast: context manager factory of the training precision (used when ``scoring_dtype`` is None).
+        tag: what else the values depend on (the precision), part of the fingerprint.
+        max_tokens_per_batch: padded tokens per forward (default: the scorer's).
+        output_head: score from the output head when the module exposes one.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        forward_module: nn.Module | None = None,
+        device: str | torch.device | None = None,
+        scoring_dtype: str | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        tag: str = "policy",
+        max_tokens_per_batch: int | None = None,
+        output_head: bool = True,
+    ) -> None:
+        self.module = module
+        self.forward_module = forward_module if forward_module is not None else module
+        self.device = torch.device(device) if device is not None else _module_device(module)
+        self.vocab_size = _find_vocab_size(module)
+        self.tag = tag
+        self.scorer = TokenScorer(
+            self.forward_module,
+            model=module,
+            device=self.device,
+            max_tokens_per_batch=max_tokens_per_batch,
+            output_head=output_head,
+            vocab_size=self.vocab_size,
+            autocast=self._autocast(scoring_dtype, autocast),
+            grad_mode="no_grad",
+        )
+
+    def _autocast(
+        self, scoring_dtype: str | None, autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None
+    ) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        device_type = self.device.type
+        if scoring_dtype is None:
+            return autocast
+        if scoring_dtype in _AUTOCAST_DTYPES:
+            dtype = _AUTOCAST_DTYPES[scoring_dtype]
+            return lambda: torch.autocast(device_type, dtype=dtype)
+        if scoring_dtype == "float32":
+            low = sorted({str(p.dtype) for p in self.module.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+            if low:
+                raise ValueError(
+                    f"scoring_dtype='float32' cannot be honoured by the policy itself: its weights are {low} and it is "
+                    "not copied; use scoring_dtype=None (the training precision) or pass a float32 reference="
+                )
+            return lambda: torch.autocast(device_type, enabled=False)
+        raise ValueError(f"scoring_dtype={scoring_dtype!r} is not one of ['float32', 'bfloat16', 'float16'] or None")
+
+    @classmethod
+    def from_trainer(
+        cls,
+        trainer: Any,
+        *,
+        scoring_dtype: str | None = None,
+        max_tokens_per_batch: int | None = None,
+    ) -> PolicyReference:
+        """The trainer's LightningModule as the strategy has set it up, on the strategy's root device."""
+        strategy = trainer.strategy
+        module = trainer.lightning_module
+        forward_module = module
+        fsdp = _fsdp1_class()
+        if fsdp is not None and isinstance(strategy.model, fsdp):
+            forward_module = strategy.model  # its forward gathers the root unit's weights
+        return cls(
+            module,
+            forward_module=forward_module,
+            device=strategy.root_device,
+            scoring_dtype=scoring_dtype,
+            autocast=trainer.precision_plugin.forward_context,
+            tag=policy_tag(trainer, scoring_dtype),
+            max_tokens_per_batch=max_tokens_per_batch,
+        )
+
+    @property
+    def path(self) -> str:
+        return self.scorer.path
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        return self.scorer.max_tokens_per_batch
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.module).__name__}, device={str(self.device)!r}, tag={self.tag!r}, "
+            f"max_tokens_per_batch={self.max_tokens_per_batch}, path={self.path!r})"
+        )
+
+    def fingerprint(self) -> str:
+        """The weights' fingerprint (a collective: call it on every rank at once)."""
+        with torch.inference_mode(False), torch.no_grad():
+            return weights_fingerprint(self.forward_module, tag=self.tag, group=Group())
+
+    def score_packed(
+        self,
+        packed: PackedTokens,
+        *,
+        progress: Callable[[int], None] | None = None,
+        lockstep: Any = None,
+    ) -> torch.Tensor:
+        """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
+        check_token_ids(packed, self.vocab_size)
+        return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
+
+    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
+        """The ``SamplingClient`` list form (element 0 ``None``), e.g. for ``attach_reference_logprobs``.
+
+        Every rank of a process group must call it at the same time (lock-step).
+        """
+        packed = PackedTokens.from_sequences([model_input_tokens(prompt) for prompt in prompts])
+        values = self.score_packed(packed).cpu().numpy()
+        return [
+            [None, *values[packed.offsets[i] : packed.offsets[i + 1] - 1].tolist()] if packed.offsets[i + 1] > packed.offsets[i] else []
+            for i in range(len(packed))
+        ]
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        return self.compute_logprobs_batch([prompt])[0]
