@@ -1,7 +1,7 @@
 """Test-wide settings: nothing touches the network, and nothing is written outside pytest's tmp dirs.
 
 W&B is offline and every directory it writes (runs, service logs, cache, settings) lies in one
-session tmp dir; Hypothesis keeps no example database in the checkout. ``.ci/run`` checks that
+session tmp dir; so does Hypothesis's cache, and it keeps no example database. ``.ci/run`` checks that
 the suite leaves the checkout as it found it.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 os.environ["WANDB_MODE"] = "offline"  # never the network, whatever the environment says
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -30,10 +31,16 @@ _WANDB_DIRS = {
 }
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path setup
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis writes its cache (``.hypothesis/``) while test modules are collected: in the tmp dir."""
+    set_hypothesis_home_dir(config._tmp_path_factory.mktemp("hypothesis"))
+
+
 @pytest.fixture(scope="session", autouse=True)
-def wandb_in_a_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def caches_in_a_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every W&B directory in this session's tmp dir (set before any test starts a W&B run)."""
-    root = tmp_path_factory.mktemp("wandb")
+    root = tmp_path_factory.mktemp("caches")
     with pytest.MonkeyPatch.context() as patch:
         for variable, name in _WANDB_DIRS.items():
             (root / name).mkdir()
