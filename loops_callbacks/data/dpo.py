@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loops_callbacks.conventions import tinker_convention_message
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -265,7 +266,9 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
 
     Checks, each a ``ValueError`` naming the pair (and datum) index: a non-zero, even number of datums; every
     datum has a non-empty ``model_input``; ``target_tokens`` / ``weights``, when present, have the
-    ``model_input``'s length; and, when ``check_prompts`` and both datums of a pair carry ``weights``
+    ``model_input``'s length; no weight on the last position (it predicts nothing: a weight there
+    means Tinker's convention, see ``loops_callbacks.conventions``); and, when ``check_prompts``
+    and both datums of a pair carry ``weights``
     in the prompt/response shape (zeros, then only positive weights up to the last position),
     the two prompts (the tokens up to the first weighted prediction) are the same.
 
@@ -303,6 +306,8 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
                         f"{label}: {key!r} has {values.numel()} values for a model_input of {len(ids)} tokens"
                     )
                 if key == "weights":
+                    if values.numel() and bool(values[-1] > 0):
+                        raise ValueError(tinker_convention_message(f"{label} carries"))
                     prompt_length = _prompt_length(values)
         tokens.append(ids)
         prompts.append(prompt_length)
