@@ -197,7 +197,11 @@ def score_across_ranks(
         cache_key=key,
         reference_fingerprint=fingerprint if fingerprint is not None else stored_reference,
     )
-    if group.rank == 0:
+    if group.rank == 0 and status == "hit":
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # shown by Lightning's console logger
+
+        rank_zero_info(f"Reference logprobs of {len(data):,} datums loaded from the cache {path} (nothing scored)")
+    elif group.rank == 0:
         log.info(
             "reference logprobs of %d datums (%d tokens): %s in %.1f s (cache %s: %s)",
             len(data),

@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ _MAGIC = b"LOOPSREF"
 _VERSION = 2
 _DIGEST_SIZE = 32
 _KEY_NAMES = {"reference": "the reference weights", "data": "the data", "dtype": "the scoring dtype"}
+_HOST = socket.gethostname().replace(os.sep, "_") or "host"  # in temporary file names: pids are per host
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,9 @@ def write_cache(
     """Write ``values`` for ``key``: a temporary file, then ``os.replace``.
 
     ``values`` is one 1-D array per datum, or one flat float32 array with the datums' ``lengths``.
-    A reader sees the old file or the new one, never a partial one. Creates the directory.
+    A reader sees the old file or the new one, never a partial one. Creates the directory, and
+    removes the temporary files of earlier writers of this cache that were killed before their
+    ``os.replace``.
     """
     path = os.fspath(path)
     if key.reference is None:
@@ -133,7 +137,8 @@ def write_cache(
     header += b" " * (-(len(_MAGIC) + 4 + len(header)) % 8)  # the values start 8-byte aligned
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    temporary = f"{path}.tmp.{os.getpid()}"
+    _remove_orphaned_temporaries(path)
+    temporary = f"{path}.tmp.{_HOST}.{os.getpid()}"
     try:
         with open(temporary, "wb") as file:
             digest = hashlib.sha256()
@@ -147,6 +152,42 @@ def write_cache(
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def _remove_orphaned_temporaries(path: str) -> None:
+    """Delete ``<path>.tmp.<host>.<pid>`` files whose writer, on this host, no longer runs.
+
+    A writer killed between writing its temporary file and ``os.replace`` leaves it behind (as
+    large as the cache); the next write for the same cache removes it. Files of a live process,
+    of another host (a shared file system), or that cannot be removed are left alone.
+    """
+    directory = os.path.dirname(path) or "."
+    prefix = os.path.basename(path) + ".tmp."
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        host, _, pid = name[len(prefix) :].rpartition(".")
+        if host not in (_HOST, "") or not pid.isdigit() or int(pid) == os.getpid() or _running(int(pid)):
+            continue  # ("" is the name before the host was part of it: <path>.tmp.<pid>)
+        try:
+            os.remove(os.path.join(directory, name))
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: a leftover is no reason to fail a write
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (when that cannot be told: assume it does)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, only checked
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, but belongs to another user
+        return True
+    return True
 
 
 def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
