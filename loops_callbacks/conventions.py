@@ -34,11 +34,16 @@ from loops_callbacks.types import Datum, ModelInput, TensorData
 
 __all__ = [
     "TINKER_CONVENTION_FIX",
+    "TinkerConventionWarning",
     "describe_indices",
     "from_tinker_convention",
     "tinker_convention_message",
     "weighted_last_positions",
 ]
+
+class TinkerConventionWarning(UserWarning):
+    """Datums in Tinker's convention were scored under the Loops rule, losing their last token's reference logprob."""
+
 
 TINKER_CONVENTION_FIX = (
     "convert them with loops_callbacks.data.from_tinker_convention(data) (it appends the last target token to "
@@ -81,10 +86,10 @@ def tinker_convention_message(subject: str) -> str:
 
     Example:
         >>> tinker_convention_message("datum 0 carries").split(",")[0]
-        'datum 0 carries weight on its last position'
+        'datum 0 carries weight on the last position'
     """
     return (
-        f"{subject} weight on its last position, as in Tinker's convention (model_input = tokens[:-1], "
+        f"{subject} weight on the last position, as in Tinker's convention (model_input = tokens[:-1], "
         "target_tokens = tokens[1:]). In the Loops convention the last position predicts nothing and its "
         "ref_logprobs is 0.0, so the last token's reference logprob is lost (several nats a sequence) and the DPO "
         f"margins are wrong: {TINKER_CONVENTION_FIX}"

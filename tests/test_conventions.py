@@ -63,7 +63,7 @@ def test_tinker_datums_convert_to_the_loops_datums_of_the_same_sequences(package
 def test_the_checks_refuse_tinker_datums_naming_the_pair_and_the_fix() -> None:
     with pytest.raises(
         ValueError,
-        match=r"pair 0: the chosen datum \(index 0\) carries weight on its last position, as in Tinker's convention"
+        match=r"pair 0: the chosen datum \(index 0\) carries weight on the last position, as in Tinker's convention"
         r".*last token's reference logprob is lost.*loops_callbacks.data.from_tinker_convention\(data\)",
     ):
         validate_dpo_pairs(tinker_data())
@@ -82,7 +82,7 @@ class LastTokenMatters(torch.nn.Module):
 def test_the_datamodule_refuses_them_and_scores_every_token_once_converted(tmp_path: Any) -> None:
     from tests.test_data import ToyDPO
 
-    with pytest.raises(ValueError, match="carries weight on its last position.*from_tinker_convention"):
+    with pytest.raises(ValueError, match="carries weight on the last position.*from_tinker_convention"):
         quiet_trainer(max_steps=1, default_root_dir=str(tmp_path)).fit(
             ToyDPO(vocab=10), DPODataModule(tinker_data(), reference=LastTokenMatters(), use_cache=False, progress=False)
         )
@@ -95,3 +95,24 @@ def test_the_datamodule_refuses_them_and_scores_every_token_once_converted(tmp_p
         ref = field_to_tensor(inputs["ref_logprobs"], where="ref_logprobs").double()
         completion = float(logprobs[tokens[k:]].sum())  # the last token included
         assert float((ref * weights).sum()) == pytest.approx(completion, abs=1e-5)
+
+
+def test_attach_reference_logprobs_warns_once_and_scores_as_the_sdk_does() -> None:
+    from loops_callbacks import attach_reference_logprobs
+    from loops_callbacks.conventions import TinkerConventionWarning
+
+    class Reference:
+        def compute_logprobs(self, prompt: Any) -> list[float | None]:
+            return [None] + [-1.0] * (prompt.length - 1)
+
+    with pytest.warns(TinkerConventionWarning) as caught:
+        scored = attach_reference_logprobs(tinker_data(), Reference())
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith("4 of 4 datums (index 0, 1, 2, 3) carry weight on the last position")
+    assert "from_tinker_convention(data)" in str(caught[0].message)
+    assert scored[0].loss_fn_inputs["ref_logprobs"].data == [-1.0, -1.0, 0.0]  # the SDK's rule, unchanged
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TinkerConventionWarning)
+        attach_reference_logprobs(loops_data(), Reference())

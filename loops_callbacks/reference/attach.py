@@ -21,11 +21,18 @@ import copy
 import dataclasses
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from loops_callbacks.conventions import (
+    TinkerConventionWarning,
+    describe_indices,
+    tinker_convention_message,
+    weighted_last_positions,
+)
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
 from loops_callbacks.types import TensorData
 
@@ -51,6 +58,11 @@ def attach_reference_logprobs(
     predicts nothing). An existing ``ref_logprobs`` is replaced; ``data`` and its datums are not
     modified; other fields and attributes of a datum are kept. Datums may be ours, Tinker's,
     Loops', or mappings with ``model_input`` / ``loss_fn_inputs`` keys.
+
+    Datums in Tinker's convention (``model_input = tokens[:-1]``, a weight on the last position)
+    are scored the same way, so their last token's reference logprob is 0.0; one
+    ``TinkerConventionWarning`` says how many and how to convert them
+    (``loops_callbacks.data.from_tinker_convention``).
 
     How ``reference`` is called (the numbers are the same either way):
     - ``compute_logprobs_batch(model_inputs)`` when it has one (e.g. ``TorchSamplingClient``),
@@ -107,6 +119,11 @@ def attach_reference_logprobs(
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
         model_inputs.append(model_input)
         lengths.append(length)
+    tinker = weighted_last_positions(data)
+    if tinker:
+        warnings.warn(
+            tinker_convention_message(describe_indices(tinker, len(data))), TinkerConventionWarning, stacklevel=2
+        )
 
     with _Progress(progress, len(data)) as report:
         if callable(batch):
