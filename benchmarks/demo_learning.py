@@ -1,4 +1,4 @@
-"""How fast the demo models learn: RL reward and DPO accuracy before/after, with wall times.
+"""How fast the demo models learn: RL reward and DPO accuracy before/after, with wall and CPU times.
 
 Runs the demo modules through ``lightning.Trainer`` the way the shipped experiments do:
 
@@ -11,9 +11,14 @@ Runs the demo modules through ``lightning.Trainer`` the way the shipped experime
 3. With ``--variants``: the RL run again with a bfloat16 sampler, a sampler synced every 8
    steps, and a sampler that is never synced, with the mean |trainer - sampler| logprob gap.
 
-Example:
-    /work/venv/bin/python benchmarks/demo_learning.py
-    /work/venv/bin/python benchmarks/demo_learning.py --threads 2 --variants
+Setup and use (from the repository root)::
+
+    pip install torch==2.13.0 -e ".[dev]"
+    python benchmarks/demo_learning.py
+    python benchmarks/demo_learning.py --threads 2 --variants
+
+The times are of training alone (no start-up, no loggers); ``benchmarks/bench_demo.py`` times the
+shipped configs through the ``loops-callbacks`` command, start-up included.
 """
 
 from __future__ import annotations
@@ -32,8 +37,7 @@ from loops_callbacks.demo.data import PromptDataModule, make_preference_pairs
 from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
 from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
-from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.reference.clients import TorchSamplingClient
+from loops_callbacks.reference import TorchSamplingClient, attach_reference_logprobs
 
 
 def _trainer(max_steps: int, callbacks: list[lightning.Callback] | None = None) -> lightning.Trainer:
@@ -82,13 +86,13 @@ def run_rl(args: argparse.Namespace, **overrides: Any) -> dict[str, float]:
     held_out = module.task.sample_prompts(256, torch.Generator().manual_seed(10_000 + args.seed))
     before = _mean_reward(module, held_out)
     gap = _GapMeter()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     _trainer(args.rl_steps, [gap]).fit(
         module,
         PromptDataModule(args.num_digits, args.num_symbols, batch_size=args.prompts_per_batch, seed=args.seed),
     )
-    seconds = time.perf_counter() - start
-    return {"before": before, "after": _mean_reward(module, held_out), "seconds": seconds, "gap": gap.mean}
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"before": before, "after": _mean_reward(module, held_out), "seconds": seconds, "cpu": cpu, "gap": gap.mean}
 
 
 def run_dpo(args: argparse.Namespace) -> dict[str, float]:
@@ -112,9 +116,9 @@ def run_dpo(args: argparse.Namespace) -> dict[str, float]:
     train_pairs = scored(make_preference_pairs(task, args.dpo_pairs, seed=args.seed))
     train = DataLoader(train_pairs, batch_size=32, shuffle=True, collate_fn=collate_dpo_pairs)
     before = held_out_metrics()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     _trainer(args.dpo_steps).fit(module, train)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = held_out_metrics()
     return {
         "before": before["dpo_accuracy"],
@@ -122,6 +126,7 @@ def run_dpo(args: argparse.Namespace) -> dict[str, float]:
         "margin_before": before["dpo_margin"],
         "margin_after": after["dpo_margin"],
         "seconds": seconds,
+        "cpu": cpu,
     }
 
 
@@ -150,13 +155,13 @@ def main() -> None:
     rl = run_rl(args)
     print(
         f"RL   {args.rl_steps} steps: reward {rl['before']:.3f} -> {rl['after']:.3f} "
-        f"in {rl['seconds']:.1f} s (mean |trainer - sampler| {rl['gap']:.2e})"
+        f"in {rl['seconds']:.1f} s wall, {rl['cpu']:.1f} s CPU (mean |trainer - sampler| {rl['gap']:.2e})"
     )
     dpo = run_dpo(args)
     print(
         f"DPO  {args.dpo_steps} steps (beta={args.beta}, {args.dpo_pairs} pairs): held-out accuracy "
         f"{dpo['before']:.3f} -> {dpo['after']:.3f}, margin {dpo['margin_before']:.3f} -> {dpo['margin_after']:.3f} "
-        f"in {dpo['seconds']:.1f} s"
+        f"in {dpo['seconds']:.1f} s wall, {dpo['cpu']:.1f} s CPU"
     )
     if args.variants:
         for label, overrides in (
@@ -167,7 +172,8 @@ def main() -> None:
             result = run_rl(args, **overrides)
             print(
                 f"RL   {label:32s}: reward {result['before']:.3f} -> {result['after']:.3f} "
-                f"in {result['seconds']:.1f} s (mean |trainer - sampler| {result['gap']:.2e})"
+                f"in {result['seconds']:.1f} s wall, {result['cpu']:.1f} s CPU "
+                f"(mean |trainer - sampler| {result['gap']:.2e})"
             )
 
 
