@@ -224,9 +224,11 @@ def test_yaml_load_dataset_arguments_and_tokenizer_path(tmp_path: Path) -> None:
     )
     module = parser.instantiate(config).data
     assert module.dataset == {"path": "json", "data_files": pairs, "split": "train"}
-    from_yaml = [d.model_input.to_ints() for d in module.dpo_data()]
+    with pytest.warns(PreferenceDataWarning, match="2 of 6 pair"):
+        from_yaml = [d.model_input.to_ints() for d in module.dpo_data()]
     direct = DPODataModule(path=pairs, tokenizer=TOKENIZER, max_length=48, max_prompt_length=32, progress=False)
-    assert from_yaml == [d.model_input.to_ints() for d in direct.dpo_data()]
+    with pytest.warns(PreferenceDataWarning):
+        assert from_yaml == [d.model_input.to_ints() for d in direct.dpo_data()]
     assert module.tokenization_report.record_indices == list(range(6))
 
 
