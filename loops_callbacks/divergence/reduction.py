@@ -228,11 +228,13 @@ def reduce_across_ranks(
     capacity = stats.sample_size
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
-    rows = _chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank)
-    sample = _sample_slots(stats, share[rank], start[rank], capacity)
-    body = collectives.all_reduce_sum(torch.cat([rows.reshape(-1), sample]))
+    width = top_n * ROW.WIDTH
+    body = torch.zeros(width + capacity + 1, dtype=torch.float64, device=device)
+    body[:width] = _chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank).reshape(-1)
+    _add_sample(body[width:], stats, share[rank], start[rank])
+    body = collectives.all_reduce_sum(body)
 
-    values = body[top_n * ROW.WIDTH : top_n * ROW.WIDTH + capacity]
+    values = body[width : width + capacity]
     keys = None
     if stats.sample_size is not None:
         filled = torch.arange(capacity, device=device) < share.sum()
@@ -240,7 +242,7 @@ def reduce_across_ranks(
     return DivergenceStats(
         totals=totals,
         extrema=extrema,
-        worst=body[: top_n * ROW.WIDTH].reshape(top_n, ROW.WIDTH),
+        worst=body[:width].reshape(top_n, ROW.WIDTH),
         sample_values=values,
         sample_keys=keys,
         sample_size=stats.sample_size,
@@ -287,17 +289,16 @@ def _chosen_rows(worst: torch.Tensor, worst_abs: torch.Tensor, datum_offset: tor
     return rows.masked_fill_((owner != rank)[:, None], 0.0)
 
 
-def _sample_slots(stats: DivergenceStats, share: torch.Tensor, start: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The rank's ``share`` diffs of smallest key, in batch order, from place ``start`` of ``capacity``.
+def _add_sample(slots: torch.Tensor, stats: DivergenceStats, share: torch.Tensor, start: torch.Tensor) -> None:
+    """Add the rank's ``share`` diffs of smallest key to ``slots``, in batch order, from place ``start``.
 
-    One more place at the end takes every unchosen diff as a zero, so shapes never depend on data.
+    The last place takes every unchosen diff as a zero, so no shape depends on the data.
     """
     values = stats.sample_values.to(torch.float64)
     keys = stats.sample_keys if stats.sample_keys is not None else torch.zeros_like(values)
     chosen = _smallest(keys, share)
-    places = torch.where(chosen, start + torch.cumsum(chosen, 0) - 1, capacity)
-    slots = torch.zeros(capacity + 1, dtype=torch.float64, device=values.device)
-    return slots.index_add_(0, places, values.masked_fill(~chosen, 0.0))
+    places = torch.where(chosen, start + torch.cumsum(chosen, 0) - 1, slots.shape[0] - 1)
+    slots.index_add_(0, places, values.masked_fill(~chosen, 0.0))
 
 
 def _smallest(keys: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
