@@ -238,6 +238,33 @@ def test_bad_config_values_fail_at_parse_time_naming_the_key(override: list[str]
     assert message in capsys.readouterr().err
 
 
+def test_the_cli_imports_no_demo_and_no_logger_backend_until_a_config_names_them() -> None:
+    import subprocess
+    import sys
+
+    probe = ("import sys, loops_callbacks.cli; "
+             "print(sorted(m for m in ('loops_callbacks.demo', 'wandb', 'tensorboard') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_package_classes_have_short_names_and_the_demo_full_paths(tmp_path: Path) -> None:
+    config = tmp_path / "short.yaml"
+    config.write_text(
+        "trainer: {logger: false, callbacks: [{class_path: KLSampleTrainMonitor}]}\n"
+        "model: {class_path: loops_callbacks.demo.DPOPolicyModule}\n"
+        "data: {class_path: DPODataModule, init_args: {path: pairs.jsonl}}\n"
+    )
+    parsed = LoopsCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                      run=False, args=["--config", str(config)])
+    assert [type(c).__name__ for c in parsed.trainer.callbacks if isinstance(c, KLSampleTrainMonitor)] == [
+        "KLSampleTrainMonitor"
+    ]
+    assert type(parsed.datamodule).__name__ == "DPODataModule"
+    assert type(parsed.model).__module__.startswith("loops_callbacks.demo")  # named by its full path
+
+
 def test_the_console_script_exits_zero(tmp_path: Path) -> None:
     """`loops-callbacks` (as installed) and `python -m loops_callbacks` end with status 0."""
     import subprocess
