@@ -242,7 +242,10 @@ class KLSampleTrainMonitor(Callback):
         if not logged:
             return
         stats = DivergenceStats.from_batch(
-            flat, top_n=self.top_n, sample_size=self.sample_size, generator=self._generator(flat.device)
+            flat,
+            top_n=self.top_n,
+            sample_size=self.sample_size,
+            generator=self._generator(flat.device, trainer.global_rank),
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
@@ -269,15 +272,19 @@ class KLSampleTrainMonitor(Callback):
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         return every > 0 and (step + 1) % every == 0
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        """A private RNG for the percentile sample, so monitoring never moves the user's RNG."""
+    def _generator(self, device: torch.device, rank: int) -> torch.Generator:
+        """A private RNG for the percentile sample, so monitoring never moves the user's RNG.
+
+        Seeded with the rank, so ranks draw independent keys (rank 0 as a single process does).
+        """
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(0)
+            self._generators[device] = torch.Generator(device=device).manual_seed(rank)
         return self._generators[device]
 
     def _publish(self, trainer: pl.Trainer, window: DivergenceStats, step: int) -> None:
         if trainer.world_size > 1:
-            window = window.reduce_across_ranks(trainer.strategy, generator=self._generator(window.totals.device))
+            generator = self._generator(window.totals.device, trainer.global_rank)
+            window = window.reduce_across_ranks(trainer.strategy, generator=generator)
         host = window.to_host()  # the one host synchronization of a logged step
         metrics = scalar_metrics(host, prefix=self.prefix)
         self.last_metrics = metrics
