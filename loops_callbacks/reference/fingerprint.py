@@ -50,9 +50,22 @@ def clean_name(name: str) -> str:
     return _WRAPPER_PREFIXES.sub("", name)
 
 
+_DIGEST_CHUNK_BYTES = 64 << 20
+
+
 def _digest(tensor: torch.Tensor) -> str:
-    data = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(memoryview(data.view(torch.uint8).numpy())).hexdigest()
+    """sha256 of the tensor's bytes, copied to the host 64 MiB at a time.
+
+    A copy, never a numpy view of the tensor's own memory: that would pin its storage (FSDP frees
+    and regrows the storage of the weights it gathers).
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    digest = hashlib.sha256()
+    step = max(1, _DIGEST_CHUNK_BYTES // max(1, flat.element_size()))
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start : start + step].to("cpu", copy=True)
+        digest.update(memoryview(chunk.view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 def _entry(name: str, tensor: torch.Tensor, digest: str) -> str:
@@ -84,15 +97,23 @@ def weights_fingerprint(module: nn.Module, *, tag: str = "", group: Group | None
         for part in group.all_gather_objects(entries):
             merged.update(part)
         entries = merged
-    inner = module
-    fsdp = _fsdp1_class()
-    while fsdp is not None and isinstance(inner, fsdp):
-        inner = inner.module
-    model_class = type(inner)
+    model_class = _model_class(module)
     digest = hashlib.sha256(f"{model_class.__module__}.{model_class.__qualname__}|{tag}\n".encode())
     for name in sorted(entries):
         digest.update(f"{entries[name]}\n".encode())
     return digest.hexdigest()
+
+
+def _model_class(module: nn.Module) -> type:
+    """The model's own class: inside an FSDP (1) wrapper, and not FSDP2's dynamic ``FSDP<Class>`` subclass."""
+    fsdp = _fsdp1_class()
+    while fsdp is not None and isinstance(module, fsdp):
+        module = module.module
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _entries(module: nn.Module, group: Group) -> dict[str, str]:

@@ -175,7 +175,22 @@ class PolicyReference:
     ) -> torch.Tensor:
         """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
         check_token_ids(packed, self.vocab_size)
-        return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
+        try:
+            return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
+        finally:
+            _reshard(self.module)
+
+
+def _reshard(module: nn.Module) -> None:
+    """FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one);
+    after scoring there is none: shard them again, so that training starts as it would have."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
     def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
         """The ``SamplingClient`` list form (element 0 ``None``), e.g. for ``attach_reference_logprobs``.

@@ -174,6 +174,9 @@ class TokenScorer:
             if not self._verified:
                 self._verify()
             order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
+            # Agreed before the first forward: a rank must not wait in this collective while
+            # another is inside a forward's (FSDP's all-gathers).
+            forwards = lockstep.max_int(len(plan)) if lockstep is not None and lockstep.world_size > 1 else len(plan)
             batches = DeviceBatches(packed, order, self.device)
             lengths = packed.lengths[order]
             for start, stop in plan:
@@ -181,10 +184,9 @@ class TokenScorer:
                 batches.store(start, stop, self._batch_logprobs(ids))
                 if progress is not None:
                     progress(int(lengths[start:stop].sum()))
-            if lockstep is not None and lockstep.world_size > 1:
-                padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-                for _ in range(lockstep.max_int(len(plan)) - len(plan)):
-                    self._batch_logprobs(padding)
+            padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+            for _ in range(forwards - len(plan)):
+                self._batch_logprobs(padding)
             return batches.result()
 
     def _batch_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
