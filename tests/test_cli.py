@@ -154,6 +154,12 @@ def test_the_snippet_command_monitors_the_unmonitored_rl_experiment(capsys: Any)
     assert "kl_sample_train_k3" in capsys.readouterr().out
 
 
+def test_the_unmonitored_rl_experiment_is_rl_tiny_without_its_monitor() -> None:
+    tiny = yaml.safe_load((CONFIGS / "rl_tiny.yaml").read_text().replace("rl_tiny", "rl_unmonitored"))
+    del tiny["trainer"]["callbacks"]
+    assert yaml.safe_load((CONFIGS / "rl_unmonitored.yaml").read_text()) == tiny
+
+
 def test_the_unmonitored_rl_experiment_has_no_monitor() -> None:
     parsed = LoopsCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                       run=False, args=["--config", str(CONFIGS / "rl_unmonitored.yaml"), "--trainer.logger", "false"])
