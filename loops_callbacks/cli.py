@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
+import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.divergence.monitor import KLSampleTrainMonitor
 
 __all__ = ["LoopsCLI", "main", "run_cli", "run_summary"]

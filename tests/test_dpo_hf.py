@@ -278,6 +278,10 @@ def test_the_dpo_hf_config_round_trips(tmp_path: Path, capsys: Any) -> None:
         return capsys.readouterr().out
 
     first = printed(CONFIGS / "dpo_hf.yaml")
+    short = yaml.safe_load(first)
+    short["model"]["class_path"], short["data"]["class_path"] = "HFDPOModule", "DPODataModule"
+    (tmp_path / "short.yaml").write_text(yaml.safe_dump(short))
+    assert yaml.safe_load(printed(tmp_path / "short.yaml")) == yaml.safe_load(first)  # short class names work
     (tmp_path / "printed.yaml").write_text(first)
     assert yaml.safe_load(printed(tmp_path / "printed.yaml")) == yaml.safe_load(first)
     model = yaml.safe_load(first)["model"]["init_args"]["model"]
