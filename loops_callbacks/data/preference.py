@@ -179,12 +179,8 @@ def _kind(value: Any) -> str:
         value = value.tolist()
     if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
         return "messages"
-    if (
-        isinstance(value, Sequence)
-        and value
-        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
-    ):
-        return "ids"
+    if isinstance(value, Sequence) and value and isinstance(value[0], numbers.Integral) and not isinstance(value[0], bool):
+        return "ids"  # the first id decides; dpo_pair_datums checks every one
     return "other"
 
 
