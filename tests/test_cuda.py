@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -98,3 +99,156 @@ def test_monitor_on_gpu_with_bf16_mixed_and_accumulation() -> None:
         window = [r for r in model.recorded if r["step"] == step]
         got = {k: v for k, v in metrics.items() if isinstance(v, float)}
         assert_metrics_equal(got, expected_metrics(window))
+
+
+# --- the reference scorer on the GPU --------------------------------------------------------------
+
+
+def _tiny_llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _sequences(count: int = 48, vocab: int = 512) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 200, (count,), generator=generator).tolist()
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+class _HeadLM(torch.nn.Module):
+    """Embedding, one MLP block, an exposed output head: no host synchronisation of its own."""
+
+    def __init__(self, vocab: int = 512, width: int = 64) -> None:
+        super().__init__()
+        self.embed, self.mlp, self.lm_head = (
+            torch.nn.Embedding(vocab, width),
+            torch.nn.Linear(width, width),
+            torch.nn.Linear(width, vocab, bias=False),
+        )
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        return self.lm_head(x + torch.relu(self.mlp(x)))
+
+
+@pytest.mark.parametrize("output_head", [True, False])
+def test_reference_scoring_never_waits_for_the_gpu_between_batches(output_head: bool) -> None:
+    from loops_callbacks.reference.clients import TorchSamplingClient
+    from loops_callbacks.reference.packing import PackedTokens
+
+    torch.manual_seed(0)
+    client = TorchSamplingClient(_HeadLM(), device="cuda", max_tokens_per_batch=1024, output_head=output_head)
+    packed = PackedTokens.from_sequences(_sequences())
+    client.score_packed(packed)  # the one-time head check reads a number back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        values = client.score_packed(packed)  # ids in, every batch built and scattered on the device
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert values.is_cuda and values.dtype == torch.float32 and values.numel() == packed.num_tokens
+    assert client.path == ("output_head" if output_head else "logits")
+
+
+def test_output_head_path_on_the_gpu_in_bfloat16() -> None:
+    from loops_callbacks.reference.clients import TorchSamplingClient
+
+    model = _tiny_llama(torch.bfloat16).cuda()
+    prompts = _sequences(16)
+    head = TorchSamplingClient(model)
+    general = TorchSamplingClient(model, output_head=False)
+    got, want = head.compute_logprobs_batch(prompts), general.compute_logprobs_batch(prompts)
+    assert head.path == "output_head", head.scorer.why_not_head
+    worst = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[1:], y[1:]))
+    assert worst < 0.1  # the same bf16 logits; float32 log-softmax either way
+
+
+def _dpo_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], beta: float = 0.1) -> torch.Tensor:
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, batch["target_tokens"].unsqueeze(-1)).squeeze(-1)
+    delta = ((logprobs - batch["ref_logprobs"]) * batch["weights"]).sum(-1)
+    return -torch.nn.functional.logsigmoid(beta * (delta[0::2] - delta[1::2])).mean()
+
+
+class _ShardedDPO(pl.LightningModule):
+    """A tiny Llama built in ``configure_model`` and sharded there (FSDP2) or by the strategy (FSDP)."""
+
+    def __init__(self, fsdp2: bool) -> None:
+        super().__init__()
+        self.fsdp2 = fsdp2
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = _tiny_llama()
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return _dpo_loss(self(batch["input_ids"]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _strategy(fsdp2: bool) -> Any:
+    import functools
+
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if fsdp2:
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    layer = type(_tiny_llama().model.layers[0])
+    return FSDPStrategy(auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer}))
+
+
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["fsdp", "fsdp2"])
+def test_fsdp_with_configure_model_is_its_own_reference_on_one_gpu(tmp_path: Any, fsdp2: bool) -> None:
+    from loops_callbacks.data import DPODataModule, dpo_pair_datums
+    from loops_callbacks.reference.clients import TorchSamplingClient
+
+    sequences = _sequences(16)
+    data = [
+        datum
+        for i in range(0, 16, 2)
+        for datum in dpo_pair_datums(sequences[i][:1] + sequences[i], sequences[i][:1] + sequences[i + 1], 1)
+    ]
+
+    def run(ckpt_path: str | None = None, max_steps: int = 2) -> tuple[pl.Trainer, DPODataModule]:
+        module = DPODataModule(data, batch_size=2, progress=False)
+        trainer = pl.Trainer(
+            default_root_dir=str(tmp_path), accelerator="gpu", devices=1, strategy=_strategy(fsdp2),
+            max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(_ShardedDPO(fsdp2), datamodule=module, ckpt_path=ckpt_path)
+        return trainer, module
+
+    trainer, module = run()
+    assert module.reference_report.source == "scored"
+    want = TorchSamplingClient(_tiny_llama().cuda()).compute_logprobs_batch([d.model_input for d in data])
+    for datum, expected in zip(module.scored_data, want):
+        row = datum.loss_fn_inputs["ref_logprobs"]
+        assert abs(row[:-1] - torch.tensor(expected[1:]).numpy()).max() < 1e-4
+    # a resumed run (under FSDP the weights are restored after the strategy's setup) takes the cache
+    ckpt = str(tmp_path / "sharded.ckpt")
+    trainer.save_checkpoint(ckpt)
+    _, resumed = run(ckpt_path=ckpt, max_steps=3)
+    assert resumed.reference_report.source == "cache"

@@ -278,6 +278,34 @@ def test_changed_data_or_dtype_invalidate_the_cache(tmp_path: Any) -> None:
         fit(toy_model(), DPODataModule(swapped, reference=client, scoring_dtype="bfloat16", progress=False), tmp_path)
 
 
+def _memmap_of(array: np.ndarray) -> np.memmap | None:
+    while array is not None and not isinstance(array, np.memmap):
+        array = array.base
+    return array
+
+
+def test_values_are_one_float32_buffer_and_a_cache_hit_maps_the_file(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    num_tokens = sum(d.model_input.length for d in data)
+    first = DPODataModule(data, batch_size=2, reference=CountingClient(), progress=False)
+    fit(toy_model(), first, tmp_path, max_steps=1)
+    second = DPODataModule(data, batch_size=2, reference=CountingClient(), progress=False)
+    fit(toy_model(), second, tmp_path, max_steps=1)
+    assert second.reference_report.source == "cache"
+    for module in (first, second):
+        fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_data]
+        assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in fields)
+        assert sum(f.nbytes for f in fields) == 4 * num_tokens  # 4 bytes a token, in one buffer
+        assert all(np.shares_memory(f, fields[0].base if fields[0].base is not None else fields[0]) for f in fields)
+        # the batches are cut from that buffer: the dataset's rows are views of it, not copies
+        row = module._pairs.pairs[0][0]["ref_logprobs"]
+        assert np.shares_memory(row.numpy(), fields[0])
+    # a hit is the cache file itself, mapped copy-on-write (shared by the ranks of a machine)
+    mapped = _memmap_of(second.scored_data[0].loss_fn_inputs["ref_logprobs"])
+    assert mapped is not None and mapped.filename == str(tmp_path / "reference_logprobs" / CACHE_FILE_NAME)
+    assert ref_values(second.scored_data) == ref_values(first.scored_data)
+
+
 def _truncate(path: Any) -> None:
     blob = path.read_bytes()
     path.write_bytes(blob[: len(blob) - 9])
@@ -717,7 +745,7 @@ class _TwoRanks:
 
 
 def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatch: Any) -> None:
-    import loops_callbacks.reference.across_ranks as across_ranks
+    from loops_callbacks.reference import across_ranks
 
     monkeypatch.setattr(across_ranks, "_Group", _TwoRanks)
     client = CountingClient()

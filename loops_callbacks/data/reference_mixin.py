@@ -23,11 +23,7 @@ from typing import Any, Literal
 import torch
 
 from loops_callbacks.data.dpo import check_vocabulary, validate_dpo_pairs
-from loops_callbacks.reference.across_ranks import (
-    ReferenceCacheWarning,
-    ReferenceLogprobsReport,
-    score_across_ranks,
-)
+from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport, score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference

@@ -169,7 +169,7 @@ def score_across_ranks(
         local = torch.zeros(0, dtype=torch.float32)
         try:
             local = _score_block(data[first:last], reference, packed.slice(first, last), progress and group.rank == 0)
-        except Exception as error:  # every rank must reach the next collective, or the others wait forever
+        except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
             failure = error
         if group.any_true(failure is not None):
             messages = group.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
