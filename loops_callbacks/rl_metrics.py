@@ -25,7 +25,7 @@ import torch
 
 from loops_callbacks.divergence.action_tokens import flatten_datums, trainer_logprobs_from_output
 from loops_callbacks.divergence.guard_rail import impossible_inputs
-from loops_callbacks.divergence.media import divergence_media
+from loops_callbacks.divergence.media import MediaOptions, divergence_media
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
@@ -89,14 +89,7 @@ def loops_log_kl_sample_train(
     _report_inputs(host)
     metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
     metrics.update(
-        divergence_media(
-            host,
-            prefix=prefix,
-            log_histogram=log_histogram,
-            max_histogram_tokens=max_histogram_tokens,
-            log_worst_tokens=log_worst_tokens,
-            tokenizer=tokenizer,
-        )
+        divergence_media(host, MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer))
     )
     if wandb_run is not None:
         try:

@@ -30,8 +30,9 @@ from loops_callbacks.divergence.guard_rail import (
     impossible_inputs,
 )
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
+from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
-from loops_callbacks.divergence.sinks import MediaOptions, deliver, deliver_text
+from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
@@ -332,7 +333,8 @@ class KLSampleTrainMonitor(Callback):
         ends = torch.cumsum(flat.row_lengths, 0).cpu()
         datum = int(torch.searchsorted(ends, index, right=True))
         position = index - (int(ends[datum - 1]) if datum else 0)
-        return f"key {key!r}, e.g. {float(values[index]):.3g} at datum {datum}, position {position} of the last micro-batch"
+        value = float(values[index])
+        return f"key {key!r}, e.g. {value:.3g} at datum {datum}, position {position} of the last micro-batch"
 
     def _guard(self, trainer: pl.Trainer, metrics: Mapping[str, float], host: HostDivergence, step: int) -> None:
         reason = self.guard_rail.exceeds(metrics, host)

@@ -25,29 +25,17 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, divergence_media
+from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, MediaOptions, divergence_media
 from loops_callbacks.divergence.metrics import histogram_values
 from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.worst_tokens import Tokenizer, worst_token_rows, worst_tokens_markdown
+from loops_callbacks.divergence.worst_tokens import worst_token_rows, worst_tokens_markdown
 
-__all__ = ["MediaOptions", "deliver", "deliver_text"]
-
-
-@dataclass(frozen=True)
-class MediaOptions:
-    """What to build beside the scalars, and how."""
-
-    prefix: str
-    log_histogram: bool = True
-    max_histogram_tokens: int = 50000
-    log_worst_tokens: bool = True
-    tokenizer: Tokenizer | None = None
+__all__ = ["deliver", "deliver_text"]
 
 
 def deliver(
@@ -89,14 +77,7 @@ def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> N
 
 def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence, step: int, media: MediaOptions) -> None:
     if isinstance(logger, WandbLogger):
-        extra = divergence_media(
-            host,
-            prefix=media.prefix,
-            log_histogram=media.log_histogram,
-            max_histogram_tokens=media.max_histogram_tokens,
-            log_worst_tokens=media.log_worst_tokens,
-            tokenizer=media.tokenizer,
-        )
+        extra = divergence_media(host, media)
         logger.log_metrics({**scalars, **extra}, step=step)
         return
     logger.log_metrics(dict(scalars), step=step)
