@@ -38,6 +38,7 @@ from loops_callbacks.fields import (
     field_length,
     field_to_tensor,
     model_input_length,
+    model_input_tokens,
 )
 
 __all__ = ["FlatBatch", "flatten_datums", "flatten_padded", "trainer_logprobs_from_output"]
@@ -51,6 +52,9 @@ class FlatBatch:
     given, both logprobs finite); ``counted`` the positions that pass the first two rules, so
     ``counted & ~active`` are the masked-in positions dropped for a missing or non-finite
     logprob. ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
+    ``token_ids`` is the id of the token predicted at each position (``target_tokens``, else the
+    next ``model_input`` / ``input_ids`` id; negative where unknown), for the per-token-id sums of
+    the diagnosis; ``None`` when the batch has no token ids.
     """
 
     sampler: torch.Tensor  # [L], the caller's dtype
@@ -60,6 +64,7 @@ class FlatBatch:
     counted: torch.Tensor  # bool [L]
     row_lengths: torch.Tensor  # int64 [B]
     tokens: TokenLookup | None = None
+    token_ids: torch.Tensor | None = None  # int64 [L], the token predicted at each position; < 0 unknown
 
     @property
     def n_datums(self) -> int:
@@ -122,6 +127,7 @@ def flatten_datums(
         )
 
     samplers, masks, trainers, advantages, lengths = [], [], [], [], []
+    token_rows: list[torch.Tensor] | None = []
     for i, datum in enumerate(data):
         inputs = datum_loss_fn_inputs(datum, index=i)
         for key in ("logprobs", "mask"):
@@ -171,7 +177,7 @@ def flatten_datums(
                     f"datum {i}: loss_fn_inputs['advantages'] has length {advantage.shape[0]}, "
                     f"expected 1 (one value for the row) or {length} (one per position)"
                 )
-        target = inputs.get("target_tokens") if with_tokens else None
+        target = inputs.get("target_tokens")
         if target is not None:
             target_length = field_length(target, where=f"datum {i}, key 'target_tokens'")
             if target_length != length:
@@ -179,6 +185,8 @@ def flatten_datums(
                     f"datum {i}: loss_fn_inputs['target_tokens'] has length {target_length}, "
                     f"but loss_fn_inputs['logprobs'] has {length}"
                 )
+        if token_rows is not None:
+            token_rows.append(_predicted_ids(target, model_input, length, where=f"datum {i}"))
         samplers.append(sampler)
         masks.append(mask)
         advantages.append(advantage)
@@ -194,6 +202,7 @@ def flatten_datums(
         advantage_ok=_advantage_ok_rows(advantages, row_lengths, device),
         row_lengths=row_lengths.to(device),
         tokens=DatumTokens(data) if with_tokens else None,
+        token_ids=None if token_rows is None else _cat(token_rows).to(device=device, dtype=torch.int64),
     )
 
 
@@ -238,6 +247,12 @@ def flatten_padded(
                 f"'advantages' has shape {tuple(advantages.shape)}; expected {tuple(shape)} or ({batch},)"
             )
         advantage_ok = _nonzero_advantage(advantages.detach().to(device)).expand(batch, width).reshape(-1)
+    token_ids = None
+    if target_tokens is not None:
+        token_ids = target_tokens.detach().reshape(-1).to(device=device, dtype=torch.int64)
+    elif input_ids is not None:
+        ids = input_ids.detach().to(device=device, dtype=torch.int64)
+        token_ids = torch.cat([ids[:, 1:], ids.new_full((batch, min(width, 1)), -1)], dim=1).reshape(-1)
     tokens = None
     if with_tokens:
         tokens = PaddedTokens(
@@ -251,6 +266,7 @@ def flatten_padded(
         advantage_ok=advantage_ok,
         row_lengths=torch.full((batch,), width, dtype=torch.int64, device=device),
         tokens=tokens,
+        token_ids=token_ids,
     )
 
 
@@ -262,6 +278,7 @@ def _build(
     advantage_ok: torch.Tensor | None,
     row_lengths: torch.Tensor,
     tokens: TokenLookup | None,
+    token_ids: torch.Tensor | None = None,
 ) -> FlatBatch:
     # d = trainer - sampler in float64 (each value widened exactly). A float64 difference of two
     # logprobs is finite exactly when both are (float32 inputs cannot overflow it), so one
@@ -271,7 +288,18 @@ def _build(
     if advantage_ok is not None:
         counted &= advantage_ok
     active = counted & (diff.abs() < float("inf"))  # isfinite, in fewer passes
-    return FlatBatch(sampler, trainer, diff, active, counted, row_lengths, tokens)
+    return FlatBatch(sampler, trainer, diff, active, counted, row_lengths, tokens, token_ids)
+
+
+def _predicted_ids(target: Any, model_input: Any, length: int, *, where: str) -> torch.Tensor:
+    """Int64 ``[length]``: ``target_tokens``, else ``model_input[k + 1]``, else -1 (unknown)."""
+    if target is not None:
+        return field_to_tensor(target, where=f"{where}, key 'target_tokens'").to(torch.int64)
+    ids = torch.full((length,), -1, dtype=torch.int64)
+    if model_input is not None and length > 1:
+        given = model_input if isinstance(model_input, torch.Tensor) else torch.tensor(model_input_tokens(model_input))
+        ids[: length - 1] = given[1:length].to(torch.int64)
+    return ids
 
 
 def _unpad_rows(padded: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:

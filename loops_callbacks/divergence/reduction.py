@@ -3,20 +3,23 @@
 ``reduce_across_ranks(stats, group)`` gives every rank the same ``DivergenceStats`` of all ranks'
 batches, rank 0's first, in two collectives, each on one packed float64 buffer:
 
-1. ``all_gather`` of a header per rank, ``len(TOTALS) + len(EXTREMA) + top_n + 1`` values: the
-   rank's totals, extrema, the |d| of its ``top_n`` worst rows (already ranked) and one random
+1. ``all_gather`` of a header per rank, ``GATHERED_TOTALS + len(EXTREMA) + top_n + 1`` values:
+   the rank's totals (but the diagnosis' signature sums), extrema, the |d| of its ``top_n`` worst rows (already ranked) and one random
    number. From the gathered headers every rank computes, identically and without a loop over
    ranks: the totals (summed in rank order), the extrema (max), which ``top_n`` (rank, row) pairs
    are the worst of all ranks and in which order, each rank's datum offset, and each rank's share
    of the percentile sample.
-2. ``all_reduce`` (sum) of one body, ``top_n * ROW.WIDTH + sample_size + 1`` values, in which each
-   rank writes its own chosen rows and sampled diffs at their final places and zeros everywhere
-   else. The sum is the assembled result, exactly: each place receives one value and zeros.
+2. ``all_reduce`` (sum) of one body, ``top_n * ROW.WIDTH + S + sample_size + 1`` values, in which
+   each rank writes its own chosen rows and sampled diffs at their final places and zeros
+   everywhere else. The sum is the assembled result, exactly: each place receives one value and
+   zeros. The body also carries the diagnosis' sums, summed as they are (S = the 18 signature
+   totals + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
+   summation order is the collective's (exact for counts, and for any sum on 2 ranks).
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
-monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 101,341 values) that is
-1.62 MB plus 400 B per rank: 2.03 MB at 1,024 ranks, where gathering every rank's statistics
+monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 104,431 values) that is
+1.67 MB plus 400 B per rank: 2.08 MB at 1,024 ranks, where gathering every rank's statistics
 received about 1.6 MB per rank (1.6 GB at 1,024).
 
 Worst rows are exact: the global ``top_n`` by |d| (ties: lower rank, then the rank's own order,
@@ -46,7 +49,7 @@ functions do) the body's length is read from the headers, one synchronization.
 
 Example:
     >>> received_bytes(world=1024, top_n=20, sample_size=100_000)
-    2029073
+    2078464
 """
 
 from __future__ import annotations
@@ -56,7 +59,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTAL_INDEX, TOTALS, DivergenceStats
+from loops_callbacks.divergence.statistics import (
+    EXTREMA,
+    GATHERED_TOTALS,
+    ROW,
+    TOKEN_BUCKETS,
+    TOTAL_INDEX,
+    TOTALS,
+    DivergenceStats,
+)
 
 __all__ = [
     "Collectives",
@@ -169,13 +180,18 @@ def as_collectives(group: Collectives | Any) -> Collectives:
 
 
 def header_length(top_n: int) -> int:
-    """Values in a rank's header: totals, extrema, its worst rows' |d| and one random number."""
-    return len(TOTALS) + len(EXTREMA) + top_n + 1
+    """Values in a rank's header: gathered totals, extrema, its worst rows' |d| and one random number."""
+    return GATHERED_TOTALS + len(EXTREMA) + top_n + 1
 
 
 def body_length(top_n: int, sample_size: int) -> int:
-    """Values in the summed body: the worst rows, the sample, and one slot for unchosen diffs."""
-    return top_n * ROW.WIDTH + sample_size + 1
+    """Values in the summed body: the worst rows, the signature sums, the sample, and one slot for unchosen diffs."""
+    return top_n * ROW.WIDTH + _summed_length() + sample_size + 1
+
+
+def _summed_length() -> int:
+    """The diagnosis' signature totals and per-token-id sums, summed in the body."""
+    return len(TOTALS) - GATHERED_TOTALS + 3 * TOKEN_BUCKETS
 
 
 def received_bytes(world: int, top_n: int, sample_size: int) -> int:
@@ -185,8 +201,8 @@ def received_bytes(world: int, top_n: int, sample_size: int) -> int:
     receives ``2 * (world - 1) / world`` of it (reduce-scatter, then all-gather).
 
     Example:
-        >>> received_bytes(world=2, top_n=0, sample_size=10)  # (30 + 2 * 1/2 * 11) values of 8 B
-        328
+        >>> received_bytes(world=2, top_n=0, sample_size=10)  # (30 + 2 * 1/2 * 3,101) values of 8 B
+        25048
     """
     gather = (world - 1) * header_length(top_n)
     reduce = 2 * (world - 1) * body_length(top_n, sample_size) / world
@@ -212,12 +228,12 @@ def reduce_across_ranks(
     device = stats.totals.device
     top_n = stats.worst.shape[0]
     draw = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
-    header = torch.cat([stats.totals, stats.extrema, stats.worst[:, ROW.ABS], draw])
+    n_totals, n_extrema = GATHERED_TOTALS, len(EXTREMA)
+    header = torch.cat([stats.totals[:n_totals], stats.extrema, stats.worst[:, ROW.ABS], draw])
     headers = collectives.all_gather(header)
-    n_totals, n_extrema = len(TOTALS), len(EXTREMA)
     rank_totals = headers[:, :n_totals]
     # Summed in rank order, as merging rank by rank does (bit for bit on the CPU).
-    totals = torch.cumsum(rank_totals, 0)[-1]
+    gathered_totals = torch.cumsum(rank_totals, 0)[-1]
     extrema = headers[:, n_totals : n_totals + n_extrema].amax(0)
     worst_abs = headers[:, n_totals + n_extrema : n_totals + n_extrema + top_n]
     datums = rank_totals[:, TOTAL_INDEX["n_datums"]]
@@ -229,23 +245,29 @@ def reduce_across_ranks(
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
     width = top_n * ROW.WIDTH
-    body = torch.zeros(width + capacity + 1, dtype=torch.float64, device=device)
+    summed = _summed_length()
+    signatures = len(TOTALS) - n_totals
+    body = torch.zeros(width + summed + capacity + 1, dtype=torch.float64, device=device)
     body[:width] = _chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank).reshape(-1)
-    _add_sample(body[width:], stats, share[rank], start[rank])
+    body[width : width + signatures] = stats.totals[n_totals:]
+    if stats.token_sums is not None:
+        body[width + signatures : width + summed] = stats.token_sums.reshape(-1)
+    _add_sample(body[width + summed :], stats, share[rank], start[rank])
     body = collectives.all_reduce_sum(body)
 
-    values = body[width : width + capacity]
+    values = body[width + summed : width + summed + capacity]
     keys = None
     if stats.sample_size is not None:
         filled = torch.arange(capacity, device=device) < share.sum()
         keys = torch.zeros(capacity, dtype=torch.float64, device=device).masked_fill_(~filled, float("inf"))
     return DivergenceStats(
-        totals=totals,
+        totals=torch.cat([gathered_totals, body[width : width + signatures]]),
         extrema=extrema,
         worst=body[:width].reshape(top_n, ROW.WIDTH),
         sample_values=values,
         sample_keys=keys,
         sample_size=stats.sample_size,
+        token_sums=body[width + signatures : width + summed].reshape(3, TOKEN_BUCKETS),
     )
 
 

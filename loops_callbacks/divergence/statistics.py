@@ -42,6 +42,8 @@ __all__ = [
     "EXTREMA",
     "ROW",
     "W_CLAMP",
+    "TOKEN_BUCKETS",
+    "GATHERED_TOTALS",
     "LOGPROB_CEILING",
     "LOGPROB_FLOOR",
 ]
@@ -72,6 +74,25 @@ TOTALS = (
     "n_trainer_above_zero",
     "n_sampler_below_floor",  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
     "n_trainer_below_floor",
+    # The diagnosis' signatures (``loops_callbacks.divergence.signatures``), t = trainer, s = sampler:
+    "sum_trainer",  # with sum_sampler and the next three: Pearson(t, s) and the slope of t on s
+    "sum_sampler2",
+    "sum_trainer2",
+    "sum_sampler_trainer",
+    "n_d_neg",  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
+    "n_d_pos",
+    "n_p_high",  # tokens the sampler gave p = e^s > 0.5
+    "n_p_high_d_pos",
+    "n_p_high_d_neg",
+    "sum_abs_d_p_high",
+    "n_p_low",  # tokens the sampler gave p < 0.1
+    "n_p_low_d_pos",
+    "n_p_low_d_neg",
+    "sum_abs_d_p_low",
+    "n_pairs",  # adjacent action tokens k, k+1 of one datum
+    "sum_abs_d_pairs",  # over those pairs: |d[k]| + |d[k+1]|
+    "sum_abs_shift_next",  # |t[k] - s[k+1]|: the sampler's value one position later
+    "sum_abs_shift_prev",  # |t[k+1] - s[k]|: the sampler's value one position earlier
 )
 EXTREMA = ("max_d", "neg_min_d", "max_seq_mean_d", "max_sampler", "neg_min_sampler", "max_trainer", "neg_min_trainer")
 """Maxima (minima stored negated, so every extremum merges with max); -inf when empty."""
@@ -82,6 +103,18 @@ LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
 TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
 """Position of each named total in ``DivergenceStats.totals``."""
+GATHERED_TOTALS = TOTAL_INDEX["n_trainer_below_floor"] + 1
+"""The first totals, which every rank's header carries (``reduction``); the later ones, the
+diagnosis' signature sums, travel in the summed body, so the per-rank header does not grow."""
+TOKEN_BUCKETS = 1024
+"""Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
+mergeable buffer whatever the vocabulary. Below 1,024 ids every id has its own bucket; above, a
+bucket pools about V / 1024 ids, which dilutes token identity's share of the variance (eta²) but
+keeps it meaningful (``signatures.token_eta2`` corrects for the buckets' number)."""
+P_HIGH = float(np.log(0.5))
+"""Sampler logprob above which a token is "likely" (p > 0.5) for the sign-split signature."""
+P_LOW = float(np.log(0.1))
+"""Sampler logprob below which a token is "unlikely" (p < 0.1)."""
 
 
 class ROW:
@@ -101,6 +134,7 @@ class HostDivergence:
     extrema: dict[str, float]
     worst: np.ndarray  # [rows, ROW.WIDTH], most divergent first, empty rows removed
     diffs: np.ndarray  # float64, the sampled diffs in batch order
+    token_sums: np.ndarray | None = None  # float64 [3, TOKEN_BUCKETS]: count, sum d, sum d² per bucket
 
 
 @dataclass(frozen=True)
@@ -113,6 +147,7 @@ class DivergenceStats:
     sample_values: torch.Tensor  # float64 [m] diffs
     sample_keys: torch.Tensor | None  # float64 [m]; +inf marks an empty slot; None: all kept
     sample_size: int | None = None
+    token_sums: torch.Tensor | None = None  # float64 [3, TOKEN_BUCKETS]; None reads as zeros
 
     @classmethod
     @torch.no_grad()
@@ -170,6 +205,7 @@ class DivergenceStats:
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
         }
+        sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
         k3 = w.sub_(1.0).sub_(d)  # every use of w is above: its buffer becomes k3 = w - 1 - d per token
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
@@ -195,7 +231,8 @@ class DivergenceStats:
             keys = torch.rand(d.shape, dtype=torch.float64, device=device, generator=generator)
         if valid is not None:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
-        return cls(totals, extrema, worst, d, keys, sample_size)._capped()
+        token_sums = _token_sums(flat, d, valid, compact)
+        return cls(totals, extrema, worst, d, keys, sample_size, token_sums)._capped()
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
         """Statistics of this batch followed by ``later`` (datum indices of ``later`` shift)."""
@@ -212,6 +249,7 @@ class DivergenceStats:
             sample_values=torch.cat([self.sample_values, later.sample_values]),
             sample_keys=keys,
             sample_size=self.sample_size,
+            token_sums=_add_or_none(self.token_sums, later.token_sums),
         )._capped()
 
     def reduce_across_ranks(self, group: Any, *, generator: torch.Generator | None = None) -> DivergenceStats:
@@ -228,17 +266,19 @@ class DivergenceStats:
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
-        pieces = [self.totals, self.extrema, self.worst.reshape(-1), self.sample_values]
+        token_sums = self.token_sums if self.token_sums is not None else self.totals.new_zeros(3, TOKEN_BUCKETS)
+        pieces = [self.totals, self.extrema, token_sums.reshape(-1), self.worst.reshape(-1), self.sample_values]
         if self.sample_keys is not None:
             pieces.append(self.sample_keys)
         packed = torch.cat([p.to(torch.float64) for p in pieces]).cpu().numpy()
-        totals, extrema, worst, values, *keys = np.split(packed, np.cumsum([p.numel() for p in pieces])[:-1])
+        totals, extrema, buckets, worst, values, *keys = np.split(packed, np.cumsum([p.numel() for p in pieces])[:-1])
         worst = worst.reshape(-1, ROW.WIDTH)
         return HostDivergence(
             totals=dict(zip(TOTALS, totals.tolist())),
             extrema=dict(zip(EXTREMA, extrema.tolist())),
             worst=worst[worst[:, ROW.ABS] > float("-inf")],
             diffs=values[keys[0] < np.inf] if keys else values,
+            token_sums=buckets.reshape(3, TOKEN_BUCKETS),
         )
 
     def _capped(self) -> DivergenceStats:
@@ -253,7 +293,92 @@ class DivergenceStats:
             self.sample_values.index_select(0, keep),
             self.sample_keys.index_select(0, keep),
             self.sample_size,
+            self.token_sums,
         )
+
+
+def _signature_sums(
+    flat: FlatBatch,
+    d: torch.Tensor,
+    abs_d: torch.Tensor,
+    sampler: torch.Tensor,
+    trainer: torch.Tensor,
+    valid: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """The diagnosis' sums and counts; ``d``, ``sampler``, ``trainer`` as in ``from_batch``.
+
+    Everything is a sum or a count, so it merges across micro-batches and ranks like the totals.
+    The shift sums read adjacent positions of the flat (uncompacted) arrays, masked so that a
+    pair never crosses from one datum into the next.
+    """
+    s = sampler.to(torch.float64)
+    t = trainer.to(torch.float64)
+    negative, positive = d < 0, d > 0
+    high, low = sampler > P_HIGH, sampler < P_LOW
+    if valid is not None:  # masked-out places hold s = 0 (p = 1): keep them out of the buckets
+        high &= valid
+        low &= valid
+    sums = {
+        "sum_trainer": t.sum(),
+        "sum_sampler2": torch.dot(s, s),
+        "sum_trainer2": torch.dot(t, t),
+        "sum_sampler_trainer": torch.dot(s, t),
+        "n_d_neg": torch.count_nonzero(negative),
+        "n_d_pos": torch.count_nonzero(positive),
+        "n_p_high": torch.count_nonzero(high),
+        "n_p_high_d_pos": torch.count_nonzero(high & positive),
+        "n_p_high_d_neg": torch.count_nonzero(high & negative),
+        "sum_abs_d_p_high": torch.dot(abs_d, high.to(torch.float64)),
+        "n_p_low": torch.count_nonzero(low),
+        "n_p_low_d_pos": torch.count_nonzero(low & positive),
+        "n_p_low_d_neg": torch.count_nonzero(low & negative),
+        "sum_abs_d_p_low": torch.dot(abs_d, low.to(torch.float64)),
+    }
+    sums.update(_shift_sums(flat))
+    return sums
+
+
+def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """Over pairs (k, k+1) of active positions in one datum: sum |d| and the one-position-shifted gaps."""
+    length = flat.diff.shape[0]
+    device = flat.diff.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if length < 2:
+        return {"n_pairs": zero, "sum_abs_d_pairs": zero, "sum_abs_shift_next": zero, "sum_abs_shift_prev": zero}
+    starts = torch.zeros(length + 1, dtype=torch.bool, device=device)
+    starts.index_fill_(0, torch.cumsum(flat.row_lengths, 0), True)  # position k begins a datum (k > 0)
+    pair = flat.active[:-1] & flat.active[1:] & ~starts[1:length]
+    s = flat.sampler.to(torch.float64)
+    t = flat.trainer.to(torch.float64)
+    weight = pair.to(torch.float64)
+    abs_d = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the pairs
+    return {
+        "n_pairs": torch.count_nonzero(pair),
+        "sum_abs_d_pairs": torch.dot(abs_d[:-1] + abs_d[1:], weight),
+        "sum_abs_shift_next": torch.dot(torch.nan_to_num((t[:-1] - s[1:]).abs_(), nan=0.0, posinf=0.0), weight),
+        "sum_abs_shift_prev": torch.dot(torch.nan_to_num((t[1:] - s[:-1]).abs_(), nan=0.0, posinf=0.0), weight),
+    }
+
+
+def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, compact: bool) -> torch.Tensor:
+    """Float64 ``[3, TOKEN_BUCKETS]``: per hashed token id, the count, sum of d and sum of d²."""
+    buckets = torch.zeros(3, TOKEN_BUCKETS + 1, dtype=torch.float64, device=d.device)  # last: unknown ids
+    if flat.token_ids is None:
+        return buckets[:, :TOKEN_BUCKETS]
+    ids = _select(flat.token_ids, flat.active) if compact else flat.token_ids
+    known = ids >= 0
+    if valid is not None:
+        known &= valid
+    index = torch.where(known, ids.remainder(TOKEN_BUCKETS), TOKEN_BUCKETS)
+    values = torch.stack([torch.ones_like(d), d, d * d])
+    buckets.index_add_(1, index, values)
+    return buckets[:, :TOKEN_BUCKETS]
+
+
+def _add_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
 
 
 def _on_host(device: torch.device) -> bool:
