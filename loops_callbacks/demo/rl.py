@@ -10,7 +10,10 @@ real and controllable:
 - ``sampler_precision="float32", sync_every=1``: no gap (the sampler's logprobs equal the
   trainer's exactly) unless the trainer runs under mixed precision;
 - ``sampler_precision="bfloat16"``: the rounding gap of a bf16 inference engine;
-- ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo).
+- ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo);
+- ``sampler_temperature``, ``sampler_top_k`` / ``sampler_top_p``, ``logprob_shift``,
+  ``sampler_prompt``: seeded sampler faults (``demo.sampler_faults``; off by default), each with
+  its own signature for the divergence diagnosis (``configs/faults/``).
 
 What the bf16 sampler does. Its weights are bfloat16 (a sync rounds the policy's float32
 weights to bf16, as loading them into a bf16 engine does) and every tensor its forward pass
@@ -70,6 +73,7 @@ from lightning.pytorch import LightningModule
 from typing_extensions import override
 
 from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
+from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 
 __all__ = ["RLPolicyModule"]
@@ -92,6 +96,10 @@ class RLPolicyModule(LightningModule):
             store (kernels run in float32; see the module docstring).
         sync_every: copy the policy's weights into the sampler every this many optimizer steps;
             ``None`` = never (the sampler stays the policy of the first training batch).
+        sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt: seeded
+            sampler faults (``loops_callbacks.demo.sampler_faults``): a temperature applied on the
+            sampler only, top-k / top-p truncation with renormalized logprobs, logprobs reported
+            one position off, a different prompt template. The defaults change nothing.
 
     The sampler is a registered submodule without gradients: it moves with the module, is saved in
     checkpoints with its own (possibly stale) weights, and the checkpoint records when it was last
@@ -117,6 +125,11 @@ class RLPolicyModule(LightningModule):
         lr: PositiveFloat = 1e-3,
         sampler_precision: Literal["float32", "bfloat16"] = "float32",
         sync_every: PositiveInt | None = 1,
+        sampler_temperature: PositiveFloat = 1.0,
+        sampler_top_k: PositiveInt | None = None,
+        sampler_top_p: PositiveFloat | None = None,
+        logprob_shift: int = 0,
+        sampler_prompt: Literal["same", "pad_as_bos", "no_bos"] = "same",
     ) -> None:
         super().__init__()
         if not isinstance(group_size, int) or group_size < 2:
@@ -134,6 +147,7 @@ class RLPolicyModule(LightningModule):
             )
         if not lr > 0:
             raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
+        self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)
         self.save_hyperparameters()
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer
@@ -194,22 +208,39 @@ class RLPolicyModule(LightningModule):
         cache = KVCache()
         completion: list[torch.Tensor] = []
         with self._sampler_context(prompt_ids.device):
-            logits = self.sampler(prompt_ids, cache=cache)[:, -1].float()
+            logits = self.sampler(self.faults.perturb(prompt_ids, pad_id=self.tokenizer.pad_id), cache=cache)[:, -1].float()
             if repeats > 1:
                 cache.repeat_interleave(repeats)
                 logits = logits.repeat_interleave(repeats, dim=0)
             for step in range(self.task.max_new_tokens):  # one pass per new token, all rows at once
                 if step:
                     logits = self.sampler(completion[-1], cache=cache)[:, -1].float()
-                completion.append(torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1))
+                completion.append(self._draw(logits))
         completions = torch.cat(completion, dim=1)
         return completions.masked_fill(~_up_to_first(completions, self.tokenizer.eos_id), self.tokenizer.pad_id)
+
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits [N, V]``, from the sampler's (possibly faulted) distribution."""
+        if not self.faults.changes_sampling:
+            return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+        return torch.multinomial(self.faults.sampling_logprobs(logits).exp(), num_samples=1)
 
     @torch.no_grad()
     def sampler_logprobs(self, input_ids: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
         """Float32 logprobs of ``target_tokens`` under the sampler, one forward in its precision."""
         with self._sampler_context(input_ids.device):
-            return token_logprobs(self.sampler(input_ids), target_tokens)
+            if self.faults == SamplerFaults():
+                return token_logprobs(self.sampler(input_ids), target_tokens)
+            seen = self.faults.perturb(input_ids, pad_id=self.tokenizer.pad_id)
+            dropped = input_ids.shape[1] - seen.shape[1]  # template without <bos>: one position fewer
+            logits = self.sampler(seen)
+            targets = target_tokens[:, dropped:]
+            logprobs = token_logprobs(self.faults.sampling_logprobs(logits), targets)
+            # A token drawn in the cached pass may fall just outside the truncated support of this
+            # pass (float rounding at the boundary): report its untruncated logprob, as engines do.
+            logprobs = torch.where(logprobs.isfinite(), logprobs, token_logprobs(logits / self.faults.temperature, targets))
+            logprobs = torch.cat([logprobs.new_zeros(len(logprobs), dropped), logprobs], dim=1)
+            return self.faults.shift(logprobs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
