@@ -23,6 +23,7 @@ from loops_callbacks.divergence.action_tokens import (
     flatten_padded,
     trainer_logprobs_from_output,
 )
+from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose, diagnosis_metrics
 from loops_callbacks.divergence.guard_rail import (
     DEFAULT_MAX_NONFINITE_FRACTION,
     GuardRail,
@@ -32,6 +33,7 @@ from loops_callbacks.divergence.guard_rail import (
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
@@ -54,6 +56,8 @@ DATA_KEYS = (
 
 GUARD_RAIL_TEXT_KEY = "guard_rail"
 """Text key (under the prefix) of the guard rail's message, at the step it acted."""
+DIAGNOSIS_TEXT_KEY = "diagnosis"
+"""Text key (under the prefix) of each logged step's likely cause, with its evidence."""
 
 _WATCHING_NOTHING_AFTER = 3
 """Logged steps without action tokens, from the start of a run, before the monitor says so."""
@@ -97,6 +101,12 @@ class KLSampleTrainMonitor(Callback):
         keys: where to read the data, as ``{name: key}`` for any of ``data``,
             ``training_logprobs``, ``forward_backward_output``, ``logprobs`` (the sampler's),
             ``mask``, ``advantages``, ``target_tokens``, ``input_ids``; each defaults to its name.
+        diagnose: on every logged step, name the likely cause of the divergence with its
+            evidence (``loops_callbacks.divergence.diagnosis``): logged as
+            ``diagnosis/<cause>`` indicators, ``diagnosis/confidence``, ``signature/<name>``
+            numbers and the text ``diagnosis``; the guard rail's message names it too.
+        calibration_steps: healthy logged steps (diagnosed ``none`` or ``precision``) from which
+            the precision bound is learned (20x their median k3, at most 1e-3).
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
@@ -175,6 +185,8 @@ class KLSampleTrainMonitor(Callback):
         on_exceed: Literal["warn", "stop", "raise"] = "stop",
         max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION,
         keys: Mapping[str, str] | None = None,
+        diagnose: bool = True,
+        calibration_steps: int = 5,
     ) -> None:
         super().__init__()
         if interval not in ("optimizer_step", "forward_backward"):
@@ -186,6 +198,7 @@ class KLSampleTrainMonitor(Callback):
         check_int("top_n", top_n, least=0)
         check_int("sample_size", sample_size, least=1)
         check_int("patience", patience, least=1)
+        check_int("calibration_steps", calibration_steps, least=0)
         if max_kl is not None and not max_kl >= 0:
             raise ValueError(f"max_kl must be >= 0 or None, got {max_kl!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -202,6 +215,10 @@ class KLSampleTrainMonitor(Callback):
         self.patience = patience
         self.on_exceed = on_exceed
         self.keys = _data_keys(keys)
+        self.diagnose = diagnose
+        self.calibration_steps = calibration_steps
+        self.calibration = Calibration(calibration_steps)
+        self.last_diagnosis: Diagnosis | None = None
         self.exceeded_steps = 0
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
@@ -228,6 +245,8 @@ class KLSampleTrainMonitor(Callback):
         self._generators = {}
         self._logged_steps = 0
         self._steps_with_action_tokens = 0
+        self.calibration = Calibration(self.calibration_steps)
+        self.last_diagnosis = None
         self.warnings.reset()
 
     @override
@@ -289,11 +308,26 @@ class KLSampleTrainMonitor(Callback):
         host = window.to_host()  # the one host synchronization of a logged step
         metrics = scalar_metrics(host, prefix=self.prefix)
         self.last_metrics = metrics
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in metrics.items()})
+        logged = {**metrics, **self._diagnose(host)}
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if trainer.is_global_zero:
-            deliver(trainer.loggers, metrics, host, step=step, media=self.media)
+            deliver(trainer.loggers, logged, host, step=step, media=self.media)
+            if self.last_diagnosis is not None:
+                deliver_text(trainer.loggers, self.prefix + DIAGNOSIS_TEXT_KEY, self.last_diagnosis.message, step=step)
         self._watch_inputs(host, step)
         self._guard(trainer, metrics, host, step)
+
+    def _diagnose(self, host: HostDivergence) -> dict[str, float]:
+        """The step's likely cause (kept in ``last_diagnosis``) and its metrics; nothing without action tokens."""
+        self.last_diagnosis = None
+        n = host.totals["n_action_tokens"]
+        if not self.diagnose or n == 0:
+            return {}
+        signatures = signature_numbers(host)
+        diagnosis = diagnose(signatures, n_tokens=n, precision_max_k3=self.calibration.precision_max_k3)
+        self.calibration.observe(diagnosis, signatures["k3"])
+        self.last_diagnosis = diagnosis
+        return diagnosis_metrics(diagnosis, signatures, prefix=self.prefix)
 
     def _watch_inputs(self, host: HostDivergence, step: int) -> None:
         """Count steps with something to judge; warn once per run about impossible logprobs."""
@@ -347,10 +381,17 @@ class KLSampleTrainMonitor(Callback):
         self.exceeded_steps += 1
         if self.exceeded_steps < self.patience:
             return
+        cause = self.last_diagnosis
+        if cause is not None and cause.cause not in ("unclear", "none"):
+            advice = f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
+        else:
+            advice = (
+                "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+                "precision and sampling settings."
+            )
         message = (
             f"{reason} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
-            "the sampler's logprobs no longer match the trainer's — check that the sampler receives the trainer's "
-            "weights, and that both use the same tokenizer, precision and sampling settings."
+            f"the sampler's logprobs no longer match the trainer's — {advice}"
         )
         if self.on_exceed == "stop":
             self.stop_reason = message

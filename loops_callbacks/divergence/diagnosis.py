@@ -1,0 +1,179 @@
+"""Why do the sampler and the trainer disagree? A likely cause per logged step, with its evidence.
+
+Each common cause leaves its own signature in the numbers the monitor already has
+(``signatures``), so one host-side rule, applied to every logged step, names the likeliest:
+
+=================  =========================================================  ======================
+cause              signature (the rule, checked in this order)                 confidence grows with
+=================  =========================================================  ======================
+``none``           d = 0 exactly on at least half the tokens                  share of d = 0
+``shift``          shift_ratio < 0.1: s one position over matches t           how far below 0.1
+``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
+``truncation``     under 2% of tokens with d > 0 and mean e^d < 1 − 3 SE      how few d > 0
+``temperature``    sign_split >= 0.9 (d of one sign on p > 0.5, the other     sign_split
+                   on p < 0.1); the slope of t on s estimates T
+``stale``          token identity explains d: token_eta2 >= 0.08              token_eta2
+``precision``      k3 below the precision bound, token_eta2 < 0.08            how far below the bound
+``unclear``        none of the above, or fewer than 64 action tokens          (0)
+=================  =========================================================  ======================
+
+The precision bound is 1e-3 until ``Calibration`` has seen ``calibration_steps`` healthy logged
+steps (diagnosed ``none`` or ``precision``), then 20 times their median k3 (never above 1e-3):
+a step whose gap is well above the engine's own noise floor is not called precision. The other
+thresholds are ratios or correlations that do not depend on the engine's noise.
+
+A diagnosis is a hint with its evidence, not a certainty: the message names the numbers that
+triggered it. Known confusions (``benchmarks/bench_diagnosis.py``): a slight template change can
+look like precision or staleness, and weights far out of date like a template error (both make
+t and s unrelated).
+
+Example:
+    >>> sig = {"frac_d_zero": 0.0, "shift_ratio": 3e-8, "shift_direction": 1.0, "pearson": 0.1}
+    >>> found = diagnose(sig, n_tokens=900)
+    >>> found.cause, round(found.confidence, 2)
+    ('shift', 1.0)
+    >>> found.message
+    'likely cause: sampler logprobs are shifted by one position (shift ratio 3e-08); check the alignment of logprobs with target tokens (position k must hold the logprob of the token predicted at k; here the sampler value of k+1 matches)'
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["CAUSES", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
+
+CAUSES = ("none", "shift", "unrelated", "truncation", "temperature", "stale", "precision", "unclear")
+"""Every cause the rule can name, in the order it checks them (``unclear`` last)."""
+
+MIN_TOKENS = 64
+ZERO_SHARE = 0.5
+SHIFT_RATIO = 0.1
+UNRELATED_PEARSON = 0.3
+TRUNCATION_POSITIVE_SHARE = 0.02
+TRUNCATION_SE = 3.0
+SIGN_SPLIT = 0.9
+STALE_ETA2 = 0.08
+PRECISION_MAX_K3 = 1e-3
+CALIBRATION_FACTOR = 20.0
+
+_WHAT = {
+    "none": "no mismatch",
+    "shift": "sampler logprobs are shifted by one position",
+    "unrelated": "sampler and trainer score unrelated distributions",
+    "truncation": "the sampler truncates (top-k / top-p) and reports renormalized logprobs",
+    "temperature": "a temperature is applied on one side only",
+    "stale": "the sampler's weights are out of date",
+    "precision": "numerical precision (e.g. bf16 kernels)",
+    "unclear": "unclear",
+}
+_CHECK = {
+    "none": "",
+    "shift": "check the alignment of logprobs with target tokens (position k must hold the logprob of the "
+    "token predicted at k; here the sampler value of k{sign}1 matches)",
+    "unrelated": "check the chat template, BOS and special tokens and the tokenizer on both sides, and that the "
+    "sampler loaded the trainer's weights at all",
+    "truncation": "check that the sampler reports logprobs of the full distribution (not of the top-k / top-p "
+    "renormalized one), or apply the same truncation in the trainer",
+    "temperature": "check that the sampler's logprobs are at temperature 1, or divide the trainer's logits by the "
+    "same temperature",
+    "stale": "check that the sampler receives the trainer's weights every step (sync frequency, failed or "
+    "partial weight loads)",
+    "precision": "check the sampler's dtype and kernels; a gap at this level is usually harmless",
+    "unclear": "no single cause's signature fits; look at the worst-tokens table",
+}
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The likely cause of one logged step, how sure the rule is (0 to 1), and the numbers behind it."""
+
+    cause: str
+    confidence: float
+    evidence: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        """One sentence for logs and the guard rail: the cause, its evidence, what to check."""
+        if self.cause == "none":
+            return f"no mismatch ({_format(self.evidence)})"
+        what = _WHAT[self.cause]
+        if self.cause == "temperature":
+            what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
+        check = _CHECK[self.cause].format(sign="+" if self.evidence.get("shift_direction", 1.0) > 0 else "-")
+        return f"likely cause: {what} ({_format(self.evidence)}); {check}"
+
+
+@dataclass
+class Calibration:
+    """The precision bound, learned from the first healthy logged steps of a run (module docstring)."""
+
+    calibration_steps: int = 5
+    healthy_k3: list[float] = field(default_factory=list)
+
+    @property
+    def precision_max_k3(self) -> float:
+        if len(self.healthy_k3) < self.calibration_steps:
+            return PRECISION_MAX_K3
+        floor = statistics.median(self.healthy_k3)
+        return min(PRECISION_MAX_K3, max(CALIBRATION_FACTOR * floor, 1e-9))
+
+    def observe(self, diagnosis: Diagnosis, k3: float) -> None:
+        """Learn from a step while calibrating: only steps that look healthy count."""
+        if len(self.healthy_k3) < self.calibration_steps and diagnosis.cause in ("none", "precision") and math.isfinite(k3):
+            self.healthy_k3.append(max(k3, 0.0))
+
+
+def diagnose(
+    signatures: Mapping[str, float], *, n_tokens: float, precision_max_k3: float = PRECISION_MAX_K3
+) -> Diagnosis:
+    """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``)."""
+    sig = dict(signatures)
+    get = lambda name: sig.get(name, math.nan)  # noqa: E731
+
+    def found(cause: str, margin: float, *names: str) -> Diagnosis:
+        confidence = 0.5 + 0.5 * min(max(margin, 0.0), 1.0) if math.isfinite(margin) else 0.5
+        return Diagnosis(cause, confidence, {name: get(name) for name in names})
+
+    if n_tokens < MIN_TOKENS:
+        return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
+    if get("frac_d_zero") >= ZERO_SHARE:
+        return found("none", (get("frac_d_zero") - ZERO_SHARE) / 0.4, "frac_d_zero")
+    if get("shift_ratio") < SHIFT_RATIO:
+        return found("shift", math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2, "shift_ratio", "shift_direction")
+    if get("pearson") < UNRELATED_PEARSON:
+        return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
+    if get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE and get("mass_on_support") < 1.0 - TRUNCATION_SE * get("mass_se"):
+        margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
+        return found("truncation", margin, "frac_d_pos", "mass_on_support", "mass_se")
+    if get("sign_split") >= SIGN_SPLIT:
+        return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
+    if get("token_eta2") >= STALE_ETA2:
+        return found("stale", (get("token_eta2") - STALE_ETA2) / 0.2, "token_eta2", "k3")
+    if get("k3") < precision_max_k3:
+        margin = math.log10(precision_max_k3 / max(get("k3"), 1e-300))
+        return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), {"k3": get("k3"), "token_eta2": get("token_eta2"),
+                                                                      "k3_bound": precision_max_k3})
+    return Diagnosis("unclear", 0.0, {"k3": get("k3"), "token_eta2": get("token_eta2"), "pearson": get("pearson")})
+
+
+def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, prefix: str) -> dict[str, float]:
+    """Scalars to log: ``diagnosis/<cause>`` (1.0 for the named cause, else 0), the confidence and the signatures.
+
+    Example:
+        >>> d = Diagnosis("stale", 0.75, {"token_eta2": 0.2})
+        >>> m = diagnosis_metrics(d, {"temperature": 1.0}, prefix="div/")
+        >>> m["div/diagnosis/stale"], m["div/diagnosis/none"], m["div/diagnosis/confidence"], m["div/signature/temperature"]
+        (1.0, 0.0, 0.75, 1.0)
+    """
+    metrics = {f"{prefix}diagnosis/{cause}": float(cause == diagnosis.cause) for cause in CAUSES}
+    metrics[f"{prefix}diagnosis/confidence"] = float(diagnosis.confidence)
+    metrics.update({f"{prefix}signature/{name}": float(value) for name, value in signatures.items()})
+    return metrics
+
+
+def _format(evidence: Mapping[str, float]) -> str:
+    shown = {name: value for name, value in evidence.items() if name != "shift_direction"}
+    return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in shown.items())

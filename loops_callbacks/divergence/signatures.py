@@ -1,0 +1,138 @@
+"""The signature numbers of a logged step, from its mergeable sums: what the diagnosis reads.
+
+With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p = e^s:
+
+======================  ============================================================================
+``frac_d_zero``         share of tokens with d exactly 0 (most, for identical float32 models)
+``frac_d_pos``          share with d > 0 (about 0 under top-k / top-p truncation)
+``mass_on_support``     mean e^d: the trainer's mass on the sampler's support (1 for full support)
+``mass_se``             its standard error, sqrt(var(e^d) / n)
+``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
+``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
+``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
+``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
+``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
+``shift_direction``     +1 when s[k+1] matches t[k] better, -1 when s[k−1] does
+``token_eta2``          share of d's variance explained by token id (hashed buckets), corrected for their number
+``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
+``rms_d``               sqrt(mean d²)
+``k3``                  mean(e^d − 1 − d)
+======================  ============================================================================
+
+A number is NaN when the step has too little of what it needs (no pairs, an empty bucket).
+
+Example:
+    >>> import numpy as np
+    >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
+    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "sum_w": 4.0, "sum_w2": 4.0,
+    ...     "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0, "sum_trainer2": 6.0,
+    ...     "sum_sampler_trainer": 6.0}
+    >>> sig = signature_numbers(HostDivergence(totals, dict.fromkeys(EXTREMA, 0.0), np.zeros((0, 67)), np.zeros(4)))
+    >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["mass_on_support"]
+    (1.0, 1.0, 1.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from loops_callbacks.divergence.statistics import HostDivergence
+
+__all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
+
+SIGNATURES = (
+    "frac_d_zero",
+    "frac_d_pos",
+    "mass_on_support",
+    "mass_se",
+    "pearson",
+    "temperature",
+    "sign_split",
+    "temperature_sign",
+    "shift_ratio",
+    "shift_direction",
+    "token_eta2",
+    "low_high_abs_ratio",
+    "rms_d",
+    "k3",
+)
+
+_NAN = float("nan")
+
+
+def signature_numbers(host: HostDivergence) -> dict[str, float]:
+    """The numbers of the module docstring (all NaN without action tokens)."""
+    t = host.totals
+    n = t["n_action_tokens"]
+    if n == 0:
+        return dict.fromkeys(SIGNATURES, _NAN)
+    mean_w = t["sum_w"] / n
+    var_s = t["sum_sampler2"] / n - (t["sum_sampler"] / n) ** 2
+    var_t = t["sum_trainer2"] / n - (t["sum_trainer"] / n) ** 2
+    cov = t["sum_sampler_trainer"] / n - (t["sum_sampler"] / n) * (t["sum_trainer"] / n)
+    high, low = t["n_p_high"], t["n_p_low"]
+    high_pos, high_neg = _share(t["n_p_high_d_pos"], high), _share(t["n_p_high_d_neg"], high)
+    low_pos, low_neg = _share(t["n_p_low_d_pos"], low), _share(t["n_p_low_d_neg"], low)
+    sharper = min(high_neg, low_pos)  # T < 1: the sampler over-weights likely tokens
+    flatter = min(high_pos, low_neg)
+    pairs = t["n_pairs"]
+    aligned = t["sum_abs_d_pairs"] / (2 * pairs) if pairs else _NAN
+    after, before = (t["sum_abs_shift_next"] / pairs, t["sum_abs_shift_prev"] / pairs) if pairs else (_NAN, _NAN)
+    mean_abs_low = _share(t["sum_abs_d_p_low"], low)
+    mean_abs_high = _share(t["sum_abs_d_p_high"], high)
+    return {
+        "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
+        "frac_d_pos": t["n_d_pos"] / n,
+        "mass_on_support": mean_w,
+        "mass_se": math.sqrt(max(t["sum_w2"] / n - mean_w**2, 0.0) / n),
+        "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else _NAN,
+        "temperature": cov / var_s if var_s > 0 else _NAN,
+        "sign_split": max(sharper, flatter) if high and low else _NAN,
+        "temperature_sign": -1.0 if sharper >= flatter else 1.0,
+        "shift_ratio": _ratio(min(after, before), aligned),
+        "shift_direction": 1.0 if after <= before else -1.0,
+        "token_eta2": token_eta2(host.token_sums),
+        "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
+        "rms_d": math.sqrt(t["sum_d2"] / n),
+        "k3": t["sum_k3"] / n,
+    }
+
+
+def token_eta2(token_sums: np.ndarray | None) -> float:
+    """Share of d's variance between token-id buckets, adjusted for their number (epsilon²).
+
+    ``token_sums`` is ``[3, buckets]``: count, sum d, sum d². Plain eta² = SS_between / SS_total
+    grows with the number of non-empty buckets G even when token identity explains nothing
+    (about (G − 1) / (n − 1)); the adjusted share 1 − (SS_within / (n − G)) / (SS_total / (n − 1))
+    is about 0 then. NaN with fewer than 2 buckets, n <= G or no variance.
+
+    Example:
+        >>> token_eta2(np.array([[2.0, 2.0], [2.0, -2.0], [2.0, 2.0]]))  # d = 1, 1 | -1, -1
+        1.0
+    """
+    if token_sums is None:
+        return _NAN
+    count, total, squares = token_sums
+    used = count > 0
+    groups, n = int(used.sum()), float(count.sum())
+    if groups < 2 or n <= groups:
+        return _NAN
+    ss_total = float(squares.sum()) - float(total.sum()) ** 2 / n
+    if not ss_total > 0:
+        return _NAN
+    ss_within = max(float(squares.sum()) - float((total[used] ** 2 / count[used]).sum()), 0.0)
+    return 1.0 - (ss_within / (n - groups)) / (ss_total / (n - 1))
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else _NAN
+
+
+def _ratio(top: float, bottom: float) -> float:
+    if math.isnan(top) or math.isnan(bottom):
+        return _NAN
+    if bottom == 0:
+        return 0.0 if top == 0 else math.inf
+    return top / bottom
