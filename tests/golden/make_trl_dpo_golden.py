@@ -9,7 +9,8 @@ For each case (the shipped conversational pairs, and standard, implicit-prompt a
 trailing-space variants of the first ones) it builds a ``DPOTrainer`` with the shipped tokenizer
 and a tiny random model (``__init__`` tokenizes the data set), then runs the trainer's collator
 on each kept example: the unpadded ``input_ids`` and where ``completion_mask`` starts, for the
-chosen and the rejected sequence. Only this file imports TRL; the test reads its output.
+chosen and the rejected sequence. Only this file imports TRL (inside the functions, so that the
+test suite's doctest collection can import it without TRL); the test reads its output.
 """
 
 from __future__ import annotations
@@ -21,12 +22,7 @@ import os
 import sys
 import tempfile
 
-import torch
-import transformers
-import trl
-from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from trl import DPOConfig, DPOTrainer
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "configs", "data", "chat_preferences.jsonl")
@@ -61,8 +57,13 @@ def variants(records: list[dict]) -> dict[str, list[dict]]:
     }
 
 
-def trl_sequences(records: list[dict], tokenizer, max_length: int | None) -> list[list]:
+def trl_sequences(records: list[dict], tokenizer: Any, max_length: int | None) -> list[list]:
     """``[index, chosen_ids, rejected_ids, chosen_start, rejected_start]`` of every example TRL keeps."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
     dataset = Dataset.from_list([{**r, "index": i} for i, r in enumerate(records)])
     config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -90,6 +91,10 @@ def digest(rows: list[list]) -> str:
 
 
 def main() -> None:
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     with open(DATA, encoding="utf-8") as file:
         records = [json.loads(line) for line in file if line.strip()]
