@@ -44,6 +44,14 @@ def test_merged_parts_equal_the_whole(batch: list[dict[str, Any]], cuts: list[in
     assert_metrics_equal(scalar_metrics(got), scalar_metrics(whole))
     assert np.array_equal(got.worst, whole.worst)
     assert np.array_equal(got.diffs, whole.diffs)
+    assert_totals_equal(got, whole)
+
+
+def assert_totals_equal(got: Any, want: Any) -> None:
+    """Every total (the diagnosis' sums included) and the per-token-id sums: counts exact, sums to float64 order."""
+    for name, value in want.totals.items():
+        assert got.totals[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+    np.testing.assert_allclose(got.token_sums, want.token_sums, rtol=1e-12, atol=1e-12)
 
 
 class ThreadGroup:

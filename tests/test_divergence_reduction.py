@@ -26,7 +26,7 @@ from loops_callbacks.divergence.reduction import (
     stratified_allocation,
 )
 from loops_callbacks.divergence.statistics import ROW, TOTAL_INDEX, DivergenceStats
-from tests.test_divergence_merge import ThreadGroup, reduce_in_threads, stats_of
+from tests.test_divergence_merge import ThreadGroup, assert_totals_equal, reduce_in_threads, stats_of
 from tests.test_rl_metrics import assert_metrics_equal
 
 
@@ -100,6 +100,8 @@ def test_two_gloo_ranks_equal_the_union(gloo_results: list[dict[Any, Any]], name
         assert host.extrema == whole.extrema
         assert np.array_equal(host.worst, whole.worst)  # exact rows, datums renumbered
         assert np.array_equal(host.diffs, whole.diffs)  # under the cap: every diff, in rank order
+        assert_totals_equal(host, whole)  # the diagnosis' sums, summed in the body
+        assert whole.token_sums[0].sum() == whole.totals["n_action_tokens"] > 0
         assert [kind for kind, _ in calls] == ["all_gather", "all_reduce_sum"]
 
 

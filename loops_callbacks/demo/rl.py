@@ -13,7 +13,7 @@ real and controllable:
 - ``sync_every=k`` / ``None``: a sampler k steps behind / never updated (the stale-sampler demo);
 - ``sampler_temperature``, ``sampler_top_k`` / ``sampler_top_p``, ``logprob_shift``,
   ``sampler_prompt``: seeded sampler faults (``demo.sampler_faults``; off by default), each with
-  its own signature for the divergence diagnosis (``configs/faults/``).
+  its own signature for the divergence diagnosis (``configs/rl_faults.yaml``).
 
 What the bf16 sampler does. Its weights are bfloat16 (a sync rounds the policy's float32
 weights to bf16, as loading them into a bf16 engine does) and every tensor its forward pass
@@ -100,6 +100,8 @@ class RLPolicyModule(LightningModule):
             sampler faults (``loops_callbacks.demo.sampler_faults``): a temperature applied on the
             sampler only, top-k / top-p truncation with renormalized logprobs, logprobs reported
             one position off, a different prompt template. The defaults change nothing.
+        faults_from_step: the faults start after this many optimizer steps (before: a faithful
+            sampler), so a demo can first train a policy worth diagnosing, then break its sampler.
 
     The sampler is a registered submodule without gradients: it moves with the module, is saved in
     checkpoints with its own (possibly stale) weights, and the checkpoint records when it was last
@@ -130,6 +132,7 @@ class RLPolicyModule(LightningModule):
         sampler_top_p: PositiveFloat | None = None,
         logprob_shift: int = 0,
         sampler_prompt: Literal["same", "pad_as_bos", "no_bos"] = "same",
+        faults_from_step: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(group_size, int) or group_size < 2:
@@ -148,6 +151,7 @@ class RLPolicyModule(LightningModule):
         if not lr > 0:
             raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
         self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)
+        self.faults_from_step = faults_from_step
         self.save_hyperparameters()
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer
@@ -182,6 +186,11 @@ class RLPolicyModule(LightningModule):
     def _optimizer_steps(self) -> int:
         return self.trainer.global_step if self._trainer is not None else 0
 
+    @property
+    def active_faults(self) -> SamplerFaults:
+        """The seeded faults in force now: none before ``faults_from_step`` optimizer steps."""
+        return self.faults if self._optimizer_steps() >= self.faults_from_step else SamplerFaults()
+
     @torch.no_grad()
     def sync_sampler(self) -> None:
         """Copy the policy's weights into the sampler (cast to ``sampler_precision``)."""
@@ -207,40 +216,43 @@ class RLPolicyModule(LightningModule):
         """
         cache = KVCache()
         completion: list[torch.Tensor] = []
+        faults = self.active_faults
         with self._sampler_context(prompt_ids.device):
-            logits = self.sampler(self.faults.perturb(prompt_ids, pad_id=self.tokenizer.pad_id), cache=cache)[:, -1].float()
+            logits = self.sampler(faults.perturb(prompt_ids, pad_id=self.tokenizer.pad_id), cache=cache)[:, -1].float()
             if repeats > 1:
                 cache.repeat_interleave(repeats)
                 logits = logits.repeat_interleave(repeats, dim=0)
             for step in range(self.task.max_new_tokens):  # one pass per new token, all rows at once
                 if step:
                     logits = self.sampler(completion[-1], cache=cache)[:, -1].float()
-                completion.append(self._draw(logits))
+                completion.append(self._draw(logits, faults))
         completions = torch.cat(completion, dim=1)
         return completions.masked_fill(~_up_to_first(completions, self.tokenizer.eos_id), self.tokenizer.pad_id)
 
-    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _draw(logits: torch.Tensor, faults: SamplerFaults) -> torch.Tensor:
         """One token per row of ``logits [N, V]``, from the sampler's (possibly faulted) distribution."""
-        if not self.faults.changes_sampling:
+        if not faults.changes_sampling:
             return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        return torch.multinomial(self.faults.sampling_logprobs(logits).exp(), num_samples=1)
+        return torch.multinomial(faults.sampling_logprobs(logits).exp(), num_samples=1)
 
     @torch.no_grad()
     def sampler_logprobs(self, input_ids: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
         """Float32 logprobs of ``target_tokens`` under the sampler, one forward in its precision."""
+        faults = self.active_faults
         with self._sampler_context(input_ids.device):
-            if self.faults == SamplerFaults():
+            if faults == SamplerFaults():
                 return token_logprobs(self.sampler(input_ids), target_tokens)
-            seen = self.faults.perturb(input_ids, pad_id=self.tokenizer.pad_id)
+            seen = faults.perturb(input_ids, pad_id=self.tokenizer.pad_id)
             dropped = input_ids.shape[1] - seen.shape[1]  # template without <bos>: one position fewer
             logits = self.sampler(seen)
             targets = target_tokens[:, dropped:]
-            logprobs = token_logprobs(self.faults.sampling_logprobs(logits), targets)
+            logprobs = token_logprobs(faults.sampling_logprobs(logits), targets)
             # A token drawn in the cached pass may fall just outside the truncated support of this
             # pass (float rounding at the boundary): report its untruncated logprob, as engines do.
-            logprobs = torch.where(logprobs.isfinite(), logprobs, token_logprobs(logits / self.faults.temperature, targets))
+            logprobs = torch.where(logprobs.isfinite(), logprobs, token_logprobs(logits / faults.temperature, targets))
             logprobs = torch.cat([logprobs.new_zeros(len(logprobs), dropped), logprobs], dim=1)
-            return self.faults.shift(logprobs)
+            return faults.shift(logprobs)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

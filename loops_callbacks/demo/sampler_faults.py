@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["SamplerFaults", "SAMPLER_PROMPTS"]
+__all__ = ["SAMPLER_PROMPTS", "SamplerFaults"]
 
 SAMPLER_PROMPTS = ("same", "pad_as_bos", "no_bos")
 

@@ -32,8 +32,8 @@ Example:
     >>> found = diagnose(sig, n_tokens=900)
     >>> found.cause, round(found.confidence, 2)
     ('shift', 1.0)
-    >>> found.message
-    'likely cause: sampler logprobs are shifted by one position (shift ratio 3e-08); check the alignment of logprobs with target tokens (position k must hold the logprob of the token predicted at k; here the sampler value of k+1 matches)'
+    >>> print(found.message)
+    likely cause: sampler logprobs are shifted by one position (shift ratio 3e-08); check the alignment of logprobs with target tokens (position k must hold the logprob of the token predicted at k; here the trainer's value at k matches the sampler's at k+1)
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ _WHAT = {
 _CHECK = {
     "none": "",
     "shift": "check the alignment of logprobs with target tokens (position k must hold the logprob of the "
-    "token predicted at k; here the sampler value of k{sign}1 matches)",
+    "token predicted at k; here the trainer's value at k matches the sampler's at k{sign}1)",
     "unrelated": "check the chat template, BOS and special tokens and the tokenizer on both sides, and that the "
     "sampler loaded the trainer's weights at all",
     "truncation": "check that the sampler reports logprobs of the full distribution (not of the top-k / top-p "
@@ -102,7 +102,7 @@ class Diagnosis:
         what = _WHAT[self.cause]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
-        check = _CHECK[self.cause].format(sign="+" if self.evidence.get("shift_direction", 1.0) > 0 else "-")
+        check = _CHECK[self.cause].format(sign="+" if self.evidence.get("shift_direction", 1.0) > 0 else "−")
         return f"likely cause: {what} ({_format(self.evidence)}); {check}"
 
 
@@ -131,7 +131,9 @@ def diagnose(
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``)."""
     sig = dict(signatures)
-    get = lambda name: sig.get(name, math.nan)  # noqa: E731
+
+    def get(name: str) -> float:
+        return sig.get(name, math.nan)
 
     def found(cause: str, margin: float, *names: str) -> Diagnosis:
         confidence = 0.5 + 0.5 * min(max(margin, 0.0), 1.0) if math.isfinite(margin) else 0.5

@@ -12,7 +12,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
 ``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
 ``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
-``shift_direction``     +1 when s[k+1] matches t[k] better, -1 when s[k−1] does
+``shift_direction``     +1 when s[k+1] matches t[k] better, -1 when s[k−1] does (the sampler's values are one position early / late)
 ``token_eta2``          share of d's variance explained by token id (hashed buckets), corrected for their number
 ``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
 ``rms_d``               sqrt(mean d²)
