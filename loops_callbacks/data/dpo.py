@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
+from loops_callbacks.data.labels import datum_label, file_line, pair_label
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -215,7 +216,7 @@ def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
     data: list[Datum] = []
     with open(path, "rb") as file:
         for line_number, raw in enumerate(file, start=1):
-            label = f"pair {len(data) // 2} (line {line_number} of {os.fspath(path)})"
+            label = pair_label(len(data) // 2, file_line(line_number, path))
             line = _utf8_line(raw, label)
             if not line.strip():
                 continue
@@ -254,7 +255,7 @@ def utf8_error_in_jsonl(path: str | os.PathLike[str]) -> ValueError | None:
     with open(path, "rb") as file:
         for line_number, raw in enumerate(file, start=1):
             try:
-                _utf8_line(raw, f"pair {pairs} (line {line_number} of {os.fspath(path)})")
+                _utf8_line(raw, pair_label(pairs, file_line(line_number, path)))
             except ValueError as error:
                 return error
             pairs += bool(raw.strip())
@@ -286,7 +287,7 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
     tokens: list[list[int]] = []
     prompts: list[int | None] = []
     for index, datum in enumerate(data):
-        label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
+        label = datum_label(index)
         model_input = datum_model_input(datum)
         if model_input is None:
             raise ValueError(f"{label} has no model_input ({type(datum).__name__})")
@@ -362,7 +363,7 @@ def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) ->
             position = next(i for i, token in enumerate(ids) if token < 0 or token >= high)
             vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
             raise OutOfVocabularyError(
-                f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index}) has token id "
+                f"{datum_label(index)} has token id "
                 f"{ids[position]} at position {position}, outside {vocabulary}",
                 pair=index // 2,
                 index=index,
@@ -406,7 +407,7 @@ class DPOPairDataset(Dataset):
 
 
 def _row_tensors(datum: Any, index: int) -> dict[str, torch.Tensor]:
-    label = f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
+    label = datum_label(index)
     model_input = datum_model_input(datum)
     if model_input is None:
         raise ValueError(f"{label} has no model_input")

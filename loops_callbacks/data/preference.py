@@ -38,6 +38,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from loops_callbacks.data.labels import file_line, pair_label
+
 __all__ = [
     "HF_EXTRA_HINT",
     "LocatedRecord",
@@ -286,11 +288,11 @@ def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        where = f"line {number} of {path}"
+        where = file_line(number, path)
         try:
             yield LocatedRecord(json.loads(line), where)
         except json.JSONDecodeError as error:
-            raise ValueError(f"pair {count} ({where}): not valid JSON: {error}") from None
+            raise ValueError(f"{pair_label(count, where)}: not valid JSON: {error}") from None
         count += 1
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks.data.dpo import _datum, _record_pair
+from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.preference import (
     LocatedRecord,
     PreferenceExample,
@@ -309,7 +310,7 @@ def preference_datums(
     limited = max_length is not None or max_prompt_length is not None
     for index, example in enumerate(examples):
         if example.format == "token_ids":
-            label = f"pair {index} ({example.where})"
+            label = pair_label(index, example.where)
             pair = _record_pair(example.record, label)  # checks the record
             if not limited:
                 data.extend(pair)
