@@ -131,7 +131,7 @@ def main() -> None:
     for name, (cause, options) in faults.items():
         for seed in args.seeds:
             for named, signatures, fresh in run_fault(base, options, args.steps + args.skip, seed)[args.skip :]:
-                truth = "none" if fresh else cause  # a stale run's step right after a sync has no mismatch
+                truth = "none" if fresh and cause == "stale" else cause  # just synced: no mismatch
                 table[truth][named] += 1
                 per_fault[name][named] += 1
                 by_fault[name].append(signatures)

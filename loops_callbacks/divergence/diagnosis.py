@@ -12,8 +12,8 @@ cause              signature (the rule, checked in this order)                 c
 ``truncation``     under 2% of tokens with d > 0 and mean e^d < 1 − 3 SE      how few d > 0
 ``temperature``    sign_split >= 0.9 (d of one sign on p > 0.5, the other     sign_split
                    on p < 0.1); the slope of t on s estimates T
-``stale``          token identity explains d: token_eta2 >= 0.08              token_eta2
-``precision``      k3 below the precision bound, token_eta2 < 0.08            how far below the bound
+``precision``      k3 below the precision bound                               how far below the bound
+``stale``          token identity explains d: token_eta2 >= 0.05              token_eta2
 ``unclear``        none of the above, or fewer than 64 action tokens          (0)
 =================  =========================================================  ======================
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["CAUSES", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
 
-CAUSES = ("none", "shift", "unrelated", "truncation", "temperature", "stale", "precision", "unclear")
+CAUSES = ("none", "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
 """Every cause the rule can name, in the order it checks them (``unclear`` last)."""
 
 MIN_TOKENS = 64
@@ -55,7 +55,7 @@ UNRELATED_PEARSON = 0.3
 TRUNCATION_POSITIVE_SHARE = 0.02
 TRUNCATION_SE = 3.0
 SIGN_SPLIT = 0.9
-STALE_ETA2 = 0.08
+STALE_ETA2 = 0.05
 PRECISION_MAX_K3 = 1e-3
 CALIBRATION_FACTOR = 20.0
 
@@ -152,12 +152,12 @@ def diagnose(
         return found("truncation", margin, "frac_d_pos", "mass_on_support", "mass_se")
     if get("sign_split") >= SIGN_SPLIT:
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
-    if get("token_eta2") >= STALE_ETA2:
-        return found("stale", (get("token_eta2") - STALE_ETA2) / 0.2, "token_eta2", "k3")
     if get("k3") < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(get("k3"), 1e-300))
-        return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), {"k3": get("k3"), "token_eta2": get("token_eta2"),
-                                                                      "k3_bound": precision_max_k3})
+        evidence = {"k3": get("k3"), "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
+        return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), evidence)
+    if get("token_eta2") >= STALE_ETA2:
+        return found("stale", (get("token_eta2") - STALE_ETA2) / 0.2, "token_eta2", "k3")
     return Diagnosis("unclear", 0.0, {"k3": get("k3"), "token_eta2": get("token_eta2"), "pearson": get("pearson")})
 
 
