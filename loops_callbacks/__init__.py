@@ -11,7 +11,6 @@ Example:
     'stop'
 """
 
-from loops_callbacks.divergence.monitor import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.rl_metrics import loops_compute_kl_sample_train, loops_log_kl_sample_train
@@ -31,3 +30,14 @@ __all__ = [
     "loops_compute_kl_sample_train",
     "loops_log_kl_sample_train",
 ]
+
+_LIGHTNING_NAMES = {"KLSampleTrainMonitor", "SampleTrainDivergenceError"}
+
+
+def __getattr__(name: str) -> object:
+    """The Lightning callback is imported on first use, so the plain functions load without Lightning."""
+    if name in _LIGHTNING_NAMES:
+        from loops_callbacks.divergence import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module 'loops_callbacks' has no attribute {name!r}")

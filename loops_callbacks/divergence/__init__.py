@@ -18,6 +18,13 @@ Example:
     'optim/train-sample-div/kl_sample_train_k3'
 """
 
-from loops_callbacks.divergence.monitor import KLSampleTrainMonitor, SampleTrainDivergenceError
-
 __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError"]
+
+
+def __getattr__(name: str) -> object:
+    """The Lightning callback is imported on first use (the statistics need no Lightning)."""
+    if name in __all__:
+        from loops_callbacks.divergence import monitor
+
+        return getattr(monitor, name)
+    raise AttributeError(f"module 'loops_callbacks.divergence' has no attribute {name!r}")
