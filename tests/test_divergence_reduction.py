@@ -101,7 +101,7 @@ def test_two_gloo_ranks_equal_the_union(gloo_results: list[dict[Any, Any]], name
         assert np.array_equal(host.worst, whole.worst)  # exact rows, datums renumbered
         assert np.array_equal(host.diffs, whole.diffs)  # under the cap: every diff, in rank order
         assert_totals_equal(host, whole)  # the diagnosis' sums, summed in the body
-        assert whole.token_sums[0].sum() == whole.totals["n_action_tokens"] > 0
+        assert 0 < whole.token_sums[0].sum() <= whole.totals["n_action_tokens"]  # the last position has no next id
         assert [kind for kind, _ in calls] == ["all_gather", "all_reduce_sum"]
 
 
