@@ -6,11 +6,16 @@ In data-flow order:
   tokens once, on the trainer logprobs' device (``list[Datum]`` or padded ``[B, T]``);
 - ``token_context``: the token ids around a position, for the worst-tokens table;
 - ``statistics``: ``DivergenceStats``, mergeable sums, counts, maxima, worst rows and a diff sample
-  (across micro-batches and ranks), and ``HostDivergence``, their one host copy;
+  (across micro-batches), and ``HostDivergence``, their one host copy;
+- ``reduction``: the same statistics across ranks, in two collectives of a size that does not
+  grow with the number of ranks;
 - ``metrics``: every formula of the logged scalars, once;
+- ``signatures``, ``diagnosis``: the evidence numbers of each likely cause, and the rule naming it;
+- ``guard_rail``: judging a logged step (above the bound, or not to be trusted);
 - ``worst_tokens``, ``media``: the worst-tokens table and the W&B histogram and table;
 - ``sinks``: delivery to each Lightning logger;
-- ``monitor``: ``KLSampleTrainMonitor``, the Lightning callback, and its guard rail.
+- ``lightning_loop``: the two Lightning loop internals the callback reads, checked at setup;
+- ``monitor``: ``KLSampleTrainMonitor``, the Lightning callback.
 
 Example:
     >>> from loops_callbacks.divergence import KLSampleTrainMonitor
