@@ -291,3 +291,21 @@ def test_default_budget_by_device_type() -> None:
     client = TorchSamplingClient(make_model())
     assert client.device == torch.device("cpu") and client.max_tokens_per_batch >= 512
     assert "max_tokens_per_batch" in repr(client)
+
+
+def test_resolve_reference_kinds() -> None:
+    from loops_callbacks.reference.policy import PolicyReference
+    from loops_callbacks.reference.resolve import resolve_reference
+
+    model = make_model()
+    policy = resolve_reference(None, lightning_module=model)
+    assert isinstance(policy, PolicyReference) and policy.module is model  # the module itself, no copy
+    assert_close(policy.compute_logprobs(list(range(9))), by_hand(model.eval(), list(range(9))))
+    snapshot = resolve_reference(model)
+    assert isinstance(snapshot, TorchSamplingClient) and snapshot.model is not model
+    called = resolve_reference(lambda ids: model(ids))
+    assert isinstance(called, TorchSamplingClient) and called.path == "logits"
+    with pytest.raises(TypeError, match="a callable fn\\(input_ids\\) -> logits, a checkpoint path or None, got int"):
+        resolve_reference(3)
+    with pytest.raises(ValueError, match="reference=None means the LightningModule itself"):
+        resolve_reference(None)

@@ -41,7 +41,7 @@ from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
 from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums
-from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport
+from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
 from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
 from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
 
@@ -50,6 +50,7 @@ __all__ = [
     "DPODataModule",
     "DPOPairDataset",
     "PreferenceDataWarning",
+    "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceConfig",
     "ReferenceLogprobsMixin",

@@ -52,10 +52,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
     counted in ``tokenization_report`` and said in one warning. Changing the tokenizer or a limit
     changes the token ids, and so the reference cache's key: the pairs are scored again.
 
-    In ``setup("fit")`` the data are then checked and their reference logprobs loaded from the
-    cache or scored (see ``ReferenceLogprobsMixin``); the default reference is a frozen copy of
-    the LightningModule at that moment (the initial policy), so its ``forward(input_ids)`` must
-    return logits. Batches (``collate_dpo_pairs``) hold ``batch_size`` pairs as ``[2P, T]`` tensors
+    In ``setup("fit")`` the data are then checked; their reference logprobs are loaded from the
+    cache or scored (see ``ReferenceLogprobsMixin``) then for an explicit reference, and for the
+    default one, the LightningModule itself (the initial policy, no copy), when the trainer first
+    asks for a dataloader: after the strategy has set the module up, before the first optimizer
+    step. Its ``forward(input_ids)`` must return logits. A resumed run takes them from the cache.
+    Batches (``collate_dpo_pairs``) hold ``batch_size`` pairs as ``[2P, T]`` tensors
     ``input_ids``, ``target_tokens``, ``weights``, ``ref_logprobs``, ``attention_mask``, rows
     interleaved (2i chosen, 2i + 1 rejected) and right-padded with 0 / False. The dataset's items
     are pairs, so Lightning's ``DistributedSampler`` shards pairs across ranks.

@@ -2,11 +2,19 @@
 
 In data-flow order:
 
+- ``packing``: token sequences packed once into flat arrays; padded batches built on the device;
+- ``heads``: target logprobs from a model's output head in row chunks (no ``[B, T, V]`` logits),
+  or from its logits (the general path);
+- ``scorer``: ``TokenScorer``, the batched, device-resident loop (lock-step across ranks);
 - ``clients``: the ``SamplingClient`` protocol (Tinker's name) and ``TorchSamplingClient``, which
-  scores token sequences with a local ``nn.Module`` in token-budgeted batches;
-- ``resolve``: what a ``reference`` setting (client, module, checkpoint path, ``None``) scores with;
+  scores token sequences with a local ``nn.Module`` (or a callable) in token-budgeted batches;
+- ``policy``: ``PolicyReference``, the policy itself as the DPO reference, used in place under the
+  training strategy (no copy of the weights);
+- ``fingerprint``: the weights' fingerprint, the same however they are placed or sharded;
+- ``resolve``: what a ``reference`` setting (client, module, callable, checkpoint path, ``None``) scores with;
 - ``attach``: ``attach_reference_logprobs``, the Loops SDK helper (batched, async or one by one);
-- ``cache``: the fingerprinted, checksummed on-disk cache of the values;
+- ``cache``: the fingerprinted, checksummed, memory-mapped on-disk cache of the values;
+- ``collectives``: the process-group operations, values as tensors;
 - ``across_ranks``: ``score_across_ranks``, each rank scoring its share, cached and gathered.
 
 DPO pairs are checked before they reach this package, in ``loops_callbacks.data``.
@@ -17,12 +25,20 @@ Example:
     ('TorchSamplingClient', 'attach_reference_logprobs')
 """
 
-from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport, score_across_ranks
+from loops_callbacks.reference.across_ranks import (
+    ReferenceCacheError,
+    ReferenceCacheWarning,
+    ReferenceLogprobsReport,
+    score_across_ranks,
+)
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.policy import PolicyReference
 from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
 
 __all__ = [
+    "PolicyReference",
+    "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceLogprobsReport",
     "SamplingClient",

@@ -53,7 +53,7 @@ class PackedTokens:
         offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
-        if sequences and all(isinstance(s, np.ndarray) for s in sequences):
+        if len(sequences) and all(isinstance(s, np.ndarray) for s in sequences):
             ids = np.concatenate(sequences).astype(np.int64, copy=False) if total else np.zeros(0, np.int64)
         else:
             ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=total)
