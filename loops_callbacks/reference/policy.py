@@ -180,6 +180,22 @@ class PolicyReference:
         finally:
             _reshard(self.module)
 
+    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
+        """The ``SamplingClient`` list form (element 0 ``None``), e.g. for ``attach_reference_logprobs``.
+
+        Every rank of a process group must call it at the same time (lock-step).
+        """
+        packed = PackedTokens.from_sequences([model_input_tokens(prompt) for prompt in prompts])
+        values = self.score_packed(packed).cpu().numpy()
+        results: list[list[float | None]] = []
+        for start, stop in zip(packed.offsets[:-1].tolist(), packed.offsets[1:].tolist()):
+            results.append([None, *values[start : stop - 1].tolist()] if stop > start else [])
+        return results
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        """``compute_logprobs_batch`` of one prompt."""
+        return self.compute_logprobs_batch([prompt])[0]
+
 
 def _reshard(module: nn.Module) -> None:
     """FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one);
@@ -191,18 +207,3 @@ def _reshard(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
-        """The ``SamplingClient`` list form (element 0 ``None``), e.g. for ``attach_reference_logprobs``.
-
-        Every rank of a process group must call it at the same time (lock-step).
-        """
-        packed = PackedTokens.from_sequences([model_input_tokens(prompt) for prompt in prompts])
-        values = self.score_packed(packed).cpu().numpy()
-        return [
-            [None, *values[packed.offsets[i] : packed.offsets[i + 1] - 1].tolist()] if packed.offsets[i + 1] > packed.offsets[i] else []
-            for i in range(len(packed))
-        ]
-
-    def compute_logprobs(self, prompt: Any) -> list[float | None]:
-        return self.compute_logprobs_batch([prompt])[0]
