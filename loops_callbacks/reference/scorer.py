@@ -59,11 +59,12 @@ _DEFAULT_TOKENS_PER_BATCH: dict[str, int] = {"cpu": 2048, "cuda": 16384}
 _DEFAULT_LOGITS_BYTES = 2 << 30
 _MIN_DEFAULT_TOKENS_PER_BATCH = 512
 # Rows per chunk on the output-head path, by device type: (target bytes of float32 logits, fewest
-# rows, most bytes). On the CPU a chunk that stays in cache scores fastest (2-core EPYC, vocabulary
-# 4096: 256 rows = 4 MiB 20% faster than 2048 rows), but a chunk also reads the whole head once, so
-# large vocabularies need enough rows for an efficient matrix product (vocabulary 32768: 256 rows
-# 10% faster than 128): at least 256 rows, at most 128 MiB. On CUDA, 256 MiB and at least 512 rows.
-_HEAD_CHUNKS: dict[str, tuple[int, int, int]] = {"cpu": (4 << 20, 256, 128 << 20), "cuda": (256 << 20, 512, 1 << 30)}
+# rows, most bytes). A chunk exists twice in float32 (logits, log-probabilities). On the CPU a chunk
+# that stays in cache scores fastest (2-core EPYC, vocabulary 4096: 256 rows = 4 MiB 20% faster than
+# 2048 rows), but each chunk reads the whole head, so a large vocabulary needs enough rows for an
+# efficient matrix product (vocabulary 32768: 128 rows 10% slower than 256, 64 rows 25% slower):
+# at least 128 rows, at most 64 MiB. On CUDA, 256 MiB and at least 512 rows.
+_HEAD_CHUNKS: dict[str, tuple[int, int, int]] = {"cpu": (4 << 20, 128, 64 << 20), "cuda": (256 << 20, 512, 1 << 30)}
 _PROBE_TOKENS = 16
 
 Path = Literal["output_head", "logits"]
@@ -91,7 +92,7 @@ def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
 
     Example:
         >>> default_head_rows("cpu", 4096), default_head_rows("cpu", 131072), default_head_rows("cuda", 131072)
-        (256, 256, 512)
+        (256, 128, 512)
     """
     target, fewest, most = _HEAD_CHUNKS.get(torch.device(device).type, _HEAD_CHUNKS["cpu"])
     row_bytes = 4 * vocab_size
