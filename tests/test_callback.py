@@ -15,16 +15,16 @@ from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.types import ForwardBackwardOutput
-from tests.lightning_helpers import (
+from tests.helpers import (
     RecordingLogger,
     TinyPolicy,
     TokenDataset,
+    assert_metrics_equal,
     datums_of,
     expected_metrics,
     quiet_trainer,
 )
 from tests.oracle import PREFIX
-from tests.test_rl_metrics import assert_metrics_equal
 
 K3 = PREFIX + "kl_sample_train_k3"
 

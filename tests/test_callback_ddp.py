@@ -9,13 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
 from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
-from tests.lightning_helpers import CleanDistributedExit, TinyPolicy, expected_metrics, quiet_trainer
+from tests.helpers import CleanDistributedExit, TinyPolicy, assert_metrics_equal, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
-from tests.test_rl_metrics import assert_metrics_equal
 
 
 class RecordingPolicy(TinyPolicy):

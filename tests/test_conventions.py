@@ -11,7 +11,7 @@ from loops_callbacks.conventions import from_tinker_convention, weighted_last_po
 from loops_callbacks.data import DPODataModule, dpo_pair_datums, validate_dpo_pairs
 from loops_callbacks.fields import field_to_tensor
 from loops_callbacks.types import Datum, TensorData
-from tests.lightning_helpers import quiet_trainer
+from tests.helpers import ToyDPO, quiet_trainer
 
 PAIRS = [([1, 5, 6, 2], [1, 5, 7, 3, 2], 2), ([1, 4, 8], [1, 4, 9, 9], 2)]
 
@@ -80,7 +80,6 @@ class LastTokenMatters(torch.nn.Module):
 
 
 def test_the_datamodule_refuses_them_and_scores_every_token_once_converted(tmp_path: Any) -> None:
-    from tests.test_data import ToyDPO
 
     with pytest.raises(ValueError, match="carries weight on the last position.*from_tinker_convention"):
         quiet_trainer(max_steps=1, default_root_dir=str(tmp_path)).fit(

@@ -15,9 +15,8 @@ import torch
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
-from tests.lightning_helpers import RecordingLogger, TinyPolicy, expected_metrics, quiet_trainer
+from tests.helpers import RecordingLogger, TinyPolicy, assert_metrics_equal, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
-from tests.test_rl_metrics import assert_metrics_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -18,7 +18,6 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -41,39 +40,13 @@ from loops_callbacks.reference.across_ranks import ReferenceCacheError
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
-from tests.lightning_helpers import CleanDistributedExit
+from tests.helpers import CleanDistributedExit, ToyDPO
 
 os.environ.setdefault("WANDB_MODE", "offline")
 VOCAB = 16
 
 
 # ----------------------------------------------------------------------------- toys
-
-
-class ToyDPO(L.LightningModule):
-    """Embedding + linear: ``forward(input_ids)`` returns logits; a DPO loss on the collated batch."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 8, lr: float = 0.5, beta: float = 0.5) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.head = nn.Linear(dim, vocab)
-        self.lr = lr
-        self.beta = beta
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.embed(input_ids))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        # whole pairs, also under a DistributedSampler: rows 2i and 2i + 1 share their prompt
-        assert batch["input_ids"].shape[0] % 2 == 0
-        assert torch.equal(batch["input_ids"][0::2, :2], batch["input_ids"][1::2, :2])
-        logprobs = self(batch["input_ids"]).log_softmax(-1)
-        logprobs = logprobs.gather(-1, batch["target_tokens"].unsqueeze(-1)).squeeze(-1)
-        delta = ((logprobs - batch["ref_logprobs"]) * batch["weights"]).sum(-1)
-        return -F.logsigmoid(self.beta * (delta[0::2] - delta[1::2])).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def make_pairs(num_pairs: int, *, seed: int = 0) -> list[tuple[list[int], list[int], int]]:

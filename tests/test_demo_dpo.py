@@ -14,7 +14,7 @@ from loops_callbacks.demo.dpo import DPOPolicyModule, dpo_loss
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.clients import TorchSamplingClient
-from tests.lightning_helpers import quiet_trainer
+from tests.helpers import quiet_trainer
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You are trying to `self.log\\(\\)`",

@@ -16,7 +16,7 @@ from jsonargparse.typing import PositiveInt
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.model import token_logprobs
 from loops_callbacks.demo.rl import RLPolicyModule
-from tests.lightning_helpers import quiet_trainer
+from tests.helpers import quiet_trainer
 
 pytestmark = [
     pytest.mark.filterwarnings(

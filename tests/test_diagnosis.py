@@ -19,9 +19,8 @@ from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
-from tests.lightning_helpers import TinyPolicy, TokenDataset, quiet_trainer
+from tests.helpers import TinyPolicy, TokenDataset, assert_totals_equal, quiet_trainer, reduce_in_threads
 from tests.oracle import PREFIX
-from tests.test_divergence_merge import assert_totals_equal, reduce_in_threads
 
 B, T, V = 64, 16, 14
 

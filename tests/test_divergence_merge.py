@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -11,21 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence.action_tokens import flatten_datums
 from loops_callbacks.divergence.metrics import scalar_metrics
-from loops_callbacks.divergence.statistics import DivergenceStats
+from tests.helpers import assert_metrics_equal, assert_totals_equal, reduce_in_threads, rows, stats_of
 from tests.oracle import PREFIX
-from tests.test_rl_metrics import as_datums, assert_metrics_equal, rows
-
-
-def stats_of(
-    batch: list[dict[str, Any]], top_n: int, sample_size: int | None = None, seed: int = 1
-) -> DivergenceStats:
-    datums, trainer = as_datums(batch, "lists")
-    return DivergenceStats.from_batch(
-        flatten_datums(datums, trainer, with_tokens=True), top_n=top_n, sample_size=sample_size,
-        generator=torch.Generator().manual_seed(seed),
-    )
 
 
 def split(batch: list[dict[str, Any]], cuts: list[int]) -> list[list[dict[str, Any]]]:
@@ -45,62 +32,6 @@ def test_merged_parts_equal_the_whole(batch: list[dict[str, Any]], cuts: list[in
     assert np.array_equal(got.worst, whole.worst)
     assert np.array_equal(got.diffs, whole.diffs)
     assert_totals_equal(got, whole)
-
-
-def assert_totals_equal(got: Any, want: Any) -> None:
-    """Every total (the diagnosis' sums included) and the per-token-id sums: counts exact, sums to float64 order."""
-    for name, value in want.totals.items():
-        assert got.totals[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
-    np.testing.assert_allclose(got.token_sums, want.token_sums, rtol=1e-12, atol=1e-12)
-
-
-class ThreadGroup:
-    """'Ranks' as threads, with ``torch.distributed``'s semantics for the two collectives."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.slots: list[torch.Tensor | None] = [None] * world
-        self.barrier = threading.Barrier(world)
-
-    def for_rank(self, rank: int) -> ThreadCollectives:
-        return ThreadCollectives(self, rank)
-
-    def exchange(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = tensor.clone()
-        self.barrier.wait()
-        stacked = torch.stack(self.slots)  # every rank's tensor, in rank order
-        self.barrier.wait()
-        return stacked
-
-
-class ThreadCollectives:
-    """One thread's view of a ``ThreadGroup``: a ``reduction.Collectives``."""
-
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
-        self.group, self.rank, self.world_size = group, rank, group.world
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.group.exchange(self.rank, tensor)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.group.exchange(self.rank, tensor).sum(0)
-
-
-def reduce_in_threads(parts: list[DivergenceStats], seed: int = 0) -> list[DivergenceStats]:
-    """Every 'rank''s result of ``reduce_across_ranks`` on ``parts`` (part r on rank r)."""
-    group, results = ThreadGroup(len(parts)), [None] * len(parts)
-
-    def run(rank: int) -> None:
-        generator = torch.Generator().manual_seed(seed + rank)
-        results[rank] = parts[rank].reduce_across_ranks(group.for_rank(rank), generator=generator)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert all(result is not None for result in results)
-    return results
 
 
 @settings(max_examples=40, deadline=None)

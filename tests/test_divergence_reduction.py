@@ -26,8 +26,7 @@ from loops_callbacks.divergence.reduction import (
     stratified_allocation,
 )
 from loops_callbacks.divergence.statistics import ROW, TOTAL_INDEX, DivergenceStats
-from tests.test_divergence_merge import ThreadGroup, assert_totals_equal, reduce_in_threads, stats_of
-from tests.test_rl_metrics import assert_metrics_equal
+from tests.helpers import ThreadGroup, assert_metrics_equal, assert_totals_equal, reduce_in_threads, stats_of
 
 
 def synthetic_rows(seed: int, datums: int, length: int, mask_rate: float) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from loops_callbacks.data.preference import HF_EXTRA_HINT, import_optional  # no
 from loops_callbacks.data.tokenization import PreferenceDataWarning  # noqa: E402
 from loops_callbacks.demo import dpo as demo_dpo  # noqa: E402
 from loops_callbacks.models import DPOModule, HFDPOModule, dpo_loss  # noqa: E402
-from tests.lightning_helpers import quiet_trainer  # noqa: E402
+from tests.helpers import quiet_trainer  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
-from tests.lightning_helpers import RecordingLogger, TinyPolicy, quiet_trainer
+from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
 K3 = PREFIX + "kl_sample_train_k3"

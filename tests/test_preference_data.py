@@ -331,7 +331,7 @@ def test_max_length_keeps_the_start_and_drops_pairs_whose_prompt_fills_it(tokeni
         data, report = preference_datums(records, tokenizer, max_length=limit, progress=False)
     assert len(caught) == 1  # one warning for everything, never one per pair
     assert str(caught[0].message) == (
-        f"2 of 2 pair(s) had a sequence cut to its first max_length tokens (first: item 0 of the data list)."
+        "2 of 2 pair(s) had a sequence cut to its first max_length tokens (first: item 0 of the data list)."
     )
     assert report.truncated == 2 and report.num_pairs == 2
     for short, long in zip(data, full):

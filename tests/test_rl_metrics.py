@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from loops_callbacks import loops_compute_kl_sample_train, loops_log_kl_sample_train
 from loops_callbacks.rl_metrics import loops_log_kl_sample_train as log_from_module
-from loops_callbacks.types import Datum, ForwardBackwardOutput, ModelInput, TensorData
+from loops_callbacks.types import Datum, ForwardBackwardOutput, ModelInput
 from tests import oracle
+from tests.helpers import as_datums, assert_metrics_equal, rounded, rows
 
 P = oracle.PREFIX
 SDK_KEYS = [
@@ -24,95 +25,9 @@ SDK_KEYS = [
     "ess_fraction", "diff_mean", "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max",
     "frac_abs_gt_1", "frac_abs_gt_2", "frac_abs_gt_4", "entropy", "n_action_tokens",
 ]
-EXACT_KEYS = {  # order statistics and counts: no summation, so bit-for-bit
-    "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max", "frac_abs_gt_1", "frac_abs_gt_2",
-    "frac_abs_gt_4", "n_action_tokens", "is_ratio_max", "is_ratio_min",
-    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
-}
-
-
-def assert_metrics_equal(got: dict[str, Any], want: dict[str, float]) -> None:
-    scalars = {k: v for k, v in got.items() if isinstance(v, float)}
-    assert scalars.keys() == want.keys()
-    for key, value in want.items():
-        if key.removeprefix(P) in EXACT_KEYS:
-            assert scalars[key] == value, key
-        else:
-            assert scalars[key] == pytest.approx(value, rel=1e-11, abs=1e-12), key
 
 
 # --- generated batches ------------------------------------------------------------------------
-
-logprob = st.one_of(
-    st.floats(-30, 0, allow_nan=False), st.just(0.0), st.none(), st.just(math.nan), st.just(-math.inf)
-)
-
-
-@st.composite
-def rows(draw: Any, max_datums: int = 6, max_len: int = 12) -> list[dict[str, Any]]:
-    out = []
-    for _ in range(draw(st.integers(0, max_datums))):
-        n = draw(st.integers(0, max_len))
-        row: dict[str, Any] = {
-            "tokens": draw(st.lists(st.integers(0, 50), min_size=n, max_size=n)),
-            "logprobs": [None] + draw(st.lists(logprob, min_size=n, max_size=n))[1:] if n else [],
-            "mask": draw(st.lists(st.sampled_from([0.0, 1.0, 1.0, 1.0, None]), min_size=n, max_size=n)),
-        }
-        row["trainer"] = [
-            None if s is None else (s + draw(st.floats(-5, 5)) if math.isfinite(s) else s)
-            for s in row["logprobs"]
-        ]
-        row["trainer"] = [draw(st.sampled_from([t, t, t, None, math.inf])) for t in row["trainer"]]
-        kind = draw(st.sampled_from(["none", "per_token", "one"]))
-        if kind == "per_token":
-            row["advantages"] = draw(st.lists(st.sampled_from([0.0, 1.5, -0.5, None]), min_size=n, max_size=n))
-        elif kind == "one":
-            row["advantages"] = [draw(st.sampled_from([0.0, 2.0, -1.0]))]
-        if draw(st.booleans()):
-            row["target_tokens"] = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
-        out.append(row)
-    return out
-
-
-def _nan(values: list[Any]) -> list[float]:
-    return [math.nan if v is None else float(v) for v in values]
-
-
-def rounded(rows_: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[str, Any]]:
-    """The same rows as they read after a round trip through ``dtype`` (None becomes NaN)."""
-    out = []
-    for row in rows_:
-        row = dict(row)
-        for key in ("logprobs", "trainer"):
-            row[key] = torch.tensor(_nan(row[key]), dtype=dtype).double().tolist()
-        out.append(row)
-    return out
-
-
-def as_datums(rows_: list[dict[str, Any]], form: str) -> tuple[list[Any], list[Any]]:
-    """Datums and trainer rows in one input form."""
-    datums, trainer = [], []
-    for row in rows_:
-        fields = {k: row[k] for k in ("logprobs", "mask", "advantages", "target_tokens") if k in row}
-        if form == "lists":
-            inputs, t = fields, row["trainer"]
-        elif form == "tensor_data":
-            inputs = {
-                k: TensorData(v, "int64" if k == "target_tokens" else "float32", [len(v)]) for k, v in fields.items()
-            }
-            t = TensorData(row["trainer"], "float32", [len(row["trainer"])])
-        elif form == "numpy":
-            inputs = {k: np.array(_nan(v)) for k, v in fields.items()}
-            t = np.array(_nan(row["trainer"]), dtype=np.float32)
-        else:  # torch tensors of one dtype
-            dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[form]
-            inputs = {k: torch.tensor(_nan(v), dtype=dtype) for k, v in fields.items()}
-            if "target_tokens" in row:
-                inputs["target_tokens"] = torch.tensor(row["target_tokens"])
-            t = torch.tensor(_nan(row["trainer"]), dtype=dtype)
-        datums.append(Datum(ModelInput.from_ints(row["tokens"]), inputs))
-        trainer.append(t)
-    return datums, trainer
 
 
 FORMS = {"lists": torch.float64, "tensor_data": torch.float32, "numpy": torch.float32,

@@ -1,0 +1,360 @@
+"""What the tests share: a tiny policy, generated Datum batches, metric comparisons, ranks as threads.
+
+``TinyPolicy``'s sampler logprobs differ from its trainer logprobs by a known amount, and every
+micro-batch it trains on is recorded, so tests can recompute the monitor's numbers with
+``loops_compute_kl_sample_train`` on exactly the same tokens. ``rows`` generates batches with every
+awkward value (None, NaN, -inf, masked-out, zero advantages); ``as_datums`` turns them into each
+accepted input form. ``reduce_in_threads`` runs the cross-rank reduction with threads as ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.util
+import threading
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from lightning.pytorch.loggers.logger import Logger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from loops_callbacks import loops_compute_kl_sample_train
+from loops_callbacks.divergence.action_tokens import flatten_datums
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.types import Datum, ModelInput, TensorData
+from tests.oracle import PREFIX as P
+
+VOCAB, LENGTH = 16, 12
+
+
+class TokenDataset(Dataset):
+    """Item i: a deterministic token row, an action mask, sampler noise and an advantage."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        tokens = torch.randint(0, VOCAB, (LENGTH + 1,), generator=generator)
+        mask = (torch.arange(LENGTH) >= 3 + index % 4).float()
+        return {
+            "input_ids": tokens[:-1],
+            "target_tokens": tokens[1:],
+            "mask": mask,
+            "noise": 0.1 * torch.randn(LENGTH, generator=generator),
+            "advantages": torch.tensor(float(index % 3 - 1) if index % 5 else 0.5),
+        }
+
+
+class TinyPolicy(pl.LightningModule):
+    """Trainer logprobs from a tiny LM; sampler logprobs = trainer + noise + ``offset``."""
+
+    def __init__(self, offset: float = 0.0, lr: float = 0.05, manual: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+        self.offset = offset
+        self.lr = lr
+        self.automatic_optimization = not manual
+        self.recorded: list[dict[str, Any]] = []
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        logits = self(batch["input_ids"]).float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, batch["target_tokens"][..., None]).squeeze(-1)
+        sampler = logprobs.detach().float() + batch["noise"] + self.offset
+        loss = -(logprobs * batch["mask"] * batch["advantages"][:, None]).sum() / batch["mask"].sum()
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        self.recorded.append(
+            {
+                "step": self.trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "sampler": sampler.double().cpu(),
+                "trainer": logprobs.detach().double().cpu(),
+                "mask": batch["mask"].cpu(),
+                "advantages": batch["advantages"].cpu(),
+                "input_ids": batch["input_ids"].cpu(),
+                "target_tokens": batch["target_tokens"].cpu(),
+            }
+        )
+        return {"loss": loss, "training_logprobs": logprobs, "logprobs": sampler}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(), batch_size=4, shuffle=False)
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, dict[str, Any]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+
+def datums_of(records: list[dict[str, Any]]) -> tuple[list[Datum], list[torch.Tensor]]:
+    """The recorded micro-batches as Loops datums (concatenated in order) and trainer rows."""
+    datums, trainer = [], []
+    for record in records:
+        for row in range(record["sampler"].shape[0]):
+            datums.append(
+                Datum(
+                    ModelInput.from_ints(record["input_ids"][row].tolist()),
+                    {
+                        "logprobs": record["sampler"][row],
+                        "mask": record["mask"][row],
+                        "advantages": record["advantages"][row : row + 1],
+                        "target_tokens": record["target_tokens"][row],
+                    },
+                )
+            )
+            trainer.append(record["trainer"][row])
+    return datums, trainer
+
+
+def expected_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    return loops_compute_kl_sample_train(*datums_of(records))
+
+
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, logger=False, log_every_n_steps=1,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class CleanDistributedExit(pl.Callback):
+    """Destroys the process group when a spawned rank exits.
+
+    Lightning destroys it in an ``atexit`` handler, which ``ddp_spawn`` workers never run (they
+    leave through ``os._exit``); a gloo group left alive can abort the worker at exit.
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and multiprocessing.parent_process() is not None:
+            multiprocessing.util.Finalize(None, _destroy_process_group, exitpriority=100)
+
+
+# --- Datum batches in every input form, generated ------------------------------------------
+
+EXACT_KEYS = {  # order statistics and counts: no summation, so bit-for-bit
+    "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max", "frac_abs_gt_1", "frac_abs_gt_2",
+    "frac_abs_gt_4", "n_action_tokens", "is_ratio_max", "is_ratio_min",
+    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
+}
+
+
+def assert_metrics_equal(got: dict[str, Any], want: dict[str, float]) -> None:
+    scalars = {k: v for k, v in got.items() if isinstance(v, float)}
+    assert scalars.keys() == want.keys()
+    for key, value in want.items():
+        if key.removeprefix(P) in EXACT_KEYS:
+            assert scalars[key] == value, key
+        else:
+            assert scalars[key] == pytest.approx(value, rel=1e-11, abs=1e-12), key
+
+
+logprob = st.one_of(
+    st.floats(-30, 0, allow_nan=False), st.just(0.0), st.none(), st.just(math.nan), st.just(-math.inf)
+)
+
+
+@st.composite
+def rows(draw: Any, max_datums: int = 6, max_len: int = 12) -> list[dict[str, Any]]:
+    out = []
+    for _ in range(draw(st.integers(0, max_datums))):
+        n = draw(st.integers(0, max_len))
+        row: dict[str, Any] = {
+            "tokens": draw(st.lists(st.integers(0, 50), min_size=n, max_size=n)),
+            "logprobs": [None] + draw(st.lists(logprob, min_size=n, max_size=n))[1:] if n else [],
+            "mask": draw(st.lists(st.sampled_from([0.0, 1.0, 1.0, 1.0, None]), min_size=n, max_size=n)),
+        }
+        row["trainer"] = [
+            None if s is None else (s + draw(st.floats(-5, 5)) if math.isfinite(s) else s)
+            for s in row["logprobs"]
+        ]
+        row["trainer"] = [draw(st.sampled_from([t, t, t, None, math.inf])) for t in row["trainer"]]
+        kind = draw(st.sampled_from(["none", "per_token", "one"]))
+        if kind == "per_token":
+            row["advantages"] = draw(st.lists(st.sampled_from([0.0, 1.5, -0.5, None]), min_size=n, max_size=n))
+        elif kind == "one":
+            row["advantages"] = [draw(st.sampled_from([0.0, 2.0, -1.0]))]
+        if draw(st.booleans()):
+            row["target_tokens"] = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+        out.append(row)
+    return out
+
+
+def _nan(values: list[Any]) -> list[float]:
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def rounded(rows_: list[dict[str, Any]], dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The same rows as they read after a round trip through ``dtype`` (None becomes NaN)."""
+    out = []
+    for row in rows_:
+        row = dict(row)
+        for key in ("logprobs", "trainer"):
+            row[key] = torch.tensor(_nan(row[key]), dtype=dtype).double().tolist()
+        out.append(row)
+    return out
+
+
+def as_datums(rows_: list[dict[str, Any]], form: str) -> tuple[list[Any], list[Any]]:
+    """Datums and trainer rows in one input form."""
+    datums, trainer = [], []
+    for row in rows_:
+        fields = {k: row[k] for k in ("logprobs", "mask", "advantages", "target_tokens") if k in row}
+        if form == "lists":
+            inputs, t = fields, row["trainer"]
+        elif form == "tensor_data":
+            inputs = {
+                k: TensorData(v, "int64" if k == "target_tokens" else "float32", [len(v)]) for k, v in fields.items()
+            }
+            t = TensorData(row["trainer"], "float32", [len(row["trainer"])])
+        elif form == "numpy":
+            inputs = {k: np.array(_nan(v)) for k, v in fields.items()}
+            t = np.array(_nan(row["trainer"]), dtype=np.float32)
+        else:  # torch tensors of one dtype
+            dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[form]
+            inputs = {k: torch.tensor(_nan(v), dtype=dtype) for k, v in fields.items()}
+            if "target_tokens" in row:
+                inputs["target_tokens"] = torch.tensor(row["target_tokens"])
+            t = torch.tensor(_nan(row["trainer"]), dtype=dtype)
+        datums.append(Datum(ModelInput.from_ints(row["tokens"]), inputs))
+        trainer.append(t)
+    return datums, trainer
+
+
+# --- statistics of parts, and "ranks" as threads ----------------------------------------------
+
+def stats_of(
+    batch: list[dict[str, Any]], top_n: int, sample_size: int | None = None, seed: int = 1
+) -> DivergenceStats:
+    datums, trainer = as_datums(batch, "lists")
+    return DivergenceStats.from_batch(
+        flatten_datums(datums, trainer, with_tokens=True), top_n=top_n, sample_size=sample_size,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def assert_totals_equal(got: Any, want: Any) -> None:
+    """Every total (the diagnosis' sums included) and the per-token-id sums: counts exact, sums to float64 order."""
+    for name, value in want.totals.items():
+        assert got.totals[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+    np.testing.assert_allclose(got.token_sums, want.token_sums, rtol=1e-12, atol=1e-12)
+
+
+class ThreadGroup:
+    """'Ranks' as threads, with ``torch.distributed``'s semantics for the two collectives."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.slots: list[torch.Tensor | None] = [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def for_rank(self, rank: int) -> ThreadCollectives:
+        return ThreadCollectives(self, rank)
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        stacked = torch.stack(self.slots)  # every rank's tensor, in rank order
+        self.barrier.wait()
+        return stacked
+
+
+class ThreadCollectives:
+    """One thread's view of a ``ThreadGroup``: a ``reduction.Collectives``."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, group.world
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.exchange(self.rank, tensor)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.exchange(self.rank, tensor).sum(0)
+
+
+def reduce_in_threads(parts: list[DivergenceStats], seed: int = 0) -> list[DivergenceStats]:
+    """Every 'rank''s result of ``reduce_across_ranks`` on ``parts`` (part r on rank r)."""
+    group, results = ThreadGroup(len(parts)), [None] * len(parts)
+
+    def run(rank: int) -> None:
+        generator = torch.Generator().manual_seed(seed + rank)
+        results[rank] = parts[rank].reduce_across_ranks(group.for_rank(rank), generator=generator)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(result is not None for result in results)
+    return results
+
+
+# --- a DPO policy ----------------------------------------------------------------------------
+
+class ToyDPO(pl.LightningModule):
+    """Embedding + linear: ``forward(input_ids)`` returns logits; a DPO loss on the collated batch."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, lr: float = 0.5, beta: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+        self.lr = lr
+        self.beta = beta
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        # whole pairs, also under a DistributedSampler: rows 2i and 2i + 1 share their prompt
+        assert batch["input_ids"].shape[0] % 2 == 0
+        assert torch.equal(batch["input_ids"][0::2, :2], batch["input_ids"][1::2, :2])
+        logprobs = self(batch["input_ids"]).log_softmax(-1)
+        logprobs = logprobs.gather(-1, batch["target_tokens"].unsqueeze(-1)).squeeze(-1)
+        delta = ((logprobs - batch["ref_logprobs"]) * batch["weights"]).sum(-1)
+        return -F.logsigmoid(self.beta * (delta[0::2] - delta[1::2])).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
