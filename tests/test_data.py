@@ -775,13 +775,13 @@ def test_jsonl_input(tmp_path: Any) -> None:
         ({"path": "x.jsonl", "dataset": {"path": "json"}}, "got path and dataset"),
         ({"data": "pairs.jsonl"}, "a file goes in path="),
         ({"dataset": {"data_files": "x.jsonl"}}, "load_dataset arguments with a 'path'"),
-        ({"path": "x.jsonl", "max_length": 1}, "max_length=1 must be an int >= 2"),
+        ({"path": "x.jsonl", "max_length": 1}, r"max_length \(or None\) must be an int >= 2, got 1"),
         ({"path": "x.jsonl", "max_length": 8, "max_prompt_length": 8}, "max_prompt_length=8 must be less than"),
-        ({"data": [], "batch_size": 0}, "batch_size=0 must be an int >= 1"),
+        ({"data": [], "batch_size": 0}, "batch_size must be an int >= 1, got 0"),
         ({"data": [], "scoring_dtype": "float64"}, "scoring_dtype='float64' is not one of"),
         ({"data": [], "max_tokens_per_batch": -5}, "max_tokens_per_batch=-5"),
         ({"data": [], "val_fraction": 1.0}, "val_fraction=1.0"),
-        ({"data": [], "num_workers": -1}, "num_workers=-1"),
+        ({"data": [], "num_workers": -1}, "num_workers must be an int >= 0, got -1"),
     ],
 )
 def test_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:

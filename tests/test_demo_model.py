@@ -60,7 +60,7 @@ def test_token_logprobs_matches_log_softmax_gather() -> None:
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="n_heads=3"):
         TinyCausalLM(vocab_size=10, d_model=32, n_heads=3)
-    with pytest.raises(ValueError, match="d_model must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="d_model must be an int >= 1, got 0"):
         TinyCausalLM(vocab_size=10, d_model=0)
     with pytest.raises(ValueError, match="length 9 > max_seq_len=8"):
         TinyCausalLM(vocab_size=10, d_model=8, n_heads=2, max_seq_len=8)(torch.zeros(1, 9, dtype=torch.long))

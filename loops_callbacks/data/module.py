@@ -19,6 +19,7 @@ from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
 from loops_callbacks.data.tokenization import TokenizationReport, preference_datums
 from loops_callbacks.reference.clients import SamplingClient
+from loops_callbacks.validation import check_int
 
 __all__ = ["DPODataModule"]
 
@@ -146,11 +147,10 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                 "{'path': 'json', 'data_files': 'pairs.jsonl', 'split': 'train'}"
             )
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"DPODataModule {name}={value!r} must be an int >= {low}")
+            check_int(f"DPODataModule {name}", value, least=low)
         for name, value, low in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"DPODataModule {name}={value!r} must be an int >= {low} or None")
+            if value is not None:
+                check_int(f"DPODataModule {name} (or None)", value, least=low)
         if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
             raise ValueError(
                 f"DPODataModule max_prompt_length={max_prompt_length} must be less than max_length={max_length}, "

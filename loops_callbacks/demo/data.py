@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
+from loops_callbacks.validation import check_int
 
 __all__ = [
     "PreferencePair",
@@ -103,8 +104,8 @@ class PromptDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("num_batches", num_batches)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"PromptDataModule {name} must be a positive int, got {value!r}")
+            if value is not None:
+                check_int(f"PromptDataModule {name}", value, least=1)
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.batch_size = batch_size
         self.num_batches = num_batches

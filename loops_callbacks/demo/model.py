@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loops_callbacks.validation import check_int
+
 __all__ = ["KVCache", "TinyCausalLM", "token_logprobs"]
 
 
@@ -218,8 +220,7 @@ class TinyCausalLM(nn.Module):
             ("n_heads", n_heads),
             ("max_seq_len", max_seq_len),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TinyCausalLM {name} must be a positive int, got {value!r}")
+            check_int(f"TinyCausalLM {name}", value, least=1)
         if d_model % n_heads:
             raise ValueError(f"TinyCausalLM d_model={d_model} is not a multiple of n_heads={n_heads}")
         self.vocab_size = vocab_size

@@ -75,6 +75,7 @@ from typing_extensions import override
 from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
 from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
+from loops_callbacks.validation import check_int
 
 __all__ = ["RLPolicyModule"]
 
@@ -135,15 +136,9 @@ class RLPolicyModule(LightningModule):
         faults_from_step: int = 0,
     ) -> None:
         super().__init__()
-        if not isinstance(group_size, int) or group_size < 2:
-            raise ValueError(
-                f"RLPolicyModule group_size must be an int >= 2 (advantages are relative to the group), "
-                f"got {group_size!r}"
-            )
-        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
-            raise ValueError(
-                f"RLPolicyModule sync_every must be a positive int or None (never sync), got {sync_every!r}"
-            )
+        check_int("RLPolicyModule group_size (advantages are relative to the group)", group_size, least=2)
+        if sync_every is not None:
+            check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1)
         if sampler_precision not in _PRECISIONS:
             raise ValueError(
                 f"RLPolicyModule sampler_precision must be one of {sorted(_PRECISIONS)}, got {sampler_precision!r}"

@@ -35,6 +35,8 @@ from typing import Literal
 
 import torch
 
+from loops_callbacks.validation import check_int
+
 __all__ = ["SAMPLER_PROMPTS", "SamplerFaults"]
 
 SAMPLER_PROMPTS = ("same", "pad_as_bos", "no_bos")
@@ -53,8 +55,8 @@ class SamplerFaults:
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"sampler_temperature must be > 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"sampler_top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_k is not None:
+            check_int("sampler_top_k", self.top_k, least=1)
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"sampler_top_p must be in (0, 1] or None, got {self.top_p!r}")
         if not isinstance(self.logprob_shift, int) or abs(self.logprob_shift) > 1:
