@@ -102,8 +102,8 @@ class DPOModule(LightningModule):
     """DPO on batches of interleaved pairs with attached reference logprobs; subclasses provide the policy.
 
     A subclass builds its model in ``__init__`` and defines ``forward(input_ids) -> logits
-    [B, T, V]``; that also lets ``DPODataModule`` score the reference with a frozen copy of the
-    module (the usual "reference = initial policy"). Training and validation steps, the metrics
+    [B, T, V]``; that also lets ``DPODataModule`` score the reference with the module itself before
+    its first step (the usual "reference = initial policy", with no copy of the weights). Training and validation steps, the metrics
     and AdamW over the trainable parameters are here.
 
     Args:
@@ -181,7 +181,7 @@ class HFDPOModule(DPOModule):
             ``attn_implementation``, ``dtype``, ...).
 
     Use the Trainer's ``precision`` (``bf16-mixed``, ``bf16-true``) for lower precision. The
-    reference, by default, is a frozen copy of this module before the first step.
+    reference, by default, is this module itself, scored before the first step (no copy).
 
     Example::
 
