@@ -22,8 +22,13 @@ import torch
 
 __all__ = ["FLOAT_DTYPES", "check_dtype", "check_int"]
 
-FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The floating-point dtypes a model may be scored or sampled in, by their YAML names."""
+FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""The floating-point dtypes a model may be scored or sampled in, by their YAML names (the one table)."""
 
 
 def check_int(name: str, value: Any, *, least: int) -> int:
@@ -35,10 +40,10 @@ def check_int(name: str, value: Any, *, least: int) -> int:
     return value
 
 
-def check_dtype(name: str, value: Any) -> torch.dtype:
-    """The ``torch.dtype`` named by ``value`` (``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself)."""
-    if isinstance(value, torch.dtype) and value in FLOAT_DTYPES.values():
-        return value
-    if isinstance(value, str) and value.removeprefix("torch.") in FLOAT_DTYPES:
-        return FLOAT_DTYPES[value.removeprefix("torch.")]
-    raise ValueError(f"{name}={value!r} is not one of {list(FLOAT_DTYPES)}")
+def check_dtype(name: str, value: Any, allowed: tuple[str, ...] = tuple(FLOAT_DTYPES)) -> torch.dtype:
+    """The ``torch.dtype`` named by ``value`` (``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself),
+    one of ``allowed``; ``ValueError`` naming the value and the choices otherwise."""
+    key = value.removeprefix("torch.") if isinstance(value, str) else str(value).removeprefix("torch.")
+    if (isinstance(value, (str, torch.dtype))) and key in allowed:
+        return FLOAT_DTYPES[key]
+    raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")

@@ -27,11 +27,13 @@ from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, Refere
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
+from loops_callbacks.validation import check_dtype, check_int
 
 __all__ = ["ReferenceConfig", "ReferenceLogprobsMixin", "ScoringDtype", "compute_reference_logprobs"]
 
 ScoringDtype = Literal["float32", "bfloat16", "float16"]
-_SCORING_DTYPES = ("float32", "bfloat16", "float16")
+SCORING_DTYPES = ("float32", "bfloat16", "float16")
+"""The ``scoring_dtype`` choices (the names of ``ScoringDtype``)."""
 
 
 def compute_reference_logprobs(
@@ -113,11 +115,10 @@ class ReferenceConfig:
     check_prompts: bool = True
 
     def __post_init__(self) -> None:
-        if self.scoring_dtype is not None and self.scoring_dtype not in _SCORING_DTYPES:
-            raise ValueError(f"scoring_dtype={self.scoring_dtype!r} is not one of {list(_SCORING_DTYPES)} or None")
-        budget = self.max_tokens_per_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"max_tokens_per_batch={budget!r} must be a positive int or None")
+        if self.scoring_dtype is not None:
+            check_dtype("scoring_dtype", self.scoring_dtype, SCORING_DTYPES)
+        if self.max_tokens_per_batch is not None:
+            check_int("max_tokens_per_batch", self.max_tokens_per_batch, least=1)
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"cache_dir={self.cache_dir!r} must be a path or None")
         if self.reference_fingerprint is not None and not isinstance(self.reference_fingerprint, str):

@@ -75,11 +75,11 @@ from typing_extensions import override
 from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
 from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
-from loops_callbacks.validation import check_int
+from loops_callbacks.validation import check_dtype, check_int
 
 __all__ = ["RLPolicyModule"]
 
-_PRECISIONS: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_PRECISIONS = ("float32", "bfloat16")
 # The checkpoint key that records after how many optimizer steps the sampler last got weights.
 _SYNCED_AT_KEY = "demo_rl_sampler_synced_at_step"
 
@@ -139,10 +139,7 @@ class RLPolicyModule(LightningModule):
         check_int("RLPolicyModule group_size (advantages are relative to the group)", group_size, least=2)
         if sync_every is not None:
             check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1)
-        if sampler_precision not in _PRECISIONS:
-            raise ValueError(
-                f"RLPolicyModule sampler_precision must be one of {sorted(_PRECISIONS)}, got {sampler_precision!r}"
-            )
+        sampler_dtype = check_dtype("RLPolicyModule sampler_precision", sampler_precision, _PRECISIONS)
         if not lr > 0:
             raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
         self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)
@@ -160,7 +157,7 @@ class RLPolicyModule(LightningModule):
             n_heads=n_heads,
             max_seq_len=self.task.prompt_length + self.task.max_new_tokens,
         )
-        self.sampler = copy.deepcopy(self.policy).to(_PRECISIONS[sampler_precision]).requires_grad_(False)
+        self.sampler = copy.deepcopy(self.policy).to(sampler_dtype).requires_grad_(False)
         self.sampler.compute_dtype = torch.float32  # bf16 storage, float32 kernels: a bf16 engine's numbers
         # Optimizer steps taken when the sampler last received the policy's weights; None = not yet
         # (the first training batch syncs, so weights loaded into the policy after __init__ count).

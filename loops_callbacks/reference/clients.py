@@ -32,6 +32,7 @@ from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
 from loops_callbacks.types import ModelInput
+from loops_callbacks.validation import check_dtype, check_int
 
 __all__ = ["SamplingClient", "TorchSamplingClient", "check_token_ids"]
 
@@ -58,24 +59,8 @@ class SamplingClient(Protocol):
     def compute_logprobs(self, prompt: ModelInput) -> list[float | None]: ...
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
 def _check_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        if dtype.removeprefix("torch.") in _DTYPES:
-            return _DTYPES[dtype.removeprefix("torch.")]
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"dtype={dtype!r} is not a floating-point torch.dtype or one of {sorted(_DTYPES)}")
+    return None if dtype is None else check_dtype("dtype", dtype)
 
 
 def _check_device(device: Any) -> torch.device | None:
@@ -88,13 +73,7 @@ def _check_device(device: Any) -> torch.device | None:
 
 
 def _check_budget(max_tokens_per_batch: Any) -> int | None:
-    if max_tokens_per_batch is None:
-        return None
-    if isinstance(max_tokens_per_batch, bool) or not isinstance(max_tokens_per_batch, int):
-        raise TypeError(f"max_tokens_per_batch={max_tokens_per_batch!r} must be an int or None")
-    if max_tokens_per_batch < 1:
-        raise ValueError(f"max_tokens_per_batch={max_tokens_per_batch!r} must be at least 1")
-    return max_tokens_per_batch
+    return None if max_tokens_per_batch is None else check_int("max_tokens_per_batch", max_tokens_per_batch, least=1)
 
 
 def _module_device(module: nn.Module) -> torch.device:

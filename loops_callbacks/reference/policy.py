@@ -42,10 +42,11 @@ from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
+from loops_callbacks.validation import FLOAT_DTYPES
 
 __all__ = ["PolicyReference", "policy_tag"]
 
-_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
 def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
@@ -110,7 +111,7 @@ class PolicyReference:
         if scoring_dtype is None:
             return autocast
         if scoring_dtype in _AUTOCAST_DTYPES:
-            dtype = _AUTOCAST_DTYPES[scoring_dtype]
+            dtype = FLOAT_DTYPES[scoring_dtype]
             return lambda: torch.autocast(device_type, dtype=dtype)
         if scoring_dtype == "float32":
             low = sorted({str(p.dtype) for p in self.module.parameters() if p.is_floating_point() and p.dtype != torch.float32})
