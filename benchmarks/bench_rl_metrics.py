@@ -40,7 +40,7 @@ from tests import oracle  # noqa: E402
 def make_batch(n_datums: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     sampler = -rng.exponential(1.0, size=(n_datums, length))
-    trainer = sampler + rng.normal(0.0, 0.05, size=sampler.shape)
+    trainer = np.minimum(sampler + rng.normal(0.0, 0.05, size=sampler.shape), 0.0)  # logprobs are <= 0
     mask = (rng.random(sampler.shape) > 0.1).astype(np.float64)
     advantages = rng.normal(size=(n_datums, 1))
     tokens = rng.integers(0, 32000, size=(n_datums, length))

@@ -50,8 +50,8 @@ def loops_compute_kl_sample_train(
     logprobs above 0 or below -1e4) are logged as warnings on the ``loops_callbacks`` logger; the
     numbers are returned anyway.
     """
-    flat = flatten_datums(data, training_logprobs)
-    host = DivergenceStats.from_batch(flat).to_host()
+    flat = flatten_datums(data, training_logprobs, with_token_ids=False)
+    host = DivergenceStats.from_batch(flat, signatures=False).to_host()
     _report_inputs(host)
     return scalar_metrics(host, prefix=prefix)
 
@@ -84,8 +84,8 @@ def loops_log_kl_sample_train(
             raise ValueError("pass either forward_backward_output or training_logprobs")
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
     rows = top_n if log_worst_tokens else 0
-    flat = flatten_datums(data, training_logprobs, with_tokens=rows > 0)
-    host = DivergenceStats.from_batch(flat, top_n=rows).to_host()
+    flat = flatten_datums(data, training_logprobs, with_tokens=rows > 0, with_token_ids=False)
+    host = DivergenceStats.from_batch(flat, top_n=rows, signatures=False).to_host()
     _report_inputs(host)
     metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
     metrics.update(

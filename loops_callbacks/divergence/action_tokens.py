@@ -105,11 +105,13 @@ def flatten_datums(
     training_logprobs: Sequence[Any] | torch.Tensor,
     *,
     with_tokens: bool = False,
+    with_token_ids: bool = True,
 ) -> FlatBatch:
     """Flatten Loops / Tinker datums and the trainer's per-datum logprobs.
 
     ``training_logprobs`` is one row per datum (tensors, arrays, lists or ``TensorData``), or one
-    right-padded ``[B, T]`` tensor whose row i is read up to datum i's length.
+    right-padded ``[B, T]`` tensor whose row i is read up to datum i's length. ``with_token_ids``
+    reads the predicted token ids the diagnosis groups by (``FlatBatch.token_ids``).
     """
     if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Sequence):
         raise TypeError(f"data must be a list of Datum, got {type(data).__name__}")
@@ -127,7 +129,7 @@ def flatten_datums(
         )
 
     samplers, masks, trainers, advantages, lengths = [], [], [], [], []
-    token_rows: list[torch.Tensor] | None = []
+    token_rows: list[torch.Tensor] | None = [] if with_token_ids else None
     for i, datum in enumerate(data):
         inputs = datum_loss_fn_inputs(datum, index=i)
         for key in ("logprobs", "mask"):

@@ -266,6 +266,7 @@ class KLSampleTrainMonitor(Callback):
             top_n=self.top_n,
             sample_size=self.sample_size,
             generator=self._generator(flat.device, trainer.global_rank),
+            signatures=self.diagnose,
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat

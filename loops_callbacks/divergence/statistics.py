@@ -104,6 +104,8 @@ LOGPROB_FLOOR = -1e4
 TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
 """Position of each named total in ``DivergenceStats.totals``."""
 GATHERED_TOTALS = TOTAL_INDEX["n_trainer_below_floor"] + 1
+SIGNATURE_TOTALS = TOTALS[GATHERED_TOTALS:]
+"""The diagnosis' sums: zero when a batch is read with ``signatures=False``."""
 """The first totals, which every rank's header carries (``reduction``); the later ones, the
 diagnosis' signature sums, travel in the summed body, so the per-rank header does not grow."""
 TOKEN_BUCKETS = 1024
@@ -158,8 +160,13 @@ class DivergenceStats:
         top_n: int = 0,
         sample_size: int | None = None,
         generator: torch.Generator | None = None,
+        signatures: bool = True,
     ) -> DivergenceStats:
-        """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set."""
+        """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set.
+
+        ``signatures=False`` skips the diagnosis' sums (they stay zero): the plain SDK functions,
+        which report no diagnosis, do not pay for them.
+        """
         if top_n < 0:
             raise ValueError(f"top_n must be >= 0, got {top_n}")
         if sample_size is not None and sample_size < 1:
@@ -205,7 +212,10 @@ class DivergenceStats:
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
         }
-        sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
+        if signatures:
+            sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
+        else:
+            sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
         k3 = w.sub_(1.0).sub_(d)  # every use of w is above: its buffer becomes k3 = w - 1 - d per token
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
@@ -231,7 +241,7 @@ class DivergenceStats:
             keys = torch.rand(d.shape, dtype=torch.float64, device=device, generator=generator)
         if valid is not None:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
-        token_sums = _token_sums(flat, d, valid, compact)
+        token_sums = _token_sums(flat, d, valid, compact) if signatures else None
         return cls(totals, extrema, worst, d, keys, sample_size, token_sums)._capped()
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
