@@ -77,6 +77,9 @@ def run_summary(trainer: Trainer) -> str:
             lines.append(f"Last sampler-vs-trainer divergence ({monitor.prefix}*):")
             for key, value in monitor.last_metrics.items():
                 lines.append(f"  {key.removeprefix(monitor.prefix):26s} {value + 0.0:.6g}")  # + 0.0: no "-0"
+        if monitor.last_diagnosis is not None:
+            lines.append(f"Last logged step, a hint (confidence {monitor.last_diagnosis.confidence:.2f}): "
+                         f"{monitor.last_diagnosis.message}")
         if monitor.stop_reason:
             lines.append(f"Stopped by KLSampleTrainMonitor: {monitor.stop_reason}")
     return "\n".join(lines)

@@ -282,3 +282,13 @@ def test_the_console_script_exits_zero(tmp_path: Path) -> None:
         cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_summary_names_the_last_likely_cause() -> None:
+    from loops_callbacks.divergence.diagnosis import Diagnosis
+
+    monitor = KLSampleTrainMonitor()
+    monitor.last_metrics = {P + "kl_sample_train_k3": 2e-6}
+    monitor.last_diagnosis = Diagnosis("precision", 0.9, {"k3": 2e-6})
+    summary = run_summary(Trainer(logger=False, callbacks=[monitor], enable_progress_bar=False))
+    assert "Last logged step, a hint (confidence 0.90): likely cause:" in summary
