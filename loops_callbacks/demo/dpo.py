@@ -6,10 +6,9 @@ The batch layout, the loss (``dpo_loss``, re-exported here) and the logged metri
 
 Example:
     >>> import torch
-    >>> logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
-    >>> loss, metrics = dpo_loss(logprobs, torch.full((2, 2), -1.5), torch.ones(2, 2), beta=0.5)
-    >>> round(loss.item(), 4), metrics["dpo_accuracy"].item(), metrics["dpo_margin"].item()
-    (0.3133, 1.0, 1.0)
+    >>> module = DPOPolicyModule(d_model=16, n_layers=1, n_heads=2)
+    >>> module(torch.tensor([[1, 4, 2]])).shape[:2]  # the policy's logits [B, T, V]
+    torch.Size([1, 3])
 """
 
 from __future__ import annotations
