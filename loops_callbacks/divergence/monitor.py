@@ -312,9 +312,15 @@ class KLSampleTrainMonitor(Callback):
         logged = {**metrics, **self._diagnose(host)}
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if trainer.is_global_zero:
-            deliver(trainer.loggers, logged, host, step=step, media=self.media)
+            deliver(trainer.loggers, logged, host, step=step, media=self.media, warnings=self.warnings)
             if self.last_diagnosis is not None:
-                deliver_text(trainer.loggers, self.prefix + DIAGNOSIS_TEXT_KEY, self.last_diagnosis.message, step=step)
+                deliver_text(
+                    trainer.loggers,
+                    self.prefix + DIAGNOSIS_TEXT_KEY,
+                    self.last_diagnosis.message,
+                    step=step,
+                    warnings=self.warnings,
+                )
         self._watch_inputs(host, step)
         self._guard(trainer, metrics, host, step)
 
@@ -399,7 +405,7 @@ class KLSampleTrainMonitor(Callback):
             trainer.should_stop = True
             message += " Signaling Trainer to stop."
         if trainer.is_global_zero:
-            deliver_text(trainer.loggers, self.prefix + GUARD_RAIL_TEXT_KEY, message, step=step)
+            deliver_text(trainer.loggers, self.prefix + GUARD_RAIL_TEXT_KEY, message, step=step, warnings=self.warnings)
         if self.on_exceed == "raise":
             raise SampleTrainDivergenceError(message)
         self.warnings.warn(f"exceeded:{step}", message)

@@ -34,25 +34,39 @@ from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, MediaOpti
 from loops_callbacks.divergence.metrics import histogram_values
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.worst_tokens import worst_token_rows, worst_tokens_markdown
+from loops_callbacks.run_warnings import RunWarnings
 
 __all__ = ["deliver", "deliver_text"]
 
 
 def deliver(
-    loggers: Iterable[Any], scalars: Mapping[str, float], host: HostDivergence, *, step: int, media: MediaOptions
+    loggers: Iterable[Any],
+    scalars: Mapping[str, float],
+    host: HostDivergence,
+    *,
+    step: int,
+    media: MediaOptions,
+    warnings: RunWarnings | None = None,
 ) -> None:
-    """Log ``scalars`` (and media where the logger can show it) at ``step`` to each logger."""
+    """Log ``scalars`` (and media where the logger can show it) at ``step`` to each logger.
+
+    A failing logger is a warning, through ``warnings`` (once per run and logger) when given.
+    """
     for logger in loggers:
         try:
             _deliver_one(logger, scalars, host, step, media)
         except Exception as error:  # a full disk, a closed W&B run, a network error
-            rank_zero_warn(
+            _warn(
+                warnings,
+                f"logger:{type(logger).__name__}",
                 f"KLSampleTrainMonitor could not log to {type(logger).__name__} at step {step}: {error!r}; "
-                "training goes on"
+                "training goes on",
             )
 
 
-def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> None:
+def deliver_text(
+    loggers: Iterable[Any], key: str, text: str, *, step: int, warnings: RunWarnings | None = None
+) -> None:
     """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others are skipped.
 
     Used for the guard rail's message, so a stop is visible beside the curves.
@@ -72,7 +86,15 @@ def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int) -> N
 
                 logger.log_metrics({key: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
         except Exception as error:  # a full disk, a closed W&B run
-            rank_zero_warn(f"KLSampleTrainMonitor could not log {key!r} to {type(logger).__name__} at step {step}: {error!r}")
+            name = type(logger).__name__
+            _warn(warnings, f"text:{name}", f"KLSampleTrainMonitor could not log {key!r} to {name} at step {step}: {error!r}")
+
+
+def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
+    if warnings is None:
+        rank_zero_warn(message)
+    else:
+        warnings.warn(key, message)
 
 
 def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence, step: int, media: MediaOptions) -> None:
