@@ -15,13 +15,13 @@ holds trained weights: it takes the initial policy's values from the cache, neve
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import check_vocabulary, validate_dpo_pairs
 from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport, score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
@@ -365,13 +365,12 @@ class ReferenceLogprobsMixin:
         trainer = self.trainer  # type: ignore[attr-defined]
         restored = getattr(self, "_restored_reference_state", None) or {}
         expected = restored.get("reference_fingerprint")
-        if expected is None and getattr(trainer, "is_global_zero", True):
-            warnings.warn(
+        if expected is None:
+            run_warnings.warn(
                 f"the checkpoint {trainer.ckpt_path!r} does not record which initial policy the reference logprobs "
                 "came from (saved by another DataModule or version): the cached values of these data are used "
                 "whichever reference made them",
                 ReferenceCacheWarning,
-                stacklevel=3,
             )
         which = f" (weights fingerprint {expected[:16]}...)" if expected else ""
         where = f"put it back at {cache_path} (or point cache_dir at the directory holding it)"

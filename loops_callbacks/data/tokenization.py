@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import _datum, _record_pair
 from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.preference import (
@@ -351,9 +352,7 @@ def preference_datums(
         )
     message = report.warning()
     if message and warn:
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        rank_zero_warn(message, category=PreferenceDataWarning)
+        run_warnings.warn(message, PreferenceDataWarning)
     log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
     return data, report
 

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from loops_callbacks import run_warnings
 from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, MediaOptions, divergence_media
 from loops_callbacks.divergence.metrics import histogram_values
 from loops_callbacks.divergence.statistics import HostDivergence
@@ -92,7 +92,7 @@ def deliver_text(
 
 def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
     if warnings is None:
-        rank_zero_warn(message)
+        run_warnings.warn(message)
     else:
         warnings.warn(key, message)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from loops_callbacks import run_warnings
 from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
 from loops_callbacks.reference.attach import attach_reference_logprobs, attach_reference_values
 from loops_callbacks.reference.cache import CacheKey, data_fingerprint, map_cache, read_cache, write_cache
@@ -302,10 +302,9 @@ def _load(
     if group.rank == 0:
         lookup = read_cache(path, key, lengths)
         if warn and lookup.status in ("stale", "corrupt"):
-            warnings.warn(
+            run_warnings.warn(
                 f"the reference-logprob cache {path!r} is not used and will be replaced: {lookup.reason}; scoring again",
                 ReferenceCacheWarning,
-                stacklevel=3,
             )
         summary = (lookup.status, lookup.reason, lookup.digest, lookup.key.reference if lookup.key else None)
     status, reason, digest, stored_reference = group.broadcast_object(summary)

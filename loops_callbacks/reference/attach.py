@@ -21,12 +21,12 @@ import copy
 import dataclasses
 import functools
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from loops_callbacks import run_warnings
 from loops_callbacks.conventions import (
     TinkerConventionWarning,
     describe_indices,
@@ -121,9 +121,7 @@ def attach_reference_logprobs(
         lengths.append(length)
     tinker = weighted_last_positions(data)
     if tinker:
-        warnings.warn(
-            tinker_convention_message(describe_indices(tinker, len(data))), TinkerConventionWarning, stacklevel=2
-        )
+        run_warnings.warn(tinker_convention_message(describe_indices(tinker, len(data))), TinkerConventionWarning)
 
     with _Progress(progress, len(data)) as report:
         if callable(batch):

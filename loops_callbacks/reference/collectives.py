@@ -16,12 +16,13 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from loops_callbacks import run_warnings
 
 __all__ = ["Group"]
 
@@ -110,6 +111,6 @@ class Group:
             dist.barrier()
 
     def warn_once(self, message: str, category: type[Warning] = UserWarning) -> None:
-        """A warning on rank 0 only."""
+        """A warning on this group's rank 0 only (``loops_callbacks.run_warnings``)."""
         if self.rank == 0:
-            warnings.warn(message, category, stacklevel=3)
+            run_warnings.warn(message, category, stacklevel=4)
