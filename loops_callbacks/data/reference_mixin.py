@@ -380,7 +380,8 @@ class ReferenceLogprobsMixin:
             f"this run resumes from {trainer.ckpt_path}, so the LightningModule holds trained weights, not the "
             f"initial policy{which} whose logprobs are the DPO reference; they can only come from the cache the "
             f"first run wrote: {where}, or pass reference=<a checkpoint of the initial policy, saved before the "
-            "first optimizer step>"
+            "first optimizer step> (a checkpoint is loaded into a copy of the module, so a model built in "
+            "configure_model needs the cache file)"
         )
         return compute_reference_logprobs(
             data,
