@@ -229,6 +229,20 @@ def timed(device: torch.device, fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def timed_with_peak(device: torch.device, fn: Any) -> tuple[float, Any, int]:
+    """``timed(device, fn)`` and the peak memory it added: the device's allocator on CUDA, malloc on the host."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        seconds, result = timed(device, fn)
+        return seconds, result, torch.cuda.max_memory_allocated(device) - base
+    with PeakHostMemory() as memory:
+        seconds, result = timed(device, fn)
+    return seconds, result, memory.growth_bytes
+
+
 def bench_local(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model, prompts = build_model(args), build_prompts(args)
@@ -389,16 +403,7 @@ def measure_budget(args: argparse.Namespace, budget: int, model: nn.Module | Non
     client.compute_logprobs_batch(prompts)  # warm-up: one pass fills the per-shape kernel caches
     tokens = sum(len(p) for p in prompts)
     batches = len(padded_batches(client, prompts))
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        seconds, logprobs = timed(device, lambda: client.compute_logprobs_batch(prompts))
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        with PeakHostMemory() as memory:
-            seconds, logprobs = timed(device, lambda: client.compute_logprobs_batch(prompts))
-        peak = memory.growth_bytes
+    seconds, logprobs, peak = timed_with_peak(device, lambda: client.compute_logprobs_batch(prompts))
     for _ in range(args.repeat - 1):
         seconds = min(seconds, timed(device, lambda: client.compute_logprobs_batch(prompts))[0])
     return {"tokens_per_s": tokens / seconds, "peak_mib": peak / 2**20, "batches": batches, "logprobs": logprobs}
@@ -536,17 +541,7 @@ def probe_head_memory(args: argparse.Namespace, path: str) -> dict[str, Any]:
     packed = PackedTokens.from_sequences(torch.randint(0, vocab, (rows, 512), generator=generator).numpy())
     client.score_packed(packed.slice(0, 1)).cpu()  # warm-up, and the head path's one-time check
     assert client.path == path, client.scorer.why_not_head
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        seconds, values = timed(device, lambda: client.score_packed(packed))
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        with PeakHostMemory() as memory:
-            seconds, values = timed(device, lambda: client.score_packed(packed))
-        peak = memory.growth_bytes
+    seconds, values, peak = timed_with_peak(device, lambda: client.score_packed(packed))
     return {"peak_mib": peak / 2**20, "seconds": seconds, "values": values.cpu().numpy(), "tokens": packed.num_tokens}
 
 
