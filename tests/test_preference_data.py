@@ -230,6 +230,16 @@ def test_bad_sources_are_explained(tmp_path: Path) -> None:
         read_preference_records(5)
 
 
+def test_jsonl_lines_end_at_newline_only(tmp_path: Path) -> None:
+    # JSON strings may hold U+2028 and U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them)
+    records = [{"prompt": "a\u2028b", "chosen": "c\x85", "rejected": "d"}, {"prompt": "p", "chosen": "a", "rejected": "b"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    located = read_preference_records(str(path))
+    assert [r.record for r in located] == records
+    assert [r.where for r in located] == [f"line 1 of {path}", f"line 2 of {path}"]
+
+
 def test_load_dataset_without_a_split_uses_the_only_one(tmp_path: Path) -> None:
     source = write_source("load_dataset", RECORDS["standard"], tmp_path)
     del source["split"]

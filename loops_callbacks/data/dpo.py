@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -34,7 +33,8 @@ import torch
 from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
-from loops_callbacks.data.labels import datum_label, file_line, pair_label
+from loops_callbacks.data.labels import datum_label, pair_label
+from loops_callbacks.data.preference import _json_lines, _read_utf8
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -52,7 +52,6 @@ __all__ = [
     "dpo_pair_datums",
     "dpo_records_to_datums",
     "read_dpo_jsonl",
-    "utf8_error_in_jsonl",
     "validate_dpo_pairs",
 ]
 
@@ -213,53 +212,11 @@ def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
     Errors (a ``ValueError``, also for text that is not UTF-8) name the pair index and the line of
     the file.
     """
+    path = os.fspath(path)
     data: list[Datum] = []
-    with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            label = pair_label(len(data) // 2, file_line(line_number, path))
-            line = _utf8_line(raw, label)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{label}: not valid JSON: {error}") from None
-            data.extend(_record_pair(record, label))
+    for pair, item in enumerate(_json_lines(_read_utf8(path), path)):
+        data.extend(_record_pair(item.record, pair_label(pair, item.where)))
     return data
-
-
-def _utf8_line(raw: bytes, label: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{label}: not UTF-8 text (byte {raw[error.start]:#04x} at byte {error.start} of the line: "
-            f"{error.reason}); save the file as UTF-8"
-        ) from None
-
-
-def utf8_error_in_jsonl(path: str | os.PathLike[str]) -> ValueError | None:
-    """The ``ValueError`` naming the pair and line of the first line of ``path`` that is not UTF-8, if any.
-
-    For readers that decode the whole file at once and only learn that some byte is not UTF-8.
-
-    Example:
-        >>> import os, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "pairs.jsonl")
-        >>> with open(path, "wb") as file:
-        ...     _ = file.write(b'{"chosen": [1, 2]}\\n\\n{"chosen": "caf\\xe9"}\\n')
-        >>> str(utf8_error_in_jsonl(path)).replace(path, "pairs.jsonl")
-        'pair 1 (line 3 of pairs.jsonl): not UTF-8 text (byte 0xe9 at byte 15 of the line: invalid continuation byte); save the file as UTF-8'
-    """
-    pairs = 0
-    with open(path, "rb") as file:
-        for line_number, raw in enumerate(file, start=1):
-            try:
-                _utf8_line(raw, pair_label(pairs, file_line(line_number, path)))
-            except ValueError as error:
-                return error
-            pairs += bool(raw.strip())
-    return None
 
 
 def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:

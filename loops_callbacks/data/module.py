@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, collate_dpo_pairs, utf8_error_in_jsonl
+from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, collate_dpo_pairs
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
 from loops_callbacks.data.tokenization import TokenizationReport, preference_datums
@@ -209,12 +209,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
                 )
         source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-        try:
-            records = read_preference_records(source)
-        except UnicodeDecodeError:
-            if not isinstance(source, (str, os.PathLike)):
-                raise
-            raise (utf8_error_in_jsonl(source) or ValueError(f"{os.fspath(source)}: not UTF-8 text")) from None
+        records = read_preference_records(source)
         rank_zero = getattr(getattr(self, "trainer", None), "is_global_zero", True)
         data, self.tokenization_report = preference_datums(
             records,

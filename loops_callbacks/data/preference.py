@@ -272,8 +272,7 @@ def _read_file(path: str) -> list[LocatedRecord]:
         parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
         rows = parquet.read_table(path).to_pylist()
         return [LocatedRecord(row, f"row {index} of {path}") for index, row in enumerate(rows)]
-    with open(path, encoding="utf-8") as file:
-        text = file.read()
+    text = _read_utf8(path)
     if kind == "json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -283,16 +282,38 @@ def _read_file(path: str) -> list[LocatedRecord]:
     return list(_json_lines(text, path))
 
 
+def _read_utf8(path: str) -> str:
+    """The text of ``path``; a ``ValueError`` naming the pair and line of the first line that is not UTF-8."""
+    with open(path, "rb") as file:
+        raw = file.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    pairs = 0
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            pairs += bool(line.decode("utf-8").strip())
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{pair_label(pairs, file_line(number, path))}: not UTF-8 text (byte {line[error.start]:#04x} at "
+                f"byte {error.start} of the line: {error.reason}); save the file as UTF-8"
+            ) from None
+    raise AssertionError("unreachable: some line is not UTF-8")
+
+
 def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
+    """One record per non-blank line; lines end at "\\n" only (JSON strings may hold U+2028, U+0085)."""
     count = 0
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = file_line(number, path)
         try:
-            yield LocatedRecord(json.loads(line), where)
+            record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{pair_label(count, where)}: not valid JSON: {error}") from None
+        yield LocatedRecord(record, where)
         count += 1
 
 
