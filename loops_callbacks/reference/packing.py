@@ -26,12 +26,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["DeviceBatches", "PackedTokens", "plan_batches", "split_values", "to_device"]
+__all__ = ["DeviceBatches", "PackedTokens", "plan_batches", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,6 @@ class PackedTokens:
         """
         offsets = self.offsets[start : stop + 1]
         return PackedTokens(self.ids[offsets[0] : offsets[-1]], offsets - offsets[0])
-
-    def sequence(self, index: int) -> np.ndarray:
-        return self.ids[self.offsets[index] : self.offsets[index + 1]]
 
 
 def plan_batches(lengths: np.ndarray, max_tokens_per_batch: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -155,8 +151,3 @@ class DeviceBatches:
     def result(self) -> torch.Tensor:
         """The flat float32 values of every sequence (on the device)."""
         return self.values[: self.total]
-
-
-def split_values(values: Any, offsets: np.ndarray) -> list[Any]:
-    """Views of a flat array, one per sequence (no copy)."""
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
