@@ -417,7 +417,12 @@ class KLSampleTrainMonitor(Callback):
             data = batch
         with_tokens = self.top_n > 0
         if data is not None:
-            return flatten_datums(data, self._trainer_logprobs(outputs, batch, datums=True), with_tokens=with_tokens)
+            return flatten_datums(
+                data,
+                self._trainer_logprobs(outputs, batch, datums=True),
+                with_tokens=with_tokens,
+                with_token_ids=self.diagnose,  # read only by the diagnosis' per-token-id sums
+            )
         missing = [self.keys[k] for k in ("logprobs", "mask") if self._lookup(outputs, batch, k) is None]
         if missing:
             raise ValueError(
