@@ -104,10 +104,10 @@ LOGPROB_FLOOR = -1e4
 TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
 """Position of each named total in ``DivergenceStats.totals``."""
 GATHERED_TOTALS = TOTAL_INDEX["n_trainer_below_floor"] + 1
-SIGNATURE_TOTALS = TOTALS[GATHERED_TOTALS:]
-"""The diagnosis' sums: zero when a batch is read with ``signatures=False``."""
 """The first totals, which every rank's header carries (``reduction``); the later ones, the
 diagnosis' signature sums, travel in the summed body, so the per-rank header does not grow."""
+SIGNATURE_TOTALS = TOTALS[GATHERED_TOTALS:]
+"""The diagnosis' sums: zero when a batch is read with ``signatures=False``."""
 TOKEN_BUCKETS = 1024
 """Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
 mergeable buffer whatever the vocabulary. Below 1,024 ids every id has its own bucket; above, a
