@@ -40,9 +40,11 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
+
+from loops_callbacks.reference.packing import PackedTokens
 
 __all__ = ["CACHE_FILE_NAME", "CacheKey", "CacheLookup", "data_fingerprint", "map_cache", "read_cache", "write_cache"]
 
@@ -83,7 +85,7 @@ class CacheLookup:
     key: CacheKey | None = None
 
 
-def data_fingerprint(token_lists: Sequence[Sequence[int]] | Any) -> str:
+def data_fingerprint(token_lists: Sequence[Sequence[int]] | PackedTokens) -> str:
     """sha256 of the datums' token ids and their order (and of where each datum starts and ends).
 
     ``token_lists`` is a list of id lists, or ``PackedTokens`` (the same digest, without Python work per token).
@@ -92,12 +94,9 @@ def data_fingerprint(token_lists: Sequence[Sequence[int]] | Any) -> str:
         >>> data_fingerprint([[1, 2], [3]]) == data_fingerprint([[1], [2, 3]])
         False
     """
-    if hasattr(token_lists, "ids") and hasattr(token_lists, "offsets"):
-        lengths = np.diff(token_lists.offsets).astype("<i8", copy=False)
-        flat = np.asarray(token_lists.ids).astype("<i8", copy=False)
-    else:
-        lengths = np.fromiter((len(tokens) for tokens in token_lists), dtype="<i8", count=len(token_lists))
-        flat = np.fromiter((t for tokens in token_lists for t in tokens), dtype="<i8", count=int(lengths.sum()))
+    packed = token_lists if isinstance(token_lists, PackedTokens) else PackedTokens.from_sequences(token_lists)
+    lengths = packed.lengths.astype("<i8", copy=False)
+    flat = packed.ids.astype("<i8", copy=False)
     digest = hashlib.sha256(b"loops-callbacks token data v1\n")
     digest.update(lengths.tobytes())
     digest.update(flat.tobytes())
