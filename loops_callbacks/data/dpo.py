@@ -90,23 +90,16 @@ def dpo_pair_datums(
             f"(got prompt_length={prompt_length!r}, chosen_weights {'set' if chosen_weights is not None else 'None'}, "
             f"rejected_weights {'set' if rejected_weights is not None else 'None'})"
         )
-    if by_weights:
-        if chosen_weights is None or rejected_weights is None:
-            raise ValueError("give both chosen_weights and rejected_weights, or prompt_length")
-        token_weights = (
-            _token_weights(chosen_weights, len(chosen_tokens), "chosen"),
-            _token_weights(rejected_weights, len(rejected_tokens), "rejected"),
-        )
-    else:
+    if not by_weights:
         _check_prompt_length(prompt_length, chosen_tokens, rejected_tokens)
         assert prompt_length is not None
-        token_weights = tuple(
-            [0.0] * prompt_length + [1.0] * (len(tokens) - prompt_length) for tokens in (chosen_tokens, rejected_tokens)
-        )
-    chosen_datum, rejected_datum = (
-        _datum(tokens, weights) for tokens, weights in zip((chosen_tokens, rejected_tokens), token_weights)
+        return _prompt_pair(chosen_tokens, rejected_tokens, prompt_length)
+    if chosen_weights is None or rejected_weights is None:
+        raise ValueError("give both chosen_weights and rejected_weights, or prompt_length")
+    return (
+        _datum(chosen_tokens, _token_weights(chosen_weights, len(chosen_tokens), "chosen")),
+        _datum(rejected_tokens, _token_weights(rejected_weights, len(rejected_tokens), "rejected")),
     )
-    return chosen_datum, rejected_datum
 
 
 def _token_list(tokens: Any, name: str) -> list[int]:
@@ -168,6 +161,13 @@ def _datum(tokens: list[int], token_weights: list[float]) -> Datum:
             "target_tokens": TensorData([*tokens[1:], 0], "int64", [length]),
             "weights": TensorData([*token_weights[1:], 0.0], "float32", [length]),
         },
+    )
+
+
+def _prompt_pair(chosen: list[int], rejected: list[int], prompt_length: int) -> tuple[Datum, Datum]:
+    """The pair's datums, weight 1 on every token after the first ``prompt_length`` (checked by the caller)."""
+    return tuple(  # type: ignore[return-value]
+        _datum(tokens, [0.0] * prompt_length + [1.0] * (len(tokens) - prompt_length)) for tokens in (chosen, rejected)
     )
 
 

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import _datum, _record_pair
+from loops_callbacks.data.dpo import _prompt_pair, _record_pair
 from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.preference import (
     LocatedRecord,
@@ -342,8 +342,7 @@ def preference_datums(
             report.note(event, example.where)
         if any(event.startswith("dropped") for event in events):
             continue
-        data.append(_datum(chosen, [0.0] * prompt_length + [1.0] * (len(chosen) - prompt_length)))
-        data.append(_datum(rejected, [0.0] * prompt_length + [1.0] * (len(rejected) - prompt_length)))
+        data.extend(_prompt_pair(chosen, rejected, prompt_length))
         report.record_indices.append(index)
     report.num_pairs = len(data) // 2
     if not data:
