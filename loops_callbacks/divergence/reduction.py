@@ -67,6 +67,7 @@ from loops_callbacks.divergence.statistics import (
     TOTAL_INDEX,
     TOTALS,
     DivergenceStats,
+    _keys_of,
 )
 
 __all__ = [
@@ -317,8 +318,7 @@ def _add_sample(slots: torch.Tensor, stats: DivergenceStats, share: torch.Tensor
     The last place takes every unchosen diff as a zero, so no shape depends on the data.
     """
     values = stats.sample_values.to(torch.float64)
-    keys = stats.sample_keys if stats.sample_keys is not None else torch.zeros_like(values)
-    chosen = _smallest(keys, share)
+    chosen = _smallest(_keys_of(stats), share)
     places = torch.where(chosen, start + torch.cumsum(chosen, 0) - 1, slots.shape[0] - 1)
     slots.index_add_(0, places, values.masked_fill(~chosen, 0.0))
 
