@@ -89,7 +89,75 @@ def _module_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-class TorchSamplingClient:
+class ScorerClient:
+    """What the clients scored by a ``TokenScorer`` share: its settings and the SDK's list forms.
+
+    A subclass sets ``scorer`` and defines ``score_packed(packed, *, progress, lockstep)`` (flat
+    values in the ``ref_logprobs`` layout); ``compute_logprobs`` and ``compute_logprobs_batch``
+    are the ``SamplingClient`` forms of it.
+    """
+
+    scorer: TokenScorer
+
+    def score_packed(
+        self,
+        packed: PackedTokens,
+        *,
+        progress: Callable[[int], None] | None = None,
+        lockstep: Any = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        """The padded-token budget of one forward pass (the given one, or the default of the path)."""
+        return self.scorer.max_tokens_per_batch
+
+    @property
+    def path(self) -> str:
+        """``"output_head"`` (chunked, from hidden states) or ``"logits"`` (the general path)."""
+        return self.scorer.path
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        """Log-probabilities of ``prompt``'s tokens; element 0 is ``None``.
+
+        ``prompt`` is a ``ModelInput`` (ours, Tinker's or Loops'), a list of ids or a 1-D tensor.
+
+        Example:
+            >>> import torch
+            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
+            >>> client.compute_logprobs([1, 2])[0] is None
+            True
+        """
+        return self.compute_logprobs_batch([prompt])[0]
+
+    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
+        """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
+
+        The SDK's list form; ``score_packed`` is the same without lists.
+
+        Example:
+            >>> import torch
+            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
+            >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
+            [3, 0, 1]
+        """
+        packed = PackedTokens.from_sequences([self._tokens(prompt, index) for index, prompt in enumerate(prompts)])
+        values = self.score_packed(packed).cpu().numpy()
+        results: list[list[float | None]] = []
+        for index in range(len(packed)):
+            start, stop = int(packed.offsets[index]), int(packed.offsets[index + 1])
+            results.append([None, *values[start : stop - 1].tolist()] if stop > start else [])
+        return results
+
+    def _tokens(self, prompt: Any, index: int) -> list[int]:
+        try:
+            return model_input_tokens(prompt)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"prompt {index}: {error}") from None
+
+
+class TorchSamplingClient(ScorerClient):
     """A ``SamplingClient`` over a local causal LM, scoring many prompts per forward pass.
 
     ``model`` is an ``nn.Module`` that maps token ids ``LongTensor[B, T]`` to logits ``[B, T, V]``
@@ -176,16 +244,6 @@ class TorchSamplingClient:
             vocab_size=self.vocab_size,
         )
 
-    @property
-    def max_tokens_per_batch(self) -> int:
-        """The padded-token budget of one forward pass (the given one, or the default of the path)."""
-        return self.scorer.max_tokens_per_batch
-
-    @property
-    def path(self) -> str:
-        """``"output_head"`` (chunked, from hidden states) or ``"logits"`` (the general path)."""
-        return self.scorer.path
-
     @staticmethod
     def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None = None) -> int:
         """The default ``max_tokens_per_batch``: measured per device type, capped by full logits' size.
@@ -267,38 +325,6 @@ class TorchSamplingClient:
             return None
         return weights_fingerprint(self.model, tag=str(self.dtype), group=Group.local())
 
-    def compute_logprobs(self, prompt: Any) -> list[float | None]:
-        """Log-probabilities of ``prompt``'s tokens; element 0 is ``None``.
-
-        ``prompt`` is a ``ModelInput`` (ours, Tinker's or Loops'), a list of ids or a 1-D tensor.
-
-        Example:
-            >>> import torch
-            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
-            >>> client.compute_logprobs([1, 2])[0] is None
-            True
-        """
-        return self.compute_logprobs_batch([prompt])[0]
-
-    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
-        """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
-
-        The SDK's list form; ``score_packed`` is the same without lists.
-
-        Example:
-            >>> import torch
-            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
-            >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
-            [3, 0, 1]
-        """
-        packed = PackedTokens.from_sequences([self._tokens(prompt, index) for index, prompt in enumerate(prompts)])
-        values = self.score_packed(packed).cpu().numpy()
-        results: list[list[float | None]] = []
-        for index in range(len(packed)):
-            start, stop = int(packed.offsets[index]), int(packed.offsets[index + 1])
-            results.append([None, *values[start : stop - 1].tolist()] if stop > start else [])
-        return results
-
     def score_packed(
         self,
         packed: PackedTokens,
@@ -319,12 +345,6 @@ class TorchSamplingClient:
         """
         check_token_ids(packed, self.vocab_size)
         return self.scorer.score(packed, progress=progress, lockstep=lockstep)
-
-    def _tokens(self, prompt: Any, index: int) -> list[int]:
-        try:
-            return model_input_tokens(prompt)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"prompt {index}: {error}") from None
 
 
 def check_token_ids(packed: PackedTokens, vocab_size: int | None, *, label: str = "prompt") -> None:

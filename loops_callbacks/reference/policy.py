@@ -30,14 +30,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from loops_callbacks.fields import model_input_tokens
-from loops_callbacks.reference.clients import _find_vocab_size, _module_device, check_token_ids
+from loops_callbacks.reference.clients import ScorerClient, _find_vocab_size, _module_device, check_token_ids
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
@@ -61,8 +60,11 @@ def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
     return scoring_dtype or f"policy|precision={trainer.precision}"
 
 
-class PolicyReference:
+class PolicyReference(ScorerClient):
     """The policy module as a reference scorer, used in place; see the module docstring.
+
+    Its scoring methods (``score_packed``, and the ``SamplingClient`` forms ``compute_logprobs`` /
+    ``compute_logprobs_batch``) run in lock-step: every rank of a process group calls them at once.
 
     Args:
         module: the policy (a LightningModule, or any causal LM ``module(input_ids) -> logits``).
@@ -148,14 +150,6 @@ class PolicyReference:
             max_tokens_per_batch=max_tokens_per_batch,
         )
 
-    @property
-    def path(self) -> str:
-        return self.scorer.path
-
-    @property
-    def max_tokens_per_batch(self) -> int:
-        return self.scorer.max_tokens_per_batch
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({type(self.module).__name__}, device={str(self.device)!r}, tag={self.tag!r}, "
@@ -180,22 +174,6 @@ class PolicyReference:
             return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
         finally:
             _reshard(self.module)
-
-    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
-        """The ``SamplingClient`` list form (element 0 ``None``), e.g. for ``attach_reference_logprobs``.
-
-        Every rank of a process group must call it at the same time (lock-step).
-        """
-        packed = PackedTokens.from_sequences([model_input_tokens(prompt) for prompt in prompts])
-        values = self.score_packed(packed).cpu().numpy()
-        results: list[list[float | None]] = []
-        for start, stop in zip(packed.offsets[:-1].tolist(), packed.offsets[1:].tolist()):
-            results.append([None, *values[start : stop - 1].tolist()] if stop > start else [])
-        return results
-
-    def compute_logprobs(self, prompt: Any) -> list[float | None]:
-        """``compute_logprobs_batch`` of one prompt."""
-        return self.compute_logprobs_batch([prompt])[0]
 
 
 def _reshard(module: nn.Module) -> None:
