@@ -217,18 +217,11 @@ class KLSampleTrainMonitor(Callback):
         self.keys = _data_keys(keys)
         self.diagnose = diagnose
         self.calibration_steps = calibration_steps
-        self.calibration = Calibration(calibration_steps)
-        self.last_diagnosis: Diagnosis | None = None
         self.exceeded_steps = 0
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
         self.warnings = RunWarnings()
-        self._window: DivergenceStats | None = None
-        self._last_flat: FlatBatch | None = None
-        self._contract_checked = False
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._logged_steps = 0
-        self._steps_with_action_tokens = 0
+        self._start_run()
 
     @property
     @override
@@ -239,15 +232,19 @@ class KLSampleTrainMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             check_loop_internals(trainer)
-        self._window = None
-        self._last_flat = None
+        self._start_run()
+        self.warnings.reset()
+
+    def _start_run(self) -> None:
+        """The state of one run (set again at each ``setup``; the checkpointed state is not)."""
+        self.calibration = Calibration(self.calibration_steps)
+        self.last_diagnosis: Diagnosis | None = None
+        self._window: DivergenceStats | None = None
+        self._last_flat: FlatBatch | None = None
         self._contract_checked = False
-        self._generators = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
         self._logged_steps = 0
         self._steps_with_action_tokens = 0
-        self.calibration = Calibration(self.calibration_steps)
-        self.last_diagnosis = None
-        self.warnings.reset()
 
     @override
     def on_train_batch_end(
