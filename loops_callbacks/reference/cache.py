@@ -71,18 +71,25 @@ class CacheKey:
 
 @dataclass
 class CacheLookup:
-    """The outcome of ``read_cache``: ``values`` when ``status == "hit"``, else why not (``reason``).
+    """The outcome of ``read_cache``: ``flat`` (and ``values``) when ``status == "hit"``, else why not (``reason``).
 
     ``status`` is ``"hit"``, ``"missing"`` (no file), ``"stale"`` (a whole file made for another
     key) or ``"corrupt"`` (a truncated or damaged file, or one whose lengths do not fit the data).
     """
 
     status: Literal["hit", "missing", "stale", "corrupt"]
-    values: list[np.ndarray] | None = None
     reason: str = ""
     flat: np.ndarray | None = None
+    lengths: np.ndarray | None = None
     digest: bytes | None = None
     key: CacheKey | None = None
+
+    @property
+    def values(self) -> list[np.ndarray] | None:
+        """One view of ``flat`` per datum, made when asked for (a loaded cache is used flat)."""
+        if self.flat is None or self.lengths is None:
+            return None
+        return list(np.split(self.flat, np.cumsum(self.lengths)[:-1])) if len(self.lengths) else []
 
 
 def data_fingerprint(token_lists: Sequence[Sequence[int]] | PackedTokens) -> str:
@@ -269,11 +276,4 @@ def _parse(
         return CacheLookup("corrupt", reason="its lengths do not add up to its number of values")
     values_start = start + 8 * num_datums
     flat = blob[values_start : values_start + 4 * num_values].view("<f4")
-    bounds = np.cumsum(stored_lengths)[:-1]
-    return CacheLookup(
-        "hit",
-        values=list(np.split(flat, bounds)) if num_datums else [],
-        flat=flat,
-        digest=trailer,
-        key=stored_key,
-    )
+    return CacheLookup("hit", flat=flat, lengths=stored_lengths, digest=trailer, key=stored_key)
