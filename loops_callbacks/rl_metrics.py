@@ -50,10 +50,7 @@ def loops_compute_kl_sample_train(
     logprobs above 0 or below -1e4) are logged as warnings on the ``loops_callbacks`` logger; the
     numbers are returned anyway.
     """
-    flat = flatten_datums(data, training_logprobs, with_token_ids=False)
-    host = DivergenceStats.from_batch(flat, signatures=False).to_host()
-    _report_inputs(host)
-    return scalar_metrics(host, prefix=prefix)
+    return scalar_metrics(_read(data, training_logprobs, top_n=0), prefix=prefix)
 
 
 def loops_log_kl_sample_train(
@@ -83,10 +80,7 @@ def loops_log_kl_sample_train(
         if forward_backward_output is None:
             raise ValueError("pass either forward_backward_output or training_logprobs")
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
-    rows = top_n if log_worst_tokens else 0
-    flat = flatten_datums(data, training_logprobs, with_tokens=rows > 0, with_token_ids=False)
-    host = DivergenceStats.from_batch(flat, top_n=rows, signatures=False).to_host()
-    _report_inputs(host)
+    host = _read(data, training_logprobs, top_n=top_n if log_worst_tokens else 0)
     metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
     metrics.update(
         divergence_media(host, MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer))
@@ -99,6 +93,13 @@ def loops_log_kl_sample_train(
     return metrics
 
 
-def _report_inputs(host: HostDivergence) -> None:
+def _read(data: Sequence[Any], training_logprobs: Sequence[Any] | torch.Tensor, *, top_n: int) -> HostDivergence:
+    """The batch's statistics on the host, impossible inputs logged as warnings.
+
+    The plain functions report no diagnosis, so neither its token ids nor its sums are read.
+    """
+    flat = flatten_datums(data, training_logprobs, with_tokens=top_n > 0, with_token_ids=False)
+    host = DivergenceStats.from_batch(flat, top_n=top_n, signatures=False).to_host()
     for message in impossible_inputs(host).values():
         logger.warning("%s", message)
+    return host
