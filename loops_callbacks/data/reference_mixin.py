@@ -52,15 +52,16 @@ def compute_reference_logprobs(
 
     Call it on every rank of an initialized ``torch.distributed`` group (or in a single process)
     with the same ``data``; the pairs are checked (``validate_dpo_pairs``, ``check_vocabulary``),
-    then scored by ``score_across_ranks``: each rank scores about 1/world_size of the pairs (pair p on
-    rank p % world_size) and all get every result. Without a ``cache_path``, or without a fingerprint for ``reference`` (a client with no
-    ``fingerprint()`` method and no ``reference_fingerprint`` given), nothing is cached.
+    then scored by ``score_across_ranks``: each rank scores one contiguous block of pairs with about
+    1/world_size of the tokens, and all get every result. Without a ``cache_path``, or without a
+    fingerprint for ``reference`` (a client with no ``fingerprint()`` method and no
+    ``reference_fingerprint`` given), nothing is cached.
 
     Args:
         data: interleaved DPO datums (chosen at even indices, rejected at odd).
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
             ranks is given rank 0's weights first (as DDP does to the policy).
-        cache_path: the cache file (read by rank 0, written by rank 0).
+        cache_path: the cache file (read by rank 0, mapped by every rank, written by rank 0).
         reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
             (e.g. the checkpoint path a remote sampler serves).
         scoring_dtype: part of the cache key (``None`` means the model's own dtype).
