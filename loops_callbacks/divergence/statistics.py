@@ -435,10 +435,10 @@ def _sequence_stats(
 
     ``d`` holds the selected action tokens (``compact``) or every position with 0 elsewhere.
     """
-    row_counts = _row_sums(active, row_lengths).to(torch.float64)
-    seq_sum = _row_sums(d, row_counts.to(torch.int64) if compact else row_lengths)
+    row_counts = _row_sums(active, row_lengths)  # int64
+    seq_sum = _row_sums(d, row_counts if compact else row_lengths)
     scored = row_counts > 0
-    seq_mean = (seq_sum / row_counts.clamp(min=1.0)).masked_fill(~scored, 0.0)
+    seq_mean = (seq_sum / row_counts.clamp(min=1)).masked_fill(~scored, 0.0)
     seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
     return row_counts, scored, seq_mean, seq_w
 
@@ -481,10 +481,12 @@ def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _positions_of_selected(
-    active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, selected: torch.Tensor
+    active: torch.Tensor, row_lengths: torch.Tensor, counts: torch.Tensor, selected: torch.Tensor
 ) -> torch.Tensor:
-    """Flat indices of the ``selected`` entries of ``active``'s selection (CPU; a few rows)."""
-    counts = row_counts.to(torch.int64)
+    """Flat indices of the ``selected`` entries of ``active``'s selection (CPU; a few rows).
+
+    ``counts``: int64 action tokens per datum.
+    """
     ends = torch.cumsum(counts, 0)
     rows = torch.searchsorted(ends, selected, right=True)
     row_starts = torch.cumsum(row_lengths, 0) - row_lengths
