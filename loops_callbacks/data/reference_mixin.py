@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -32,7 +32,7 @@ from loops_callbacks.validation import check_dtype, check_int
 __all__ = ["ReferenceConfig", "ReferenceLogprobsMixin", "ScoringDtype", "compute_reference_logprobs"]
 
 ScoringDtype = Literal["float32", "bfloat16", "float16"]
-SCORING_DTYPES = ("float32", "bfloat16", "float16")
+SCORING_DTYPES: tuple[str, ...] = get_args(ScoringDtype)
 """The ``scoring_dtype`` choices (the names of ``ScoringDtype``)."""
 
 
