@@ -2,8 +2,10 @@
 
 Two pipelines: ``loops_callbacks.divergence`` (sampler-vs-trainer logprob divergence, the
 ``KLSampleTrainMonitor`` callback and its guard rail) and ``loops_callbacks.reference`` (reference
-logprobs for DPO), with ``loops_callbacks.data`` for DPO DataModules. The SDK's import paths
-``loops_callbacks.rl_metrics`` and ``loops_callbacks.helpers.datum`` are kept.
+logprobs for DPO), with ``loops_callbacks.data`` for DPO DataModules. ``token_logprobs`` is the
+one target-token log-probability formula (a ``training_step``'s, the DPO policy's and the reference
+scorer's). The SDK's import paths ``loops_callbacks.rl_metrics`` and ``loops_callbacks.helpers.datum``
+are kept.
 
 Example:
     >>> from loops_callbacks import KLSampleTrainMonitor, attach_reference_logprobs
@@ -11,6 +13,7 @@ Example:
     'stop'
 """
 
+from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.rl_metrics import loops_compute_kl_sample_train, loops_log_kl_sample_train
@@ -29,6 +32,7 @@ __all__ = [
     "attach_reference_logprobs",
     "loops_compute_kl_sample_train",
     "loops_log_kl_sample_train",
+    "token_logprobs",
 ]
 
 _LIGHTNING_NAMES = {"KLSampleTrainMonitor", "SampleTrainDivergenceError"}

@@ -1,4 +1,4 @@
-"""A tiny causal transformer language model, and per-token logprobs from its logits.
+"""A tiny causal transformer language model (``token_logprobs``, re-exported here, reads its logits).
 
 The model is small enough to train on a CPU in a minute and has no dropout, so two copies with
 the same weights and precision give the same logprobs (what the sampler/trainer gap is measured
@@ -41,28 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.validation import check_int
 
 __all__ = ["KVCache", "TinyCausalLM", "token_logprobs"]
-
-
-def token_logprobs(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """``out[b, k] = log p(target_tokens[b, k])`` under ``logits[b, k]``, computed in float32.
-
-    Args:
-        logits: ``[B, T, V]`` in any floating dtype (bfloat16 under mixed precision).
-        target_tokens: ``[B, T]`` token ids.
-
-    Returns:
-        ``[B, T]`` float32 logprobs (float64 if the logits are float64), differentiable.
-    """
-    if logits.shape[:-1] != target_tokens.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target_tokens {tuple(target_tokens.shape)} "
-            "do not share the [B, T] dimensions"
-        )
-    logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
-    return logprobs.gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 class KVCache:

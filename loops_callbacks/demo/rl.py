@@ -72,9 +72,10 @@ from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
-from loops_callbacks.demo.model import KVCache, TinyCausalLM, token_logprobs
+from loops_callbacks.demo.model import KVCache, TinyCausalLM
 from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
+from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.validation import check_dtype, check_int
 
 __all__ = ["RLPolicyModule"]

@@ -38,6 +38,7 @@ from lightning.pytorch import LightningModule
 from typing_extensions import override
 
 from loops_callbacks.data.preference import import_optional
+from loops_callbacks.logprobs import token_logprobs
 
 __all__ = ["DPOModule", "HFDPOModule", "dpo_loss"]
 
@@ -87,24 +88,13 @@ def dpo_loss(
     return loss, metrics
 
 
-def target_logprobs(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """``out[b, k] = log p(target_tokens[b, k])`` under ``logits[b, k]``, in float32 (float64 stays float64)."""
-    if logits.shape[:-1] != target_tokens.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target_tokens {tuple(target_tokens.shape)} "
-            "do not share the [B, T] dimensions"
-        )
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
 class DPOModule(LightningModule):
     """DPO on batches of interleaved pairs with attached reference logprobs; subclasses provide the policy.
 
     A subclass builds its model in ``__init__`` and defines ``forward(input_ids) -> logits
     [B, T, V]``; that also lets ``DPODataModule`` score the reference with the module itself before
-    its first step (the usual "reference = initial policy", with no copy of the weights). Training and validation steps, the metrics
-    and AdamW over the trainable parameters are here.
+    its first step (the usual "reference = initial policy", with no copy of the weights). Training
+    and validation steps, the metrics and AdamW over the trainable parameters are here.
 
     Args:
         beta: the DPO temperature (how far from the reference the policy may move).
@@ -125,7 +115,7 @@ class DPOModule(LightningModule):
 
     def policy_logprobs(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``[2P, T]`` float32 policy logprobs of ``batch["target_tokens"]`` (with grad)."""
-        return target_logprobs(self(batch["input_ids"]), batch["target_tokens"])
+        return token_logprobs(self(batch["input_ids"]), batch["target_tokens"])
 
     @override
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -13,8 +13,11 @@
   general path, and ``OutputHead.verify`` compares both ways once on a short probe before a run.
   The idea is Liger-Kernel's fused linear cross-entropy (chunked rows through the head), here
   without the backward and in plain torch.
-- **General path** (``logits_logprobs``): the model's logits ``[B, T, V]`` (in its own dtype),
-  turned into float32 log-probabilities a few rows at a time and gathered at the targets.
+- **General path** (``loops_callbacks.token_logprobs(logits, targets, dtype=torch.float32)``, called
+  by the scorer): the model's logits ``[B, T, V]`` (in its own dtype), turned into float32
+  log-probabilities a few rows at a time and gathered at the targets.
+
+Both paths end in ``token_logprobs``, the package's one target-token log-probability formula.
 
 Example:
     >>> import torch
@@ -40,21 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loops_callbacks.logprobs import token_logprobs
+
 __all__ = [
     "LogitTransform",
     "OutputHead",
     "find_output_head",
     "head_logprobs",
-    "logits_logprobs",
     "model_logits",
 ]
 
 # Config attributes of post-head logit transforms this module does not apply: a model having one
 # takes the general path (Granite divides by ``logits_scaling`` where another model multiplies).
 _UNSUPPORTED_TRANSFORMS = ("logits_scaling", "output_multiplier", "lm_head_multiplier", "output_multiplier_scale")
-# Rows of float32 log-probabilities computed at a time on the general path, at most this many
-# elements (16 MiB; at least one row): small next to the model's own [B, T, V] output.
-_LOGSOFTMAX_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -101,29 +102,11 @@ def head_logprobs(
     for start in range(0, hidden.shape[0], rows_per_chunk):
         stop = min(start + rows_per_chunk, hidden.shape[0])
         logits = F.linear(hidden[start:stop], weight, bias)
-        if identity:
-            logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)
-        else:
-            logprobs = torch.log_softmax(transform(logits.to(torch.float32, copy=True)), dim=1)
-        out[start:stop] = logprobs.gather(1, targets[start:stop, None]).squeeze(1)
-        del logits, logprobs
+        if not identity:
+            logits = transform(logits.to(torch.float32, copy=True))
+        out[start:stop] = token_logprobs(logits, targets[start:stop], dtype=torch.float32, rows_per_chunk=stop - start)
+        del logits
     return out
-
-
-def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``out[b, k]`` = log softmax(logits[b, k])[targets[b, k]] in float32, a few rows at a time.
-
-    ``logits`` ``[B, T, V]`` stay in the model's dtype; one fused kernel per chunk reads them and
-    writes float32 log-probabilities, so the float32 temporaries stay small.
-    """
-    rows, width, vocab = logits.shape
-    rows_per_chunk = max(1, _LOGSOFTMAX_CHUNK_ELEMENTS // max(1, width * vocab))
-    parts = []
-    for start in range(0, rows, rows_per_chunk):
-        logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
-        parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1))
-        del logprobs
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def model_logits(output: Any, input_ids: torch.Tensor) -> torch.Tensor:

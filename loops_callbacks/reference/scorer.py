@@ -33,7 +33,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from loops_callbacks.reference.heads import OutputHead, find_output_head, logits_logprobs, model_logits
+from loops_callbacks.logprobs import token_logprobs
+from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
 from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, plan_batches
 
 __all__ = ["TokenScorer", "default_head_rows", "default_tokens_per_batch"]
@@ -206,7 +207,7 @@ class TokenScorer:
             output = self.call(input_ids)
             logits = model_logits(output, input_ids)[:, :-1]
             del output  # e.g. a Hugging Face key/value cache: freed before the log-softmax
-            return logits_logprobs(logits, targets)
+            return token_logprobs(logits, targets, dtype=torch.float32)
 
     def _verify(self) -> None:
         """Check the head path once on a short probe (the same forward on every rank); else fall back."""

@@ -1,0 +1,113 @@
+"""``token_logprobs``: the log-probability a model gives each target token, from its logits.
+
+The one implementation of the formula in the package: the DPO policy (``models.DPOModule``), the
+reference scorer (``reference.heads``, both paths) and the demo models all call it, so policy and
+reference numbers cannot drift apart. Use it in a ``training_step`` to get the trainer logprobs
+that ``KLSampleTrainMonitor`` compares with the sampler's.
+
+Position k of ``logits`` predicts ``target_tokens[k]`` (for a causal LM fed ``input_ids``,
+``target_tokens[k] = input_ids[k + 1]``). The log-softmax runs in float32 whatever the logits'
+dtype (bfloat16 logits are read directly by the fused kernel, never copied whole to float32);
+float64 logits stay float64 unless ``dtype`` says otherwise.
+
+Example:
+    >>> import torch
+    >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]], dtype=torch.bfloat16)  # [B=1, T=2, V=2]
+    >>> out = token_logprobs(logits, torch.tensor([[1, 0]]))
+    >>> out.dtype, [round(v, 4) for v in out[0].tolist()]
+    (torch.float32, [-0.6931, -0.1269])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loops_callbacks.validation import check_int
+
+__all__ = ["token_logprobs"]
+
+# Float32 log-probabilities made at a time when nothing is recorded for a backward pass: at most
+# this many elements (16 MiB; at least one row of dim 0), small next to the model's own logits.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def token_logprobs(
+    logits: torch.Tensor | Any,
+    target_tokens: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    rows_per_chunk: int | None = None,
+) -> torch.Tensor:
+    """``out[b, k] = log softmax(logits[b, k])[target_tokens[b, k]]``, computed in float32.
+
+    Args:
+        logits: ``[B, T, V]`` (any leading dimensions: ``[..., V]``) in any floating dtype, or a
+            model output holding them as ``.logits`` (a Hugging Face ``CausalLMOutput``).
+        target_tokens: integer ``[B, T]`` ids (the leading dimensions of ``logits``); for a causal
+            LM fed ``input_ids``, ``target_tokens[:, k] = input_ids[:, k + 1]``.
+        dtype: the dtype of the log-softmax and the result; ``None`` for float32 (float64 when
+            the logits are float64).
+        rows_per_chunk: rows of dim 0 per log-softmax when autograd records nothing (``None``:
+            as many as fit in 16 MiB of float32, at least one). Under autograd, one call.
+
+    Returns:
+        ``[B, T]`` logprobs on the logits' device, differentiable. The values do not depend
+        on ``rows_per_chunk`` (each row's log-softmax is computed alone).
+
+    Example:
+        >>> import torch
+        >>> torch.manual_seed(0) and None
+        >>> logits, targets = torch.randn(2, 3, 5), torch.tensor([[0, 4, 2], [1, 1, 3]])
+        >>> out = token_logprobs(logits, targets)
+        >>> bool(torch.equal(out, logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]))
+        True
+        >>> token_logprobs(logits, targets[:, :2])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: token_logprobs: logits [2, 3, 5] and target_tokens [2, 2] do not share the leading dimensions...
+    """
+    logits = _logits_of(logits)
+    if not isinstance(target_tokens, torch.Tensor):
+        kind = type(target_tokens).__name__
+        raise TypeError(f"token_logprobs: target_tokens must be a tensor of token ids, got {kind}")
+    if target_tokens.is_floating_point() or target_tokens.is_complex() or target_tokens.dtype == torch.bool:
+        raise TypeError(f"token_logprobs: target_tokens must hold integer token ids, got dtype {target_tokens.dtype}")
+    if logits.dim() < 2 or logits.shape[:-1] != target_tokens.shape:
+        raise ValueError(
+            f"token_logprobs: logits {list(logits.shape)} and target_tokens {list(target_tokens.shape)} do not "
+            "share the leading dimensions (logits are [..., V], target_tokens [...])"
+        )
+    if rows_per_chunk is not None:
+        check_int("token_logprobs rows_per_chunk", rows_per_chunk, least=1)
+    if dtype is None:
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    targets = target_tokens.long().unsqueeze(-1)
+    rows = logits.shape[0]
+    if torch.is_grad_enabled() and logits.requires_grad:
+        rows_per_chunk = rows  # every chunk's log-softmax would be kept for the backward pass anyway
+    elif rows_per_chunk is None:
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, logits[:1].numel()))
+    if rows_per_chunk >= rows:
+        return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets).squeeze(-1)
+    parts = [
+        torch.log_softmax(chunk, dim=-1, dtype=dtype).gather(-1, chunk_targets).squeeze(-1)
+        for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk))
+    ]
+    return torch.cat(parts)
+
+
+def _logits_of(logits: torch.Tensor | Any) -> torch.Tensor:
+    """The floating tensor of logits itself, or a model output's ``.logits``."""
+    if not isinstance(logits, torch.Tensor):
+        inner = getattr(logits, "logits", None)
+        if not isinstance(inner, torch.Tensor):
+            raise TypeError(
+                f"token_logprobs: logits must be a [B, T, V] tensor or a model output with .logits, "
+                f"got {type(logits).__name__}"
+            )
+        logits = inner
+    if not logits.is_floating_point():
+        raise TypeError(f"token_logprobs: logits must be floating point, got dtype {logits.dtype}")
+    return logits

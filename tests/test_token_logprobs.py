@@ -1,0 +1,231 @@
+"""``token_logprobs``: the one target-token log-probability, bit for bit what each path computed before.
+
+The three implementations it replaced are kept here verbatim (``_policy_before``: the DPO policy's
+``target_logprobs``; ``_reference_before``: the reference scorer's chunked ``logits_logprobs``;
+``_demo_before``: the demo's ``token_logprobs``; ``_head_before``: the output head's per-chunk
+formula), and every path is compared with ``torch.equal`` (values, and gradients where there are
+some) in float32, bfloat16, float16 and float64.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loops_callbacks
+from loops_callbacks.demo.dpo import DPOPolicyModule
+from loops_callbacks.demo.model import TinyCausalLM
+from loops_callbacks.demo.model import token_logprobs as demo_token_logprobs
+from loops_callbacks.logprobs import token_logprobs
+from loops_callbacks.reference.heads import LogitTransform, head_logprobs
+from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.scorer import TokenScorer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+# ---------------------------------------------------------------- the implementations it replaced
+
+
+def _policy_before(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _demo_before(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
+    logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+    return logprobs.gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _reference_before(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    rows, width, vocab = logits.shape
+    rows_per_chunk = max(1, (1 << 22) // max(1, width * vocab))
+    parts = []
+    for start in range(0, rows, rows_per_chunk):
+        logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
+        parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _head_before(hidden, targets, weight, bias, transform: LogitTransform, *, rows_per_chunk: int) -> torch.Tensor:
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    identity = transform.scale is None and transform.softcap is None
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        stop = min(start + rows_per_chunk, hidden.shape[0])
+        logits = F.linear(hidden[start:stop], weight, bias)
+        if identity:
+            logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)
+        else:
+            logprobs = torch.log_softmax(transform(logits.to(torch.float32, copy=True)), dim=1)
+        out[start:stop] = logprobs.gather(1, targets[start:stop, None]).squeeze(1)
+    return out
+
+
+def _logits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(shape, generator=generator, dtype=torch.float64) * 4).to(dtype)
+    return logits, torch.randint(0, shape[-1], shape[:-1], generator=generator)
+
+
+# ---------------------------------------------------------------- the public function
+
+
+def test_it_is_public_and_documented() -> None:
+    assert loops_callbacks.token_logprobs is token_logprobs and "token_logprobs" in loops_callbacks.__all__
+    assert demo_token_logprobs is token_logprobs  # the demo re-exports the same function
+    assert ">>>" in (token_logprobs.__doc__ or "")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_of_the_result(dtype: torch.dtype) -> None:
+    logits, targets = _logits((2, 3, 7), dtype)
+    assert token_logprobs(logits, targets).dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert token_logprobs(logits, targets, dtype=torch.float32).dtype == torch.float32
+
+
+def test_a_model_output_with_logits_is_read() -> None:
+    logits, targets = _logits((2, 4, 9), torch.float32)
+    assert torch.equal(token_logprobs(SimpleNamespace(logits=logits), targets), token_logprobs(logits, targets))
+
+
+def test_chunks_do_not_change_the_values() -> None:
+    logits, targets = _logits((5, 4, 11), torch.bfloat16)
+    whole = token_logprobs(logits, targets, rows_per_chunk=5)
+    for rows in (1, 2, 3, 100):
+        assert torch.equal(token_logprobs(logits, targets, rows_per_chunk=rows), whole)
+
+
+def test_bad_arguments_are_named() -> None:
+    logits, targets = _logits((2, 3, 5), torch.float32)
+    with pytest.raises(ValueError, match=r"logits \[2, 3, 5\] and target_tokens \[2, 2\]"):
+        token_logprobs(logits, targets[:, :2])
+    with pytest.raises(ValueError, match=r"logits \[5\]"):
+        token_logprobs(logits[0, 0], targets[0, 0])
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
+        token_logprobs(logits, targets.float())
+    with pytest.raises(TypeError, match="target_tokens must be a tensor.*list"):
+        token_logprobs(logits, targets.tolist())
+    with pytest.raises(TypeError, match="logits must be floating point"):
+        token_logprobs(targets[..., None], targets)
+    with pytest.raises(TypeError, match="with .logits, got dict"):
+        token_logprobs({"logits": logits}, targets)
+    with pytest.raises(ValueError, match="rows_per_chunk must be an int >= 1, got 0"):
+        token_logprobs(logits, targets, rows_per_chunk=0)
+    assert logits.dtype == torch.float32 and targets.dtype == torch.int64  # the caller's tensors are untouched
+
+
+# ---------------------------------------------------------------- equal, bit for bit, to each old path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_policy_path_is_unchanged_values_and_gradients(dtype: torch.dtype) -> None:
+    logits, targets = _logits((4, 6, 13), dtype)
+    new_leaf, old_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    new, old = token_logprobs(new_leaf, targets), _policy_before(old_leaf, targets)
+    assert new.dtype == old.dtype and torch.equal(new, old)
+    weights = torch.linspace(-1, 1, new.numel(), dtype=new.dtype).view_as(new)
+    (new * weights).sum().backward()
+    (old * weights).sum().backward()
+    assert torch.equal(new_leaf.grad, old_leaf.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_demo_path_is_unchanged_values_and_gradients(dtype: torch.dtype) -> None:
+    logits, targets = _logits((3, 5, 14), dtype, seed=1)
+    logits[0, 0, :4] = float("-inf")  # a truncated sampler distribution (top-k / top-p faults)
+    new_leaf, old_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    new, old = token_logprobs(new_leaf, targets), _demo_before(old_leaf, targets)
+    assert new.dtype == old.dtype and torch.equal(new, old)
+    new.masked_fill(~new.isfinite(), 0).sum().backward()
+    old.masked_fill(~old.isfinite(), 0).sum().backward()
+    assert torch.equal(new_leaf.grad, old_leaf.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_reference_general_path_is_unchanged(dtype: torch.dtype) -> None:
+    # 5 rows of 40 x 32768 logits: more than the 16 MiB chunk, so both split the rows the same way
+    logits, targets = _logits((5, 41, 32768), dtype, seed=2)
+    logits = logits[:, :-1]  # the scorer's slice: not contiguous
+    targets = targets[:, 1:]
+    with torch.inference_mode():
+        new = token_logprobs(logits, targets, dtype=torch.float32)
+        old = _reference_before(logits, targets)
+    assert new.dtype == old.dtype == torch.float32 and torch.equal(new, old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_scorer_general_path_gives_what_it_gave_before(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    model = TinyCausalLM(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_seq_len=16).to(dtype)
+    ids = torch.randint(0, 50, (3, 12))
+    scorer = TokenScorer(model, model=model, device="cpu", output_head=False, max_tokens_per_batch=64)
+    got = scorer.score(PackedTokens.from_sequences(ids.tolist())).view(3, 12)[:, :-1]
+    with torch.inference_mode():
+        want = _reference_before(model(ids)[:, :-1], ids[:, 1:])
+    assert scorer.path == "logits" and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=2.0)])
+def test_the_output_head_path_is_unchanged(dtype: torch.dtype, transform: LogitTransform) -> None:
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(23, 8, generator=generator).to(dtype)
+    weight, bias = torch.randn(37, 8, generator=generator).to(dtype), torch.randn(37, generator=generator).to(dtype)
+    targets = torch.randint(0, 37, (23,), generator=generator)
+    with torch.inference_mode():
+        new = head_logprobs(hidden, targets, weight, bias, transform, rows_per_chunk=5)
+        old = _head_before(hidden, targets, weight, bias, transform, rows_per_chunk=5)
+    assert torch.equal(new, old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_dpo_policy_module_gives_what_it_gave_before(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    module = DPOPolicyModule(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_seq_len=16).to(dtype)
+    ids = torch.randint(0, 20, (4, 9))
+    batch = {"input_ids": ids, "target_tokens": torch.cat([ids[:, 1:], ids.new_zeros(4, 1)], dim=1)}
+    got = module.policy_logprobs(batch)
+    want = _policy_before(module(ids), batch["target_tokens"])
+    assert got.requires_grad and torch.equal(got, want)
+    with torch.no_grad():  # validation: no autograd
+        assert torch.equal(module.policy_logprobs(batch), want.detach())
+
+
+def test_a_hugging_face_output_is_read_like_its_logits() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 40, (2, 7))
+    output = model(input_ids=ids[:, :-1])
+    assert torch.equal(token_logprobs(output, ids[:, 1:]), _policy_before(output.logits, ids[:, 1:]))
+
+
+def test_the_head_and_logits_paths_share_the_formula_on_a_model() -> None:
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.lm_head = nn.Embedding(30, 8), nn.Linear(8, 30)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.lm_head(self.embed(input_ids))
+
+    torch.manual_seed(7)
+    model = LM()
+    packed = PackedTokens.from_sequences(torch.randint(0, 30, (4, 10)).tolist())
+    head = TokenScorer(model, model=model, device="cpu", head_rows=3)
+    general = TokenScorer(model, model=model, device="cpu", output_head=False)
+    got, want = head.score(packed), general.score(packed)
+    assert head.path == "output_head" and general.path == "logits"
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
