@@ -169,8 +169,10 @@ def worst_rows(rows: list[dict[str, Any]], top_n: int = 20, tokenizer: Any = Non
             token = "<end>"
         column = token if token == "<end>" else _token_text(token, tokenizer)
         p = k + 1
+        # The context is model_input's alone: the id at p between » «, ``<end>`` past its end,
+        # whatever target_tokens[k] holds (the ``token`` column).
         before, after = ids[max(0, p - 40) : p], ids[p + 1 : p + 21]
-        centre = "<end>" if token == "<end>" else _text([token], tokenizer)
+        centre = _text([ids[p]], tokenizer) if p < len(ids) else "<end>"
         context = (
             _text(before[:-3], tokenizer) + "⟦" + _text(before[-3:], tokenizer) + "»" + centre + "«"
             + _text(after[:3], tokenizer) + "⟧" + _text(after[3:], tokenizer)

@@ -17,9 +17,9 @@ when the step exceeds.
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
+    >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
     >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_skipped_nonfinite": 64.0}
-    >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, 67)), np.zeros(0))
+    >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, ROW.WIDTH)), np.zeros(0))
     >>> rail = GuardRail(max_kl=0.05, metric="kl_sample_train_k3", prefix="div/")
     >>> rail.untrusted({"div/n_action_tokens": 0.0}, host)
     '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
@@ -126,10 +126,10 @@ def impossible_inputs(host: HostDivergence) -> dict[str, str]:
 
     Example:
         >>> import numpy as np
-        >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
+        >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
         >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
         >>> extrema = dict.fromkeys(EXTREMA, -np.inf) | {"max_sampler": 0.9}
-        >>> impossible_inputs(HostDivergence(totals, extrema, np.zeros((0, 67)), np.zeros(0)))
+        >>> impossible_inputs(HostDivergence(totals, extrema, np.zeros((0, ROW.WIDTH)), np.zeros(0)))
         {'sampler_above_zero': '3 of 4 sampler logprobs are > 0 (largest 0.9): these look like probabilities, not logprobs'}
     """
     totals, extrema = host.totals, host.extrema

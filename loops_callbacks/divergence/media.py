@@ -4,8 +4,8 @@
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import HostDivergence
-    >>> host = HostDivergence(totals={"n_action_tokens": 0.0}, extrema={}, worst=np.zeros((0, 67)),
+    >>> from loops_callbacks.divergence.statistics import ROW, HostDivergence
+    >>> host = HostDivergence(totals={"n_action_tokens": 0.0}, extrema={}, worst=np.zeros((0, ROW.WIDTH)),
     ...                       diffs=np.zeros(0))
     >>> divergence_media(host, MediaOptions(prefix="div/"))
     {}

@@ -12,11 +12,11 @@ A logger that fails is reported as a warning and skipped: monitoring must never 
 
 Example:
     >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import HostDivergence
+    >>> from loops_callbacks.divergence.statistics import ROW, HostDivergence
     >>> class Printer:
     ...     def log_metrics(self, metrics, step):
     ...         print(step, metrics)
-    >>> host = HostDivergence({"n_action_tokens": 0.0}, {}, np.zeros((0, 67)), np.zeros(0))
+    >>> host = HostDivergence({"n_action_tokens": 0.0}, {}, np.zeros((0, ROW.WIDTH)), np.zeros(0))
     >>> deliver([Printer()], {"div/n_action_tokens": 0.0}, host, step=3, media=MediaOptions("div/"))
     3 {'div/n_action_tokens': 0.0}
 """

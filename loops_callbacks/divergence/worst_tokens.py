@@ -1,13 +1,17 @@
 """The worst-divergent-tokens table: host rows from ``ROW`` arrays, with a readable context.
 
-Example:
+As in the Loops SDK, the ``token`` column is the predicted token (``target_tokens[k]``) and the
+``context`` column is ``model_input`` alone around index k + 1: at a datum's last position it shows
+``»<end>«`` whatever the target, and with shifted targets it shows ``model_input[k + 1]``.
+
+Example (the last position of a datum ``[7, 8]`` whose target there is 9):
     >>> import numpy as np
     >>> from loops_callbacks.divergence.statistics import ROW
     >>> row = np.full(ROW.WIDTH, -1.0)
     >>> row[:7] = [2.0, -2.0, -0.5, -2.5, 0, 1, 9]
     >>> row[ROW.BEFORE][-2:] = [7, 8]
     >>> worst_token_rows(row[None, :])
-    [[1, 0, 2, '9', -0.5, -2.5, -2.0, 0.1353, '⟦7 8»9«⟧']]
+    [[1, 0, 2, '9', -0.5, -2.5, -2.0, 0.1353, '⟦7 8»<end>«⟧']]
 """
 
 from __future__ import annotations
@@ -58,12 +62,14 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
     token is ``target_tokens[k]``, else ``model_input[k + 1]``; the ``token`` column always holds
     text, as in the Loops SDK: ``tokenizer.decode([id])``, the id as a decimal string without a
     tokenizer (or when it cannot decode the id), ``"<end>"`` when there is no token. ``is_weight``
-    is ``importance_weight(d)``, exp(min(d, 80)), as in the importance-ratio metrics.
+    is ``importance_weight(d)``, exp(min(d, 80)), as in the importance-ratio metrics. ``context``
+    is ``format_context`` of the row's ``model_input`` ids (``ROW.AFTER`` starts with the centre).
     """
     rows = []
     for rank, row in enumerate(worst, start=1):
         diff = float(row[ROW.DIFF])
         token = int(row[ROW.TOKEN])
+        centre_and_after = row[ROW.AFTER]
         rows.append(
             [
                 rank,
@@ -74,24 +80,26 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
                 round(float(row[ROW.TRAINER]), 4),
                 round(diff, 4),
                 round(importance_weight(diff), 4),
-                format_context(_ids(row[ROW.BEFORE]), token, _ids(row[ROW.AFTER]), tokenizer),
+                format_context(_ids(row[ROW.BEFORE]), int(centre_and_after[0]), _ids(centre_and_after[1:]), tokenizer),
             ]
         )
     return rows
 
 
-def format_context(before: Sequence[int], token: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
-    """``before⟦near»token«near⟧after``, "near" being the 3 tokens on each side; text escaped.
+def format_context(before: Sequence[int], centre: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
+    """``before⟦near»centre«near⟧after``, "near" being the 3 tokens on each side; text escaped.
+
+    ``centre`` is ``model_input[k + 1]``, ``NO_TOKEN`` past the datum's end (shown as ``<end>``).
 
     Example:
-        >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None)
-        '1⟦2 3 4»5«6 7 8⟧9'
+        >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None), format_context([1, 2], NO_TOKEN, [], None)
+        ('1⟦2 3 4»5«6 7 8⟧9', '⟦1 2»<end>«⟧')
     """
     near_before, far_before = list(before[-NEAR:]) if before else [], list(before[:-NEAR]) if before else []
     near_after, far_after = list(after[:NEAR]), list(after[NEAR:])
-    centre = END if token == NO_TOKEN else _text([token], tokenizer)
+    shown = END if centre == NO_TOKEN else _text([centre], tokenizer)
     return (
-        f"{_text(far_before, tokenizer)}⟦{_text(near_before, tokenizer)}»{centre}"
+        f"{_text(far_before, tokenizer)}⟦{_text(near_before, tokenizer)}»{shown}"
         f"«{_text(near_after, tokenizer)}⟧{_text(far_after, tokenizer)}"
     )
 
