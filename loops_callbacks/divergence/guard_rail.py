@@ -28,13 +28,15 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from loops_callbacks.divergence.metrics import EXTRA_METRICS, SDK_METRICS
 from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
 
-__all__ = ["GuardRail", "SampleTrainDivergenceError", "impossible_inputs", "watchable_metric_key"]
+__all__ = ["GuardRail", "SampleTrainDivergenceError", "check_real", "impossible_inputs", "watchable_metric_key"]
 
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
 """Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
@@ -77,9 +79,16 @@ class GuardRail:
     max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
 
     def __post_init__(self) -> None:
+        for name in ("metric", "prefix"):
+            if not isinstance(getattr(self, name), str):
+                shown = "kl_metric" if name == "metric" else name
+                raise TypeError(f"{shown} must be a str, got {getattr(self, name)!r}")
         self.key = watchable_metric_key(self.metric, self.prefix)
-        if not 0.0 <= self.max_nonfinite_fraction <= 1.0:
-            raise ValueError(f"max_nonfinite_fraction must be in [0, 1], got {self.max_nonfinite_fraction!r}")
+        if self.max_kl is not None:
+            self.max_kl = check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0 or None")
+        self.max_nonfinite_fraction = check_real(
+            "max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0, most=1.0, what="a number in [0, 1]"
+        )
 
     @property
     def name(self) -> str:
@@ -119,6 +128,23 @@ class GuardRail:
             return None
         hint = _positive(host)
         return f"{self.key} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
+
+
+def check_real(name: str, value: Any, *, least: float, most: float = math.inf, what: str) -> float:
+    """``value`` as a float if it is a real number (not a bool) in ``[least, most]``; ``TypeError`` /
+    ``ValueError`` naming ``name`` otherwise (NaN is out of every range).
+
+    Example:
+        >>> check_real("max_kl", "0.05", least=0.0, what="a number >= 0 or None")
+        Traceback (most recent call last):
+        ...
+        TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if not least <= value <= most:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
 
 
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:

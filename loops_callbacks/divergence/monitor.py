@@ -195,12 +195,15 @@ class KLSampleTrainMonitor(Callback):
             raise ValueError(f"on_exceed must be 'warn', 'stop' or 'raise', got {on_exceed!r}")
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, least=1)
+        if isinstance(max_histogram_tokens, bool) or not isinstance(max_histogram_tokens, int):
+            raise TypeError(f"max_histogram_tokens must be an int (<= 0: no cap), got {max_histogram_tokens!r}")
         check_int("top_n", top_n, least=0)
         check_int("sample_size", sample_size, least=1)
         check_int("patience", patience, least=1)
         check_int("calibration_steps", calibration_steps, least=0)
-        if max_kl is not None and not max_kl >= 0:
-            raise ValueError(f"max_kl must be >= 0 or None, got {max_kl!r}")
+        for name, flag in (("log_histogram", log_histogram), ("log_worst_tokens", log_worst_tokens), ("diagnose", diagnose)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -209,8 +212,8 @@ class KLSampleTrainMonitor(Callback):
         self.media = MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
         self.top_n = top_n if log_worst_tokens else 0
         self.sample_size = sample_size
-        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)
-        self.max_kl = max_kl
+        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)  # checks these four
+        self.max_kl = self.guard_rail.max_kl
         self.kl_key = self.guard_rail.key
         self.patience = patience
         self.on_exceed = on_exceed
