@@ -4,40 +4,103 @@ Every Lightning option works as usual (``fit --config ...``, ``--print_config``,
 The package's own classes can be named by their short names (``class_path: KLSampleTrainMonitor``,
 ``class_path: DPODataModule``); anything else by its full import path
 (``class_path: loops_callbacks.demo.RLPolicyModule``), which is imported only when a config names
-it. W&B runs offline unless you set ``WANDB_MODE`` or have logged in, and writes where the config
-says even if the working directory changes. After training it prints where the logs are, the one
-command that opens the TensorBoard run, and the monitor's last metrics.
+it. A logger's relative ``save_dir`` is taken relative to ``trainer.default_root_dir``, so
+``--trainer.default_root_dir`` moves every log. W&B runs offline unless you set ``WANDB_MODE`` or
+have logged in, and writes where the config says even if the working directory changes. The last
+thing ``fit`` prints, after W&B's shutdown, is the run's summary: where the logs are, the one
+command that opens the TensorBoard run, the last logged metrics, where DPO reference logprobs came
+from, and each monitor's summary with the guard rail's verdict last.
+
+Exit status (``EXIT_STATUSES``): 0 training ended normally, 1 an error (a missing package is one
+line, the last printed), 2 a bad command line or config, 3 the guard rail stopped the run, 4 the
+guard rail raised ``SampleTrainDivergenceError``.
 
 Example:
     loops-callbacks fit --config configs/rl_tiny.yaml
-    loops-callbacks fit --config configs/rl_tiny.yaml --trainer.max_steps 20
+    loops-callbacks fit --config configs/rl_tiny.yaml --trainer.max_steps 20 --trainer.default_root_dir /tmp/run
     python -m loops_callbacks fit --config configs/dpo_tiny.yaml --print_config
 """
 
 from __future__ import annotations
 
+import logging
 import netrc
 import os
 import shlex
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from typing_extensions import override
 
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
+from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
 from loops_callbacks.divergence.monitor import KLSampleTrainMonitor
 
-__all__ = ["LoopsCLI", "main", "run_cli", "run_summary"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_GUARD_RAIL_RAISED",
+    "EXIT_GUARD_RAIL_STOPPED",
+    "EXIT_OK",
+    "EXIT_STATUSES",
+    "EXIT_USAGE",
+    "LoopsCLI",
+    "exit_status",
+    "main",
+    "run_cli",
+    "run_summary",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_GUARD_RAIL_STOPPED = 3
+EXIT_GUARD_RAIL_RAISED = 4
+EXIT_STATUSES = {
+    EXIT_OK: "training ended normally (max_steps, max_epochs, or a callback such as EarlyStopping)",
+    EXIT_ERROR: "an error (a missing package: one line, the last printed)",
+    EXIT_USAGE: "a bad command line or config value",
+    EXIT_GUARD_RAIL_STOPPED: "KLSampleTrainMonitor's guard rail stopped the run (on_exceed: stop)",
+    EXIT_GUARD_RAIL_RAISED: "KLSampleTrainMonitor's guard rail raised SampleTrainDivergenceError (on_exceed: raise)",
+}
+"""The command's exit statuses, as ``--help`` and the README list them."""
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The shipped configs: ``configs/`` of the checkout the package is installed from."""
+
+MAIN_COMMANDS = (
+    ("loops-callbacks fit --config configs/rl_tiny.yaml", "RL with the divergence monitor (the main demo)"),
+    ("loops-callbacks fit --config configs/dpo_tiny.yaml", "DPO with cached reference logprobs"),
+)
 
 
 class LoopsCLI(LightningCLI):
-    """LightningCLI that reports where the run's logs went and how the sampler and trainer agreed."""
+    """LightningCLI whose loggers follow ``default_root_dir`` and that records a guard-rail raise."""
 
+    guard_rail_error: SampleTrainDivergenceError | None = None
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("description", help_description())
+        kwargs.setdefault("epilog", help_epilog())
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        return super().init_parser(**kwargs)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is not None:
+            _loggers_under_root_dir(config.get("trainer"))
+
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
         for logger in trainer.loggers:
@@ -46,17 +109,78 @@ class LoopsCLI(LightningCLI):
         _started.extend(trainer.loggers)
         return trainer
 
-    def after_fit(self) -> None:
-        if self.trainer.is_global_zero:
-            print(run_summary(self.trainer), flush=True)
-        _finish_wandb(self.trainer.loggers)  # flush the offline run now, so `wandb sync` sees all of it
+    def fit(self, model: LightningModule, **kwargs: Any) -> None:
+        """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again)."""
+        try:
+            self.trainer.fit(model, **kwargs)
+        except SampleTrainDivergenceError as error:
+            self.guard_rail_error = error
 
 
 _started: list[Any] = []  # loggers of the trainers run_cli built, finished however the run ends
 
 
-def run_summary(trainer: Trainer) -> str:
-    """Where each logger wrote, how to look at it, and the monitor's last metrics."""
+class _HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's formatter, keeping the line breaks of the description and the epilog."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def help_description() -> str:
+    """What the command is, for ``--help``."""
+    return (
+        "loops-callbacks: PyTorch Lightning's command line (LightningCLI) with the loops_callbacks plugins.\n"
+        "It runs an RL or DPO experiment from a YAML config: KLSampleTrainMonitor logs the sampler-vs-trainer\n"
+        "logprob divergence and stops a run whose sampler broke; DPO data gets its reference logprobs,\n"
+        "scored once and cached. Every Lightning option works (--trainer.*, --print_config)."
+    )
+
+
+def help_epilog() -> str:
+    """The main commands, the shipped configs (read from ``CONFIGS_DIR`` now) and the exit statuses."""
+    lines = ["The two main commands (from the checkout's root):"]
+    lines += [f"  {command:54s} {what}" for command, what in MAIN_COMMANDS]
+    lines.append("  (add --print_config to see a config with every default, --trainer.max_steps N to shorten it)")
+    configs = shipped_configs()
+    if configs:
+        lines.append(f"\nShipped configs, in {_shown(str(CONFIGS_DIR))}:")
+        width = max(map(len, configs))
+        lines += [f"  {name:{width}s}  {description}" for name, description in configs.items()]
+    else:
+        lines.append(f"\nThe shipped configs are in the repository's configs/ (not found at {CONFIGS_DIR}).")
+    lines.append("\nExit status:")
+    lines += [f"  {status}  {meaning}" for status, meaning in EXIT_STATUSES.items()]
+    return "\n".join(lines)
+
+
+def shipped_configs(directory: Path = CONFIGS_DIR) -> dict[str, str]:
+    """``{path relative to directory: its first comment line}`` for each YAML config under ``directory``.
+
+    Example:
+        >>> "rl_tiny.yaml" in shipped_configs()
+        True
+    """
+    found = {}
+    for path in sorted(directory.glob("*.yaml")) + sorted(directory.glob("*/*.yaml")):
+        with open(path, encoding="utf-8") as handle:
+            first = handle.readline().strip()
+        found[path.relative_to(directory).as_posix()] = first.removeprefix("#").strip()
+    return found
+
+
+def exit_status(cli: LoopsCLI) -> int:
+    """The command's exit status after ``cli`` ran: ``EXIT_GUARD_RAIL_*`` when the guard rail acted, else 0."""
+    if cli.guard_rail_error is not None:
+        return EXIT_GUARD_RAIL_RAISED
+    trainer = getattr(cli, "trainer", None)
+    if trainer is not None and trainer.should_stop and any(m.stop_reason for m in _monitors(trainer)):
+        return EXIT_GUARD_RAIL_STOPPED
+    return EXIT_OK
+
+
+def run_summary(trainer: Trainer, guard_rail_error: SampleTrainDivergenceError | None = None) -> str:
+    """Where each logger wrote and how to look at it, the last metrics, the reference, each monitor's summary."""
     lines = [""]
     if trainer.loggers:
         lines.append("Logs:")
@@ -72,17 +196,83 @@ def run_summary(trainer: Trainer) -> str:
             lines.append(f"  CSV:          {_shown(os.path.join(logger.log_dir, 'metrics.csv'))}")
         else:
             lines.append(f"  {type(logger).__name__}: {getattr(logger, 'log_dir', None) or logger.save_dir}")
-    for monitor in (c for c in trainer.callbacks if isinstance(c, KLSampleTrainMonitor)):
-        if monitor.last_metrics:
-            lines.append(f"Last sampler-vs-trainer divergence ({monitor.prefix}*):")
-            for key, value in monitor.last_metrics.items():
-                lines.append(f"  {key.removeprefix(monitor.prefix):26s} {value + 0.0:.6g}")  # + 0.0: no "-0"
-        if monitor.last_diagnosis is not None:
-            lines.append(f"Last logged step, a hint (confidence {monitor.last_diagnosis.confidence:.2f}): "
-                         f"{monitor.last_diagnosis.message}")
-        if monitor.stop_reason:
-            lines.append(f"Stopped by KLSampleTrainMonitor: {monitor.stop_reason}")
+    lines += _reference_lines(getattr(trainer, "datamodule", None))
+    monitors = _monitors(trainer)
+    lines += _metric_lines(trainer, tuple(m.prefix for m in monitors))
+    for monitor in monitors:
+        lines += _monitor_lines(monitor, guard_rail_error)
     return "\n".join(lines)
+
+
+def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
+    return [c for c in trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
+
+
+def _metric_lines(trainer: Trainer, skip_prefixes: tuple[str, ...]) -> list[str]:
+    """The last value of each scalar the module logged (the monitors' own come in their summaries)."""
+    values = {}
+    for key, value in trainer.callback_metrics.items():
+        if key.startswith(skip_prefixes) or getattr(value, "numel", lambda: 1)() != 1:
+            continue
+        values[key] = float(value) + 0.0  # + 0.0: no "-0"
+    if not values:
+        return []
+    width = max(map(len, values))
+    return [f"Last logged metrics (global step {trainer.global_step}):"] + [
+        f"  {key:{width}s} {value:.6g}" for key, value in sorted(values.items())
+    ]
+
+
+def _reference_lines(datamodule: Any) -> list[str]:
+    """Where a DPO DataModule's reference logprobs came from (loaded from the cache, or scored)."""
+    report = getattr(datamodule, "reference_report", None)
+    if report is None:
+        return []
+    where = _shown(report.cache_path) if report.cache_path else None
+    if report.source == "cache":
+        return [f"Reference logprobs: {report.num_datums} datums loaded from the cache {where} (nothing scored)"]
+    cached = f"cached in {where}" if where and report.cache_status != "off" else "not cached"
+    return [f"Reference logprobs: {report.num_datums} datums scored in {report.seconds:.1f} s "
+            f"(cache {report.cache_status}), {cached}"]
+
+
+def _monitor_lines(monitor: KLSampleTrainMonitor, guard_rail_error: SampleTrainDivergenceError | None) -> list[str]:
+    """The monitor's own summary when it has one (its verdict last), else its last metrics and the verdict."""
+    summary_lines = getattr(monitor, "summary_lines", None)
+    if callable(summary_lines):
+        return list(summary_lines())
+    lines = []
+    if monitor.last_metrics:
+        lines.append(f"Last sampler-vs-trainer divergence ({monitor.prefix}*):")
+        for key, value in monitor.last_metrics.items():
+            lines.append(f"  {key.removeprefix(monitor.prefix):26s} {value + 0.0:.6g}")  # + 0.0: no "-0"
+    if monitor.last_diagnosis is not None:
+        lines.append(f"Last logged step, a hint (confidence {monitor.last_diagnosis.confidence:.2f}): "
+                     f"{monitor.last_diagnosis.message}")
+    if guard_rail_error is not None:
+        lines.append(f"Guard rail: raised SampleTrainDivergenceError: {guard_rail_error}")
+    elif monitor.stop_reason:
+        lines.append(f"Stopped by KLSampleTrainMonitor: {monitor.stop_reason}")
+    elif monitor.max_kl is None:
+        lines.append("Guard rail: off (max_kl not set)")
+    else:
+        lines.append(f"Guard rail: no exceedance ({monitor.kl_key.removeprefix(monitor.prefix)} <= {monitor.max_kl:g})")
+    return lines
+
+
+def _loggers_under_root_dir(trainer_config: Any) -> None:
+    """Make each logger's relative ``save_dir`` relative to ``default_root_dir`` (in the parsed config)."""
+    if trainer_config is None:
+        return
+    root = trainer_config.get("default_root_dir")
+    loggers = trainer_config.get("logger")
+    if root is None or loggers is None or isinstance(loggers, bool):
+        return
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        init_args = logger.get("init_args") if hasattr(logger, "get") else None
+        save_dir = init_args.get("save_dir") if init_args is not None else None
+        if isinstance(save_dir, (str, os.PathLike)) and not os.path.isabs(save_dir):
+            init_args["save_dir"] = os.path.normpath(os.path.join(os.fspath(root), save_dir))
 
 
 def _shown(path: str) -> str:
@@ -131,26 +321,44 @@ def _wandb_offline_unless_logged_in() -> None:
     os.environ["WANDB_MODE"] = "offline"
 
 
+class _NoLitLoggerTip(logging.Filter):
+    """Drops Lightning's "try installing litlogger" tip, printed on every run that has no LitLogger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
 @contextmanager
-def _third_party_warnings_filtered() -> Iterator[None]:
-    """Deprecations inside Lightning and its dependencies that a user of this command cannot act on.
+def _third_party_noise_filtered() -> Iterator[None]:
+    """Deprecations inside Lightning and its dependencies that a user of this command cannot act on,
+    and Lightning's litlogger advertisement.
 
     Only for the duration of the command: the library itself never changes warning filters.
     """
-    with warnings.catch_warnings():
-        # torch deprecated LeafSpec; Lightning's own pytree helper still builds one on every step
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-        # jsonargparse APIs that LightningCLI itself still calls
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
-        yield
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    tip_filter = _NoLitLoggerTip()
+    rank_zero_log.addFilter(tip_filter)
+    try:
+        with warnings.catch_warnings():
+            # torch deprecated LeafSpec; Lightning's own pytree helper still builds one on every step
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            # jsonargparse APIs that LightningCLI itself still calls
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
+            yield
+    finally:
+        rank_zero_log.removeFilter(tip_filter)
 
 
 def run_cli(args: Any = None) -> LoopsCLI:
-    """Parse ``args`` (default: the command line), run the subcommand, return the CLI object."""
+    """Parse ``args`` (default: the command line), run the subcommand, return the CLI object.
+
+    After ``fit`` (and W&B's shutdown) rank 0 prints ``run_summary``, the last thing of the run; a
+    guard-rail ``SampleTrainDivergenceError`` is raised again after it.
+    """
     _wandb_offline_unless_logged_in()
     try:
-        with _third_party_warnings_filtered():
-            return LoopsCLI(
+        with _third_party_noise_filtered():
+            cli = LoopsCLI(
                 LightningModule,
                 LightningDataModule,
                 subclass_mode_model=True,
@@ -161,11 +369,39 @@ def run_cli(args: Any = None) -> LoopsCLI:
     finally:
         _finish_wandb(_started)  # also when the run failed: no W&B writes after we return
         _started.clear()
+    if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+        print(run_summary(cli.trainer, cli.guard_rail_error), flush=True)
+    if cli.guard_rail_error is not None:
+        raise cli.guard_rail_error
+    return cli
 
 
 def main(args: Any = None) -> None:
-    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks`` (exit status 0 on success)."""
-    run_cli(args)
+    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks``; exits with ``EXIT_STATUSES``."""
+    try:
+        cli = run_cli(args)
+    except SampleTrainDivergenceError:
+        raise SystemExit(EXIT_GUARD_RAIL_RAISED) from None  # its message ends the summary just printed
+    except Exception as error:
+        missing = _missing_package(error)
+        if missing is None:
+            raise
+        sys.stdout.flush()
+        print(f"loops-callbacks: error: {missing}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_ERROR) from None
+    raise SystemExit(exit_status(cli))
+
+
+def _missing_package(error: BaseException) -> ImportError | None:
+    """The ImportError behind ``error`` (jsonargparse wraps one raised while making a class), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ImportError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,200 @@
+"""The ``loops-callbacks`` command as a new user runs it: through the console script, in a subprocess.
+
+Exit statuses a script can act on, the summary as the last thing printed (after W&B's shutdown
+output), every log under ``--trainer.default_root_dir``, a one-line missing-package error, a
+``--help`` that lists the shipped configs, and ``benchmarks/gpu_checks.sh`` without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loops_callbacks.cli import (
+    EXIT_ERROR,
+    EXIT_GUARD_RAIL_RAISED,
+    EXIT_GUARD_RAIL_STOPPED,
+    EXIT_OK,
+    EXIT_STATUSES,
+    run_cli,
+    shipped_configs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+TIMEOUT_S = 300
+
+
+def console_script() -> str:
+    found = shutil.which("loops-callbacks", path=str(Path(sys.executable).parent)) or shutil.which("loops-callbacks")
+    assert found, "the loops-callbacks console script is not installed (pip install -e .)"
+    return found
+
+
+def run_command(*args: str, cwd: Path, extra_env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``loops-callbacks *args`` in ``cwd``: (exit status, stdout and stderr interleaved as a terminal shows them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "false", **(extra_env or {})}
+    done = subprocess.run(
+        [console_script(), *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=TIMEOUT_S,
+    )
+    return done.returncode, done.stdout
+
+
+def last_lines(output: str, count: int) -> list[str]:
+    return [line for line in output.splitlines() if line.strip()][-count:]
+
+
+def summary_block(output: str) -> list[str]:
+    """The lines from the summary's "Logs:" header to the end."""
+    lines = output.splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "Logs:")
+    return lines[start:]
+
+
+def files_under(directory: Path) -> list[Path]:
+    return sorted(path for path in directory.rglob("*") if path.is_file())
+
+
+def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the_root_dir(tmp_path: Path) -> None:
+    here, root = tmp_path / "here", tmp_path / "elsewhere" / "run"
+    here.mkdir()
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.default_root_dir", str(root), cwd=here
+    )
+    assert status == EXIT_GUARD_RAIL_STOPPED, output[-3000:]
+    # the summary comes after W&B's shutdown output, the guard rail's verdict last
+    assert "wandb: Find logs at" in output, output[-3000:]
+    summary = summary_block(output)
+    assert output.rindex("wandb:") < output.rindex("\nLogs:\n")
+    assert not any(line.startswith("wandb:") for line in summary), summary
+    assert re.search(r"exceeded max_kl = 0\.05 at step \d+", last_lines(output, 1)[0]), summary[-3:]
+    assert any(f"tensorboard --logdir {root}/tensorboard/version_0" in line for line in summary), summary
+    assert any(line.strip().startswith("kl_sample_train_k3") for line in summary), summary
+    # no advertisement
+    assert "litlogger" not in output
+    # every log under the given root, nothing where the command ran
+    assert files_under(here) == []
+    written = {path.relative_to(root).parts[0] for path in files_under(root)}
+    assert {"csv", "tensorboard", "wandb", "config.yaml"} <= written, written
+
+
+def test_a_guard_rail_raise_exits_4_with_its_message_last_and_no_traceback(tmp_path: Path) -> None:
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.callbacks.init_args.on_exceed", "raise",
+        "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
+    )
+    assert status == EXIT_GUARD_RAIL_RAISED, output[-3000:]
+    assert "Traceback" not in output
+    assert re.search(r"exceeded max_kl = 0\.05 at step \d+", last_lines(output, 1)[0]), last_lines(output, 3)
+
+
+def test_a_dpo_run_exits_0_logs_tensorboard_and_prints_its_summary_last(tmp_path: Path) -> None:
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
+        "--trainer.val_check_interval", "4", cwd=tmp_path,
+    )
+    assert status == EXIT_OK, output[-3000:]
+    summary = summary_block(output)
+    assert output.rindex("wandb:") < output.rindex("\nLogs:\n")
+    assert "  TensorBoard:  tensorboard --logdir runs/dpo_tiny/tensorboard/version_0" in summary, summary
+    assert list((tmp_path / "runs/dpo_tiny/tensorboard/version_0").glob("events.out.tfevents.*")), summary
+    (reference,) = [line for line in summary if line.startswith("Reference logprobs:")]
+    assert "2048 datums scored" in reference and "runs/dpo_tiny/reference_logprobs" in reference, reference
+    metrics = {line.split()[0] for line in summary if line.startswith("  ") and "/" in line.split()[0]}
+    assert {"train/dpo_loss", "train/dpo_accuracy", "val/dpo_loss", "val/dpo_accuracy"} <= metrics, summary
+    assert "litlogger" not in output
+
+
+def test_a_dpo_rerun_says_the_reference_came_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    command = ["fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.max_steps", "1", "--trainer.logger", "false"]
+    run_cli(command)
+    run_cli(command)
+    (reference,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Reference logprobs:")][-1:]
+    assert "loaded from the cache runs/dpo_tiny/reference_logprobs" in reference and "nothing scored" in reference
+
+
+NO_HF_EXTRA = '''
+import importlib
+
+_import_module = importlib.import_module
+
+
+def _without_hf_extra(name, package=None):
+    """The package reaches the hf extra through importlib.import_module: fail as if it were not installed."""
+    if name.split(".")[0] in ("transformers", "datasets"):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    return _import_module(name, package)
+
+
+importlib.import_module = _without_hf_extra
+'''
+
+
+def test_a_missing_extra_is_one_line_the_last_printed(tmp_path: Path) -> None:
+    (tmp_path / "no_hf").mkdir()
+    (tmp_path / "no_hf" / "sitecustomize.py").write_text(NO_HF_EXTRA)
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "dpo_hf.yaml"), "--trainer.default_root_dir", str(tmp_path / "run"),
+        cwd=ROOT, extra_env={"PYTHONPATH": str(tmp_path / "no_hf")},
+    )
+    assert status == EXIT_ERROR, output[-3000:]
+    (last,) = last_lines(output, 1)
+    assert last.startswith("loops-callbacks: error: ") and "'hf' extra" in last and 'pip install -e ".[hf]"' in last
+    assert "Traceback" not in output and "Namespace(" not in output and "Union" not in output, output[-3000:]
+
+
+def test_help_says_what_the_tool_is_and_lists_the_configs_the_main_commands_and_the_exit_statuses(
+    tmp_path: Path,
+) -> None:
+    status, output = run_command("--help", cwd=tmp_path)
+    assert status == 0, output
+    assert "Lightning Trainer command line tool" not in output
+    assert "KLSampleTrainMonitor" in output and "reference logprobs" in output
+    assert "loops-callbacks fit --config configs/rl_tiny.yaml" in output
+    assert "loops-callbacks fit --config configs/dpo_tiny.yaml" in output
+    assert str(CONFIGS) in output  # where the configs are (outside the working directory: absolute)
+    configs = shipped_configs()
+    assert set(configs) == {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
+    for name, description in configs.items():
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(description)}$", output, re.MULTILINE), name
+    for status_, meaning in EXIT_STATUSES.items():
+        assert f"  {status_}  {meaning}" in output
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")))
+def test_each_config_opens_with_a_one_line_description(path: str) -> None:
+    first, second = (CONFIGS / path).read_text().splitlines()[:2]
+    assert first.startswith("# ") and len(first) <= 110 and first.endswith(".") and second == "#", first
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_logger_writes_under_default_root_dir(path: str) -> None:
+    trainer = yaml.safe_load((CONFIGS / path).read_text())["trainer"]
+    assert trainer["default_root_dir"] == f"runs/{path.removesuffix('.yaml')}"
+    kinds = set()
+    for logger in trainer["logger"]:
+        assert logger["init_args"]["save_dir"] == ".", logger  # relative: under default_root_dir
+        kinds.add(logger["class_path"].rsplit(".", 1)[1])
+    assert "TensorBoardLogger" in kinds and "CSVLogger" in kinds
+
+
+def test_gpu_checks_without_cuda_say_so_in_one_line_and_write_nothing(tmp_path: Path) -> None:
+    before = sorted(p.name for p in ROOT.iterdir())
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(tmp_path / "out")], cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "no CUDA device" in done.stderr
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in ROOT.iterdir()) == before
