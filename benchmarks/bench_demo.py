@@ -42,6 +42,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from loops_callbacks.cli import EXIT_GUARD_RAIL_STOPPED, EXIT_OK
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("rl_tiny", "rl_stale_sampler", "dpo_tiny")
 NO_NATIVE_BF16 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -97,8 +99,10 @@ def _cpu_model() -> str:
     )
 
 
-def _timed(command: list[str], env: dict[str, str], cwd: str | Path) -> tuple[float, float, str]:
-    """(wall s, CPU s of the command and its waited-for children, stdout + stderr)."""
+def _timed(
+    command: list[str], env: dict[str, str], cwd: str | Path, ok: tuple[int, ...] = (EXIT_OK,)
+) -> tuple[float, float, str, int]:
+    """(wall s, CPU s of the command and its waited-for children, stdout + stderr, exit status in ``ok``)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, check=False)
@@ -106,9 +110,9 @@ def _timed(command: list[str], env: dict[str, str], cwd: str | Path) -> tuple[fl
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     output = done.stdout + done.stderr
-    if done.returncode != 0:
+    if done.returncode not in ok:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{output[-3000:]}")
-    return wall, cpu, output
+    return wall, cpu, output, done.returncode
 
 
 _HEAVY = (
@@ -165,7 +169,7 @@ def _series(rows: list[dict[str, str]], key: str) -> list[tuple[int, float]]:
     return [(int(row["step"]), float(row[key])) for row in rows if row.get(key)]
 
 
-def _figures(rows: list[dict[str, str]], output: str) -> str:
+def _figures(rows: list[dict[str, str]], output: str, status: int) -> str:
     """What the run logged, in a line."""
     parts = []
     reward, k3 = _series(rows, "train/reward"), _series(rows, _K3)
@@ -179,9 +183,9 @@ def _figures(rows: list[dict[str, str]], output: str) -> str:
     if accuracy:
         (s0, a0), (s1, a1) = accuracy[0], accuracy[-1]
         parts.append(f"val/dpo_accuracy {a0:.2f} (step {s0}) -> {a1:.2f} (step {s1})")
-    stop = re.search(r"Stopped by KLSampleTrainMonitor: (.*? at step \d+)", output)
-    if stop:
-        parts.append(f"stopped: {stop.group(1)}")
+    if status == EXIT_GUARD_RAIL_STOPPED:
+        stop = re.search(r"(\S+ = \S+ exceeded max_kl = \S+ at step \d+)", output)
+        parts.append(f"stopped by the guard rail (exit status {status}): {stop.group(1) if stop else '?'}")
     return "; ".join(parts) or "(nothing logged)"
 
 
@@ -196,7 +200,7 @@ def run_demo(cli: str, config: str, env: dict[str, str], keep: Path | None, cloc
         env[_CLOCK_ENV] = str(clock_file)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), env.get("PYTHONPATH")]))
     launched = time.time()
-    wall, cpu, output = _timed(command, env, run_dir)
+    wall, cpu, output, status = _timed(command, env, run_dir, ok=(EXIT_OK, EXIT_GUARD_RAIL_STOPPED))
     result: dict[str, Any] = {"config": config, "wall_s": wall, "cpu_s": cpu}
     if clock and clock_file.exists():
         events = {e["event"]: e for e in map(json.loads, clock_file.read_text().splitlines())}
@@ -206,7 +210,7 @@ def run_demo(cli: str, config: str, env: dict[str, str], keep: Path | None, cloc
             steps = events["train_end"]["steps"]
             result["steps"] = steps
             result["s_per_step"] = (events["train_end"]["time"] - events["first_step"]["time"]) / steps
-    result["figures"] = _figures(_read_csv(run_dir), output)
+    result["figures"] = _figures(_read_csv(run_dir), output, status)
     if keep is not None:
         target = keep / f"{config}_{int(launched)}"
         shutil.copytree(run_dir, target)
