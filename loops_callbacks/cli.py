@@ -96,12 +96,15 @@ class LoopsCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
+        self._config_as_given = self.config  # what the run's config.yaml saves: save_dir as written
+        self.config = self.config.clone()  # the classes are made from this one
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None:
             _loggers_under_root_dir(config.get("trainer"))
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        self.config = getattr(self, "_config_as_given", self.config)
         trainer = super().instantiate_trainer(**kwargs)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

@@ -84,6 +84,9 @@ def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the
     assert files_under(here) == []
     written = {path.relative_to(root).parts[0] for path in files_under(root)}
     assert {"csv", "tensorboard", "wandb", "config.yaml"} <= written, written
+    # the saved config is the one given: rerun, it writes where it says again (not under root/root)
+    saved = yaml.safe_load((root / "config.yaml").read_text())["trainer"]
+    assert saved["default_root_dir"] == str(root) and {lg["init_args"]["save_dir"] for lg in saved["logger"]} == {"."}
 
 
 def test_a_guard_rail_raise_exits_4_with_its_message_last_and_no_traceback(tmp_path: Path) -> None:
