@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
-from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
+from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
 
 K3 = PREFIX + "kl_sample_train_k3"
@@ -93,8 +94,9 @@ def test_a_sentinel_sampler_logprob_stops_and_is_named() -> None:
     assert "kl_sample_train_k3 = -" in monitor.stop_reason
     assert "a sampler logprob of -3.4e+38 looks like a sentinel" in monitor.stop_reason
     messages = [str(w.message) for w in caught]
-    sentinel = [m for m in messages if "look like sentinel values" in m]
+    sentinel = [m for m in messages if "look like sentinel values" in m and "Signaling Trainer to stop" not in m]
     assert len(sentinel) == 1 and "key 'logprobs'" in sentinel[0] and "position 5" in sentinel[0]
+    assert monitor.last_diagnosis.cause == "impossible_inputs"  # the inputs, not a statistical cause
 
 
 def test_a_sentinel_raises_even_when_patience_would_wait_for_more() -> None:
@@ -130,7 +132,36 @@ def test_probabilities_passed_as_logprobs_warn_once_and_stop_with_a_hint() -> No
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
     assert "probabilities passed as logprobs?" in monitor.stop_reason
     hints = [str(w.message) for w in caught if "look like probabilities" in str(w.message)]
+    hints = [m for m in hints if "Signaling Trainer to stop" not in m]  # the stop's own message names them too
     assert len(hints) == 1 and "key 'logprobs'" in hints[0] and "step 0" in hints[0]
+
+
+class WiderBatches(BrokenSampler):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(), batch_size=16)  # about 100 action tokens a step: enough to diagnose
+
+
+def all_zero_trainer(out: dict[str, torch.Tensor]) -> None:
+    out["training_logprobs"].zero_()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "named"),
+    [
+        (probabilities, "these look like probabilities, not logprobs"),
+        (sentinel_on_first_action_token, "these look like sentinel values, not logprobs"),
+        (all_zero_trainer, "trainer logprobs is exactly 0.0"),
+    ],
+)
+def test_impossible_inputs_are_the_cause_the_stop_names_not_a_statistical_one(corrupt: Corruption, named: str) -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    with pytest.warns(UserWarning):
+        fit(WiderBatches(corrupt), monitor)
+    assert monitor.last_metrics[PREFIX + "n_action_tokens"] >= 64  # the statistical rule would have judged it
+    assert monitor.last_diagnosis is not None and monitor.last_diagnosis.cause == "impossible_inputs"
+    assert "likely cause: the inputs are not valid logprobs: " in monitor.stop_reason and named in monitor.stop_reason
+    for statistical in ("truncat", "temperature", "stale", "shifted", "unrelated", "precision", "a hint"):
+        assert statistical not in monitor.stop_reason
 
 
 def test_a_share_of_nonfinite_tokens_above_the_bound_exceeds() -> None:

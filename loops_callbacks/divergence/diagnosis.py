@@ -17,6 +17,11 @@ cause              signature (the rule, checked in this order)                 c
 ``unclear``        none of the above, or fewer than 64 action tokens          (0)
 =================  =========================================================  ======================
 
+Before any of these, the monitor checks the inputs themselves (``guard_rail.impossible_inputs``):
+logprobs above 1e-4 (probabilities?), below -1e4 (sentinels) or every trainer logprob exactly 0.0
+make the step's cause ``impossible_inputs`` (confidence 1: a fact, not a hint), never a statistical
+cause that such numbers would mimic (probabilities passed as logprobs look like truncation).
+
 The precision bound is 1e-3 until ``Calibration`` has seen ``calibration_steps`` healthy logged
 steps (diagnosed ``none`` or ``precision``), then 20 times their median k3 (never above 1e-3):
 a step whose gap is well above the engine's own noise floor is not called precision. The other
@@ -40,13 +45,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["CAUSES", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
+__all__ = ["CAUSES", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
 
-CAUSES = ("none", "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
-"""Every cause the rule can name, in the order it checks them (``unclear`` last)."""
+IMPOSSIBLE_INPUTS = "impossible_inputs"
+"""The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
+CAUSES = (IMPOSSIBLE_INPUTS, "none", "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
+"""Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
 MIN_TOKENS = 64
 ZERO_SHARE = 0.5
@@ -60,6 +67,7 @@ PRECISION_MAX_K3 = 1e-3
 CALIBRATION_FACTOR = 20.0
 
 _WHAT = {
+    IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
     "none": "no mismatch",
     "shift": "sampler logprobs are shifted by one position",
     "unrelated": "sampler and trainer score unrelated distributions",
@@ -70,6 +78,8 @@ _WHAT = {
     "unclear": "unclear",
 }
 _CHECK = {
+    IMPOSSIBLE_INPUTS: "fix the inputs first (position k must hold log p of the token predicted at k, a number "
+    "<= 0); no other cause can be judged on them",
     "none": "",
     "shift": "check the alignment of logprobs with target tokens (position k must hold the logprob of the "
     "token predicted at k; here the trainer's value at k matches the sampler's at k{sign}1)",
@@ -88,17 +98,33 @@ _CHECK = {
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The likely cause of one logged step, how sure the rule is (0 to 1), and the numbers behind it."""
+    """The likely cause of one logged step, how sure the rule is (0 to 1), and the numbers behind it.
+
+    ``problems`` says what is impossible about the inputs (cause ``impossible_inputs`` only).
+    """
 
     cause: str
     confidence: float
     evidence: dict[str, float] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def impossible_inputs(cls, problems: Iterable[str]) -> Diagnosis:
+        """The diagnosis of a step whose inputs are not logprobs (``guard_rail.impossible_inputs``' texts).
+
+        Example:
+            >>> print(Diagnosis.impossible_inputs(["3 of 4 sampler logprobs are > 0"]).message)
+            likely cause: the inputs are not valid logprobs: 3 of 4 sampler logprobs are > 0; fix the inputs first (position k must hold log p of the token predicted at k, a number <= 0); no other cause can be judged on them
+        """
+        return cls(IMPOSSIBLE_INPUTS, 1.0, problems=tuple(problems))
 
     @property
     def message(self) -> str:
         """One sentence for logs and the guard rail: the cause, its evidence, what to check."""
         if self.cause == "none":
             return f"no mismatch ({_format(self.evidence)})"
+        if self.cause == IMPOSSIBLE_INPUTS:
+            return f"likely cause: {_WHAT[self.cause]}: {'; '.join(self.problems)}; {_CHECK[self.cause]}"
         what = _WHAT[self.cause]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"

@@ -23,7 +23,13 @@ from loops_callbacks.divergence.action_tokens import (
     flatten_padded,
     trainer_logprobs_from_output,
 )
-from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import (
+    IMPOSSIBLE_INPUTS,
+    Calibration,
+    Diagnosis,
+    diagnose,
+    diagnosis_metrics,
+)
 from loops_callbacks.divergence.guard_rail import (
     DEFAULT_MAX_NONFINITE_FRACTION,
     GuardRail,
@@ -33,6 +39,7 @@ from loops_callbacks.divergence.guard_rail import (
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.run_history import RunHistory, Verdict
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
@@ -40,7 +47,7 @@ from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check_int
 
-__all__ = ["DATA_KEYS", "KLSampleTrainMonitor", "SampleTrainDivergenceError"]
+__all__ = ["DATA_KEYS", "KLSampleTrainMonitor", "SampleTrainDivergenceError", "Verdict"]
 
 DATA_KEYS = (
     "data",
@@ -58,6 +65,8 @@ GUARD_RAIL_TEXT_KEY = "guard_rail"
 """Text key (under the prefix) of the guard rail's message, at the step it acted."""
 DIAGNOSIS_TEXT_KEY = "diagnosis"
 """Text key (under the prefix) of each logged step's likely cause, with its evidence."""
+RUN_SUMMARY_TEXT_KEY = "run_summary"
+"""Text key (under the prefix) of the end-of-run summary (``summary_lines``), at the run's last step."""
 
 _WATCHING_NOTHING_AFTER = 3
 """Logged steps without action tokens, from the start of a run, before the monitor says so."""
@@ -117,7 +126,21 @@ class KLSampleTrainMonitor(Callback):
     The message says which. A step without masked-in action tokens is not judged; a run whose
     logged steps all have none gets one warning (the monitor is watching nothing). Logprobs above
     1e-4 (probabilities passed as logprobs?) and sentinels get one warning per run naming the key
-    and an example position. The patience counter is saved in checkpoints.
+    and an example position; such inputs are also the step's likely cause (``impossible_inputs``),
+    never a statistical cause they would mimic. The patience counter is saved in checkpoints; the
+    stop reason is not (it belongs to the run that stopped: a resumed run starts with none).
+
+    What the guard rail did, and the run's history (reset at each ``setup``):
+
+    * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NO_EXCEEDANCE``, ``WARNED``,
+      ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
+      warned at), ``None`` when it did not act;
+    * ``stop_reason``: the guard rail's message when it stopped the run, else ``None``;
+    * ``last_metrics`` and ``last_diagnosis``: those of the last logged step;
+    * ``summary_lines()``: the run's summary as plain text, the verdict last: the logged steps per
+      likely cause with the first step of each, the last step with action tokens and its metrics,
+      the last diagnosis. It is also logged as text (``run_summary``, TensorBoard / W&B) when fit
+      ends, or fails.
 
     Data contract (read in ``on_train_batch_end``; each key is looked up in ``training_step``'s
     returned dict first, then in the batch):
@@ -221,8 +244,6 @@ class KLSampleTrainMonitor(Callback):
         self.diagnose = diagnose
         self.calibration_steps = calibration_steps
         self.exceeded_steps = 0
-        self.stop_reason: str | None = None
-        self.last_metrics: dict[str, float] = {}
         self.warnings = RunWarnings()
         self._start_run()
 
@@ -240,14 +261,16 @@ class KLSampleTrainMonitor(Callback):
 
     def _start_run(self) -> None:
         """The state of one run (set again at each ``setup``; the checkpointed state is not)."""
+        self.stop_reason: str | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.history = RunHistory(self.prefix, self.guard_rail.name, self.max_kl)
         self.calibration = Calibration(self.calibration_steps)
         self.last_diagnosis: Diagnosis | None = None
         self._window: DivergenceStats | None = None
         self._last_flat: FlatBatch | None = None
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._logged_steps = 0
-        self._steps_with_action_tokens = 0
+        self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not
 
     @override
     def on_train_batch_end(
@@ -277,17 +300,47 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._logged_steps and not self._steps_with_action_tokens:
+        if self.history.logged_steps and not self._steps_with_action_tokens:
             self._warn_watching_nothing()
+        self._deliver_summary(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._deliver_summary(trainer)  # after a raise too: the history is what explains it
+
+    @property
+    def verdict(self) -> Verdict:
+        """What the guard rail did in this run: ``OFF``, ``NO_EXCEEDANCE``, ``WARNED``, ``STOPPED`` or ``RAISED``."""
+        return self.history.verdict
+
+    @property
+    def verdict_step(self) -> int | None:
+        """The step at which the guard rail stopped, raised or first warned; ``None`` when it did not act."""
+        return self.history.verdict_step
+
+    def summary_lines(self) -> list[str]:
+        """This run's summary as plain text lines, the guard rail's verdict last (``RunHistory.lines``).
+
+        Logged steps per likely cause with the first step of each, the last step with action
+        tokens and its metrics, the last diagnosis, and the verdict. The same text is logged at
+        the end of fit under ``<prefix>run_summary``.
+        """
+        return self.history.lines()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"exceeded_steps": self.exceeded_steps, "stop_reason": self.stop_reason}
+        return {"exceeded_steps": self.exceeded_steps}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the patience counter; a ``stop_reason`` saved by older versions belongs to the run that stopped."""
         self.exceeded_steps = state_dict.get("exceeded_steps", 0)
-        self.stop_reason = state_dict.get("stop_reason")
+
+    def _deliver_summary(self, trainer: pl.Trainer) -> None:
+        if trainer.is_global_zero:
+            text = "\n".join(self.summary_lines())
+            key = self.prefix + RUN_SUMMARY_TEXT_KEY
+            deliver_text(trainer.loggers, key, text, step=trainer.global_step, warnings=self.warnings, preformatted=True)
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
@@ -309,7 +362,8 @@ class KLSampleTrainMonitor(Callback):
         host = window.to_host()  # the one host synchronization of a logged step
         metrics = scalar_metrics(host, prefix=self.prefix)
         self.last_metrics = metrics
-        logged = {**metrics, **self._diagnose(host)}
+        problems = impossible_inputs(host)
+        logged = {**metrics, **self._diagnose(host, problems)}
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if trainer.is_global_zero:
             deliver(trainer.loggers, logged, host, step=step, media=self.media, warnings=self.warnings)
@@ -321,30 +375,37 @@ class KLSampleTrainMonitor(Callback):
                     step=step,
                     warnings=self.warnings,
                 )
-        self._watch_inputs(host, step)
-        self._guard(trainer, metrics, host, step)
+        self.history.observe(step, metrics, self.last_diagnosis)
+        self._watch_inputs(host, problems, step)
+        self._guard(trainer, metrics, host, problems, step)
 
-    def _diagnose(self, host: HostDivergence) -> dict[str, float]:
-        """The step's likely cause (kept in ``last_diagnosis``) and its metrics; nothing without action tokens."""
+    def _diagnose(self, host: HostDivergence, problems: Mapping[str, str]) -> dict[str, float]:
+        """The step's likely cause (kept in ``last_diagnosis``) and its metrics; nothing without action tokens.
+
+        Impossible inputs (``guard_rail.impossible_inputs``) are the cause when there are any: the
+        statistical rule would read them as something else (probabilities look like truncation).
+        """
         self.last_diagnosis = None
         n = host.totals["n_action_tokens"]
         if not self.diagnose or n == 0:
             return {}
         signatures = signature_numbers(host)
-        diagnosis = diagnose(signatures, n_tokens=n, precision_max_k3=self.calibration.precision_max_k3)
-        self.calibration.observe(diagnosis, signatures["k3"])
+        if problems:
+            diagnosis = Diagnosis.impossible_inputs(problems.values())
+        else:
+            diagnosis = diagnose(signatures, n_tokens=n, precision_max_k3=self.calibration.precision_max_k3)
+            self.calibration.observe(diagnosis, signatures["k3"])
         self.last_diagnosis = diagnosis
         return diagnosis_metrics(diagnosis, signatures, prefix=self.prefix)
 
-    def _watch_inputs(self, host: HostDivergence, step: int) -> None:
+    def _watch_inputs(self, host: HostDivergence, problems: Mapping[str, str], step: int) -> None:
         """Count steps with something to judge; warn once per run about impossible logprobs."""
-        self._logged_steps += 1
         totals = host.totals
         if totals["n_action_tokens"] + totals["n_skipped_nonfinite"] > 0:
             self._steps_with_action_tokens += 1
-        elif self._logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
+        elif self.history.logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
             self._warn_watching_nothing()
-        for problem, message in impossible_inputs(host).items():
+        for problem, message in problems.items():
             if not self.warnings.said(problem):
                 self.warnings.warn(
                     problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
@@ -353,7 +414,7 @@ class KLSampleTrainMonitor(Callback):
     def _warn_watching_nothing(self) -> None:
         self.warnings.warn(
             "watching_nothing",
-            f"KLSampleTrainMonitor: none of the {self._logged_steps} logged step(s) had an action token "
+            f"KLSampleTrainMonitor: none of the {self.history.logged_steps} logged step(s) had an action token "
             f"({self.keys['mask']!r} > 0 with a non-zero {self.keys['advantages']!r}); the monitor is watching "
             "nothing — check the mask (1.0 on the tokens the policy sampled) and the advantages",
         )
@@ -377,7 +438,14 @@ class KLSampleTrainMonitor(Callback):
         value = float(values[index])
         return f"key {key!r}, e.g. {value:.3g} at datum {datum}, position {position} of the last micro-batch"
 
-    def _guard(self, trainer: pl.Trainer, metrics: Mapping[str, float], host: HostDivergence, step: int) -> None:
+    def _guard(
+        self,
+        trainer: pl.Trainer,
+        metrics: Mapping[str, float],
+        host: HostDivergence,
+        problems: Mapping[str, str],
+        step: int,
+    ) -> None:
         reason = self.guard_rail.exceeds(metrics, host)
         if reason is None:
             untrusted = self.guard_rail.untrusted(metrics, host)
@@ -389,7 +457,11 @@ class KLSampleTrainMonitor(Callback):
         if self.exceeded_steps < self.patience:
             return
         cause = self.last_diagnosis
-        if cause is not None and cause.cause not in ("unclear", "none"):
+        if cause is None and problems:  # diagnose=False: the inputs are still what the message names
+            cause = Diagnosis.impossible_inputs(problems.values())
+        if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
+            advice = f"{cause.message}."  # a fact about the inputs, not a hint
+        elif cause is not None and cause.cause not in ("unclear", "none"):
             advice = f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
         else:
             advice = (
@@ -400,6 +472,8 @@ class KLSampleTrainMonitor(Callback):
             f"{reason} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
             f"the sampler's logprobs no longer match the trainer's — {advice}"
         )
+        verdict = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[self.on_exceed]
+        self.history.acted(verdict, step, message)
         if self.on_exceed == "stop":
             self.stop_reason = message
             trainer.should_stop = True

@@ -65,14 +65,22 @@ def deliver(
 
 
 def deliver_text(
-    loggers: Iterable[Any], key: str, text: str, *, step: int, warnings: RunWarnings | None = None
+    loggers: Iterable[Any],
+    key: str,
+    text: str,
+    *,
+    step: int,
+    warnings: RunWarnings | None = None,
+    preformatted: bool = False,
 ) -> None:
     """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others are skipped.
 
-    Used for the guard rail's message, so a stop is visible beside the curves.
-    ``TensorBoardLogger``: ``add_text`` (the TEXT tab renders Markdown); ``WandbLogger``: a
-    ``wandb.Html`` panel holding the text as preformatted HTML, through ``log_metrics``. Loggers
-    that show no text (CSV) are skipped; a failing logger is a warning, never an error.
+    Used for the guard rail's message, so a stop is visible beside the curves, and for the run's
+    summary. ``TensorBoardLogger``: ``add_text`` (the TEXT tab renders Markdown; ``preformatted``
+    text is indented into a code block, so its lines and alignment stay as they are);
+    ``WandbLogger``: a ``wandb.Html`` panel holding the text as preformatted HTML, through
+    ``log_metrics``. Loggers that show no text (CSV) are skipped; a failing logger is a warning,
+    never an error.
 
     Example:
         >>> deliver_text([object()], "div/stop", "stopped", step=3)  # a logger without text: nothing
@@ -80,7 +88,8 @@ def deliver_text(
     for logger in loggers:
         try:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(key, text, step)
+                shown = "\n".join("    " + line for line in text.splitlines()) if preformatted else text
+                logger.experiment.add_text(key, shown, step)
             elif isinstance(logger, WandbLogger):
                 import wandb
 

@@ -1,0 +1,149 @@
+"""What the divergence monitor saw over one run, and the guard rail's verdict: the end-of-run summary.
+
+``RunHistory`` counts the logged steps per likely cause (with the step where each first appeared),
+remembers the last step with action tokens, its metrics and the last diagnosis, and holds the
+guard rail's ``Verdict``. ``lines`` renders it as plain text, the verdict last.
+
+Example:
+    >>> from loops_callbacks.divergence.diagnosis import Diagnosis
+    >>> history = RunHistory(prefix="div/", watched="kl_sample_train_k3", max_kl=0.05)
+    >>> stale = Diagnosis("stale", 0.8, {"token_eta2": 0.2})
+    >>> history.observe(0, {"div/n_action_tokens": 64.0, "div/kl_sample_train_k3": 0.2}, stale)
+    >>> history.observe(1, {"div/n_action_tokens": 0.0}, None)
+    >>> history.acted(Verdict.STOPPED, 0, "div/kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05")
+    >>> print("\\n".join(history.lines()))
+    Sampler-vs-trainer divergence (div/*): 2 logged steps
+      steps by likely cause: stale 1 (first at step 0), no action tokens 1 (first at step 1)
+      last step with action tokens: 0 (the last logged step, 1, had none)
+      its metrics:
+        n_action_tokens      64
+        kl_sample_train_k3   0.2
+      last diagnosis (step 0, a hint, confidence 0.80): likely cause: the sampler's weights are out of date (token eta2 0.2); check that the sampler receives the trainer's weights every step (sync frequency, failed or partial weight loads)
+    Guard rail: stopped the run at step 0: div/kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from loops_callbacks.divergence.diagnosis import Diagnosis
+
+__all__ = ["NO_ACTION_TOKENS", "CauseCount", "RunHistory", "Verdict"]
+
+NO_ACTION_TOKENS = "no action tokens"
+"""The label of a logged step without action tokens (nothing to diagnose)."""
+NOT_DIAGNOSED = "not diagnosed"
+"""The label of a logged step with action tokens when the diagnosis is off."""
+
+
+class Verdict(enum.Enum):
+    """What the guard rail did over a run (``KLSampleTrainMonitor.verdict``)."""
+
+    OFF = "off"
+    """No bound was set (``max_kl=None``): nothing was judged."""
+    NO_EXCEEDANCE = "no exceedance"
+    """Every judged step stayed within the bound."""
+    WARNED = "warned"
+    """Some steps exceeded and ``on_exceed="warn"`` let training go on."""
+    STOPPED = "stopped"
+    """The run was stopped (``on_exceed="stop"``): ``trainer.should_stop``."""
+    RAISED = "raised"
+    """``SampleTrainDivergenceError`` was raised (``on_exceed="raise"``)."""
+
+
+@dataclass
+class CauseCount:
+    """How many logged steps had one likely cause, and the first of them."""
+
+    steps: int
+    first_step: int
+
+
+@dataclass
+class RunHistory:
+    """One run's history (module docstring); a new one at each ``setup``."""
+
+    prefix: str
+    watched: str
+    max_kl: float | None
+    logged_steps: int = 0
+    last_step: int | None = None
+    causes: dict[str, CauseCount] = field(default_factory=dict)  # in order of first appearance
+    last_step_with_action_tokens: int | None = None
+    metrics_with_action_tokens: dict[str, float] = field(default_factory=dict)
+    last_diagnosis: Diagnosis | None = None
+    last_diagnosis_step: int | None = None
+    verdict: Verdict = Verdict.NO_EXCEEDANCE
+    verdict_step: int | None = None
+    verdict_reason: str | None = None
+    times_acted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_kl is None:
+            self.verdict = Verdict.OFF
+
+    def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
+        """Count one logged step: its cause (or ``no action tokens``), its metrics when it had tokens."""
+        self.logged_steps += 1
+        self.last_step = step
+        has_tokens = metrics.get(self.prefix + "n_action_tokens", 0.0) > 0
+        label = diagnosis.cause if diagnosis is not None else NOT_DIAGNOSED if has_tokens else NO_ACTION_TOKENS
+        if label in self.causes:
+            self.causes[label].steps += 1
+        else:
+            self.causes[label] = CauseCount(1, step)
+        if has_tokens:
+            self.last_step_with_action_tokens = step
+            self.metrics_with_action_tokens = dict(metrics)
+        if diagnosis is not None:
+            self.last_diagnosis, self.last_diagnosis_step = diagnosis, step
+
+    def acted(self, verdict: Verdict, step: int, reason: str) -> None:
+        """The guard rail acted at ``step``: stopped, raised, or warned (the first warning is kept)."""
+        self.times_acted += 1
+        if self.verdict is Verdict.WARNED and verdict is Verdict.WARNED:
+            return
+        self.verdict, self.verdict_step, self.verdict_reason = verdict, step, reason
+
+    def lines(self) -> list[str]:
+        """The summary as plain text lines, the guard rail's verdict last."""
+        lines = [f"Sampler-vs-trainer divergence ({self.prefix}*): {self.logged_steps} logged steps"]
+        if self.causes:
+            counts = ", ".join(f"{cause} {c.steps} (first at step {c.first_step})" for cause, c in self.causes.items())
+            lines.append(f"  steps by likely cause: {counts}")
+        if self.last_step_with_action_tokens is None:
+            if self.logged_steps:
+                lines.append("  no logged step had action tokens: the monitor watched nothing")
+        else:
+            where = f"  last step with action tokens: {self.last_step_with_action_tokens}"
+            if self.last_step != self.last_step_with_action_tokens:
+                where += f" (the last logged step, {self.last_step}, had none)"
+            lines.append(where)
+            lines.append("  its metrics:")
+            names = {key.removeprefix(self.prefix): value for key, value in self.metrics_with_action_tokens.items()}
+            width = max(map(len, names))
+            lines += [f"    {name:{width}s}   {value + 0.0:.6g}" for name, value in names.items()]  # + 0.0: no "-0"
+        if self.last_diagnosis is not None:
+            lines.append(
+                f"  last diagnosis (step {self.last_diagnosis_step}, a hint, confidence "
+                f"{self.last_diagnosis.confidence:.2f}): {self.last_diagnosis.message}"
+            )
+        lines.append(self.verdict_line())
+        return lines
+
+    def verdict_line(self) -> str:
+        """``Guard rail: ...``: off, no exceedance, warned, stopped or raised (at which step, and why)."""
+        if self.verdict is Verdict.OFF:
+            return "Guard rail: off (max_kl not set)"
+        if self.verdict is Verdict.NO_EXCEEDANCE:
+            return f"Guard rail: no exceedance ({self.watched} <= {self.max_kl:g} on every judged step)"
+        if self.verdict is Verdict.WARNED:
+            return (
+                f"Guard rail: warned on {self.times_acted} logged step(s), first at step {self.verdict_step} "
+                f"(on_exceed='warn': training went on): {self.verdict_reason}"
+            )
+        if self.verdict is Verdict.STOPPED:
+            return f"Guard rail: stopped the run at step {self.verdict_step}: {self.verdict_reason}"
+        return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"

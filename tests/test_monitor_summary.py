@@ -1,0 +1,155 @@
+"""The monitor's run history and the guard rail's verdict: ``summary_lines`` and the ``run_summary`` text."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
+from loops_callbacks.divergence.diagnosis import CAUSES
+from loops_callbacks.divergence.run_history import Verdict
+from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
+from tests.oracle import PREFIX
+
+
+class Scripted(TinyPolicy):
+    """About 100 action tokens a step; from ``probabilities_from`` on the sampler returns probabilities,
+    and from ``empty_from`` on no token is masked in."""
+
+    def __init__(self, probabilities_from: int = 10**9, empty_from: int = 10**9, nan_from: int = 10**9) -> None:
+        super().__init__()
+        self.probabilities_from, self.empty_from, self.nan_from = probabilities_from, empty_from, nan_from
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        out = super().training_step(batch, batch_idx)
+        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        if step >= self.probabilities_from:
+            out["logprobs"] = out["logprobs"].exp()
+        if step >= self.nan_from:
+            out["logprobs"] = torch.full_like(out["logprobs"], math.nan)
+        if step >= self.empty_from:
+            out["mask"] = torch.zeros_like(out["logprobs"])
+        return out
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(), batch_size=16)
+
+
+def causes_logged(logger: RecordingLogger) -> list[tuple[int, str]]:
+    """(step, cause) of each logged step, read from the ``diagnosis/<cause>`` indicators."""
+    found = []
+    for step, metrics in logger.calls:
+        if PREFIX + "n_action_tokens" not in metrics:
+            continue
+        named = [cause for cause in CAUSES if metrics.get(f"{PREFIX}diagnosis/{cause}") == 1.0]
+        found.append((step, named[0] if named else "no action tokens"))
+    return found
+
+
+def test_the_summary_counts_steps_per_cause_and_keeps_the_last_step_with_action_tokens(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recording, tensorboard = RecordingLogger(), TensorBoardLogger(str(tmp_path), name="tb")
+    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="warn")
+    trainer = quiet_trainer(max_steps=6, logger=[recording, tensorboard], callbacks=[monitor])
+    with pytest.warns(UserWarning):
+        trainer.fit(Scripted(probabilities_from=2, empty_from=5))
+
+    per_step = causes_logged(recording)
+    assert [step for step, _ in per_step] == [0, 1, 2, 3, 4, 5]
+    counts: dict[str, list[int]] = {}
+    for step, cause in per_step:
+        counts.setdefault(cause, []).append(step)
+    assert "impossible_inputs" in counts and counts["no action tokens"] == [5]
+    lines = monitor.summary_lines()
+    by_cause = ", ".join(f"{cause} {len(steps)} (first at step {steps[0]})" for cause, steps in counts.items())
+    assert f"  steps by likely cause: {by_cause}" in lines
+    assert "  last step with action tokens: 4 (the last logged step, 5, had none)" in lines
+    k3 = next(line for line in lines if line.strip().startswith("kl_sample_train_k3"))
+    assert float(k3.split()[-1]) == pytest.approx(
+        next(m for s, m in recording.calls if s == 4 and PREFIX + "kl_sample_train_k3" in m)[PREFIX + "kl_sample_train_k3"],
+        rel=1e-5,
+    )
+    assert any(line.startswith("  last diagnosis (step 4,") and "the inputs are not valid logprobs" in line for line in lines)
+    assert monitor.verdict is Verdict.WARNED and monitor.verdict_step == 2
+    assert lines[-1].startswith("Guard rail: warned on 3 logged step(s), first at step 2 (on_exceed='warn'")
+
+    events = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0}).Reload()
+    [event] = events.Tensors(PREFIX + "run_summary/text_summary")
+    assert event.step == trainer.global_step
+    assert event.tensor_proto.string_val[0].decode() == "\n".join("    " + line for line in lines)
+
+
+def test_a_stop_is_the_last_line_with_its_step_and_reason() -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", log_every_n_steps=1)
+    with pytest.warns(UserWarning):
+        quiet_trainer(max_steps=8, callbacks=[monitor]).fit(Scripted(nan_from=2))
+    assert monitor.verdict is Verdict.STOPPED and monitor.verdict_step == 2
+    assert monitor.summary_lines()[-1] == f"Guard rail: stopped the run at step 2: {monitor.stop_reason}"
+    assert "  last step with action tokens: 1 (the last logged step, 2, had none)" in monitor.summary_lines()
+
+
+def test_a_raise_is_recorded_and_the_summary_is_logged_on_the_way_out(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard = TensorBoardLogger(str(tmp_path), name="tb")
+    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise")
+    with pytest.raises(SampleTrainDivergenceError) as raised:
+        quiet_trainer(max_steps=8, logger=tensorboard, callbacks=[monitor]).fit(Scripted(nan_from=1))
+    assert monitor.verdict is Verdict.RAISED and monitor.verdict_step == 1 and monitor.stop_reason is None
+    assert monitor.summary_lines()[-1] == f"Guard rail: raised SampleTrainDivergenceError at step 1: {raised.value}"
+    tensorboard.experiment.flush()
+    events = EventAccumulator(tensorboard.log_dir, size_guidance={"tensors": 0}).Reload()
+    [event] = events.Tensors(PREFIX + "run_summary/text_summary")
+    assert "raised SampleTrainDivergenceError at step 1" in event.tensor_proto.string_val[0].decode()
+
+
+@pytest.mark.parametrize(("max_kl", "verdict", "last"), [
+    (None, Verdict.OFF, "Guard rail: off (max_kl not set)"),
+    (0.5, Verdict.NO_EXCEEDANCE, "Guard rail: no exceedance (kl_sample_train_k3 <= 0.5 on every judged step)"),
+])
+def test_a_healthy_run_says_so_last(max_kl: float | None, verdict: Verdict, last: str) -> None:
+    monitor = KLSampleTrainMonitor(max_kl=max_kl)
+    quiet_trainer(max_steps=2, callbacks=[monitor]).fit(Scripted())
+    assert monitor.verdict is verdict and monitor.verdict_step is None and monitor.summary_lines()[-1] == last
+
+
+class PatienceProbe(pl.Callback):
+    """Records the monitor's patience counter as the resumed run starts (after the checkpoint's restore)."""
+
+    def __init__(self, monitor: KLSampleTrainMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self.seen: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen = self.monitor.exceeded_steps
+
+
+def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_path: Any) -> None:
+    stopping = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    first = quiet_trainer(max_steps=8, callbacks=[stopping], default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning):
+        first.fit(Scripted(nan_from=1))
+    assert stopping.verdict is Verdict.STOPPED and first.global_step == 2
+    checkpoint = str(tmp_path / "stopped.ckpt")
+    first.save_checkpoint(checkpoint)
+
+    resumed = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    probe = PatienceProbe(resumed)
+    second = quiet_trainer(max_steps=4, callbacks=[resumed, probe], default_root_dir=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="KLSampleTrainMonitor")
+        second.fit(Scripted(), ckpt_path=checkpoint)
+    assert probe.seen == 1  # the patience counter survives the resume, as documented
+    assert second.global_step == 4 and resumed.stop_reason is None
+    assert resumed.verdict is Verdict.NO_EXCEEDANCE
+    assert resumed.summary_lines()[-1].startswith("Guard rail: no exceedance")
+    assert not any("Stopped" in line or "stopped" in line for line in resumed.summary_lines())
