@@ -102,6 +102,9 @@ def test_offline_wandb_run_gets_scalars_histogram_and_table(tmp_path: Any, monke
 
     want = loops_log_kl_sample_train(None, 3, window[0], training_logprobs=window[1])
     assert table["data"] == want[PREFIX + "worst_tokens"].data
+    [summary] = glob.glob(os.path.join(run_dir, "media", "html", "**", "run_summary_*.html"), recursive=True)
+    with open(summary) as handle:
+        assert "Guard rail: off (max_kl not set)</pre>" in handle.read()  # the verdict last, as HTML text
     with open(os.path.join(run_dir, "..", "logs", "debug-internal.log")) as log:
         assert "monotonically increasing" not in log.read()  # W&B dropped nothing
 

@@ -164,6 +164,15 @@ def test_impossible_inputs_are_the_cause_the_stop_names_not_a_statistical_one(co
         assert statistical not in monitor.stop_reason
 
 
+def test_without_the_diagnosis_the_stop_still_names_impossible_inputs() -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", diagnose=False)
+    with pytest.warns(UserWarning):
+        fit(WiderBatches(probabilities), monitor)
+    assert monitor.last_diagnosis is None
+    assert "likely cause: the inputs are not valid logprobs: " in monitor.stop_reason
+    assert "check that the sampler receives the trainer's weights" not in monitor.stop_reason
+
+
 def test_a_share_of_nonfinite_tokens_above_the_bound_exceeds() -> None:
     monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
     with pytest.warns(UserWarning, match="more than max_nonfinite_fraction = 0.01"):

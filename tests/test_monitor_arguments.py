@@ -1,4 +1,7 @@
-"""KLSampleTrainMonitor's constructor names the argument it rejects: a wrong type is a TypeError, out of range a ValueError."""
+"""KLSampleTrainMonitor's constructor names the argument it rejects.
+
+A wrong type is a TypeError, a value out of range a ValueError.
+"""
 
 from __future__ import annotations
 

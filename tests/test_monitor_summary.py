@@ -73,11 +73,10 @@ def test_the_summary_counts_steps_per_cause_and_keeps_the_last_step_with_action_
     assert f"  steps by likely cause: {by_cause}" in lines
     assert "  last step with action tokens: 4 (the last logged step, 5, had none)" in lines
     k3 = next(line for line in lines if line.strip().startswith("kl_sample_train_k3"))
-    assert float(k3.split()[-1]) == pytest.approx(
-        next(m for s, m in recording.calls if s == 4 and PREFIX + "kl_sample_train_k3" in m)[PREFIX + "kl_sample_train_k3"],
-        rel=1e-5,
-    )
-    assert any(line.startswith("  last diagnosis (step 4,") and "the inputs are not valid logprobs" in line for line in lines)
+    [at_step_4] = [m for s, m in recording.calls if s == 4 and PREFIX + "kl_sample_train_k3" in m]
+    assert float(k3.split()[-1]) == pytest.approx(at_step_4[PREFIX + "kl_sample_train_k3"], rel=1e-5)
+    [diagnosis] = [line for line in lines if line.startswith("  last diagnosis (step 4,")]
+    assert "the inputs are not valid logprobs" in diagnosis
     assert monitor.verdict is Verdict.WARNED and monitor.verdict_step == 2
     assert lines[-1].startswith("Guard rail: warned on 3 logged step(s), first at step 2 (on_exceed='warn'")
 

@@ -224,7 +224,8 @@ class KLSampleTrainMonitor(Callback):
         check_int("sample_size", sample_size, least=1)
         check_int("patience", patience, least=1)
         check_int("calibration_steps", calibration_steps, least=0)
-        for name, flag in (("log_histogram", log_histogram), ("log_worst_tokens", log_worst_tokens), ("diagnose", diagnose)):
+        flags = {"log_histogram": log_histogram, "log_worst_tokens": log_worst_tokens, "diagnose": diagnose}
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
@@ -338,9 +339,9 @@ class KLSampleTrainMonitor(Callback):
 
     def _deliver_summary(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero:
-            text = "\n".join(self.summary_lines())
-            key = self.prefix + RUN_SUMMARY_TEXT_KEY
-            deliver_text(trainer.loggers, key, text, step=trainer.global_step, warnings=self.warnings, preformatted=True)
+            text, key = "\n".join(self.summary_lines()), self.prefix + RUN_SUMMARY_TEXT_KEY
+            step = trainer.global_step  # at or after every logged step: W&B drops steps behind its counter
+            deliver_text(trainer.loggers, key, text, step=step, warnings=self.warnings, preformatted=True)
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps

@@ -31,7 +31,16 @@ import torch
 
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
 
-__all__ = ["NO_TOKEN", "SHOWN_BEFORE", "SHOWN_AFTER", "CONTEXT_BEFORE", "CONTEXT_AFTER", "TokenLookup", "PaddedTokens", "DatumTokens"]
+__all__ = [
+    "NO_TOKEN",
+    "SHOWN_BEFORE",
+    "SHOWN_AFTER",
+    "CONTEXT_BEFORE",
+    "CONTEXT_AFTER",
+    "TokenLookup",
+    "PaddedTokens",
+    "DatumTokens",
+]
 
 NO_TOKEN = -1
 SHOWN_BEFORE = 40
@@ -46,7 +55,10 @@ CONTEXT_AFTER = 1 + SHOWN_AFTER
 
 class TokenLookup(Protocol):
     def lookup(self, datum: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``token [r]``, ``before [r, CONTEXT_BEFORE]``, ``after [r, CONTEXT_AFTER]`` (centre first) int64, ``NO_TOKEN`` where absent."""
+        """``token [r]``, ``before [r, CONTEXT_BEFORE]``, ``after [r, CONTEXT_AFTER]`` (the centre first).
+
+        All int64, ``NO_TOKEN`` where absent.
+        """
         ...
 
 
