@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -63,11 +64,25 @@ def oracle_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def test_the_monitors_table_shows_model_input_at_the_last_position_and_with_shifted_targets(tmp_path: Any) -> None:
+class ShiftedTargetDatums(TinyPolicy):
+    """The Loops form: the step's datums (with shifted ``target_tokens``) under ``data``, trainer rows beside."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        record = self.recorded[-1]
+        keys = ("logprobs", "mask", "advantages", "target_tokens")
+        data = [Datum(ModelInput.from_ints(row["tokens"]), {k: row[k] for k in keys}) for row in oracle_rows(record)]
+        return {"loss": out["loss"], "data": data, "training_logprobs": list(record["trainer"])}
+
+
+@pytest.mark.parametrize("policy", [ShiftedTargets, ShiftedTargetDatums])
+def test_the_monitors_table_shows_model_input_at_the_last_position_and_with_shifted_targets(
+    tmp_path: Any, policy: type[TinyPolicy]
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    model = ShiftedTargets()
+    model = policy()
     top_n = 4 * LENGTH  # every action token of the step
     trainer = quiet_trainer(max_steps=1, logger=logger, callbacks=[KLSampleTrainMonitor(top_n=top_n)])
     trainer.fit(model)
