@@ -106,6 +106,12 @@ class LoopsCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         self.config = getattr(self, "_config_as_given", self.config)
         trainer = super().instantiate_trainer(**kwargs)
+        if _monitors(trainer) and _trains_in_spawned_processes(trainer):
+            self.parser.error(
+                "this strategy (ddp_spawn, ddp_fork or ddp_notebook) trains in processes it starts, which do not "
+                "hand KLSampleTrainMonitor's verdict back to this one: the summary and the exit status could not say "
+                "whether the guard rail stopped the run. Use --trainer.strategy ddp (the default with several devices)."
+            )
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 _prepare_wandb(logger)
@@ -211,6 +217,13 @@ def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
     return [c for c in trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
 
 
+def _trains_in_spawned_processes(trainer: Trainer) -> bool:
+    """Whether fit runs in child processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this one."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
+
+
 def _metric_lines(trainer: Trainer, skip_prefixes: tuple[str, ...]) -> list[str]:
     """The last value of each scalar the module logged (the monitors' own come in their summaries)."""
     values = {}
@@ -221,7 +234,7 @@ def _metric_lines(trainer: Trainer, skip_prefixes: tuple[str, ...]) -> list[str]
     if not values:
         return []
     width = max(map(len, values))
-    return [f"Last logged metrics (global step {trainer.global_step}):"] + [
+    return ["Last logged metrics:"] + [
         f"  {key:{width}s} {value:.6g}" for key, value in sorted(values.items())
     ]
 

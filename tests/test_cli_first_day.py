@@ -23,6 +23,7 @@ from loops_callbacks.cli import (
     EXIT_GUARD_RAIL_STOPPED,
     EXIT_OK,
     EXIT_STATUSES,
+    EXIT_USAGE,
     run_cli,
     shipped_configs,
 )
@@ -124,6 +125,19 @@ def test_a_dpo_rerun_says_the_reference_came_from_the_cache(tmp_path: Path, monk
     run_cli(command)
     (reference,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Reference logprobs:")][-1:]
     assert "loaded from the cache runs/dpo_tiny/reference_logprobs" in reference and "nothing scored" in reference
+
+
+def test_a_spawning_strategy_with_a_monitor_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ddp_spawn trains in child processes: the command would report "no exceedance" and exit 0 after a stop."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(["fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.devices", "2",
+                 "--trainer.strategy", "ddp_spawn", "--trainer.logger", "false"])
+    assert exit_.value.code == EXIT_USAGE
+    assert "Use --trainer.strategy ddp" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing ran
 
 
 NO_HF_EXTRA = '''
