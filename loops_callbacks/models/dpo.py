@@ -14,9 +14,11 @@ with 0:
 
 With ``pi`` and ``ref`` the weighted sums of the policy's and the reference's logprobs over a
 row, the loss of pair i is ``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` (TRL's
-``sigmoid`` loss). Logged (means over the batch's pairs): ``{train,val}/dpo_loss``,
-``dpo_accuracy`` (share of pairs with a positive margin), ``dpo_margin`` (chosen minus rejected
-reward), ``chosen_reward`` and ``rejected_reward`` (``beta * (pi - ref)``).
+``sigmoid`` loss). Logged: ``{train,val}/dpo_loss``, ``dpo_accuracy`` (share of pairs with a
+positive margin), ``dpo_margin`` (chosen minus rejected reward), ``chosen_reward`` and
+``rejected_reward`` (``beta * (pi - ref)``): ``train/*`` are means over the step's pairs (rank
+0's under DDP, no collective per step), ``val/*`` means over every held-out pair of every rank
+(sums over pairs and pair counts added up across ranks at the end of the validation epoch).
 
 Example:
     >>> import torch
@@ -43,6 +45,9 @@ from loops_callbacks.logprobs import token_logprobs
 __all__ = ["DPOModule", "HFDPOModule", "dpo_loss"]
 
 _REQUIRED_KEYS = ("input_ids", "target_tokens", "weights")
+_METRIC_NAMES = ("dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rejected_reward")
+"""The metrics ``dpo_loss`` returns, logged as ``train/<name>`` and ``val/<name>``."""
+_PROGRESS_BAR = ("dpo_loss", "dpo_accuracy")
 
 
 def dpo_loss(
@@ -94,7 +99,8 @@ class DPOModule(LightningModule):
     A subclass builds its model in ``__init__`` and defines ``forward(input_ids) -> logits
     [B, T, V]``; that also lets ``DPODataModule`` score the reference with the module itself before
     its first step (the usual "reference = initial policy", with no copy of the weights). Training
-    and validation steps, the metrics and AdamW over the trainable parameters are here.
+    and validation steps, the metrics and AdamW over the trainable parameters are here; ``val/*``
+    are logged in ``on_validation_epoch_end`` (a subclass overriding it calls ``super()``).
 
     Args:
         beta: the DPO temperature (how far from the reference the policy may move).
@@ -112,6 +118,7 @@ class DPOModule(LightningModule):
         self.beta = float(beta)
         self.lr = float(lr)
         self.weight_decay = float(weight_decay)
+        self._val_totals: torch.Tensor | None = None  # see validation_step
 
     def policy_logprobs(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``[2P, T]`` float32 policy logprobs of ``batch["target_tokens"]`` (with grad)."""
@@ -119,20 +126,50 @@ class DPOModule(LightningModule):
 
     @override
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        loss, metrics, num_pairs = self._loss_and_metrics(batch)
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value, prog_bar=name in _PROGRESS_BAR, batch_size=num_pairs)
+        return loss
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._val_totals = None
 
     @override
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The same loss and metrics on held-out pairs (``DPODataModule(val_fraction=...)``), as ``val/*``."""
-        return self._step(batch, "val")
+        loss, metrics, num_pairs = self._loss_and_metrics(batch)
+        totals = self._val_totals if self._val_totals is not None else self._zero_totals()
+        means = torch.stack([metrics[name] for name in _METRIC_NAMES]).to(totals.dtype)
+        self._val_totals = totals + torch.cat([means * num_pairs, means.new_tensor([num_pairs])])
+        return loss
 
-    def _step(self, batch: Mapping[str, torch.Tensor], stage: str) -> torch.Tensor:
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """``val/*``: every rank's sums over pairs and pair count, added up by one all-reduce, then divided.
+
+        (Lightning's own ``sync_dist`` averages the pair counts as integers: a truncated mean when
+        the ranks hold an odd number of pairs in all.) A rank that validated nothing adds zeros.
+        """
+        totals = self._val_totals if self._val_totals is not None else self._zero_totals()
+        self._val_totals = None
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        if totals[-1] == 0:
+            return
+        for name, value in zip(_METRIC_NAMES, (totals[:-1] / totals[-1]).float()):
+            # equal on every rank already; Lightning's mean of equal values (sync_dist, so that it
+            # does not warn about an unsynchronised epoch metric) leaves them as they are
+            self.log(f"val/{name}", value, prog_bar=name in _PROGRESS_BAR, batch_size=1, sync_dist=True)
+
+    def _loss_and_metrics(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
         self._check_batch(batch)
         loss, metrics = dpo_loss(self.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], self.beta)
-        num_pairs = batch["input_ids"].shape[0] // 2
-        for name, value in metrics.items():
-            self.log(f"{stage}/{name}", value, prog_bar=name in ("dpo_loss", "dpo_accuracy"), batch_size=num_pairs)
-        return loss
+        return loss, metrics, batch["input_ids"].shape[0] // 2
+
+    def _zero_totals(self) -> torch.Tensor:
+        """One sum per metric, then the pair count (float64 where the device has it)."""
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        return torch.zeros(len(_METRIC_NAMES) + 1, dtype=dtype, device=self.device)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
