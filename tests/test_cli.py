@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
@@ -193,14 +194,23 @@ def test_wandb_writes_in_the_run_directory_wherever_its_service_started(tmp_path
     assert not (elsewhere / "runs").exists()  # (where its output.log went before)
 
 
-def test_summary_without_loggers_and_without_minus_zero() -> None:
-    monitor = KLSampleTrainMonitor()
-    monitor.last_metrics = {P + "diff_mean": -0.0, P + "frac_abs_gt_1": 0.0, P + "chi2_token": -1.5e-05}
-    summary = run_summary(Trainer(logger=False, callbacks=[monitor], enable_progress_bar=False))
+class SummarizedMonitor(KLSampleTrainMonitor):
+    def summary_lines(self) -> list[str]:
+        return ["Sampler-vs-trainer divergence: 3 logged steps", "Guard rail: the verdict"]
+
+
+def test_summary_without_loggers_and_without_minus_zero_ends_with_the_monitor_summary() -> None:
+    monitor = SummarizedMonitor()
+    trainer = Trainer(logger=False, callbacks=[monitor], enable_progress_bar=False)
+    trainer.callback_metrics.update({"train/loss": torch.tensor(-0.0), "train/reward": torch.tensor(-1.5e-05),
+                                     P + "kl_sample_train_k3": torch.tensor(2.0)})
+    summary = run_summary(trainer)
     assert "Logs:" not in summary
-    assert re.search(r"diff_mean\s+0$", summary, re.MULTILINE), summary
+    assert re.search(r"train/loss\s+0$", summary, re.MULTILINE), summary
     assert not re.search(r"(?<![\w.])-0(?![\w.])", summary), summary
-    assert re.search(r"chi2_token\s+-1.5e-05$", summary, re.MULTILINE)
+    assert re.search(r"train/reward\s+-1.5e-05$", summary, re.MULTILINE)
+    assert "kl_sample_train_k3" not in summary  # the monitor's own numbers are in its summary
+    assert summary.splitlines()[-2:] == monitor.summary_lines()  # its verdict last
 
 
 def test_deliver_text_reaches_tensorboard_and_wandb_and_skips_the_rest(tmp_path: Path) -> None:
@@ -283,13 +293,3 @@ def test_the_console_script_exits_zero(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no exceedance" in done.stdout.splitlines()[-1], done.stdout[-2000:]
-
-
-def test_summary_names_the_last_likely_cause() -> None:
-    from loops_callbacks.divergence.diagnosis import Diagnosis
-
-    monitor = KLSampleTrainMonitor()
-    monitor.last_metrics = {P + "kl_sample_train_k3": 2e-6}
-    monitor.last_diagnosis = Diagnosis("precision", 0.9, {"k3": 2e-6})
-    summary = run_summary(Trainer(logger=False, callbacks=[monitor], enable_progress_bar=False))
-    assert "Last logged step, a hint (confidence 0.90): likely cause:" in summary
