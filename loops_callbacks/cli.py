@@ -409,14 +409,18 @@ def main(args: Any = None) -> None:
 
 
 def _missing_package(error: BaseException) -> ImportError | None:
-    """The ImportError behind ``error`` (jsonargparse wraps one raised while making a class), if any."""
+    """The ImportError that caused ``error`` (jsonargparse wraps one raised while making a class), if any.
+
+    Only explicit causes (``raise ... from``) are followed: an ImportError merely being handled
+    when another error happened is not what went wrong.
+    """
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         if isinstance(current, ImportError):
             return current
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        current = current.__cause__
     return None
 
 

@@ -215,3 +215,22 @@ def test_gpu_checks_without_cuda_say_so_in_one_line_and_write_nothing(tmp_path: 
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "no CUDA device" in done.stderr
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in ROOT.iterdir()) == before
+
+
+def test_only_an_import_error_that_caused_the_failure_is_reported_as_a_missing_package() -> None:
+    from loops_callbacks.cli import _missing_package
+
+    try:
+        try:
+            raise ImportError("optional speed-up not installed")
+        except ImportError:
+            raise ValueError("batch_size must be positive") from None  # handled, not the cause
+    except ValueError as unrelated:
+        assert _missing_package(unrelated) is None
+    try:
+        try:
+            raise ImportError("needs the 'transformers' package")
+        except ImportError as error:
+            raise ValueError("Does not validate against any of the Union subtypes") from error
+    except ValueError as wrapped:
+        assert str(_missing_package(wrapped)) == "needs the 'transformers' package"
