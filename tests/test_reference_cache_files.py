@@ -102,7 +102,9 @@ def test_a_cache_hit_says_so_in_one_line_with_the_count_and_the_file(
         assert first.source == "scored" and "loaded from the cache" not in caplog.text
         _, second = score_across_ranks(data, Flat(), tokens, cache_path=path, reference_fingerprint="flat",
                                        progress=False)
-    assert second.source == "cache"
+    assert second.source == "cache" and second.cache_path == first.cache_path  # the file of this key, beside path
+    assert os.path.dirname(str(second.cache_path)) == str(tmp_path)
     lines = [r for r in caplog.records if "loaded from the cache" in r.getMessage()]
-    assert [r.getMessage() for r in lines] == [f"Reference logprobs of 2 datums loaded from the cache {path} (nothing scored)"]
+    expected = f"Reference logprobs of 2 datums loaded from the cache {second.cache_path} (nothing scored)"
+    assert [r.getMessage() for r in lines] == [expected]
     assert lines[0].levelno == logging.INFO and lines[0].name.startswith("lightning.pytorch")  # Lightning's console logger

@@ -1,0 +1,315 @@
+"""The reference-logprob cache is never silently wrong, never destroyed by another run, never a signal death.
+
+- a cache file copied over or truncated under a running job changes nothing in it (subprocesses:
+  a memory map of a truncated file kills a process with SIGBUS);
+- runs that share a directory keep their own caches, and each can resume from its own;
+- a resume that finds no cache of its own names the caches present and why none matches;
+- the writer's temporary file is created exclusively: a planted link is never written through;
+- a header with a valid checksum and impossible sizes is a damaged file, not a crash;
+- ``cache_tool`` lists and prunes the caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, score_across_ranks
+from loops_callbacks.reference.cache import (
+    CACHE_FILE_NAME,
+    CACHE_TOOL,
+    CacheKey,
+    data_fingerprint,
+    list_caches,
+    read_cache,
+    write_cache,
+)
+from loops_callbacks.reference.cache_tool import main as cache_tool
+from loops_callbacks.types import Datum, ModelInput
+
+TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+OTHER_TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 7]]
+
+
+class Constant:
+    """A reference whose every logprob is ``value`` (and that counts what it scores)."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.scored = value, 0
+
+    def compute_logprobs(self, prompt: ModelInput) -> list[float | None]:
+        self.scored += 1
+        return [None] + [self.value] * (prompt.length - 1)
+
+
+def datums(tokens: list[list[int]]) -> list[Datum]:
+    return [Datum(ModelInput.from_ints(ids)) for ids in tokens]
+
+
+def score(base: Path, value: float, fingerprint: str, tokens: list[list[int]] = TOKENS, **kwargs: Any) -> Any:
+    """Score (or load) ``tokens`` under the reference ``fingerprint`` with ``cache_path=base``."""
+    client = Constant(value)
+    scored, report = score_across_ranks(
+        datums(tokens), client, tokens, cache_path=base, reference_fingerprint=fingerprint, progress=False, **kwargs
+    )
+    return np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored]), report, client
+
+
+def resume(base: Path, fingerprint: str | None, tokens: list[list[int]] = TOKENS) -> tuple[np.ndarray, Any]:
+    scored, report = score_across_ranks(
+        datums(tokens), None, tokens, cache_path=base, reference_fingerprint=fingerprint, progress=False,
+        cached_only="(the fix)",
+    )
+    return np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored]), report
+
+
+# ----------------------------------------------------------------------------- a file changed under a running job
+
+CHANGED_UNDER_A_JOB = """
+    import shutil, sys
+    from pathlib import Path
+    import numpy as np
+    from loops_callbacks.reference.across_ranks import score_across_ranks
+    from loops_callbacks.types import Datum, ModelInput
+
+    base, how = Path(sys.argv[1]), sys.argv[2]
+    tokens = [[1, 2, 3, 4], [5, 6, 7], [8, 9]] * 2000
+
+    class Constant:
+        def __init__(self, value):
+            self.value = value
+        def compute_logprobs(self, prompt):
+            return [None] + [self.value] * (prompt.length - 1)
+
+    def run(value, fingerprint, path):
+        data = [Datum(ModelInput.from_ints(ids)) for ids in tokens]
+        scored, report = score_across_ranks(data, Constant(value), tokens, cache_path=path,
+                                            reference_fingerprint=fingerprint, progress=False)
+        return [d.loss_fn_inputs["ref_logprobs"] for d in scored], report
+
+    run(-0.5, "ref-a", base)                                   # the first run writes its cache
+    values, report = run(-0.5, "ref-a", base)                  # this job loads it...
+    assert report.source == "cache", report
+    run(-0.25, "ref-b", base.parent / "other" / base.name)     # (a file of the same size, other values)
+    (other,) = (base.parent / "other").iterdir()
+    before = float(sum(v.sum() for v in values))
+    if how == "overwrite":
+        shutil.copyfile(other, report.cache_path)              # ...and the file is copied over, in place
+    else:
+        with open(report.cache_path, "r+b") as file:          # ...or truncated
+            file.truncate(64)
+    after = float(sum(v.sum() for v in values))                # the job reads its values again
+    print(f"before {before} after {after}", flush=True)
+    sys.exit(0 if after == before else 3)
+"""
+
+
+@pytest.mark.parametrize("how", ["overwrite", "truncate"])
+def test_a_cache_file_changed_under_a_running_job_changes_nothing_in_it(tmp_path: Path, how: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(tmp_path / "c" / CACHE_FILE_NAME), how],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode >= 0, f"killed by signal {-run.returncode} (SIGBUS: a memory map of a truncated file)"
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    before, after = run.stdout.split()[1::2]
+    assert before == after
+
+
+def test_a_rank_that_reads_other_bytes_than_rank_0_checked_gets_no_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.cache"
+    key = CacheKey("r", data_fingerprint(TOKENS), "float32")
+    write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
+    checked = read_cache(path, key, [4, 3, 2])
+    assert checked.status == "hit" and checked.digest is not None
+    write_cache(path, key, [np.ones(len(ids)) for ids in TOKENS])  # replaced between the two reads
+    later = read_cache(path, key, [4, 3, 2], digest=checked.digest)
+    assert later.status == "corrupt" and "another checksum" in later.reason and later.flat is None
+    assert checked.flat.tolist() == [0.0] * 9  # what was read stays what was read
+
+
+READ_A_FIFO = """
+    import os, sys
+    from loops_callbacks.reference.cache import CacheKey, read_cache
+    os.mkfifo(sys.argv[1])
+    print(read_cache(sys.argv[1], CacheKey("r", "d", "float32"), [1]).reason, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_or_a_directory_at_the_cache_path_is_reported_not_waited_on(tmp_path: Path) -> None:
+    key = CacheKey("r", data_fingerprint(TOKENS), "float32")
+    (tmp_path / "dir.cache").mkdir()
+    assert read_cache(tmp_path / "dir.cache", key, [4, 3, 2]).status == "corrupt"
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(READ_A_FIFO), str(tmp_path / "fifo.cache")],
+                         capture_output=True, text=True, timeout=120)  # (opening a FIFO to read waits for a writer)
+    assert run.returncode == 0 and "not a regular file" in run.stdout, run.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- runs sharing a directory
+
+
+def test_runs_sharing_a_directory_keep_their_caches_and_each_resumes_from_its_own(tmp_path: Path) -> None:
+    base = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    first, first_report, _ = score(base, -0.5, "reference-a")
+    with pytest.warns(ReferenceCacheWarning, match="the reference weights changed.*the other caches are kept"):
+        second, _, _ = score(base, -0.25, "reference-b")  # another experiment, same directory
+    with pytest.warns(ReferenceCacheWarning, match="the data changed"):
+        third, _, _ = score(base, -0.125, "reference-b", OTHER_TOKENS)  # and one on other data
+    assert len(list_caches(base.parent)) == 3
+    for expected, fingerprint, tokens in ((first, "reference-a", TOKENS), (second, "reference-b", TOKENS),
+                                          (third, "reference-b", OTHER_TOKENS)):
+        values, report = resume(base, fingerprint, tokens)
+        assert report.source == "cache" and values.tolist() == expected.tolist()
+    # and a rerun of the first experiment loads its own file, scoring nothing, with no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceCacheWarning)
+        again, report, client = score(base, -0.5, "reference-a")
+    assert report.source == "cache" and client.scored == 0 and report.cache_path == first_report.cache_path
+
+
+def test_a_resume_without_its_cache_names_the_caches_present_and_why_none_matches(tmp_path: Path) -> None:
+    base = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    _, mine, _ = score(base, -0.5, "reference-a")
+    with pytest.warns(ReferenceCacheWarning, match="no reference-logprob cache matches this run"):
+        score(base, -0.25, "reference-b")
+        score(base, -0.25, "reference-a", OTHER_TOKENS)
+        score(base, -0.25, "reference-a", scoring_dtype="bfloat16")
+    os.remove(mine.cache_path)
+    with pytest.raises(ReferenceCacheError) as error:
+        resume(base, "reference-a")
+    message = str(error.value)
+    assert "none of the 3 cache(s)" in message and message.endswith("(the fix)")
+    for why in ("the reference weights changed", "the data changed", "the scoring dtype changed"):
+        assert message.count(why) == 1, message
+    assert f"{CACHE_TOOL} list {base.parent}" in message
+    assert all(os.path.basename(info.path) in message for info in list_caches(base.parent))
+
+
+def test_an_empty_directory_says_the_cache_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(ReferenceCacheError, match="does not exist .nor any other cache"):
+        resume(tmp_path / CACHE_FILE_NAME, "reference-a")
+
+
+def test_a_cache_of_the_single_file_layout_is_still_read(tmp_path: Path) -> None:
+    base = tmp_path / CACHE_FILE_NAME
+    key = CacheKey("reference-a", data_fingerprint(TOKENS), "model")
+    write_cache(base, key, [np.full(len(ids), -0.75) for ids in TOKENS])  # where earlier versions wrote it
+    values, report, client = score(base, -0.5, "reference-a")
+    assert report.source == "cache" and report.cache_path == str(base) and client.scored == 0
+    assert values.tolist() == [-0.75] * 9
+    values, report = resume(base, None)  # a checkpoint that does not name its reference
+    assert report.source == "cache" and values.tolist() == [-0.75] * 9
+    # another reference: scored and written to its own file; the old one is kept
+    with pytest.warns(ReferenceCacheWarning, match="the single-file layout of earlier versions.*reference weights"):
+        score(base, -0.5, "reference-b")
+    assert base.is_file() and len(list_caches(tmp_path)) == 2
+
+
+# ----------------------------------------------------------------------------- the writer's temporary file
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or not hasattr(os, "O_NOFOLLOW"), reason="POSIX links")
+def test_a_link_planted_at_the_temporary_file_is_never_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path = tmp_path / "c.cache"
+    planted = Path(f"{path}.tmp.{socket.gethostname().replace(os.sep, '_')}.{os.getpid()}")
+    planted.symlink_to(victim)
+    key = CacheKey("r", data_fingerprint(TOKENS), "float32")
+    with pytest.raises(FileExistsError, match="temporary file already exists"):
+        write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
+    assert victim.read_text() == "precious" and not path.exists()
+    assert planted.is_symlink()  # not ours: left as it was
+
+
+# ----------------------------------------------------------------------------- a header that lies
+
+
+def _rewrite_header(path: Path, **fields: Any) -> None:
+    """Set header ``fields`` and recompute the checksum: a whole file whose header is impossible."""
+    blob = path.read_bytes()
+    size = struct.unpack("<I", blob[8:12])[0]
+    header = json.loads(blob[12 : 12 + size])
+    header.update(fields)
+    text = json.dumps(header, sort_keys=True).encode()
+    body = blob[:8] + struct.pack("<I", len(text)) + text + blob[12 + size : -32]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"num_datums": 12, "num_values": -9},  # the total size of 3 datums and 9 values, lengths past the end
+        {"num_datums": 3, "num_values": "9"},
+    ],
+)
+def test_a_header_with_a_valid_checksum_and_impossible_sizes_is_a_damaged_file(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    base = tmp_path / CACHE_FILE_NAME
+    expected, report, _ = score(base, -0.5, "reference-a")
+    _rewrite_header(Path(report.cache_path), **fields)
+    key = CacheKey("reference-a", data_fingerprint(TOKENS), "model")
+    assert read_cache(report.cache_path, key, [4, 3, 2]).status == "corrupt"
+    with pytest.raises(ReferenceCacheError, match="cannot be used"):
+        resume(base, "reference-a")
+    with pytest.warns(ReferenceCacheWarning, match=f"{report.cache_path}.* is not used and will be replaced"):
+        values, again, client = score(base, -0.5, "reference-a")
+    assert again.cache_status == "corrupt" and client.scored == 3 and values.tolist() == expected.tolist()
+    assert resume(base, "reference-a")[1].source == "cache"  # rewritten whole
+
+
+def test_a_header_size_beyond_the_file_is_a_damaged_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.cache"
+    key = CacheKey("r", data_fingerprint(TOKENS), "float32")
+    write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
+    blob = bytearray(path.read_bytes())
+    blob[8:12] = struct.pack("<I", 1 << 30)
+    body = bytes(blob[:-32])
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    lookup = read_cache(path, key, [4, 3, 2])
+    assert lookup.status == "corrupt" and "does not fit" in lookup.reason
+
+
+# ----------------------------------------------------------------------------- cache_tool
+
+
+def test_cache_tool_lists_and_prunes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / CACHE_FILE_NAME
+    _, old, _ = score(base, -0.5, "reference-a")
+    os.utime(old.cache_path, (1.0e9, 1.0e9))  # 2001
+    with pytest.warns(ReferenceCacheWarning, match="2001-09-09.*the reference weights changed"):
+        score(base, -0.25, "reference-b")
+    (tmp_path / "notes.txt").write_text("not a cache")
+    assert cache_tool(["list", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 2 and all("datums" in line and "dtype model" in line for line in listed)
+    assert listed[1].startswith(os.path.basename(old.cache_path)) and "2001-09-09" in listed[1]
+    assert cache_tool(["prune", str(tmp_path), "--older-than", "30", "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and os.path.exists(old.cache_path)
+    assert cache_tool(["prune", str(tmp_path), "--older-than", "30"]) == 0
+    assert "1 of 2 caches removed" in capsys.readouterr().out
+    assert not os.path.exists(old.cache_path) and len(list_caches(tmp_path)) == 1
+    assert (tmp_path / "notes.txt").exists()
+    with pytest.raises(SystemExit):
+        cache_tool(["prune", str(tmp_path)])  # nothing is removed without a selection
+    assert "needs --older-than" in capsys.readouterr().err
+
+
+def test_cache_tool_runs_as_a_module(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "loops_callbacks.reference.cache_tool", "list", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
