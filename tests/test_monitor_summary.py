@@ -86,13 +86,21 @@ def test_the_summary_counts_steps_per_cause_and_keeps_the_last_step_with_action_
     assert event.tensor_proto.string_val[0].decode() == "\n".join("    " + line for line in lines)
 
 
+class Validated(Scripted):
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        pass
+
+
 def test_a_stop_is_the_last_line_with_its_step_and_reason() -> None:
     monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", log_every_n_steps=1)
+    trainer, model = quiet_trainer(max_steps=8, callbacks=[monitor], limit_val_batches=0), Validated(nan_from=2)
     with pytest.warns(UserWarning):
-        quiet_trainer(max_steps=8, callbacks=[monitor]).fit(Scripted(nan_from=2))
+        trainer.fit(model)
     assert monitor.verdict is Verdict.STOPPED and monitor.verdict_step == 2
     assert monitor.summary_lines()[-1] == f"Guard rail: stopped the run at step 2: {monitor.stop_reason}"
     assert "  last step with action tokens: 1 (the last logged step, 2, had none)" in monitor.summary_lines()
+    trainer.validate(model, DataLoader(TokenDataset(4), batch_size=4), verbose=False)  # a later stage
+    assert monitor.verdict is Verdict.STOPPED and monitor.stop_reason is not None  # keeps the fit's verdict
 
 
 def test_a_raise_is_recorded_and_the_summary_is_logged_on_the_way_out(tmp_path: Any) -> None:

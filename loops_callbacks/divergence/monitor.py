@@ -255,10 +255,10 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
+        if stage == "fit":  # validate / test after fit keep the fit's history and verdict
             check_loop_internals(trainer)
-        self._start_run()
-        self.warnings.reset()
+            self._start_run()
+            self.warnings.reset()
 
     def _start_run(self) -> None:
         """The state of one run (set again at each ``setup``; the checkpointed state is not)."""
