@@ -130,7 +130,8 @@ class KLSampleTrainMonitor(Callback):
     never a statistical cause they would mimic. The patience counter is saved in checkpoints; the
     stop reason is not (it belongs to the run that stopped: a resumed run starts with none).
 
-    What the guard rail did, and the run's history (reset at each ``setup``):
+    What the guard rail did, and the run's history (reset when a fit starts; kept by a later
+    ``validate`` / ``test``):
 
     * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NO_EXCEEDANCE``, ``WARNED``,
       ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
@@ -261,7 +262,7 @@ class KLSampleTrainMonitor(Callback):
             self.warnings.reset()
 
     def _start_run(self) -> None:
-        """The state of one run (set again at each ``setup``; the checkpointed state is not)."""
+        """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
         self.history = RunHistory(self.prefix, self.guard_rail.name, self.max_kl)

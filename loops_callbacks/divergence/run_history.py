@@ -63,7 +63,7 @@ class CauseCount:
 
 @dataclass
 class RunHistory:
-    """One run's history (module docstring); a new one at each ``setup``."""
+    """One run's history (module docstring); the monitor starts a new one when a fit starts."""
 
     prefix: str
     watched: str
