@@ -148,8 +148,9 @@ class DPOModule(LightningModule):
     def on_validation_epoch_end(self) -> None:
         """``val/*``: every rank's sums over pairs and pair count, added up by one all-reduce, then divided.
 
-        (Lightning's own ``sync_dist`` averages the pair counts as integers: a truncated mean when
-        the ranks hold an odd number of pairs in all.) A rank that validated nothing adds zeros.
+        (Lightning 2.6's own ``sync_dist`` averages the pair counts as integers, a truncated mean
+        when the ranks hold an odd number of pairs in all: Lightning-AI/pytorch-lightning#21859.)
+        A rank that validated nothing adds zeros.
         """
         totals = self._val_totals if self._val_totals is not None else self._zero_totals()
         self._val_totals = None
