@@ -43,7 +43,7 @@ from typing_extensions import override
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
-from loops_callbacks.divergence.monitor import KLSampleTrainMonitor
+from loops_callbacks.divergence.monitor import KLSampleTrainMonitor, Verdict
 
 __all__ = [
     "EXIT_ERROR",
@@ -180,16 +180,20 @@ def shipped_configs(directory: Path = CONFIGS_DIR) -> dict[str, str]:
 
 def exit_status(cli: LoopsCLI) -> int:
     """The command's exit status after ``cli`` ran: ``EXIT_GUARD_RAIL_*`` when the guard rail acted, else 0."""
-    if cli.guard_rail_error is not None:
+    verdicts = {monitor.verdict for monitor in _monitors(cli.trainer)} if getattr(cli, "trainer", None) else set()
+    if cli.guard_rail_error is not None or Verdict.RAISED in verdicts:
         return EXIT_GUARD_RAIL_RAISED
-    trainer = getattr(cli, "trainer", None)
-    if trainer is not None and trainer.should_stop and any(m.stop_reason for m in _monitors(trainer)):
+    if Verdict.STOPPED in verdicts:
         return EXIT_GUARD_RAIL_STOPPED
     return EXIT_OK
 
 
-def run_summary(trainer: Trainer, guard_rail_error: SampleTrainDivergenceError | None = None) -> str:
-    """Where each logger wrote and how to look at it, the last metrics, the reference, each monitor's summary."""
+def run_summary(trainer: Trainer) -> str:
+    """Where each logger wrote and how to look at it, the reference, the last metrics, each monitor's summary.
+
+    A monitor's summary (``KLSampleTrainMonitor.summary_lines``) ends with the guard rail's verdict,
+    so with a monitor the verdict is the last line.
+    """
     lines = [""]
     if trainer.loggers:
         lines.append("Logs:")
@@ -209,7 +213,7 @@ def run_summary(trainer: Trainer, guard_rail_error: SampleTrainDivergenceError |
     monitors = _monitors(trainer)
     lines += _metric_lines(trainer, tuple(m.prefix for m in monitors))
     for monitor in monitors:
-        lines += _monitor_lines(monitor, guard_rail_error)
+        lines += monitor.summary_lines()
     return "\n".join(lines)
 
 
@@ -250,30 +254,6 @@ def _reference_lines(datamodule: Any) -> list[str]:
     cached = f"cached in {where}" if where and report.cache_status != "off" else "not cached"
     return [f"Reference logprobs: {report.num_datums} datums scored in {report.seconds:.1f} s "
             f"(cache {report.cache_status}), {cached}"]
-
-
-def _monitor_lines(monitor: KLSampleTrainMonitor, guard_rail_error: SampleTrainDivergenceError | None) -> list[str]:
-    """The monitor's own summary when it has one (its verdict last), else its last metrics and the verdict."""
-    summary_lines = getattr(monitor, "summary_lines", None)
-    if callable(summary_lines):
-        return list(summary_lines())
-    lines = []
-    if monitor.last_metrics:
-        lines.append(f"Last sampler-vs-trainer divergence ({monitor.prefix}*):")
-        for key, value in monitor.last_metrics.items():
-            lines.append(f"  {key.removeprefix(monitor.prefix):26s} {value + 0.0:.6g}")  # + 0.0: no "-0"
-    if monitor.last_diagnosis is not None:
-        lines.append(f"Last logged step, a hint (confidence {monitor.last_diagnosis.confidence:.2f}): "
-                     f"{monitor.last_diagnosis.message}")
-    if guard_rail_error is not None:
-        lines.append(f"Guard rail: raised SampleTrainDivergenceError: {guard_rail_error}")
-    elif monitor.stop_reason:
-        lines.append(f"Stopped by KLSampleTrainMonitor: {monitor.stop_reason}")
-    elif monitor.max_kl is None:
-        lines.append("Guard rail: off (max_kl not set)")
-    else:
-        lines.append(f"Guard rail: no exceedance ({monitor.kl_key.removeprefix(monitor.prefix)} <= {monitor.max_kl:g})")
-    return lines
 
 
 def _loggers_under_root_dir(trainer_config: Any) -> None:
@@ -386,7 +366,7 @@ def run_cli(args: Any = None) -> LoopsCLI:
         _finish_wandb(_started)  # also when the run failed: no W&B writes after we return
         _started.clear()
     if cli.subcommand == "fit" and cli.trainer.is_global_zero:
-        print(run_summary(cli.trainer, cli.guard_rail_error), flush=True)
+        print(run_summary(cli.trainer), flush=True)
     if cli.guard_rail_error is not None:
         raise cli.guard_rail_error
     return cli
