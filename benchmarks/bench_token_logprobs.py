@@ -14,6 +14,8 @@ and every result is checked bit for bit against the old implementation::
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,20 +23,8 @@ import torch
 
 from loops_callbacks.logprobs import token_logprobs
 
-
-def policy_before(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-
-
-def reference_before(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    rows, width, vocab = logits.shape
-    rows_per_chunk = max(1, (1 << 22) // max(1, width * vocab))
-    parts = []
-    for start in range(0, rows, rows_per_chunk):
-        logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
-        parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tests.logprobs_before import policy_before, reference_before  # noqa: E402
 
 
 def best_of(repeats: int, call: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:

@@ -1,10 +1,8 @@
 """``token_logprobs``: the one target-token log-probability, bit for bit what each path computed before.
 
-The three implementations it replaced are kept here verbatim (``_policy_before``: the DPO policy's
-``target_logprobs``; ``_reference_before``: the reference scorer's chunked ``logits_logprobs``;
-``_demo_before``: the demo's ``token_logprobs``; ``_head_before``: the output head's per-chunk
-formula), and every path is compared with ``torch.equal`` (values, and gradients where there are
-some) in float32, bfloat16, float16 and float64.
+The implementations it replaced are kept verbatim in ``tests/logprobs_before.py``; every path is
+compared with them by ``torch.equal`` (values, and gradients where there are some) in float32,
+bfloat16, float16 and float64.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import loops_callbacks
@@ -24,47 +21,11 @@ from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.heads import LogitTransform, head_logprobs
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
+from tests.logprobs_before import demo_before, head_before, policy_before, reference_before
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-# ---------------------------------------------------------------- the implementations it replaced
-
-
-def _policy_before(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def _demo_before(logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    logprobs = torch.log_softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
-    return logprobs.gather(-1, target_tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def _reference_before(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    rows, width, vocab = logits.shape
-    rows_per_chunk = max(1, (1 << 22) // max(1, width * vocab))
-    parts = []
-    for start in range(0, rows, rows_per_chunk):
-        logprobs = torch.log_softmax(logits[start : start + rows_per_chunk], dim=-1, dtype=torch.float32)
-        parts.append(logprobs.gather(-1, targets[start : start + rows_per_chunk, :, None]).squeeze(-1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def _head_before(hidden, targets, weight, bias, transform: LogitTransform, *, rows_per_chunk: int) -> torch.Tensor:
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    identity = transform.scale is None and transform.softcap is None
-    for start in range(0, hidden.shape[0], rows_per_chunk):
-        stop = min(start + rows_per_chunk, hidden.shape[0])
-        logits = F.linear(hidden[start:stop], weight, bias)
-        if identity:
-            logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)
-        else:
-            logprobs = torch.log_softmax(transform(logits.to(torch.float32, copy=True)), dim=1)
-        out[start:stop] = logprobs.gather(1, targets[start:stop, None]).squeeze(1)
-    return out
 
 
 def _logits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +88,7 @@ def test_bad_arguments_are_named() -> None:
 def test_the_policy_path_is_unchanged_values_and_gradients(dtype: torch.dtype) -> None:
     logits, targets = _logits((4, 6, 13), dtype)
     new_leaf, old_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    new, old = token_logprobs(new_leaf, targets), _policy_before(old_leaf, targets)
+    new, old = token_logprobs(new_leaf, targets), policy_before(old_leaf, targets)
     assert new.dtype == old.dtype and torch.equal(new, old)
     weights = torch.linspace(-1, 1, new.numel(), dtype=new.dtype).view_as(new)
     (new * weights).sum().backward()
@@ -140,7 +101,7 @@ def test_the_demo_path_is_unchanged_values_and_gradients(dtype: torch.dtype) -> 
     logits, targets = _logits((3, 5, 14), dtype, seed=1)
     logits[0, 0, :4] = float("-inf")  # a truncated sampler distribution (top-k / top-p faults)
     new_leaf, old_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    new, old = token_logprobs(new_leaf, targets), _demo_before(old_leaf, targets)
+    new, old = token_logprobs(new_leaf, targets), demo_before(old_leaf, targets)
     assert new.dtype == old.dtype and torch.equal(new, old)
     new.masked_fill(~new.isfinite(), 0).sum().backward()
     old.masked_fill(~old.isfinite(), 0).sum().backward()
@@ -155,7 +116,7 @@ def test_the_reference_general_path_is_unchanged(dtype: torch.dtype) -> None:
     targets = targets[:, 1:]
     with torch.inference_mode():
         new = token_logprobs(logits, targets, dtype=torch.float32)
-        old = _reference_before(logits, targets)
+        old = reference_before(logits, targets)
     assert new.dtype == old.dtype == torch.float32 and torch.equal(new, old)
 
 
@@ -167,7 +128,7 @@ def test_the_scorer_general_path_gives_what_it_gave_before(dtype: torch.dtype) -
     scorer = TokenScorer(model, model=model, device="cpu", output_head=False, max_tokens_per_batch=64)
     got = scorer.score(PackedTokens.from_sequences(ids.tolist())).view(3, 12)[:, :-1]
     with torch.inference_mode():
-        want = _reference_before(model(ids)[:, :-1], ids[:, 1:])
+        want = reference_before(model(ids)[:, :-1], ids[:, 1:])
     assert scorer.path == "logits" and torch.equal(got, want)
 
 
@@ -180,7 +141,7 @@ def test_the_output_head_path_is_unchanged(dtype: torch.dtype, transform: LogitT
     targets = torch.randint(0, 37, (23,), generator=generator)
     with torch.inference_mode():
         new = head_logprobs(hidden, targets, weight, bias, transform, rows_per_chunk=5)
-        old = _head_before(hidden, targets, weight, bias, transform, rows_per_chunk=5)
+        old = head_before(hidden, targets, weight, bias, transform, rows_per_chunk=5)
     assert torch.equal(new, old)
 
 
@@ -191,7 +152,7 @@ def test_the_dpo_policy_module_gives_what_it_gave_before(dtype: torch.dtype) -> 
     ids = torch.randint(0, 20, (4, 9))
     batch = {"input_ids": ids, "target_tokens": torch.cat([ids[:, 1:], ids.new_zeros(4, 1)], dim=1)}
     got = module.policy_logprobs(batch)
-    want = _policy_before(module(ids), batch["target_tokens"])
+    want = policy_before(module(ids), batch["target_tokens"])
     assert got.requires_grad and torch.equal(got, want)
     with torch.no_grad():  # validation: no autograd
         assert torch.equal(module.policy_logprobs(batch), want.detach())
@@ -206,7 +167,7 @@ def test_a_hugging_face_output_is_read_like_its_logits() -> None:
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 40, (2, 7))
     output = model(input_ids=ids[:, :-1])
-    assert torch.equal(token_logprobs(output, ids[:, 1:]), _policy_before(output.logits, ids[:, 1:]))
+    assert torch.equal(token_logprobs(output, ids[:, 1:]), policy_before(output.logits, ids[:, 1:]))
 
 
 def test_the_head_and_logits_paths_share_the_formula_on_a_model() -> None:
