@@ -180,7 +180,7 @@ def shipped_configs(directory: Path = CONFIGS_DIR) -> dict[str, str]:
 
 def exit_status(cli: LoopsCLI) -> int:
     """The command's exit status after ``cli`` ran: ``EXIT_GUARD_RAIL_*`` when the guard rail acted, else 0."""
-    verdicts = {monitor.verdict for monitor in _monitors(cli.trainer)} if getattr(cli, "trainer", None) else set()
+    verdicts = {monitor.verdict for monitor in _monitors(cli.trainer)}
     if cli.guard_rail_error is not None or Verdict.RAISED in verdicts:
         return EXIT_GUARD_RAIL_RAISED
     if Verdict.STOPPED in verdicts:
@@ -222,7 +222,10 @@ def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
 
 
 def _trains_in_spawned_processes(trainer: Trainer) -> bool:
-    """Whether fit runs in child processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this one."""
+    """Whether fit runs in child processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this one.
+
+    Lightning names no public type for these strategies' launcher; this is the one they all use.
+    """
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
     return isinstance(getattr(trainer.strategy, "launcher", None), _MultiProcessingLauncher)
@@ -230,17 +233,15 @@ def _trains_in_spawned_processes(trainer: Trainer) -> bool:
 
 def _metric_lines(trainer: Trainer, skip_prefixes: tuple[str, ...]) -> list[str]:
     """The last value of each scalar the module logged (the monitors' own come in their summaries)."""
-    values = {}
-    for key, value in trainer.callback_metrics.items():
-        if key.startswith(skip_prefixes) or getattr(value, "numel", lambda: 1)() != 1:
-            continue
-        values[key] = float(value) + 0.0  # + 0.0: no "-0"
+    values = {
+        key: float(value) + 0.0  # + 0.0: no "-0"
+        for key, value in trainer.callback_metrics.items()
+        if not key.startswith(skip_prefixes) and value.numel() == 1
+    }
     if not values:
         return []
     width = max(map(len, values))
-    return ["Last logged metrics:"] + [
-        f"  {key:{width}s} {value:.6g}" for key, value in sorted(values.items())
-    ]
+    return ["Last logged metrics:"] + [f"  {key:{width}s} {value:.6g}" for key, value in sorted(values.items())]
 
 
 def _reference_lines(datamodule: Any) -> list[str]:
@@ -253,7 +254,7 @@ def _reference_lines(datamodule: Any) -> list[str]:
         return [f"Reference logprobs: {report.num_datums} datums loaded from the cache {where} (nothing scored)"]
     cached = f"cached in {where}" if where and report.cache_status != "off" else "not cached"
     return [f"Reference logprobs: {report.num_datums} datums scored in {report.seconds:.1f} s "
-            f"(cache {report.cache_status}), {cached}"]
+            f"(cache lookup: {report.cache_status}), {cached}"]
 
 
 def _loggers_under_root_dir(trainer_config: Any) -> None:
