@@ -13,6 +13,10 @@ import torch
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.demo.model import TinyCausalLM
+from tests.helpers import TinyPolicy, quiet_trainer
+from tests.oracle import PREFIX
+
+K3 = PREFIX + "kl_sample_train_k3"
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -60,3 +64,29 @@ def test_the_datum_block_prints_the_value_its_comment_gives() -> None:
     assert claimed, "the block's print has no '# <value>...' comment"
     _, printed = run(block)
     assert printed.strip().startswith(claimed.group(1)), (printed, claimed.group(1))
+
+
+class PromptZeros(TinyPolicy):
+    """The README's batch: sampler logprobs 0 at prompt positions, the mask in ``mask_dtype``, the
+    sampler's logprobs in ``logprob_dtype`` (the float32 run gets the same bf16-rounded values)."""
+
+    def __init__(self, mask_dtype: torch.dtype, logprob_dtype: torch.dtype) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.mask_dtype, self.logprob_dtype = mask_dtype, logprob_dtype
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        out = super().training_step(batch, batch_idx)
+        mask = batch["mask"] > 0
+        sampler = torch.where(mask, out["logprobs"], 0.0).to(torch.bfloat16).to(self.logprob_dtype)
+        return {**out, "logprobs": sampler, "mask": mask.to(self.mask_dtype)}
+
+
+def test_bool_masks_and_bf16_sampler_logprobs_give_the_float_numbers() -> None:
+    metrics = []
+    for mask_dtype, logprob_dtype in ((torch.float32, torch.float32), (torch.bool, torch.bfloat16)):
+        monitor = KLSampleTrainMonitor(log_every_n_steps=1, log_worst_tokens=False)
+        quiet_trainer(max_steps=2, callbacks=[monitor]).fit(PromptZeros(mask_dtype, logprob_dtype))
+        metrics.append(monitor.last_metrics)
+    assert metrics[0] and metrics[0][K3] > 0
+    assert metrics[1] == metrics[0]
