@@ -173,11 +173,29 @@ def test_runs_sharing_a_directory_keep_their_caches_and_each_resumes_from_its_ow
                                           (third, "reference-b", OTHER_TOKENS)):
         values, report = resume(base, fingerprint, tokens)
         assert report.source == "cache" and values.tolist() == expected.tolist()
+    # a checkpoint that does not name its reference cannot tell reference-a's cache from reference-b's
+    with pytest.raises(ReferenceCacheError, match="made by 2 references .* which one is meant is not known"):
+        resume(base, None)
+    values, _ = resume(base, None, OTHER_TOKENS)  # (only one cache of these data)
+    assert values.tolist() == third.tolist()
     # and a rerun of the first experiment loads its own file, scoring nothing, with no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReferenceCacheWarning)
         again, report, client = score(base, -0.5, "reference-a")
     assert report.source == "cache" and client.scored == 0 and report.cache_path == first_report.cache_path
+
+
+def test_another_runs_cache_copied_over_this_runs_file_is_not_used(tmp_path: Path) -> None:
+    base = tmp_path / CACHE_FILE_NAME
+    expected, mine, _ = score(base, -0.5, "reference-a")
+    with pytest.warns(ReferenceCacheWarning):
+        _, theirs, _ = score(base, -0.25, "reference-b")
+    Path(mine.cache_path).write_bytes(Path(theirs.cache_path).read_bytes())  # cp theirs mine
+    with pytest.raises(ReferenceCacheError, match="named for this key but was made for another .the reference weights"):
+        resume(base, "reference-a")
+    with pytest.warns(ReferenceCacheWarning, match="is not used and will be replaced"):
+        values, report, client = score(base, -0.5, "reference-a")
+    assert client.scored == 3 and values.tolist() == expected.tolist() and report.cache_path == mine.cache_path
 
 
 def test_a_resume_without_its_cache_names_the_caches_present_and_why_none_matches(tmp_path: Path) -> None:

@@ -331,8 +331,9 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
     """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
 
     A file at ``base`` itself (the single-file layout of earlier versions), or any other file of
-    the directory whose header holds ``key``, is used when whole. With ``key.reference=None`` the
-    newest whole file of these data and dtype is used. A miss names every cache in the directory
+    the directory whose header holds ``key``, is used when whole. With ``key.reference=None`` a
+    whole file of these data and dtype is used, unless files of them by several references are
+    there (which one is meant cannot be told: a miss). A miss names every cache in the directory
     and what differs (``reason``, ``others``); ``path`` is then the file ``key``'s values belong in.
     """
     base = os.fspath(base)
@@ -342,19 +343,28 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
         path = cache_file(base, key)
         lookup = read_cache(path, key, lengths)
         if lookup.status == "stale":  # a whole file, but not the one its name says
-            changed = " and ".join(key.differences(lookup.key)) if lookup.key else "its format"
-            lookup = CacheLookup("corrupt", f"it is named for this key but holds another ({lookup.reason}; {changed})")
+            lookup = CacheLookup("corrupt", f"it is named for this key but was made for another ({lookup.reason})")
             lookup.path = path
         if lookup.status != "missing":
             return lookup
     others = [info for info in list_caches(directory) if info.path != path]
+    candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
+    references = sorted({info.key.reference or "" for info in candidates if info.key is not None})
+    if len(references) > 1:
+        named = "; ".join(f"{info.describe()}: reference {(info.key.reference or '?')[:12]}" for info in candidates)
+        return CacheLookup(
+            "stale",
+            f"{len(candidates)} caches in {directory} hold these data and dtype, made by {len(references)} "
+            f"references ({named}), and which one is meant is not known (no reference fingerprint was given); "
+            f"remove the ones not wanted (`{CACHE_TOOL} list {directory}`)",
+            others=tuple(others),
+        )
     unusable: dict[str, str] = {}
-    for info in others:
-        if info.key is not None and not key.differences(info.key):
-            found = read_cache(info.path, key, lengths)
-            if found.status == "hit":
-                return found
-            unusable[info.path] = found.reason
+    for info in candidates:
+        found = read_cache(info.path, key, lengths)
+        if found.status == "hit":
+            return found
+        unusable[info.path] = found.reason
     if not others:
         return CacheLookup("missing", path=path)
     return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path, others=tuple(others))
