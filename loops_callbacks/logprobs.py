@@ -7,8 +7,8 @@ that ``KLSampleTrainMonitor`` compares with the sampler's.
 
 Position k of ``logits`` predicts ``target_tokens[k]`` (for a causal LM fed ``input_ids``,
 ``target_tokens[k] = input_ids[k + 1]``). The log-softmax runs in float32 whatever the logits'
-dtype (bfloat16 logits are read directly by the fused kernel, never copied whole to float32);
-float64 logits stay float64 unless ``dtype`` says otherwise.
+dtype (float64 logits stay float64 unless ``dtype`` says otherwise); without autograd it runs a
+few rows at a time, so its float32 temporaries stay small next to the model's own logits.
 
 Example:
     >>> import torch
