@@ -177,3 +177,21 @@ def test_the_guard_rail_names_the_likely_cause_and_each_step_logs_it() -> None:
     assert trainer.callback_metrics[PREFIX + "diagnosis/shift"] == 1.0
     assert trainer.callback_metrics[PREFIX + "diagnosis/stale"] == 0.0
     assert trainer.callback_metrics[PREFIX + "signature/shift_ratio"] < 0.1
+
+
+def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -> None:
+    from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, diagnosis_metrics
+    from loops_callbacks.divergence.guard_rail import impossible_inputs
+
+    batch = case("none")
+    batch["sampler_logprobs"] = batch["sampler_logprobs"].exp()  # probabilities passed as logprobs
+    host = host_of(batch)
+    assert named(batch)[0].cause == "truncation"  # what the statistical rule alone would say
+    problems = impossible_inputs(host)
+    assert list(problems) == ["sampler_above_zero"]
+    found = Diagnosis.impossible_inputs(problems.values())
+    assert found.cause == IMPOSSIBLE_INPUTS and found.confidence == 1.0
+    assert found.message.startswith("likely cause: the inputs are not valid logprobs: ")
+    assert "these look like probabilities, not logprobs" in found.message and "truncat" not in found.message
+    metrics = diagnosis_metrics(found, signature_numbers(host), prefix="div/")
+    assert metrics["div/diagnosis/impossible_inputs"] == 1.0 and metrics["div/diagnosis/truncation"] == 0.0
