@@ -64,7 +64,7 @@ def test_rows_by_hand_without_a_tokenizer_and_with_target_tokens() -> None:
     assert row[:8] == [1, 0, 45, "1094", -1.0, -1.25, -0.25, round(math.exp(-0.25), 4)]
     before = " ".join(map(str, range(55, 92)))  # model_input[5:42], then the 3 near tokens 92..94
     after = " ".join(map(str, range(99, 110)))  # model_input[49:60]: the 20 after are cut by the end
-    assert row[8] == f"{before}⟦92 93 94»1094«96 97 98⟧{after}"
+    assert row[8] == f"{before}⟦92 93 94»95«96 97 98⟧{after}"  # the context is model_input's, as the SDK's
 
 
 def test_a_tokenizer_that_raises_falls_back_to_ids_and_text_is_escaped() -> None:

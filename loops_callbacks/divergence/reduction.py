@@ -49,7 +49,7 @@ functions do) the body's length is read from the headers, one synchronization.
 
 Example:
     >>> received_bytes(world=1024, top_n=20, sample_size=100_000)
-    2078464
+    2078784
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ class ROW:
 
     ABS, DIFF, SAMPLER, TRAINER, DATUM, POSITION, TOKEN = range(7)
     BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before index k+1, NO_TOKEN-padded on the left
-    AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # ids after it
+    AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # the id at k+1, then the ids after it
     WIDTH = 7 + CONTEXT_BEFORE + CONTEXT_AFTER
 
 
