@@ -325,6 +325,9 @@ def test_cache_tool_lists_and_prunes(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         cache_tool(["prune", str(tmp_path)])  # nothing is removed without a selection
     assert "needs --older-than" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cache_tool(["list", str(tmp_path / "no-such-dir")])  # a mistyped directory is not "no caches"
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_cache_tool_runs_as_a_module(tmp_path: Path) -> None:

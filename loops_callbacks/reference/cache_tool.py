@@ -14,7 +14,7 @@ resumed later needs its file: prune what no run will resume).
 
 Example:
     >>> import tempfile
-    >>> main(["list", tempfile.mkdtemp()])
+    >>> main(["list", tempfile.mkdtemp()])  # doctest: +ELLIPSIS
     no reference-logprob caches in ...
     0
 """
@@ -85,18 +85,22 @@ def _days(text: str) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (0: done, 2: bad arguments)."""
-    parser = argparse.ArgumentParser(prog=CACHE_TOOL, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=CACHE_TOOL,
+        description="See and prune the reference-logprob caches of a directory (one file per reference weights, "
+        "data and scoring dtype; a DPO run's cache_dir, by default <default_root_dir>/reference_logprobs).",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="every cache in DIR: size, date, key").add_argument("directory", metavar="DIR")
     prune = commands.add_parser("prune", help="remove the caches of DIR that the options select")
     prune.add_argument("directory", metavar="DIR")
-    prune.add_argument("--older-than", type=_days, metavar="DAYS", help="not modified for more than DAYS days")
-    prune.add_argument("--keep-newest", type=_count, metavar="N", help="all but the N newest")
-    prune.add_argument("--damaged", action="store_true", help="files with an unreadable header or a wrong size")
+    prune.add_argument("--older-than", type=_days, metavar="DAYS", help="remove those not modified for DAYS days")
+    prune.add_argument("--keep-newest", type=_count, metavar="N", help="remove all but the N newest")
+    prune.add_argument("--damaged", action="store_true", help="remove files with an unreadable header or a wrong size")
     prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.directory) and os.path.exists(args.directory):
-        parser.error(f"{args.directory} is not a directory")
+    if not os.path.isdir(args.directory):
+        parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
     caches = list_caches(args.directory)
     if args.command == "list":
         if not caches:
