@@ -334,3 +334,24 @@ def test_cache_tool_runs_as_a_module(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "loops_callbacks.reference.cache_tool", "list", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the liveness check is POSIX")
+def test_cache_tool_lists_and_prunes_the_temporary_files_of_killed_writers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname().replace(os.sep, "_")
+    orphan = tmp_path / f"ref_logprobs.0123456789abcdef.cache.tmp.{host}.{dead.pid}"
+    kept = [tmp_path / f"ref_logprobs.0123456789abcdef.cache.tmp.{host}.{os.getppid()}",  # a live writer's
+            tmp_path / f"notes.txt.tmp.{host}.{dead.pid}"]  # not a cache's
+    for path in (orphan, *kept):
+        path.write_bytes(b"x" * 1000)
+    assert cache_tool(["list", str(tmp_path)]) == 0
+    assert "1 temporary file(s) of killed writers" in capsys.readouterr().out
+    assert cache_tool(["prune", str(tmp_path), "--older-than", "1"]) == 0  # only --damaged removes them
+    assert orphan.exists()
+    assert cache_tool(["prune", str(tmp_path), "--damaged"]) == 0
+    assert "removed 1 temporary file(s)" in capsys.readouterr().out
+    assert not orphan.exists() and all(path.exists() for path in kept)

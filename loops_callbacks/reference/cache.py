@@ -67,6 +67,7 @@ __all__ = [
     "find_cache",
     "list_caches",
     "map_cache",
+    "orphaned_temporaries",
     "read_cache",
     "write_cache",
 ]
@@ -270,20 +271,39 @@ def _remove_orphaned_temporaries(path: str) -> None:
     large as the cache); the next write for the same cache removes it. Files of a live process,
     of another host (a shared file system), or that cannot be removed are left alone.
     """
-    directory = os.path.dirname(path) or "."
-    prefix = os.path.basename(path) + ".tmp."
-    try:
-        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        host, _, pid = name[len(prefix) :].rpartition(".")
-        if host not in (_HOST, "") or not pid.isdigit() or int(pid) == os.getpid() or _running(int(pid)):
-            continue  # ("" is the name before the host was part of it: <path>.tmp.<pid>)
+    for orphan in orphaned_temporaries(os.path.dirname(path) or ".", os.path.basename(path)):
         try:
-            os.remove(os.path.join(directory, name))
+            os.remove(orphan)
         except OSError:
             pass  # gone meanwhile, or not ours to remove: a leftover is no reason to fail a write
+
+
+def orphaned_temporaries(directory: str | os.PathLike[str], cache_name: str | None = None) -> list[str]:
+    """The temporary files in ``directory`` whose writer, on this host, no longer runs.
+
+    They are named ``<cache>.tmp.<host>.<pid>`` (``<cache>.tmp.<pid>`` before the host was part of
+    the name); ``cache_name`` limits them to one cache's, else any ``*.cache``'s. A live process's,
+    or another host's (a shared file system: its pid means nothing here), are not orphans.
+
+    Example:
+        >>> import tempfile
+        >>> orphaned_temporaries(tempfile.mkdtemp())
+        []
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    orphans = []
+    for name in names:
+        cache, separator, rest = name.partition(".tmp.")
+        if not separator or (cache != cache_name if cache_name is not None else not cache.endswith(".cache")):
+            continue
+        host, _, pid = rest.rpartition(".")
+        if host not in (_HOST, "") or not pid.isdigit() or int(pid) == os.getpid() or _running(int(pid)):
+            continue
+        orphans.append(os.path.join(directory, name))
+    return sorted(orphans)
 
 
 def _running(pid: int) -> bool:

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from loops_callbacks.reference.cache import CACHE_TOOL, CacheInfo, list_caches
+from loops_callbacks.reference.cache import CACHE_TOOL, CacheInfo, list_caches, orphaned_temporaries
 
 __all__ = ["main", "select_for_pruning"]
 
@@ -96,29 +96,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     prune.add_argument("directory", metavar="DIR")
     prune.add_argument("--older-than", type=_days, metavar="DAYS", help="remove those not modified for DAYS days")
     prune.add_argument("--keep-newest", type=_count, metavar="N", help="remove all but the N newest")
-    prune.add_argument("--damaged", action="store_true", help="remove files with an unreadable header or a wrong size")
+    prune.add_argument(
+        "--damaged",
+        action="store_true",
+        help="remove files with an unreadable header or a wrong size, and temporary files of killed writers",
+    )
     prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
     caches = list_caches(args.directory)
+    orphans = orphaned_temporaries(args.directory)
+    orphan_bytes = sum(os.path.getsize(orphan) for orphan in orphans)
     if args.command == "list":
         if not caches:
             print(f"no reference-logprob caches in {args.directory}")
         for info in caches:
             print(_line(info))
+        if orphans:
+            print(f"{len(orphans)} temporary file(s) of killed writers ({orphan_bytes / (1 << 20):.1f} MB): "
+                  "prune --damaged removes them")
         return 0
     if args.older_than is None and args.keep_newest is None and not args.damaged:
         parser.error("prune needs --older-than DAYS, --keep-newest N or --damaged (nothing is removed by default)")
     chosen = select_for_pruning(
         caches, older_than_days=args.older_than, keep_newest=args.keep_newest, damaged=args.damaged
     )
+    verb = "would remove" if args.dry_run else "removed"
     for info in chosen:
         if not args.dry_run:
             os.remove(info.path)
-        print(f"{'would remove' if args.dry_run else 'removed'} {_line(info)}")
+        print(f"{verb} {_line(info)}")
     freed = sum(info.size for info in chosen) / (1 << 20)
     print(f"{len(chosen)} of {len(caches)} caches {'selected' if args.dry_run else 'removed'} ({freed:.1f} MB)")
+    if args.damaged and orphans:
+        for orphan in orphans:
+            if not args.dry_run:
+                os.remove(orphan)
+        print(f"{verb} {len(orphans)} temporary file(s) of killed writers ({orphan_bytes / (1 << 20):.1f} MB)")
     return 0
 
 
