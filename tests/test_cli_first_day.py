@@ -161,8 +161,7 @@ def test_a_missing_extra_is_one_line_the_last_printed(tmp_path: Path) -> None:
     (tmp_path / "no_hf").mkdir()
     (tmp_path / "no_hf" / "sitecustomize.py").write_text(NO_HF_EXTRA)
     status, output = run_command(
-        "fit", "--config", str(CONFIGS / "dpo_hf.yaml"), "--trainer.default_root_dir", str(tmp_path / "run"),
-        cwd=ROOT, extra_env={"PYTHONPATH": str(tmp_path / "no_hf")},
+        "fit", "--config", str(CONFIGS / "dpo_hf.yaml"), cwd=tmp_path, extra_env={"PYTHONPATH": str(tmp_path / "no_hf")},
     )
     assert status == EXIT_ERROR, output[-3000:]
     (last,) = last_lines(output, 1)
