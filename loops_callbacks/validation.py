@@ -16,11 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "check_dtype", "check_int"]
+__all__ = ["FLOAT_DTYPES", "check_bool", "check_dtype", "check_int", "check_real"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,12 +33,52 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 """The floating-point dtypes a model may be scored or sampled in, by their YAML names (the one table)."""
 
 
-def check_int(name: str, value: Any, *, least: int) -> int:
-    """``value`` if it is an int (not a bool) ``>= least``; ``TypeError`` / ``ValueError`` otherwise."""
+def check_int(name: str, value: Any, *, least: int | None, what: str = "") -> int:
+    """``value`` if it is an int (not a bool) ``>= least`` (any int when ``least`` is ``None``);
+    ``TypeError`` / ``ValueError`` otherwise. ``what`` adds the value's meaning to the message.
+
+    Example:
+        >>> check_int("max_histogram_tokens", 1.5, least=None, what=" (<= 0: no cap)")
+        Traceback (most recent call last):
+        ...
+        TypeError: max_histogram_tokens must be an int (<= 0: no cap), got 1.5
+    """
+    bound = "" if least is None else f" >= {least}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {least}, got {value!r}")
-    if value < least:
+        raise TypeError(f"{name} must be an int{bound}{what}, got {value!r}")
+    if least is not None and value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
+
+
+def check_real(name: str, value: Any, *, least: float, most: float = math.inf, what: str) -> float:
+    """``value`` as a float if it is a real number (not a bool) in ``[least, most]``; ``TypeError`` /
+    ``ValueError`` naming ``name`` otherwise (NaN is out of every range).
+
+    Example:
+        >>> check_real("max_kl", "0.05", least=0.0, what="a number >= 0 or None")
+        Traceback (most recent call last):
+        ...
+        TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if not least <= value <= most:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; ``TypeError`` naming ``name`` otherwise (1 and "yes" are not bools).
+
+    Example:
+        >>> check_bool("log_histogram", 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: log_histogram must be a bool, got 1
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
 
 

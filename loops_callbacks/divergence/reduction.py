@@ -67,7 +67,6 @@ from loops_callbacks.divergence.statistics import (
     TOTAL_INDEX,
     TOTALS,
     DivergenceStats,
-    _keys_of,
 )
 
 __all__ = [
@@ -318,7 +317,7 @@ def _add_sample(slots: torch.Tensor, stats: DivergenceStats, share: torch.Tensor
     The last place takes every unchosen diff as a zero, so no shape depends on the data.
     """
     values = stats.sample_values.to(torch.float64)
-    chosen = _smallest(_keys_of(stats), share)
+    chosen = _smallest(stats.keys_or_zeros(), share)
     places = torch.where(chosen, start + torch.cumsum(chosen, 0) - 1, slots.shape[0] - 1)
     slots.index_add_(0, places, values.masked_fill(~chosen, 0.0))
 

@@ -251,7 +251,7 @@ class DivergenceStats:
         top_n = max(self.worst.shape[0], later.worst.shape[0])
         keys = None
         if self.sample_keys is not None or later.sample_keys is not None:
-            keys = torch.cat([_keys_of(self), _keys_of(later)])
+            keys = torch.cat([self.keys_or_zeros(), later.keys_or_zeros()])
         return DivergenceStats(
             totals=self.totals + later.totals,
             extrema=torch.maximum(self.extrema, later.extrema),
@@ -290,6 +290,10 @@ class DivergenceStats:
             diffs=values[keys[0] < np.inf] if keys else values,
             token_sums=buckets.reshape(3, TOKEN_BUCKETS),
         )
+
+    def keys_or_zeros(self) -> torch.Tensor:
+        """The sample's keys; zeros (every diff kept, in order) when there are none."""
+        return self.sample_keys if self.sample_keys is not None else torch.zeros_like(self.sample_values)
 
     def _capped(self) -> DivergenceStats:
         """Keep the ``sample_size`` smallest keys, in batch order (no-op when uncapped or small)."""
@@ -441,12 +445,6 @@ def _sequence_stats(
     seq_mean = (seq_sum / row_counts.clamp(min=1)).masked_fill(~scored, 0.0)
     seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
     return row_counts, scored, seq_mean, seq_w
-
-
-def _keys_of(stats: DivergenceStats) -> torch.Tensor:
-    if stats.sample_keys is not None:
-        return stats.sample_keys
-    return torch.zeros_like(stats.sample_values)
 
 
 def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
