@@ -201,7 +201,7 @@ def test_a_typo_in_kl_metric_fails_at_construction_listing_the_names() -> None:
         KLSampleTrainMonitor(max_kl=0.05, kl_metric="kl_k3")
     with pytest.raises(ValueError, match=r"with the prefix 'div/'"):
         KLSampleTrainMonitor(max_kl=0.05, prefix="div/", kl_metric="optim/train-sample-div/kl_sample_train_k3")
-    assert KLSampleTrainMonitor(prefix="div/", kl_metric="div/diff_abs_p99").kl_key == "div/diff_abs_p99"
+    assert KLSampleTrainMonitor(prefix="div/", kl_metric="div/diff_abs_p99").kl_metric == "diff_abs_p99"
 
 
 def test_steps_without_action_tokens_are_not_exceedances_but_say_the_monitor_watches_nothing() -> None:

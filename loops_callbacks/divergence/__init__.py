@@ -19,8 +19,8 @@ In data-flow order:
 
 Example:
     >>> from loops_callbacks.divergence import KLSampleTrainMonitor
-    >>> KLSampleTrainMonitor(max_kl=0.05).kl_key
-    'optim/train-sample-div/kl_sample_train_k3'
+    >>> KLSampleTrainMonitor(max_kl=0.05, kl_metric="optim/train-sample-div/kl_sample_train_k3").kl_metric
+    'kl_sample_train_k3'
 """
 
 __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError"]

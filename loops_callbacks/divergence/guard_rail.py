@@ -20,7 +20,7 @@ Example:
     >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
     >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_skipped_nonfinite": 64.0}
     >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, ROW.WIDTH)), np.zeros(0))
-    >>> rail = GuardRail(max_kl=0.05, metric="kl_sample_train_k3", prefix="div/")
+    >>> rail = GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3", prefix="div/")
     >>> rail.untrusted({"div/n_action_tokens": 0.0}, host)
     '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
 """
@@ -28,15 +28,13 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
 from loops_callbacks.divergence.metrics import EXTRA_METRICS, SDK_METRICS
 from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
+from loops_callbacks.validation import check_real
 
-__all__ = ["GuardRail", "SampleTrainDivergenceError", "check_real", "impossible_inputs", "watchable_metric_key"]
+__all__ = ["GuardRail", "SampleTrainDivergenceError", "impossible_inputs", "watchable_metric"]
 
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
 """Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
@@ -48,51 +46,50 @@ class SampleTrainDivergenceError(RuntimeError):
     """Raised by ``KLSampleTrainMonitor(on_exceed="raise")`` when a logged step exceeds the guard rail."""
 
 
-def watchable_metric_key(metric: str, prefix: str) -> str:
-    """The full key of ``metric`` (a bare name or a prefixed key); ``ValueError`` for any other name.
+def watchable_metric(kl_metric: str, prefix: str) -> str:
+    """The bare name of ``kl_metric`` (a bare name or a prefixed key); ``ValueError`` for any other name.
 
     Example:
-        >>> watchable_metric_key("kl_sample_train_k3", "div/")
-        'div/kl_sample_train_k3'
-        >>> watchable_metric_key("kl_k3", "div/")
+        >>> watchable_metric("div/kl_sample_train_k3", "div/")
+        'kl_sample_train_k3'
+        >>> watchable_metric("kl_k3", "div/")
         Traceback (most recent call last):
         ...
         ValueError: kl_metric='kl_k3' is not a metric the monitor logs; use one of ['kl_sample_train_v1_loops', ...
     """
     names = (*SDK_METRICS, *EXTRA_METRICS)
-    name = metric.removeprefix(prefix) if prefix else metric
+    name = kl_metric.removeprefix(prefix) if prefix else kl_metric
     if name not in names:
         raise ValueError(
-            f"kl_metric={metric!r} is not a metric the monitor logs; use one of {list(names)} "
+            f"kl_metric={kl_metric!r} is not a metric the monitor logs; use one of {list(names)} "
             f"(or the full key, with the prefix {prefix!r})"
         )
-    return prefix + name
+    return name
 
 
 @dataclass
 class GuardRail:
-    """The bound on one metric, with the rules of the module docstring; ``None`` bound: never exceeds."""
+    """The bound on one metric, with the rules of the module docstring; ``None`` bound: never exceeds.
+
+    ``kl_metric`` is the watched metric's bare name (given bare or with ``prefix``); the step's
+    metrics are read under ``prefix + kl_metric``.
+    """
 
     max_kl: float | None
-    metric: str
+    kl_metric: str
     prefix: str
     max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
 
     def __post_init__(self) -> None:
-        for name in ("metric", "prefix"):
+        for name in ("kl_metric", "prefix"):
             if not isinstance(getattr(self, name), str):
-                shown = "kl_metric" if name == "metric" else name
-                raise TypeError(f"{shown} must be a str, got {getattr(self, name)!r}")
-        self.key = watchable_metric_key(self.metric, self.prefix)
+                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
+        self.kl_metric = watchable_metric(self.kl_metric, self.prefix)
         if self.max_kl is not None:
             self.max_kl = check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0 or None")
         self.max_nonfinite_fraction = check_real(
             "max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0, most=1.0, what="a number in [0, 1]"
         )
-
-    @property
-    def name(self) -> str:
-        return self.key.removeprefix(self.prefix)
 
     def untrusted(self, metrics: Mapping[str, float], host: HostDivergence) -> str | None:
         """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
@@ -108,10 +105,10 @@ class GuardRail:
                 f"more than max_nonfinite_fraction = {self.max_nonfinite_fraction:g}"
             )
         sentinel = _sentinel(host)
-        value = metrics[self.key]
-        if not math.isfinite(value) or (value < 0 and self.name not in SIGNED_METRICS):
-            why = sentinel or _positive(host) or f"{self.name} cannot be {'negative' if math.isfinite(value) else value}"
-            return f"{self.name} = {value:.3g}: {why}"
+        value = metrics[self.prefix + self.kl_metric]
+        if not math.isfinite(value) or (value < 0 and self.kl_metric not in SIGNED_METRICS):
+            why = sentinel or _positive(host) or f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
+            return f"{self.kl_metric} = {value:.3g}: {why}"
         if sentinel:
             return sentinel
         return None
@@ -123,28 +120,11 @@ class GuardRail:
         reason = self.untrusted(metrics, host)
         if reason is not None:
             return f"the step cannot be trusted: {reason}"
-        value = metrics.get(self.key)
+        value = metrics.get(self.prefix + self.kl_metric)
         if value is None or not value > self.max_kl:
             return None
         hint = _positive(host)
-        return f"{self.key} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
-
-
-def check_real(name: str, value: Any, *, least: float, most: float = math.inf, what: str) -> float:
-    """``value`` as a float if it is a real number (not a bool) in ``[least, most]``; ``TypeError`` /
-    ``ValueError`` naming ``name`` otherwise (NaN is out of every range).
-
-    Example:
-        >>> check_real("max_kl", "0.05", least=0.0, what="a number >= 0 or None")
-        Traceback (most recent call last):
-        ...
-        TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-    if not least <= value <= most:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)
+        return f"{self.prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
 
 
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:

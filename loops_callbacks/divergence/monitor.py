@@ -45,7 +45,7 @@ from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
-from loops_callbacks.validation import check_int
+from loops_callbacks.validation import check_bool, check_int
 
 __all__ = ["DATA_KEYS", "KLSampleTrainMonitor", "SampleTrainDivergenceError", "Verdict"]
 
@@ -219,16 +219,13 @@ class KLSampleTrainMonitor(Callback):
             raise ValueError(f"on_exceed must be 'warn', 'stop' or 'raise', got {on_exceed!r}")
         if log_every_n_steps is not None:
             check_int("log_every_n_steps", log_every_n_steps, least=1)
-        if isinstance(max_histogram_tokens, bool) or not isinstance(max_histogram_tokens, int):
-            raise TypeError(f"max_histogram_tokens must be an int (<= 0: no cap), got {max_histogram_tokens!r}")
+        check_int("max_histogram_tokens", max_histogram_tokens, least=None, what=" (<= 0: no cap)")
         check_int("top_n", top_n, least=0)
         check_int("sample_size", sample_size, least=1)
         check_int("patience", patience, least=1)
         check_int("calibration_steps", calibration_steps, least=0)
-        flags = {"log_histogram": log_histogram, "log_worst_tokens": log_worst_tokens, "diagnose": diagnose}
-        for name, flag in flags.items():
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        for name, flag in {"log_histogram": log_histogram, "log_worst_tokens": log_worst_tokens, "diagnose": diagnose}.items():
+            check_bool(name, flag)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -239,11 +236,11 @@ class KLSampleTrainMonitor(Callback):
         self.sample_size = sample_size
         self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)  # checks these four
         self.max_kl = self.guard_rail.max_kl
-        self.kl_key = self.guard_rail.key
+        self.kl_metric = self.guard_rail.kl_metric  # the bare name
         self.patience = patience
         self.on_exceed = on_exceed
         self.keys = _data_keys(keys)
-        self.diagnose = diagnose
+        self.diagnosing = diagnose
         self.calibration_steps = calibration_steps
         self.exceeded_steps = 0
         self.warnings = RunWarnings()
@@ -252,7 +249,7 @@ class KLSampleTrainMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(prefix=self.prefix, kl_metric=self.kl_key)
+        return self._generate_state_key(prefix=self.prefix, kl_metric=self.prefix + self.kl_metric)  # as older versions named it
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -265,7 +262,7 @@ class KLSampleTrainMonitor(Callback):
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
-        self.history = RunHistory(self.prefix, self.guard_rail.name, self.max_kl)
+        self.history = RunHistory(self.prefix, self.kl_metric, self.max_kl)
         self.calibration = Calibration(self.calibration_steps)
         self.last_diagnosis: Diagnosis | None = None
         self._window: DivergenceStats | None = None
@@ -291,7 +288,7 @@ class KLSampleTrainMonitor(Callback):
             top_n=self.top_n,
             sample_size=self.sample_size,
             generator=self._generator(flat.device, trainer.global_rank),
-            signatures=self.diagnose,
+            signatures=self.diagnosing,
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
@@ -389,7 +386,7 @@ class KLSampleTrainMonitor(Callback):
         """
         self.last_diagnosis = None
         n = host.totals["n_action_tokens"]
-        if not self.diagnose or n == 0:
+        if not self.diagnosing or n == 0:
             return {}
         signatures = signature_numbers(host)
         if problems:
@@ -497,7 +494,7 @@ class KLSampleTrainMonitor(Callback):
                 data,
                 self._trainer_logprobs(outputs, batch, datums=True),
                 with_tokens=with_tokens,
-                with_token_ids=self.diagnose,  # read only by the diagnosis' per-token-id sums
+                with_token_ids=self.diagnosing,  # read only by the diagnosis' per-token-id sums
             )
         missing = [self.keys[k] for k in ("logprobs", "mask") if self._lookup(outputs, batch, k) is None]
         if missing:
@@ -547,9 +544,12 @@ def _data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     unknown = sorted(set(given) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"keys has unknown names {unknown}; the names are {list(DATA_KEYS)}")
-    bad = {name: key for name, key in given.items() if not isinstance(key, str) or not key}
-    if bad:
-        raise ValueError(f"keys must map each name to a non-empty string, got {bad}")
+    not_str = {name: key for name, key in given.items() if not isinstance(key, str)}
+    if not_str:
+        raise TypeError(f"keys must map each name to a non-empty string, got {not_str}")
+    empty = [name for name, key in given.items() if not key]
+    if empty:
+        raise ValueError(f"keys must map each name to a non-empty string, got an empty key for {empty}")
     return {name: given.get(name, name) for name in DATA_KEYS}
 
 
