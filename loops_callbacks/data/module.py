@@ -16,8 +16,11 @@ from typing_extensions import override
 
 from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, collate_dpo_pairs
 from loops_callbacks.data.preference import read_preference_records
+from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
-from loops_callbacks.data.tokenization import TokenizationReport, preference_datums
+from loops_callbacks.data.tokenization import TokenizationReport
+from loops_callbacks.reference.across_ranks import DEFAULT_SCORING_TIMEOUT
+from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
 from loops_callbacks.reference.clients import SamplingClient
 from loops_callbacks.validation import check_int
 
@@ -88,6 +91,14 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         reference_fingerprint: identity of a client whose weights cannot be hashed here, so that
             its logprobs can be cached.
         progress: progress bars on rank 0 while tokenizing and scoring.
+        scoring_timeout: seconds a rank waits for the others at each step of reading, tokenizing
+            and scoring before every waiting rank names the ones that stalled (``RankStalledError``);
+            ``None``: no limit (the backend's own timeout).
+
+    Under DDP each rank reads the records, the ranks check that they read the same records with
+    the same tokenizer and limits (else a ``RanksDisagreeError`` on every rank names the first
+    differing pair and where each rank read it), and each rank tokenizes 1/world_size of them;
+    all get every pair (``loops_callbacks.data.records_across_ranks``).
 
     Example::
 
@@ -125,6 +136,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         tokenizer: str | Any = None,
         max_length: int | None = None,
         max_prompt_length: int | None = None,
+        scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
     ) -> None:
         super().__init__()
         given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset), ("jsonl_path", jsonl_path)) if value is not None]
@@ -170,6 +182,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             max_tokens_per_batch=max_tokens_per_batch,
             reference_fingerprint=reference_fingerprint,
             progress=progress,
+            scoring_timeout=scoring_timeout,
         )
         self.data = data if data is None or not isinstance(data, (list, tuple)) else list(data)
         file = path if path is not None else jsonl_path
@@ -209,14 +222,21 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
                 )
         source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-        records = read_preference_records(source)
-        rank_zero = getattr(getattr(self, "trainer", None), "is_global_zero", True)
-        data, self.tokenization_report = preference_datums(
+        failure, records = None, []
+        try:
+            records = read_preference_records(source)
+        except Exception as error:  # noqa: BLE001 - a rank that cannot read must not leave the others waiting
+            failure = error
+        group = Group()
+        StallGuard(group, self._reference_config.scoring_timeout).arrive("the end of reading the preference records")
+        raise_together(group, failure, "reading the preference records")
+        data, self.tokenization_report = tokenize_across_ranks(
             records,
             self._tokenizer_source(),
             max_length=self.max_length,
             max_prompt_length=self.max_prompt_length,
-            progress=self._reference_config.progress and rank_zero,
+            progress=self._reference_config.progress,
+            timeout=self._reference_config.scoring_timeout,
         )
         self._pair_where = [records[index].where for index in self.tokenization_report.record_indices]
         return data

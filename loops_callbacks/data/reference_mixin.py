@@ -23,7 +23,13 @@ import torch
 
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import check_vocabulary, validate_dpo_pairs
-from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport, score_across_ranks
+from loops_callbacks.data.labels import datum_label
+from loops_callbacks.reference.across_ranks import (
+    DEFAULT_SCORING_TIMEOUT,
+    ReferenceCacheWarning,
+    ReferenceLogprobsReport,
+    score_across_ranks,
+)
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
@@ -47,6 +53,7 @@ def compute_reference_logprobs(
     check_prompts: bool = True,
     validated_tokens: list[list[int]] | None = None,
     cached_only: str | None = None,
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
 ) -> tuple[list[Any], ReferenceLogprobsReport]:
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
@@ -72,6 +79,11 @@ def compute_reference_logprobs(
             ``data`` already (it is not checked again).
         cached_only: the values must come from the cache (nothing is scored; ``reference`` may be
             ``None``); the text ends the ``ReferenceCacheError`` of a miss (see ``score_across_ranks``).
+        scoring_timeout: seconds a rank waits for the others at each step before naming the
+            ranks that stalled (``RankStalledError``); ``None``: no limit.
+
+    Ranks whose datums differ stop with a ``RanksDisagreeError`` naming the first differing pair,
+    before anything is scored or cached.
 
     Returns:
         The new datums (in ``data``'s order) and a ``ReferenceLogprobsReport``.
@@ -99,6 +111,8 @@ def compute_reference_logprobs(
         progress=progress,
         shard_unit=2,  # a pair's two sequences on one rank
         cached_only=cached_only,
+        scoring_timeout=scoring_timeout,
+        datum_name=datum_label,
     )
 
 
@@ -114,6 +128,7 @@ class ReferenceConfig:
     reference_fingerprint: str | None = None
     progress: bool = True
     check_prompts: bool = True
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.scoring_dtype is not None:
@@ -124,6 +139,11 @@ class ReferenceConfig:
             raise ValueError(f"cache_dir={self.cache_dir!r} must be a path or None")
         if self.reference_fingerprint is not None and not isinstance(self.reference_fingerprint, str):
             raise ValueError(f"reference_fingerprint={self.reference_fingerprint!r} must be a string or None")
+        timeout = self.scoring_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise TypeError(f"scoring_timeout={timeout!r} must be a number of seconds, or None for no limit")
+        if timeout is not None and not timeout > 0:  # NaN too
+            raise ValueError(f"scoring_timeout={timeout!r} must be more than 0 seconds, or None for no limit")
         for name in ("use_cache", "progress", "check_prompts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
@@ -182,6 +202,7 @@ class ReferenceLogprobsMixin:
         reference_fingerprint: str | None = None,
         progress: bool = True,
         check_prompts: bool = True,
+        scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
     ) -> None:
         """Set how the reference logprobs are scored and cached (all checked here, with messages naming the bad value).
 
@@ -200,6 +221,8 @@ class ReferenceLogprobsMixin:
                 without one, such a client is scored on every run.
             progress: a progress bar on rank 0 while scoring.
             check_prompts: reject pairs whose chosen and rejected prompts differ (by their weights).
+            scoring_timeout: seconds a rank waits for the others at each step of reading and
+                scoring the data before naming the ranks that stalled (``None``: no limit).
         """
         if reference is not None and isinstance(reference, str) and not reference:
             raise ValueError("reference='' is not a path; use None for the LightningModule itself")
@@ -212,6 +235,7 @@ class ReferenceLogprobsMixin:
             reference_fingerprint=reference_fingerprint,
             progress=progress,
             check_prompts=check_prompts,
+            scoring_timeout=scoring_timeout,
         )
 
     def dpo_data(self) -> Sequence[Any]:
@@ -324,6 +348,7 @@ class ReferenceLogprobsMixin:
                 progress=config.progress,
                 check_prompts=config.check_prompts,
                 validated_tokens=tokens,
+                scoring_timeout=config.scoring_timeout,
             )
         finally:
             del client
@@ -355,6 +380,7 @@ class ReferenceLogprobsMixin:
                     scoring_dtype=tag,
                     progress=config.progress,
                     validated_tokens=tokens,
+                    scoring_timeout=config.scoring_timeout,
                 )
         self._reference_state = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
         return result
@@ -393,4 +419,5 @@ class ReferenceLogprobsMixin:
             progress=config.progress,
             validated_tokens=tokens,
             cached_only=fix,
+            scoring_timeout=config.scoring_timeout,
         )

@@ -6,10 +6,11 @@ It knows datums and token ids, not what the data mean (DPO pairs are checked by 
 1. the token ids are packed once into flat arrays (``PackedTokens``) and the cache key is made:
    the reference's fingerprint (its weights, or the ``reference_fingerprint`` you give for a
    client whose weights cannot be read here), the token data and the scoring dtype;
-2. rank 0 reads the cache file and checks it whole; a file for this key is used and nothing is
-   scored: every rank memory-maps it (copy-on-write, so the ranks of a machine share its pages),
-   or, where a rank cannot open it, receives its values from rank 0 as a tensor. A file for
-   another key (changed reference or data) or a damaged one is warned about and replaced;
+2. rank 0 finds this key's cache file (``find_cache``: one file per key beside ``cache_path``) and
+   checks it whole; then nothing is scored: every rank reads it into its own memory and checks
+   that what it read has rank 0's checksum (so a file changed under the job changes nothing), or,
+   where a rank cannot, receives rank 0's values as a tensor. A damaged file is warned about and
+   replaced; caches of other keys (reference, data, dtype) are named in a warning and kept;
 3. otherwise each rank scores one contiguous block of ``shard_unit``-datum units, with about the
    same number of tokens as every other rank's: with ``score_packed`` when the reference has it
    (``TorchSamplingClient``, ``PolicyReference``: no Python list on the way; the policy scores in
@@ -40,12 +41,23 @@ from torch import nn
 from loops_callbacks import run_warnings
 from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
 from loops_callbacks.reference.attach import attach_reference_logprobs, attach_reference_values
-from loops_callbacks.reference.cache import CacheKey, data_fingerprint, map_cache, read_cache, write_cache
+from loops_callbacks.reference.cache import CACHE_TOOL, CacheKey, data_fingerprint, find_cache, read_cache, write_cache
 from loops_callbacks.reference.clients import TorchSamplingClient, check_token_ids
 from loops_callbacks.reference.collectives import Group as _Group
+from loops_callbacks.reference.collectives import StallGuard
 from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
-__all__ = ["ReferenceCacheError", "ReferenceCacheWarning", "ReferenceLogprobsReport", "score_across_ranks"]
+__all__ = [
+    "DEFAULT_SCORING_TIMEOUT",
+    "ReferenceCacheError",
+    "ReferenceCacheWarning",
+    "ReferenceLogprobsReport",
+    "score_across_ranks",
+]
+
+DEFAULT_SCORING_TIMEOUT = 600.0
+"""Seconds a rank waits for the others at each step of reference scoring before naming the ones that stalled."""
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +101,8 @@ def score_across_ranks(
     progress: bool = True,
     shard_unit: int = 1,
     cached_only: str | None = None,
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
+    datum_name: Callable[[int], str] | None = None,
 ) -> tuple[list[Any], ReferenceLogprobsReport]:
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
@@ -104,7 +118,9 @@ def score_across_ranks(
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
             ranks is given rank 0's weights first (as DDP does to the policy). Unused with ``cached_only``.
         tokens: ``data``'s token ids, one list per datum (or ``PackedTokens``).
-        cache_path: the cache file (read by rank 0, mapped by every rank, written by rank 0).
+        cache_path: the cache's base path: this key's values are in ``cache_file(cache_path, key)``
+            beside it (found and written by rank 0, read by every rank); a file at ``cache_path``
+            itself (the single-file layout of earlier versions) is read when its key matches.
         reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
             (e.g. the checkpoint path a remote sampler serves); with ``cached_only``, the identity
             the cached values must have (``None``: any reference, for these data and dtype).
@@ -114,6 +130,12 @@ def score_across_ranks(
             together); ``len(data)`` must be a multiple of it.
         cached_only: never score; the cache must hold the values. The text says why (and how to
             fix a miss): it ends the ``ReferenceCacheError`` message.
+        scoring_timeout: seconds a rank waits for the others before each collective step; a rank
+            that does not come is named (``RankStalledError``) on every rank (``None``: no limit).
+        datum_name: how an error names datum ``i`` (default ``datum i``), e.g. ``datum_label``.
+
+    Before anything else the ranks compare their token ids (a count and one digest each): ranks
+    that hold different data raise ``RanksDisagreeError`` naming the first datum that differs.
 
     Returns:
         The new datums (in ``data``'s order), each ``ref_logprobs`` a float32 view of one array
@@ -138,6 +160,8 @@ def score_across_ranks(
     if len(packed) != len(data):
         raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
     group = _Group()
+    guard = StallGuard(group, scoring_timeout)
+    _check_same_tokens(packed, group, guard, datum_name or (lambda index: f"datum {index}"))
     path = os.fspath(cache_path) if cache_path is not None else None
     if cached_only is not None:
         if path is None:
@@ -146,6 +170,7 @@ def score_across_ranks(
     else:
         # every rank checks every id, so that a bad one fails all ranks alike, before any forward
         check_token_ids(packed, getattr(reference, "vocab_size", None), label="datum")
+        guard.arrive("the reference's fingerprint")
         fingerprint = _reference_fingerprint(reference, reference_fingerprint, group)
 
     key = None
@@ -157,9 +182,9 @@ def score_across_ranks(
         )
     elif path is not None:
         key = CacheKey(reference=fingerprint, data=data_fingerprint(packed), dtype=scoring_dtype or "model")
-    values, status, reason, stored_reference = _load(path, key, packed.lengths, group, warn=cached_only is None)
+    values, status, reason, stored_reference, file = _load(path, key, packed.lengths, group, warn=cached_only is None)
     if values is None and cached_only is not None:
-        raise ReferenceCacheError(f"the reference-logprob cache {path!r} {_describe(status, reason)}: {cached_only}")
+        raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
 
     scored_here = 0
     if values is None:
@@ -167,10 +192,12 @@ def score_across_ranks(
         first, last = bounds[group.rank], bounds[group.rank + 1]
         failure: BaseException | None = None
         local = torch.zeros(0, dtype=torch.float32)
+        guard.note(f"scoring its block (datums {first} to {last - 1} of {len(data)})")
         try:
             local = _score_block(data[first:last], reference, packed.slice(first, last), progress and group.rank == 0)
         except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
             failure = error
+        guard.arrive("gathering the scored values")
         if group.any_true(failure is not None):
             messages = group.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
             if failure is not None:
@@ -182,9 +209,9 @@ def score_across_ranks(
         values = group.gather_blocks(local, value_bounds).cpu().numpy()
         if group.rank == 0 and key is not None:
             try:
-                write_cache(path, key, values, packed.lengths)
+                write_cache(file, key, values, packed.lengths)
             except OSError as error:
-                group.warn_once(f"could not write the reference-logprob cache {path!r}: {error}", ReferenceCacheWarning)
+                group.warn_once(f"could not write the reference-logprob cache {file!r}: {error}", ReferenceCacheWarning)
 
     result = attach_reference_values(data, values, packed.offsets)
     report = ReferenceLogprobsReport(
@@ -192,7 +219,7 @@ def score_across_ranks(
         num_datums=len(data),
         scored_here=scored_here,
         seconds=time.perf_counter() - start,
-        cache_path=path,
+        cache_path=file,
         cache_status=status,
         cache_key=key,
         reference_fingerprint=fingerprint if fingerprint is not None else stored_reference,
@@ -200,7 +227,7 @@ def score_across_ranks(
     if group.rank == 0 and status == "hit":
         from lightning.pytorch.utilities.rank_zero import rank_zero_info  # shown by Lightning's console logger
 
-        rank_zero_info(f"Reference logprobs of {len(data):,} datums loaded from the cache {path} (nothing scored)")
+        rank_zero_info(f"Reference logprobs of {len(data):,} datums loaded from the cache {file} (nothing scored)")
     elif group.rank == 0:
         log.info(
             "reference logprobs of %d datums (%d tokens): %s in %.1f s (cache %s: %s)",
@@ -208,14 +235,35 @@ def score_across_ranks(
             packed.num_tokens,
             "loaded" if status == "hit" else f"scored on {group.world_size} rank(s)",
             report.seconds,
-            path,
+            file,
             status,
         )
     return result, report
 
 
-def _describe(status: str, reason: str) -> str:
-    return {"missing": "does not exist"}.get(status, f"cannot be used ({reason})")
+def _check_same_tokens(packed: PackedTokens, group: _Group, guard: StallGuard, name: Callable[[int], str]) -> None:
+    """``RanksDisagreeError`` on every rank unless all hold the same token ids (see ``check_ranks_agree``)."""
+    if group.world_size == 1:
+        return
+    check_ranks_agree(
+        group,
+        what="datums",
+        count=len(packed),
+        digest=data_fingerprint(packed),
+        item_digests=lambda: token_digests(packed),
+        item_name=name,
+        guard=guard,
+    )
+
+
+def _describe(status: str, reason: str, path: str | None) -> str:
+    """Why a resumed run has no cached values, naming the file (or directory) and the command that lists caches."""
+    if status == "missing":
+        directory = os.path.dirname(path or "") or "."
+        return f"the reference-logprob cache {path} does not exist (nor any other cache in {directory})"
+    if status == "stale":
+        return f"no reference-logprob cache was made for this run: {reason}"
+    return f"the reference-logprob cache {path!r} cannot be used ({reason}; `{CACHE_TOOL} list` shows the caches)"
 
 
 def _shard_bounds(lengths: np.ndarray, unit: int, world_size: int) -> list[int]:
@@ -290,37 +338,49 @@ def _reference_fingerprint(reference: Any, given: str | None, group: _Group) -> 
 
 def _load(
     path: str | None, key: CacheKey | None, lengths: np.ndarray, group: _Group, *, warn: bool
-) -> tuple[np.ndarray | None, str, str, str | None]:
-    """Rank 0 checks the cache whole; every rank maps it (or receives it); all take the same branch.
+) -> tuple[np.ndarray | None, str, str, str | None, str | None]:
+    """Rank 0 finds the cache and checks it whole; every rank reads it (or receives it); all take the same branch.
 
-    Returns the values (or ``None``), the lookup's status and reason, and the found file's reference.
+    Every rank holds the values in its own memory, read once and checked against rank 0's
+    checksum: a file changed or truncated under a running job cannot change its values.
+    Returns the values (or ``None``), the lookup's status and reason, the found file's reference,
+    and the file the values came from (or belong in).
     """
     if path is None or key is None:
-        return None, "off", "", None
+        return None, "off", "", None, None
     lookup = None
-    summary: tuple[str, str, bytes | None, str | None] = ("missing", "", None, None)
+    summary: tuple[str, str, bytes | None, str | None, str | None] = ("missing", "", None, None, None)
     if group.rank == 0:
-        lookup = read_cache(path, key, lengths)
-        if warn and lookup.status in ("stale", "corrupt"):
+        lookup = find_cache(path, key, lengths)
+        if warn and lookup.status == "corrupt":
             run_warnings.warn(
-                f"the reference-logprob cache {path!r} is not used and will be replaced: {lookup.reason}; scoring again",
+                f"the reference-logprob cache {lookup.path!r} is not used and will be replaced: {lookup.reason}; "
+                "scoring again",
                 ReferenceCacheWarning,
             )
-        summary = (lookup.status, lookup.reason, lookup.digest, lookup.key.reference if lookup.key else None)
-    status, reason, digest, stored_reference = group.broadcast_object(summary)
+        elif warn and lookup.status == "stale":
+            run_warnings.warn(
+                f"no reference-logprob cache matches this run: {lookup.reason}; scoring again and caching the values "
+                f"in {lookup.path} (the other caches are kept)",
+                ReferenceCacheWarning,
+            )
+        summary = (
+            lookup.status, lookup.reason, lookup.digest, lookup.key.reference if lookup.key else None, lookup.path
+        )
+    status, reason, digest, stored_reference, file = group.broadcast_object(summary)
     if status != "hit":
-        return None, status, reason, stored_reference
+        return None, status, reason, stored_reference, file
     if group.rank == 0:
         assert lookup is not None
         flat = lookup.flat
     else:
-        assert digest is not None
-        flat = map_cache(path, key, lengths, digest).flat
-    if group.any_true(flat is None):  # a rank that cannot open rank 0's file (no shared file system)
-        buffer = torch.from_numpy(np.array(flat)) if group.rank == 0 else torch.empty(int(lengths.sum()), dtype=torch.float32)
+        assert digest is not None and file is not None
+        flat = read_cache(file, key, lengths, digest=digest).flat
+    if group.any_true(flat is None):  # a rank that cannot read rank 0's file (no shared file system, or it changed)
+        buffer = torch.from_numpy(flat) if group.rank == 0 else torch.empty(int(lengths.sum()), dtype=torch.float32)
         received = group.broadcast_tensor(buffer).numpy()
         flat = flat if group.rank == 0 else received
-    return flat, status, reason, stored_reference
+    return flat, status, reason, stored_reference, file
 
 
 def _ref_values(datum: Any, index: int) -> np.ndarray:

@@ -5,6 +5,10 @@ returns in a single process. Values move as tensors (``gather_blocks``, ``broadc
 only small metadata (fingerprints, error messages, a cache status) moves as pickled objects. On
 an NCCL group the tensors travel through the current CUDA device.
 
+``StallGuard`` makes the ranks meet, through the process group's key-value store, before each
+collective phase: a rank that stalls (or died) is then named on every other rank within a timeout,
+instead of leaving them in a collective for the backend's own timeout (gloo's is 30 minutes).
+
 Example:
     >>> import torch
     >>> group = Group()
@@ -16,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +29,7 @@ import torch.distributed as dist
 
 from loops_callbacks import run_warnings
 
-__all__ = ["Group"]
+__all__ = ["Group", "RankStalledError", "StallGuard", "raise_together"]
 
 
 class Group:
@@ -114,3 +119,119 @@ class Group:
         """A warning on this group's rank 0 only (``loops_callbacks.run_warnings``)."""
         if self.rank == 0:
             run_warnings.warn(message, category, stacklevel=4)
+
+
+def raise_together(group: Group, failure: BaseException | None, what: str) -> None:
+    """Raise on every rank when ``what`` failed on any (collective: every rank must call it).
+
+    The rank that failed raises its own exception; the others a ``ValueError`` / ``TypeError``
+    (when that is what it was) or a ``RuntimeError``, naming each failed rank and its message.
+
+    Example:
+        >>> raise_together(Group(), None, "tokenizing")  # nothing failed: returns
+    """
+    if not group.any_true(failure is not None):
+        return
+    messages = group.all_gather_objects(None if failure is None else (type(failure).__name__, str(failure)))
+    if failure is not None:
+        raise failure
+    failed = [(rank, *message) for rank, message in enumerate(messages) if message is not None]
+    kinds = {kind for _, kind, _ in failed}
+    category: type[Exception] = RuntimeError
+    if len(kinds) == 1 and kinds <= {"ValueError", "TypeError"}:
+        category = ValueError if kinds == {"ValueError"} else TypeError
+    listed = "; ".join(f"rank {rank}: {kind}: {text}" for rank, kind, text in failed)
+    raise category(f"{what} failed on another rank ({listed})")
+
+
+class RankStalledError(RuntimeError):
+    """A rank did not reach a collective step within the timeout (stalled or ended), or another rank gave up waiting."""
+
+
+class StallGuard:
+    """The ranks meet before each collective phase; one that does not come within ``timeout`` seconds is named.
+
+    ``arrive(phase)`` marks this rank ready to enter ``phase`` and waits for every rank (through
+    the default process group's store, so it works for any backend). On a timeout the waiting rank
+    raises a ``RankStalledError`` naming the phase, the ranks that did not arrive and where each
+    was last (``note``), and leaves an abort mark in the store: a late rank raises too, instead of
+    entering a collective alone. Without a process group, a store or a ``timeout``, it does nothing.
+
+    Example:
+        >>> guard = StallGuard(Group(), timeout=5.0)
+        >>> guard.note("scoring block 1 of 1")
+        >>> guard.arrive("gathering values")  # a single process: nothing to wait for
+    """
+
+    _PREFIX = "loops_callbacks/stall_guard"
+
+    def __init__(self, group: Group, timeout: float | None) -> None:
+        self.rank, self.world_size, self.timeout = group.rank, group.world_size, timeout
+        distributed = group.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.store = _default_store() if timeout is not None and distributed else None
+
+    def note(self, phase: str) -> None:
+        """Record that this rank is now in ``phase`` (named if another rank times out waiting for it)."""
+        if self.store is not None:
+            self._store_call(phase, self.store.set, f"{self._PREFIX}/last/{self.rank}", phase)
+
+    def arrive(self, phase: str) -> None:
+        """Wait until every rank has arrived at ``phase`` (at most ``timeout`` seconds)."""
+        if self.store is None or self.timeout is None:
+            return
+        store = self.store
+        abort = f"{self._PREFIX}/aborted"
+        self._raise_if_aborted(phase, abort)
+        number = self._store_call(phase, store.add, f"{self._PREFIX}/count/{self.rank}", 1)
+        keys = [f"{self._PREFIX}/{number}/{rank}" for rank in range(self.world_size)]
+        self._store_call(phase, store.set, f"{self._PREFIX}/last/{self.rank}", f"waiting to start {phase}")
+        self._store_call(phase, store.set, keys[self.rank], phase)
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while not self._store_call(phase, store.check, keys):
+            self._raise_if_aborted(phase, abort)
+            if time.monotonic() > deadline:
+                missing = [rank for rank, key in enumerate(keys) if not self._store_call(phase, store.check, [key])]
+                where = "; ".join(f"rank {rank} is still at: {self._last(rank)}" for rank in missing)
+                message = (
+                    f"rank(s) {', '.join(map(str, missing))} did not reach {phase!r} within {self.timeout:g} s "
+                    f"(a stalled or failed rank; {where}). Raise the timeout (scoring_timeout) if the work is "
+                    "just slow"
+                )
+                self._store_call(phase, store.set, abort, f"rank {self.rank} gave up waiting: {message}")
+                raise RankStalledError(f"rank {self.rank}: {message}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def _last(self, rank: int) -> str:
+        key = f"{self._PREFIX}/last/{rank}"
+        if self.store is None or not self.store.check([key]):
+            return "not started"
+        return self.store.get(key).decode()
+
+    def _raise_if_aborted(self, phase: str, abort: str) -> None:
+        assert self.store is not None
+        if self._store_call(phase, self.store.check, [abort]):
+            message = self._store_call(phase, self.store.get, abort).decode()
+            raise RankStalledError(f"rank {self.rank} stops before {phase!r}: {message}")
+
+    def _store_call(self, phase: str, method: Any, *args: Any) -> Any:
+        try:
+            return method(*args)
+        except RankStalledError:
+            raise
+        except (RuntimeError, ConnectionError) as error:  # the store's host (rank 0) has ended
+            raise RankStalledError(
+                f"rank {self.rank} lost the process group's store before {phase!r} (its host, rank 0, has "
+                f"probably ended): {error}"
+            ) from error
+
+
+def _default_store() -> Any:
+    """The default process group's key-value store, or ``None`` when it cannot be reached."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - a private function, absent or failing: no guard, plain collectives
+        return None

@@ -1,0 +1,250 @@
+"""Preference records checked alike on every rank, then tokenized once across the ranks: ``tokenize_across_ranks``.
+
+Under DDP every rank needs every pair (to score its share of the reference logprobs and to give
+Lightning's sampler the whole data set). Each rank reads the records, then, in order:
+
+1. the ranks compare what they read (``check_ranks_agree``): the records (a digest of each one's
+   JSON), the limits, and the tokenizer (a digest of its serialization and chat template). Ranks
+   that differ raise ``RanksDisagreeError`` naming the first differing pair and where each rank
+   read it, before any tokenizing, scoring or caching;
+2. rank r tokenizes only the r-th contiguous share of the records (``preference_datums``, the
+   same function as in one process), so the work on a node does not grow with its ranks;
+3. the shares' datums and reports are gathered and put back in order: every rank gets what one
+   process tokenizing every record gets, the same token ids and the same report.
+
+In one process it is ``preference_datums`` itself.
+
+Example:
+    >>> from loops_callbacks.data.preference import read_preference_records
+    >>> records = read_preference_records([{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}])
+    >>> datums, report = tokenize_across_ranks(records, None, progress=False)
+    >>> [d.model_input.to_ints() for d in datums], report.record_indices
+    ([[1, 2, 3], [1, 2, 4]], [0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from loops_callbacks import run_warnings
+from loops_callbacks.data.labels import pair_label
+from loops_callbacks.data.preference import LocatedRecord, parse_preference
+from loops_callbacks.data.tokenization import (
+    PreferenceDataWarning,
+    TokenizationReport,
+    load_tokenizer,
+    preference_datums,
+)
+from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
+from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
+
+__all__ = ["record_digests", "tokenize_across_ranks", "tokenizer_digests"]
+
+# A pair every share ends with, so that no share is left without pairs (``preference_datums``
+# refuses that); it is taken out of the share's result before the shares are joined.
+_PLACEHOLDER = LocatedRecord({"chosen": [0, 1], "rejected": [0, 2], "prompt_length": 1}, "a placeholder pair")
+
+
+def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
+    """One digest per record, of its JSON with sorted keys (where it was read is left out).
+
+    Example:
+        >>> a = record_digests([LocatedRecord({"chosen": "x", "rejected": "y"}, "line 1 of a.jsonl")])
+        >>> b = record_digests([LocatedRecord({"rejected": "y", "chosen": "x"}, "line 1 of b.jsonl")])
+        >>> bool((a == b).all())
+        True
+    """
+    return item_digests(
+        json.dumps(item.record, sort_keys=True, ensure_ascii=False, default=_plain).encode() for item in records
+    )
+
+
+def _plain(value: Any) -> Any:
+    """Arrays and numpy scalars (a ``datasets`` or parquet record) as JSON values."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return repr(value)
+
+
+def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
+    """Short digests of what makes a tokenizer's ids: its vocabulary and rules, its special tokens, its chat template.
+
+    Example:
+        >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
+        >>> tokenizer = build_chat_tokenizer()
+        >>> before = tokenizer_digests(tokenizer)
+        >>> tokenizer.chat_template = tokenizer.chat_template + " "
+        >>> [name for name, digest in tokenizer_digests(tokenizer).items() if digest != before[name]]
+        ['chat template']
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        rules = backend.to_str()
+    else:
+        vocabulary = getattr(tokenizer, "get_vocab", None)
+        rules = json.dumps(sorted(vocabulary().items())) if callable(vocabulary) else repr(tokenizer)
+    special = {
+        "class": type(tokenizer).__qualname__,
+        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
+        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
+    }
+    parts = {
+        "tokenizer vocabulary and rules": rules,
+        "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
+        "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str),
+    }
+    return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
+
+
+def tokenize_across_ranks(
+    records: Sequence[LocatedRecord],
+    tokenizer: Any,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    progress: bool = True,
+    timeout: float | None = None,
+) -> tuple[list[Any], TokenizationReport]:
+    """``preference_datums(records, ...)``, each rank tokenizing 1/world_size of the records, after checking they agree.
+
+    Collective: call it on every rank with what that rank read. Raises ``RanksDisagreeError``
+    on every rank when the records, the limits or the tokenizer differ across ranks, and any
+    rank's tokenizing error (a bad record) on every rank. ``timeout``: seconds a rank waits for
+    the others at each step (``StallGuard``).
+    """
+    group = Group()
+    if group.world_size == 1:
+        return preference_datums(
+            list(records), tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, progress=progress
+        )
+    guard = StallGuard(group, timeout)
+    digests = record_digests(records)
+    check_ranks_agree(
+        group,
+        what="preference records",
+        unit="pairs",
+        count=len(records),
+        digest=combined_digest(digests),
+        item_digests=lambda: digests,
+        item_name=lambda index: f"pair {index}",
+        item_source=lambda index: records[index].where,
+        settings={"max_length": str(max_length), "max_prompt_length": str(max_prompt_length)},
+        guard=guard,
+    )
+    failure: BaseException | None = None
+    loaded, digests = None, {}
+    try:
+        loaded = _tokenizer_for(records, tokenizer)
+        digests = {} if loaded is None else tokenizer_digests(loaded)
+    except Exception as error:  # noqa: BLE001 - every rank must reach the next collective
+        failure = error
+    guard.arrive("loading the tokenizer")
+    raise_together(group, failure, "loading the tokenizer")
+    check_ranks_agree(
+        group,
+        what="preference records",
+        count=0,
+        digest="",
+        item_digests=lambda: np.zeros((0, 16), np.uint8),
+        item_name=str,
+        settings=digests,
+    )
+    bounds = [len(records) * rank // group.world_size for rank in range(group.world_size + 1)]
+    first, last = bounds[group.rank], bounds[group.rank + 1]
+    share: tuple[list[Any], TokenizationReport] | None = None
+    guard.note(f"tokenizing its share of the preference records ({first} to {last - 1} of {len(records)})")
+    try:
+        share = _tokenize_share(
+            list(records[first:last]), loaded, max_length, max_prompt_length, progress and group.rank == 0
+        )
+    except Exception as error:  # noqa: BLE001 - every rank must reach the next collective
+        failure = error
+    guard.arrive("gathering the tokenized preference pairs")
+    raise_together(group, failure, "tokenizing the preference records")
+    with _collection_paused():  # unpickling the datums with the collector on costs ten times as much
+        shares = group.all_gather_objects(share)
+    datums = [datum for data, _ in shares for datum in data]
+    report = _joined([report for _, report in shares], bounds)
+    if not datums:
+        raise ValueError(
+            f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
+        )
+    message = report.warning()
+    if message:
+        run_warnings.warn(message, PreferenceDataWarning)
+    return datums, report
+
+
+@contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off (it rescans every live object while many are made at once)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _tokenizer_for(records: Sequence[LocatedRecord], tokenizer: Any) -> Any:
+    """The tokenizer object (loaded once here, for every share), or ``None`` when no record is text."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    needed = any(parse_preference(item.record, item.where).format != "token_ids" for item in records)
+    return load_tokenizer(tokenizer) if needed else None
+
+
+def _tokenize_share(
+    records: list[LocatedRecord],
+    tokenizer: Any,
+    max_length: int | None,
+    max_prompt_length: int | None,
+    progress: bool,
+) -> tuple[list[Any], TokenizationReport]:
+    """This rank's records through ``preference_datums``, the placeholder pair added and taken out again."""
+    data, report = preference_datums(
+        [*records, _PLACEHOLDER],
+        tokenizer,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        progress=progress,
+        warn=False,
+    )
+    if report.record_indices[-1:] != [len(records)]:
+        raise RuntimeError(f"{pair_label(len(records), _PLACEHOLDER.where)} was not kept by preference_datums")
+    report.record_indices.pop()
+    report.num_records -= 1
+    report.num_pairs -= 1
+    report.formats["token_ids"] -= 1
+    if not report.formats["token_ids"]:
+        del report.formats["token_ids"]
+    return data[:-2], report
+
+
+def _joined(reports: list[TokenizationReport], bounds: list[int]) -> TokenizationReport:
+    """The report of all the shares in order: counts added, record indices shifted, first examples kept."""
+    joined = TokenizationReport()
+    for report, first in zip(reports, bounds):
+        for field in dataclasses.fields(report):
+            mine, theirs = getattr(joined, field.name), getattr(report, field.name)
+            if field.name == "record_indices":
+                mine.extend(first + index for index in theirs)
+            elif isinstance(theirs, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value if isinstance(value, int) else mine.get(key, value)
+            elif isinstance(theirs, list):
+                mine.extend(theirs)
+            elif isinstance(theirs, int):
+                setattr(joined, field.name, mine + theirs)
+    return joined

@@ -1,0 +1,268 @@
+"""Ranks that read different data, tokenizers or limits stop before any scoring, each naming the difference.
+
+Two gloo ranks on the CPU: a real ``lightning.Trainer`` (``ddp_spawn``) where each rank reads its
+own copy of the preference file, and plain processes for the generic path (a user's datums given to
+``compute_reference_logprobs``), the tokenizer and the limits. Every rank must raise the same clear
+error, and no cache file may be written. Then the sharded tokenization: each rank tokenizes half of
+the records, and every rank gets the same datums as one process tokenizing them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+from typing_extensions import override
+
+from loops_callbacks.data import DPODataModule, compute_reference_logprobs, dpo_pair_datums
+from tests.helpers import CleanDistributedExit, ToyDPO
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = str(ROOT / "configs" / "data" / "chat_tokenizer")
+CHAT = ROOT / "configs" / "data" / "chat_preferences.jsonl"
+
+
+def token_records(num_pairs: int, changed: int | None = None) -> list[dict[str, Any]]:
+    """Token-id records (vocabulary 16); record ``changed`` gets another rejected completion."""
+    records = []
+    for index in range(num_pairs):
+        prompt = [1 + index % 7, 2 + index % 5, 3]
+        rejected = [4 + index % 3, 9] if index != changed else [11, 12, 13]
+        records.append({"chosen": prompt + [5, 6 + index % 4], "rejected": prompt + rejected, "prompt_length": 3})
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+class PerRankFile(DPODataModule):
+    """Rank r reads ``path.format(rank=r)`` (a node-local copy out of sync), and writes what it raised."""
+
+    @override
+    def setup(self, stage: str) -> None:
+        rank = self.trainer.global_rank
+        template = self.path
+        self.path = template.format(rank=rank)
+        try:
+            super().setup(stage)
+        except Exception as error:
+            Path(template).parent.joinpath(f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}")
+            raise
+
+
+def fit_two_ranks(datamodule: L.LightningDataModule, root: Path) -> None:
+    trainer = L.Trainer(
+        default_root_dir=str(root), accelerator="cpu", strategy="ddp_spawn", devices=2, max_steps=2,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False,
+        callbacks=[CleanDistributedExit()],
+    )
+    torch.manual_seed(0)
+    trainer.fit(ToyDPO(), datamodule=datamodule)
+
+
+def rank_errors(directory: Path) -> list[str]:
+    return [(directory / f"rank{rank}.error").read_text() for rank in (0, 1)]
+
+
+def cache_files(directory: Path) -> list[Path]:
+    return [path for path in directory.rglob("*") if path.is_file()] if directory.exists() else []
+
+
+@pytest.mark.parametrize("rank1_pairs", [8, 9], ids=["same_count", "different_count"])
+def test_ranks_reading_different_files_stop_with_the_first_differing_pair(tmp_path: Path, rank1_pairs: int) -> None:
+    files = tmp_path / "files"
+    files.mkdir()
+    write_jsonl(files / "pairs.0.jsonl", token_records(8))
+    write_jsonl(files / "pairs.1.jsonl", token_records(rank1_pairs, changed=5 if rank1_pairs == 8 else None))
+    cache = tmp_path / "cache"
+    module = PerRankFile(path=str(files / "pairs.{rank}.jsonl"), batch_size=2, cache_dir=str(cache), progress=False)
+
+    with pytest.raises(Exception, match="different"):
+        fit_two_ranks(module, tmp_path)
+
+    first = 5 if rank1_pairs == 8 else 8
+    counts = "rank 0: 8 pairs, rank 1: 8 pairs" if rank1_pairs == 8 else "rank 0: 8 pairs, rank 1: 9 pairs"
+    for message in rank_errors(files):
+        assert message.startswith("RanksDisagreeError: the ranks read different preference records"), message
+        assert counts in message, message
+        assert f"the first difference is pair {first}:" in message, message
+        if rank1_pairs == 8:
+            assert f"rank 0: line 6 of {files / 'pairs.0.jsonl'}" in message, message
+            assert f"rank 1: line 6 of {files / 'pairs.1.jsonl'}" in message, message
+        else:
+            assert "rank 0: none (8 pairs)" in message, message
+            assert f"rank 1: line 9 of {files / 'pairs.1.jsonl'}" in message, message
+    assert cache_files(cache) == []
+
+
+# ----------------------------------------------------------------------------- plain processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, case: str, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    result: dict[str, Any] = {}
+    try:
+        result = globals()[f"_case_{case}"](rank, Path(out_dir))
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        result = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.distributed.destroy_process_group()
+
+
+class FlatClient:
+    """A SamplingClient with a fingerprint: -0.5 everywhere."""
+
+    vocab_size = 16
+
+    def fingerprint(self) -> str:
+        return "flat-v1"
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        return [None] + [-0.5] * (prompt.length - 1)
+
+
+def _case_generic(rank: int, out_dir: Path) -> dict[str, Any]:
+    records = token_records(6, changed=4 if rank == 1 else None)
+    data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=r["prompt_length"])]
+    compute_reference_logprobs(data, FlatClient(), cache_path=out_dir / "cache" / "ref.cache", progress=False)
+    return {}
+
+
+def _case_limits(rank: int, out_dir: Path) -> dict[str, Any]:
+    module = DPODataModule(path=str(CHAT), tokenizer=TOKENIZER, max_length=64 if rank == 0 else 48, progress=False)
+    module.dpo_data()
+    return {}
+
+
+def _case_tokenizer(rank: int, out_dir: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    if rank == 1:
+        tokenizer.chat_template = tokenizer.chat_template.replace("\n", "\n\n", 1)
+    module = DPODataModule(path=str(CHAT), tokenizer=tokenizer, progress=False)
+    module.dpo_data()
+    return {}
+
+
+def _case_sharded(rank: int, out_dir: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    rendered: list[int] = []
+    render = tokenizer.apply_chat_template
+
+    def counting(conversations: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("add_generation_prompt"):  # one call of these per chunk of prompts
+            rendered.append(len(conversations))
+        return render(conversations, *args, **kwargs)
+
+    tokenizer.apply_chat_template = counting
+    module = DPODataModule(path=str(CHAT), tokenizer=tokenizer, max_length=40, progress=False)
+    data = module.dpo_data()
+    report = module.tokenization_report
+    return {
+        "tokens": [d.model_input.to_ints() for d in data],
+        "weights": [list(d.loss_fn_inputs["weights"].data) for d in data],
+        "tokenized": rendered,
+        "report": report,
+        "where": module._pair_where,
+    }
+
+
+def _case_missing_file(rank: int, out_dir: Path) -> dict[str, Any]:
+    path = write_jsonl(out_dir / "pairs.jsonl", token_records(4)) if rank == 0 else str(out_dir / "absent.jsonl")
+    DPODataModule(path=path, progress=False).dpo_data()
+    return {}
+
+
+def dropped_first_half() -> list[dict[str, Any]]:
+    """Token-id records whose first half have prompts too long for ``max_length=5``: rank 0 keeps no pair."""
+    long = [{"chosen": [1, 2, 3, 4, 5, 6, 7], "rejected": [1, 2, 3, 4, 5, 6, 8], "prompt_length": 6}] * 4
+    return long + token_records(4)
+
+
+def _case_dropped_share(rank: int, out_dir: Path) -> dict[str, Any]:
+    module = DPODataModule(data=dropped_first_half(), max_length=5, progress=False)
+    data = module.dpo_data()
+    return {"tokens": [d.model_input.to_ints() for d in data], "report": module.tokenization_report}
+
+
+def run_two_processes(case: str, out_dir: Path) -> list[dict[str, Any]]:
+    arguments = (case, _free_port(), str(out_dir))
+    context = mp.start_processes(_worker, args=arguments, nprocs=2, join=False, start_method="spawn")
+    for _ in range(240):
+        if context.join(timeout=0.5):
+            break
+    else:
+        for process in context.processes:
+            process.terminate()
+        pytest.fail(f"the ranks hung ({case})")
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+def test_a_users_datums_that_differ_across_ranks_stop_before_scoring(tmp_path: Path) -> None:
+    for result in run_two_processes("generic", tmp_path):
+        message = result.get("error", "")
+        assert message.startswith("RanksDisagreeError: the ranks hold different datums"), message
+        assert "rank 0: 12 datums, rank 1: 12 datums" in message, message
+        assert "the first difference is pair 4: the rejected datum (index 9)" in message, message
+    assert cache_files(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize(("case", "setting"), [("limits", "max_length"), ("tokenizer", "chat template")])
+def test_ranks_with_other_limits_or_tokenizers_stop_before_tokenizing(tmp_path: Path, case: str, setting: str) -> None:
+    for result in run_two_processes(case, tmp_path):
+        message = result.get("error", "")
+        assert message.startswith("RanksDisagreeError: the ranks use different settings"), message
+        assert re.search(rf"\({setting}: rank 0: \S+, rank 1: \S+\)", message), message  # and nothing else
+
+
+def test_each_rank_tokenizes_half_and_all_get_what_one_process_gets(tmp_path: Path) -> None:
+    ranks = run_two_processes("sharded", tmp_path)
+    single = DPODataModule(path=str(CHAT), tokenizer=TOKENIZER, max_length=40, progress=False)
+    data = single.dpo_data()
+    assert all("error" not in result for result in ranks), ranks
+    assert [sum(result["tokenized"]) for result in ranks] == [256, 256]  # half of the 512 records each
+    for result in ranks:
+        assert result["tokens"] == [d.model_input.to_ints() for d in data]
+        assert result["weights"] == [list(d.loss_fn_inputs["weights"].data) for d in data]
+        assert result["report"] == single.tokenization_report  # counts, examples, the record of each pair
+        assert result["report"].truncated > 0 and result["report"].dropped_prompt_fills_max_length > 0
+        assert result["where"] == single._pair_where
+
+
+def test_a_rank_whose_share_keeps_no_pair_still_gets_every_pair(tmp_path: Path) -> None:
+    single = DPODataModule(data=dropped_first_half(), max_length=5, progress=False)
+    data = single.dpo_data()
+    assert single.tokenization_report.dropped_prompt_fills_max_length == 4
+    for result in run_two_processes("dropped_share", tmp_path):
+        assert "error" not in result, result
+        assert result["tokens"] == [d.model_input.to_ints() for d in data]
+        assert result["report"] == single.tokenization_report
+
+
+def test_a_rank_that_cannot_read_its_file_stops_every_rank(tmp_path: Path) -> None:
+    rank0, rank1 = (result.get("error", "") for result in run_two_processes("missing_file", tmp_path))
+    assert str(tmp_path / "absent.jsonl") in rank1, rank1
+    assert rank0.startswith("RuntimeError: reading the preference records failed on another rank (rank 1: "), rank0
+    assert str(tmp_path / "absent.jsonl") in rank0, rank0

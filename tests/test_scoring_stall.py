@@ -1,0 +1,107 @@
+"""A rank that stalls while scoring the reference is named on every other rank within the timeout, with no hang.
+
+Two gloo ranks as separate processes (``python -m tests.test_scoring_stall``): one sleeps in its
+scoring forward far longer than ``scoring_timeout``. The other must stop within the timeout with a
+``RankStalledError`` naming the step it waited at and the rank that did not come (and where that
+rank was); the late rank, when it wakes, must stop too instead of entering a collective alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 2.0
+STALL_S = 10.0
+
+
+class SleepyClient:
+    """-0.5 everywhere, after ``sleep`` seconds on the first prompt."""
+
+    vocab_size = 16
+
+    def __init__(self, sleep: float) -> None:
+        self.sleep = sleep
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        time.sleep(self.sleep)
+        self.sleep = 0.0
+        return [None] + [-0.5] * (prompt.length - 1)
+
+
+def main() -> None:
+    """One rank: score four datums, the stalled rank sleeping in its forward; print how it ended."""
+    import torch
+
+    from loops_callbacks.reference.across_ranks import score_across_ranks
+    from loops_callbacks.types import Datum, ModelInput
+
+    rank, stalled = int(os.environ["RANK"]), int(os.environ["STALLED_RANK"])
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    sequences = [[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 5, 7]]
+    client = SleepyClient(STALL_S if rank == stalled else 0.0)
+    start = time.monotonic()
+    try:
+        score_across_ranks([Datum(ModelInput.from_ints(s)) for s in sequences], client, sequences, progress=False,
+                           scoring_timeout=TIMEOUT_S)
+    except Exception as error:  # noqa: BLE001 - the test reads it
+        print(f"after {time.monotonic() - start:.1f} s: {type(error).__name__}: {error}", flush=True)
+        os._exit(3)  # no clean-up of a process group whose peer is gone
+    print("finished", flush=True)
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("stalled", [1, 0], ids=["rank1_stalls", "rank0_stalls"])
+def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
+    port = _free_port()
+    processes = []
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), STALLED_RANK=str(stalled), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        processes.append(subprocess.Popen(
+            [sys.executable, "-c", "from tests.test_scoring_stall import main; main()"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    try:
+        outputs = [process.communicate(timeout=120)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    waiting = 1 - stalled
+    waited = outputs[waiting].strip().splitlines()[-1]
+    assert processes[waiting].returncode == 3, outputs[waiting]
+    assert "RankStalledError" in waited, waited
+    assert f"rank(s) {stalled} did not reach 'gathering the scored values' within {TIMEOUT_S:g} s" in waited, waited
+    assert f"rank {stalled} is still at: scoring its block" in waited, waited
+    seconds = float(waited.split()[1])
+    assert TIMEOUT_S <= seconds < STALL_S, waited  # named within the timeout, not after the stall ended
+    late = outputs[stalled].strip().splitlines()[-1]
+    assert processes[stalled].returncode == 3, outputs[stalled]
+    assert "RankStalledError" in late, late
+    if stalled == 0:  # the store (on rank 0) is still up: the late rank reads why rank 1 gave up
+        assert "rank 0 stops before 'gathering the scored values': rank 1 gave up waiting" in late, late
+    else:  # rank 0, which held the store, has ended
+        assert "rank 1 lost the process group's store" in late, late
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (float("nan"), ValueError), ("60", TypeError)])
+def test_the_timeout_is_checked(value: Any, error: type[Exception]) -> None:
+    from loops_callbacks.data import DPODataModule
+
+    with pytest.raises(error, match=f"scoring_timeout={value!r}"):
+        DPODataModule(data=[], scoring_timeout=value)
