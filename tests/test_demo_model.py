@@ -121,7 +121,10 @@ def test_float32_compute_with_bf16_weights_is_native_bf16_up_to_summation_order(
     emulated = token_logprobs(emulated_logits, input_ids[:, 1:])
     precision_gap = (native - exact).abs().mean()
     assert precision_gap > 1e-3  # the bf16 rounding is real...
-    assert (emulated - native).abs().mean() < precision_gap / 100  # ...and the emulation reproduces it
+    # ...and the emulation reproduces it, up to the native kernels' own accumulation, which depends
+    # on the CPU (mean |emulated - native| / gap, Intel Xeon: 1/89 with its AMX kernels, under 1/100
+    # with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, 1/61 with AVX2); without the rounding it would be ~1
+    assert (emulated - native).abs().mean() < precision_gap / 25
     # without the rounding (float32 weights and activations) there would be no gap at all
     unrounded = copy.deepcopy(model)
     unrounded.compute_dtype = torch.float32
