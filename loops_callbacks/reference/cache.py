@@ -335,6 +335,8 @@ def read_cache(
         return CacheLookup("missing", path=path)
     except OSError as error:
         return CacheLookup("corrupt", reason=f"it cannot be read ({error})", path=path)
+    except MemoryError:
+        return CacheLookup("corrupt", reason="it does not fit in this process's memory", path=path)
     lookup = _parse(blob, key, lengths, digest)
     lookup.path = path
     return lookup
@@ -367,7 +369,10 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
             lookup.path = path
         if lookup.status != "missing":
             return lookup
-    others = [info for info in list_caches(directory) if info.path != path]
+    try:
+        others = [info for info in list_caches(directory) if info.path != path]
+    except OSError as error:
+        return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
     candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
     references = sorted({info.key.reference or "" for info in candidates if info.key is not None})
     if len(references) > 1:
@@ -393,11 +398,12 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
 def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
     """Every cache file in ``directory`` (told by its first bytes), newest first, from its header only.
 
-    Temporary files of writers (``*.tmp.*``) are not caches. A directory that does not exist holds none.
+    Temporary files of writers (``*.tmp.*``) are not caches. A directory that does not exist holds
+    none; one that cannot be read is an ``OSError``.
     """
     try:
         entries = [entry for entry in os.scandir(directory) if ".tmp." not in entry.name and entry.is_file()]
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:
         return []
     infos = [info for info in (_info(entry.path) for entry in entries) if info is not None]
     return sorted(infos, key=lambda info: (-info.modified, info.path))
@@ -413,6 +419,7 @@ def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str
         return " and ".join(changed) + " changed" if changed else f"damaged: {unusable.get(info.path, info.problem)}"
 
     closest = sorted(others, key=lambda info: (len(key.differences(info.key)) if info.key else 4, -info.modified))
+
     def name(info: CacheInfo) -> str:
         legacy = os.path.basename(info.path) == CACHE_FILE_NAME
         return info.describe() + (" [the single-file layout of earlier versions]" if legacy else "")
@@ -511,8 +518,8 @@ def _open_regular(path: str) -> tuple[int, int]:
 def _read_whole(path: str) -> np.ndarray:
     """Every byte of the file, in this process's memory (``OSError`` if it changes size while being read)."""
     descriptor, size = _open_regular(path)
-    blob = np.empty(size, dtype=np.uint8)
     with os.fdopen(descriptor, "rb", buffering=0) as file:
+        blob = np.empty(size, dtype=np.uint8)
         view, done = memoryview(blob), 0
         while done < size:
             count = file.readinto(view[done:])
