@@ -80,7 +80,7 @@ def test_shift_is_matched_one_position_over() -> None:
 
 def test_truncation_has_no_positive_diff_and_mass_below_one() -> None:
     found, sig = named(case("truncation"))
-    assert sig["frac_d_pos"] == 0.0 and sig["mass_on_support"] < 0.95
+    assert sig["frac_d_pos"] == 0.0 and sig["is_ratio_mean"] < 0.95
     assert found.cause == "truncation"
 
 
@@ -105,9 +105,9 @@ def test_stale_weights_make_token_identity_explain_the_diff() -> None:
 
 def test_precision_noise_is_small_and_not_tied_to_token_identity() -> None:
     found, sig = named(case("precision"))
-    assert sig["k3"] < 1e-4 and sig["token_eta2"] < 0.05
+    assert sig["kl_sample_train_k3"] < 1e-4 and sig["token_eta2"] < 0.05
     assert found.cause == "precision"
-    assert named(case("precision"), precision_max_k3=sig["k3"] / 2)[0].cause == "unclear"  # above the learned floor
+    assert named(case("precision"), precision_max_k3=sig["kl_sample_train_k3"] / 2)[0].cause == "unclear"  # above the learned floor
 
 
 def test_too_few_tokens_are_unclear() -> None:
@@ -195,3 +195,21 @@ def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -
     assert "these look like probabilities, not logprobs" in found.message and "truncat" not in found.message
     metrics = diagnosis_metrics(found, signature_numbers(host), prefix="div/")
     assert metrics["div/diagnosis/impossible_inputs"] == 1.0 and metrics["div/diagnosis/truncation"] == 0.0
+
+
+def test_a_signature_that_is_a_scalar_metric_is_logged_once_under_the_scalar_key() -> None:
+    """mean e^d and k3 are scalar metrics; the diagnosis reads them but does not log them again."""
+    from loops_callbacks.divergence.diagnosis import diagnosis_metrics
+    from loops_callbacks.divergence.metrics import scalar_metrics
+
+    host = host_of(case("stale"))
+    signatures = signature_numbers(host)
+    scalars = scalar_metrics(host, prefix=PREFIX)
+    logged = diagnosis_metrics(diagnose(signatures, n_tokens=host.totals["n_action_tokens"]), signatures, prefix=PREFIX)
+    repeated = {
+        key: name for key, value in logged.items() if "/signature/" in key
+        for name, scalar in scalars.items() if value == scalar and not float(value).is_integer()
+    }
+    assert repeated == {}
+    assert signatures["is_ratio_mean"] == scalars[PREFIX + "is_ratio_mean"]
+    assert signatures["kl_sample_train_k3"] == scalars[PREFIX + "kl_sample_train_k3"]

@@ -48,6 +48,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from loops_callbacks.divergence.metrics import SCALAR_METRICS
+
 __all__ = ["CAUSES", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
@@ -162,8 +164,7 @@ def diagnose(
         return sig.get(name, math.nan)
 
     def found(cause: str, margin: float, *names: str) -> Diagnosis:
-        confidence = 0.5 + 0.5 * min(max(margin, 0.0), 1.0) if math.isfinite(margin) else 0.5
-        return Diagnosis(cause, confidence, {name: get(name) for name in names})
+        return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
 
     if n_tokens < MIN_TOKENS:
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
@@ -173,22 +174,26 @@ def diagnose(
         return found("shift", math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2, "shift_ratio", "shift_direction")
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
-    if get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE and get("mass_on_support") < 1.0 - TRUNCATION_SE * get("mass_se"):
+    if get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE and get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se"):
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
-        return found("truncation", margin, "frac_d_pos", "mass_on_support", "mass_se")
+        return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se")
     if get("sign_split") >= SIGN_SPLIT:
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
-    if get("k3") < precision_max_k3:
-        margin = math.log10(precision_max_k3 / max(get("k3"), 1e-300))
-        evidence = {"k3": get("k3"), "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
+    k3 = get("kl_sample_train_k3")
+    if k3 < precision_max_k3:
+        margin = math.log10(precision_max_k3 / max(k3, 1e-300))
+        evidence = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
         return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), evidence)
     if get("token_eta2") >= STALE_ETA2:
-        return found("stale", (get("token_eta2") - STALE_ETA2) / 0.2, "token_eta2", "k3")
-    return Diagnosis("unclear", 0.0, {"k3": get("k3"), "token_eta2": get("token_eta2"), "pearson": get("pearson")})
+        return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), {"token_eta2": get("token_eta2"), "k3": k3})
+    return Diagnosis("unclear", 0.0, {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson")})
 
 
 def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, prefix: str) -> dict[str, float]:
     """Scalars to log: ``diagnosis/<cause>`` (1.0 for the named cause, else 0), the confidence and the signatures.
+
+    A signature that is also a scalar metric (``is_ratio_mean``, ``kl_sample_train_k3``) is left
+    out: it is logged once, under the scalar's key.
 
     Example:
         >>> d = Diagnosis("stale", 0.75, {"token_eta2": 0.2})
@@ -198,8 +203,15 @@ def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, 
     """
     metrics = {f"{prefix}diagnosis/{cause}": float(cause == diagnosis.cause) for cause in CAUSES}
     metrics[f"{prefix}diagnosis/confidence"] = float(diagnosis.confidence)
-    metrics.update({f"{prefix}signature/{name}": float(value) for name, value in signatures.items()})
+    metrics.update(
+        {f"{prefix}signature/{name}": float(value) for name, value in signatures.items() if name not in SCALAR_METRICS}
+    )
     return metrics
+
+
+def _confidence(margin: float) -> float:
+    """0.5 at the threshold, growing with the margin (0 to 1 past it) to 1."""
+    return 0.5 + 0.5 * min(max(margin, 0.0), 1.0) if math.isfinite(margin) else 0.5
 
 
 def _format(evidence: Mapping[str, float]) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from loops_callbacks.divergence.metrics import EXTRA_METRICS, SDK_METRICS
+from loops_callbacks.divergence.metrics import SCALAR_METRICS
 from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
 from loops_callbacks.validation import check_real
 
@@ -57,7 +57,7 @@ def watchable_metric(kl_metric: str, prefix: str) -> str:
         ...
         ValueError: kl_metric='kl_k3' is not a metric the monitor logs; use one of ['kl_sample_train_v1_loops', ...
     """
-    names = (*SDK_METRICS, *EXTRA_METRICS)
+    names = SCALAR_METRICS
     name = kl_metric.removeprefix(prefix) if prefix else kl_metric
     if name not in names:
         raise ValueError(

@@ -2,7 +2,8 @@
 
 This is the one place each formula lives; the plain functions and the Lightning callback both
 call ``scalar_metrics``. With n action tokens (mask > 0, advantage != 0 where advantages are
-given, both logprobs finite), d = trainer − sampler logprob, w = exp(min(d, 80)) and
+given, both logprobs finite), d = trainer − sampler logprob, w = exp(min(d, 80)) the importance
+ratio e^d (``is_ratio`` in the code; the SDK's worst-tokens column calls it ``is_weight``) and
 s = sampler logprob, each key (after the prefix, default ``optim/train-sample-div/``) is:
 
 ==============================  ====================================================================
@@ -45,18 +46,22 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
-from loops_callbacks.divergence.statistics import W_CLAMP, HostDivergence
+from loops_callbacks.divergence.statistics import IS_RATIO_CLAMP, HostDivergence
 
 __all__ = [
     "DEFAULT_PREFIX",
     "SDK_METRICS",
     "EXTRA_METRICS",
+    "SCALAR_METRICS",
     "scalar_metrics",
     "histogram_values",
-    "importance_weight",
+    "is_ratio",
+    "is_ratio_mean",
+    "kl_sample_train_k3",
     "abs_percentiles_linear",
 ]
 
@@ -95,6 +100,9 @@ EXTRA_METRICS = (
 )
 """Scalar keys this package adds beside the SDK's."""
 
+SCALAR_METRICS = SDK_METRICS + EXTRA_METRICS
+"""Every scalar key (after the prefix) a step with action tokens logs."""
+
 _PERCENTILES = (50, 90, 99)
 
 
@@ -108,14 +116,14 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
     if n == 0:
         return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
     abs_percentiles = abs_percentiles_linear(host.diffs, _PERCENTILES)
-    ess_denominator = n * t["sum_w2"]
+    ess_denominator = n * t["sum_is_ratio2"]
     scored = t["n_scored_datums"]
     values = {
         "kl_sample_train_v1_loops": -t["sum_d"] / n,
         "kl_sample_train_v2_loops": 0.5 * t["sum_d2"] / n,
-        "kl_sample_train_k3": t["sum_k3"] / n,
-        "is_ratio_mean": t["sum_w"] / n,
-        "ess_fraction": t["sum_w"] ** 2 / ess_denominator if ess_denominator != 0 else 0.0,
+        "kl_sample_train_k3": kl_sample_train_k3(t),
+        "is_ratio_mean": is_ratio_mean(t),
+        "ess_fraction": t["sum_is_ratio"] ** 2 / ess_denominator if ess_denominator != 0 else 0.0,
         "diff_mean": t["sum_d"] / n,
         "diff_abs_p50": float(abs_percentiles[0]),
         "diff_abs_p90": float(abs_percentiles[1]),
@@ -126,14 +134,14 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "frac_abs_gt_4": t["n_abs_gt_4"] / n,
         "entropy": -t["sum_sampler"] / n,
         "n_action_tokens": float(n),
-        "is_ratio_max": importance_weight(e["max_d"]),  # exp is monotone: the weight of the largest diff
-        "is_ratio_min": importance_weight(-e["neg_min_d"]),
-        "chi2_token": t["sum_w2"] / n - 1.0,
+        "is_ratio_max": is_ratio(e["max_d"]),  # exp is monotone: the weight of the largest diff
+        "is_ratio_min": is_ratio(-e["neg_min_d"]),
+        "chi2_token": t["sum_is_ratio2"] / n - 1.0,
         "seq_log_ratio_mean": t["sum_seq_mean_d"] / scored,
-        "seq_is_ratio_mean": t["sum_seq_w"] / scored,
-        "seq_is_ratio_max": importance_weight(e["max_seq_mean_d"]),
-        "frac_is_ratio_gt_2": t["n_w_gt_2"] / n,
-        "frac_is_ratio_lt_0.5": t["n_w_lt_half"] / n,
+        "seq_is_ratio_mean": t["sum_seq_is_ratio"] / scored,
+        "seq_is_ratio_max": is_ratio(e["max_seq_mean_d"]),
+        "frac_is_ratio_gt_2": t["n_is_ratio_gt_2"] / n,
+        "frac_is_ratio_lt_0.5": t["n_is_ratio_lt_half"] / n,
         **counts,
     }
     return {prefix + name: float(value) for name, value in values.items()}
@@ -161,9 +169,19 @@ def abs_percentiles_linear(diffs: np.ndarray, percents: tuple[float, ...]) -> li
     return np.where(gamma >= 0.5, b - step * (1 - gamma), a + step * gamma).tolist()
 
 
-def importance_weight(d: float) -> float:
-    """The importance weight exp(min(d, 80)) of one diff; finite for any d."""
-    return math.exp(min(d, W_CLAMP))
+def kl_sample_train_k3(totals: Mapping[str, float]) -> float:
+    """mean(e^d − 1 − d) over the action tokens (``totals`` has some); the diagnosis reads it too."""
+    return totals["sum_k3"] / totals["n_action_tokens"]
+
+
+def is_ratio_mean(totals: Mapping[str, float]) -> float:
+    """mean(e^d), the trainer's mass on the sampler's support; ``totals`` has action tokens."""
+    return totals["sum_is_ratio"] / totals["n_action_tokens"]
+
+
+def is_ratio(d: float) -> float:
+    """The importance ratio exp(min(d, 80)) of one diff; finite for any d."""
+    return math.exp(min(d, IS_RATIO_CLAMP))
 
 
 def histogram_values(diffs: np.ndarray, max_tokens: int) -> np.ndarray:

@@ -393,7 +393,7 @@ class KLSampleTrainMonitor(Callback):
             diagnosis = Diagnosis.impossible_inputs(problems.values())
         else:
             diagnosis = diagnose(signatures, n_tokens=n, precision_max_k3=self.calibration.precision_max_k3)
-            self.calibration.observe(diagnosis, signatures["k3"])
+            self.calibration.observe(diagnosis, signatures["kl_sample_train_k3"])
         self.last_diagnosis = diagnosis
         return diagnosis_metrics(diagnosis, signatures, prefix=self.prefix)
 

@@ -5,8 +5,8 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ======================  ============================================================================
 ``frac_d_zero``         share of tokens with d exactly 0 (most, for identical float32 models)
 ``frac_d_pos``          share with d > 0 (about 0 under top-k / top-p truncation)
-``mass_on_support``     mean e^d: the trainer's mass on the sampler's support (1 for full support)
-``mass_se``             its standard error, sqrt(var(e^d) / n)
+``is_ratio_mean``       mean e^d: the trainer's mass on the sampler's support (1 for full support)
+``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
 ``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
 ``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
@@ -16,19 +16,22 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``token_eta2``          share of d's variance explained by token id (hashed buckets), corrected for their number
 ``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
 ``rms_d``               sqrt(mean d²)
-``k3``                  mean(e^d − 1 − d)
+``kl_sample_train_k3``  mean(e^d − 1 − d)
 ======================  ============================================================================
+
+``is_ratio_mean`` and ``kl_sample_train_k3`` are the scalar metrics of those names (one formula,
+``metrics``); they are logged once, as scalars, not again as signatures.
 
 A number is NaN when the step has too little of what it needs (no pairs, an empty bucket).
 
 Example:
     >>> import numpy as np
     >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
-    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "sum_w": 4.0, "sum_w2": 4.0,
+    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0,
     ...     "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0, "sum_trainer2": 6.0,
     ...     "sum_sampler_trainer": 6.0}
     >>> sig = signature_numbers(HostDivergence(totals, dict.fromkeys(EXTREMA, 0.0), np.zeros((0, 67)), np.zeros(4)))
-    >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["mass_on_support"]
+    >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["is_ratio_mean"]
     (1.0, 1.0, 1.0, 1.0)
 """
 
@@ -38,6 +41,7 @@ import math
 
 import numpy as np
 
+from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3
 from loops_callbacks.divergence.statistics import HostDivergence
 
 __all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
@@ -45,8 +49,8 @@ __all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
 SIGNATURES = (
     "frac_d_zero",
     "frac_d_pos",
-    "mass_on_support",
-    "mass_se",
+    "is_ratio_mean",
+    "is_ratio_se",
     "pearson",
     "temperature",
     "sign_split",
@@ -56,7 +60,7 @@ SIGNATURES = (
     "token_eta2",
     "low_high_abs_ratio",
     "rms_d",
-    "k3",
+    "kl_sample_train_k3",
 )
 
 _NAN = float("nan")
@@ -68,7 +72,7 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
     n = t["n_action_tokens"]
     if n == 0:
         return dict.fromkeys(SIGNATURES, _NAN)
-    mean_w = t["sum_w"] / n
+    mean_is_ratio = is_ratio_mean(t)
     var_s = t["sum_sampler2"] / n - (t["sum_sampler"] / n) ** 2
     var_t = t["sum_trainer2"] / n - (t["sum_trainer"] / n) ** 2
     cov = t["sum_sampler_trainer"] / n - (t["sum_sampler"] / n) * (t["sum_trainer"] / n)
@@ -85,8 +89,8 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
     return {
         "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
         "frac_d_pos": t["n_d_pos"] / n,
-        "mass_on_support": mean_w,
-        "mass_se": math.sqrt(max(t["sum_w2"] / n - mean_w**2, 0.0) / n),
+        "is_ratio_mean": mean_is_ratio,
+        "is_ratio_se": math.sqrt(max(t["sum_is_ratio2"] / n - mean_is_ratio**2, 0.0) / n),
         "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else _NAN,
         "temperature": cov / var_s if var_s > 0 else _NAN,
         "sign_split": max(sharper, flatter) if high and low else _NAN,
@@ -96,7 +100,7 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         "token_eta2": token_eta2(host.token_sums),
         "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
         "rms_d": math.sqrt(t["sum_d2"] / n),
-        "k3": t["sum_k3"] / n,
+        "kl_sample_train_k3": kl_sample_train_k3(t),
     }
 
 

@@ -41,15 +41,15 @@ __all__ = [
     "TOTAL_INDEX",
     "EXTREMA",
     "ROW",
-    "W_CLAMP",
+    "IS_RATIO_CLAMP",
     "TOKEN_BUCKETS",
     "GATHERED_TOTALS",
     "LOGPROB_CEILING",
     "LOGPROB_FLOOR",
 ]
 
-W_CLAMP = 80.0
-"""Importance weights are exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
+IS_RATIO_CLAMP = 80.0
+"""The importance ratio e^d is exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
 
 TOTALS = (
     "n_datums",
@@ -59,17 +59,17 @@ TOTALS = (
     "n_trainer_zero",  # action tokens whose trainer logprob is exactly 0.0
     "sum_d",
     "sum_d2",
-    "sum_w",
-    "sum_w2",
+    "sum_is_ratio",
+    "sum_is_ratio2",
     "sum_k3",
     "sum_sampler",
     "n_abs_gt_1",
     "n_abs_gt_2",
     "n_abs_gt_4",
-    "n_w_gt_2",
-    "n_w_lt_half",
+    "n_is_ratio_gt_2",
+    "n_is_ratio_lt_half",
     "sum_seq_mean_d",
-    "sum_seq_w",
+    "sum_seq_is_ratio",
     "n_sampler_above_zero",  # logprobs > LOGPROB_CEILING: impossible (probabilities passed as logprobs?)
     "n_trainer_above_zero",
     "n_sampler_below_floor",  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
@@ -181,11 +181,11 @@ class DivergenceStats:
         else:
             d = flat.diff.masked_fill(~active, 0.0)
             valid = active
-        w = d.clamp(max=W_CLAMP).exp_()
+        is_ratio = d.clamp(max=IS_RATIO_CLAMP).exp_()
         if valid is not None:
-            w.masked_fill_(~valid, 0.0)
+            is_ratio.masked_fill_(~valid, 0.0)
         abs_d = d.abs()
-        row_counts, scored, seq_mean, seq_w = _sequence_stats(d, active, flat.row_lengths, compact)
+        row_counts, scored, seq_mean, seq_is_ratio = _sequence_stats(d, active, flat.row_lengths, compact)
         sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
         trainer = _select(flat.trainer, active) if compact else flat.trainer.masked_fill(~active, 0.0)
         device = d.device
@@ -197,16 +197,16 @@ class DivergenceStats:
             "n_trainer_zero": torch.count_nonzero((flat.trainer == 0.0) & active),
             "sum_d": d.sum(),
             "sum_d2": torch.dot(d, d),
-            "sum_w": w.sum(),
-            "sum_w2": torch.dot(w, w),
+            "sum_is_ratio": is_ratio.sum(),
+            "sum_is_ratio2": torch.dot(is_ratio, is_ratio),
             "sum_sampler": sampler.sum(dtype=torch.float64),
             "n_abs_gt_1": torch.count_nonzero(abs_d > 1.0),
             "n_abs_gt_2": torch.count_nonzero(abs_d > 2.0),
             "n_abs_gt_4": torch.count_nonzero(abs_d > 4.0),
-            "n_w_gt_2": torch.count_nonzero(w > 2.0),
-            "n_w_lt_half": torch.count_nonzero(w < 0.5 if valid is None else (w < 0.5) & valid),
+            "n_is_ratio_gt_2": torch.count_nonzero(is_ratio > 2.0),
+            "n_is_ratio_lt_half": torch.count_nonzero(is_ratio < 0.5 if valid is None else (is_ratio < 0.5) & valid),
             "sum_seq_mean_d": seq_mean.sum(),
-            "sum_seq_w": seq_w.sum(),
+            "sum_seq_is_ratio": seq_is_ratio.sum(),
             "n_sampler_above_zero": torch.count_nonzero(sampler > LOGPROB_CEILING),
             "n_trainer_above_zero": torch.count_nonzero(trainer > LOGPROB_CEILING),
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
@@ -216,7 +216,7 @@ class DivergenceStats:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
         else:
             sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
-        k3 = w.sub_(1.0).sub_(d)  # every use of w is above: its buffer becomes k3 = w - 1 - d per token
+        k3 = is_ratio.sub_(1.0).sub_(d)  # every use of the ratio is above: its buffer becomes k3 = e^d - 1 - d
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
         sums["sum_k3"] = k3.sum()
@@ -443,8 +443,8 @@ def _sequence_stats(
     seq_sum = _row_sums(d, row_counts if compact else row_lengths)
     scored = row_counts > 0
     seq_mean = (seq_sum / row_counts.clamp(min=1)).masked_fill(~scored, 0.0)
-    seq_w = torch.exp(seq_mean.clamp(max=W_CLAMP)).masked_fill(~scored, 0.0)
-    return row_counts, scored, seq_mean, seq_w
+    seq_is_ratio = torch.exp(seq_mean.clamp(max=IS_RATIO_CLAMP)).masked_fill(~scored, 0.0)
+    return row_counts, scored, seq_mean, seq_is_ratio
 
 
 def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loops_callbacks.divergence.metrics import importance_weight
+from loops_callbacks.divergence.metrics import is_ratio
 from loops_callbacks.divergence.statistics import ROW
 from loops_callbacks.divergence.token_context import NO_TOKEN
 
@@ -62,7 +62,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
     token is ``target_tokens[k]``, else ``model_input[k + 1]``; the ``token`` column always holds
     text, as in the Loops SDK: ``tokenizer.decode([id])``, the id as a decimal string without a
     tokenizer (or when it cannot decode the id), ``"<end>"`` when there is no token. ``is_weight``
-    is ``importance_weight(d)``, exp(min(d, 80)), as in the importance-ratio metrics. ``context``
+    is ``is_ratio(d)``, exp(min(d, 80)), as in the importance-ratio metrics. ``context``
     is ``format_context`` of the row's ``model_input`` ids (``ROW.AFTER`` starts with the centre).
     """
     rows = []
@@ -79,7 +79,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
                 round(float(row[ROW.SAMPLER]), 4),
                 round(float(row[ROW.TRAINER]), 4),
                 round(diff, 4),
-                round(importance_weight(diff), 4),
+                round(is_ratio(diff), 4),
                 format_context(_ids(row[ROW.BEFORE]), int(centre_and_after[0]), _ids(centre_and_after[1:]), tokenizer),
             ]
         )
