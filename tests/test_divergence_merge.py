@@ -90,3 +90,23 @@ def test_stable_top_k_on_large_inputs_with_ties(n: int, k: int, levels: int, see
     k = min(k, n)
     want = sorted(range(n), key=lambda i: (-values[i].item(), i))[:k]
     assert _stable_top_k(values, k).tolist() == sorted(want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=rows(max_datums=8), chunk=st.integers(1, 12), top_n=st.integers(0, 5), capped=st.booleans())
+def test_a_batch_read_in_whole_datum_chunks_equals_the_batch_read_at_once(
+    batch: list[dict[str, Any]], chunk: int, top_n: int, capped: bool
+) -> None:
+    """Large CPU batches are read a few datums at a time (bounded memory); every statistic is the same."""
+    from loops_callbacks.divergence import statistics
+
+    size = 5 if capped else None
+    whole = stats_of(batch, top_n, size).to_host()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(statistics, "CHUNK_POSITIONS", chunk)
+        got = stats_of(batch, top_n, size).to_host()
+    assert_metrics_equal(scalar_metrics(got), scalar_metrics(whole))
+    assert np.array_equal(got.worst, whole.worst)  # datum indices and token context across chunks
+    assert np.array_equal(got.diffs, whole.diffs)  # the same random keys, drawn in the same order
+    assert got.extrema == whole.extrema
+    assert_totals_equal(got, whole)

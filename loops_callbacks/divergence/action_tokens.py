@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,54 @@ class FlatBatch:
     @property
     def device(self) -> torch.device:
         return self.trainer.device
+
+    def datum_chunks(self, positions: int) -> Iterator[FlatBatch]:
+        """Consecutive whole-datum slices (views) of about ``positions`` positions each; the batch itself when small.
+
+        A chunk ends with the first datum that reaches a multiple of ``positions``, so a datum is
+        never split (one longer than ``positions`` is a chunk of its own). Reads the row lengths on
+        the host: for the CPU, where that is free.
+
+        Example:
+            >>> flat = flatten_padded(sampler_logprobs=torch.zeros(3, 4), training_logprobs=torch.zeros(3, 4),
+            ...                       mask=torch.ones(3, 4))
+            >>> [chunk.n_datums for chunk in flat.datum_chunks(5)]
+            [2, 1]
+        """
+        ends = torch.cumsum(self.row_lengths, 0)
+        total = int(ends[-1]) if ends.numel() else 0
+        if total <= positions:
+            yield self
+            return
+        cuts = torch.searchsorted(ends, torch.arange(positions, total, positions), right=False) + 1
+        first_datum = first_position = 0
+        for cut in torch.unique_consecutive(torch.cat([cuts, torch.tensor([self.n_datums])])).tolist():
+            last_position = int(ends[cut - 1])
+            yield self._datums(first_datum, cut, first_position, last_position)
+            first_datum, first_position = cut, last_position
+
+    def _datums(self, first: int, end: int, start: int, stop: int) -> FlatBatch:
+        """Datums ``first`` to ``end - 1``, at positions ``start`` to ``stop - 1``: views, nothing copied."""
+        return FlatBatch(
+            self.sampler[start:stop],
+            self.trainer[start:stop],
+            self.diff[start:stop],
+            self.active[start:stop],
+            self.counted[start:stop],
+            self.row_lengths[first:end],
+            None if self.tokens is None else _ShiftedTokens(self.tokens, first),
+            None if self.token_ids is None else self.token_ids[start:stop],
+        )
+
+
+class _ShiftedTokens:
+    """A ``TokenLookup`` of a chunk: datum i of the chunk is datum ``first + i`` of the batch."""
+
+    def __init__(self, tokens: TokenLookup, first: int) -> None:
+        self.tokens, self.first = tokens, first
+
+    def lookup(self, datum: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens.lookup(datum + self.first, position)
 
 
 def trainer_logprobs_from_output(forward_backward_output: Any) -> list[Any]:

@@ -25,6 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +111,8 @@ GATHERED_TOTALS = TOTAL_INDEX["n_trainer_below_floor"] + 1
 diagnosis' signature sums, travel in the summed body, so the per-rank header does not grow."""
 SIGNATURE_TOTALS = TOTALS[GATHERED_TOTALS:]
 """The diagnosis' sums: zero when a batch is read with ``signatures=False``."""
+CHUNK_POSITIONS = 1 << 18
+"""On the CPU, ``from_batch`` reads at most about this many positions at a time (whole datums)."""
 TOKEN_BUCKETS = 1024
 """Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
 mergeable buffer whatever the vocabulary. Below 1,024 ids every id has its own bucket; above, a
@@ -165,12 +170,28 @@ class DivergenceStats:
         """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set.
 
         ``signatures=False`` skips the diagnosis' sums (they stay zero): the plain SDK functions,
-        which report no diagnosis, do not pay for them.
+        which report no diagnosis, do not pay for them. On the CPU a batch of more than
+        ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, merged as micro-batches are,
+        so a step's temporaries stay a few chunks' worth whatever its size.
         """
         if top_n < 0:
             raise ValueError(f"top_n must be >= 0, got {top_n}")
         if sample_size is not None and sample_size < 1:
             raise ValueError(f"sample_size must be >= 1 or None, got {sample_size}")
+        chunks = flat.datum_chunks(CHUNK_POSITIONS) if _on_host(flat.device) else [flat]
+        return cls.concatenated(
+            [cls._from_chunk(chunk, top_n, sample_size, generator, signatures) for chunk in chunks]
+        )
+
+    @classmethod
+    def _from_chunk(
+        cls,
+        flat: FlatBatch,
+        top_n: int,
+        sample_size: int | None,
+        generator: torch.Generator | None,
+        signatures: bool,
+    ) -> DivergenceStats:
         # On the CPU, select the action tokens (fewer, cheaper passes); on accelerators keep
         # fixed shapes and mask instead, so that nothing waits for the device.
         compact = _on_host(flat.device)
@@ -246,20 +267,32 @@ class DivergenceStats:
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
         """Statistics of this batch followed by ``later`` (datum indices of ``later`` shift)."""
-        shifted = later.worst.clone()
-        shifted[:, ROW.DATUM] += self.totals[TOTAL_INDEX["n_datums"]]
-        top_n = max(self.worst.shape[0], later.worst.shape[0])
+        return DivergenceStats.concatenated([self, later])
+
+    @staticmethod
+    def concatenated(parts: Sequence[DivergenceStats]) -> DivergenceStats:
+        """Statistics of ``parts`` in order, as ``merge`` one after the other gives them, copying each sample once."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        worst = []
+        datums = torch.zeros((), dtype=torch.float64, device=first.totals.device)
+        for part in parts:
+            shifted = part.worst.clone()
+            shifted[:, ROW.DATUM] += datums
+            worst.append(shifted)
+            datums = datums + part.totals[TOTAL_INDEX["n_datums"]]
         keys = None
-        if self.sample_keys is not None or later.sample_keys is not None:
-            keys = torch.cat([self.keys_or_zeros(), later.keys_or_zeros()])
+        if any(part.sample_keys is not None for part in parts):
+            keys = torch.cat([part.keys_or_zeros() for part in parts])
         return DivergenceStats(
-            totals=self.totals + later.totals,
-            extrema=torch.maximum(self.extrema, later.extrema),
-            worst=_rank_rows(torch.cat([self.worst, shifted]), top_n),
-            sample_values=torch.cat([self.sample_values, later.sample_values]),
+            totals=functools.reduce(operator.add, [part.totals for part in parts]),
+            extrema=functools.reduce(torch.maximum, [part.extrema for part in parts]),
+            worst=_rank_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
+            sample_values=torch.cat([part.sample_values for part in parts]),
             sample_keys=keys,
-            sample_size=self.sample_size,
-            token_sums=_add_or_none(self.token_sums, later.token_sums),
+            sample_size=first.sample_size,
+            token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
         )._capped()
 
     def reduce_across_ranks(self, group: Any, *, generator: torch.Generator | None = None) -> DivergenceStats:

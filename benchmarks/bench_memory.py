@@ -1,0 +1,103 @@
+"""Peak host memory of one logged step of KLSampleTrainMonitor, in float64 copies per token.
+
+One logged step is what the monitor runs on a step it logs: read the batch into a ``FlatBatch``,
+read that into statistics (signatures, worst tokens and the percentile sample on, as by
+default), move them to the host and build the step's report (scalars, diagnosis, histogram
+values, worst-token rows). The batch is padded ``[B, T]`` float32 logprobs, a float32 mask and
+int64 target tokens, every position an action token; the inputs themselves are not counted.
+
+Each size runs in a fresh process whose large allocations all go through ``mmap``
+(``MALLOC_MMAP_THRESHOLD_``), so the resident set is the live memory and its high-water mark
+(``ru_maxrss``) minus the mark before the step is the step's peak. The ratio printed is that
+peak over 8 bytes x tokens (one float64 copy of the batch); the target is <= 6.
+
+    python benchmarks/bench_memory.py              # 1M and 10M tokens
+    python benchmarks/bench_memory.py --tokens 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+COLUMNS = 2048
+TARGET_COPIES = 6.0
+
+
+def logged_step(batch: dict) -> None:
+    """One logged step on one rank, as the monitor runs it (the batch is kept while it is read)."""
+    import torch
+
+    from loops_callbacks.divergence.action_tokens import flatten_padded
+    from loops_callbacks.divergence.metrics import histogram_values, scalar_metrics
+    from loops_callbacks.divergence.signatures import signature_numbers
+    from loops_callbacks.divergence.statistics import DivergenceStats
+    from loops_callbacks.divergence.worst_tokens import worst_token_rows
+
+    flat = flatten_padded(
+        sampler_logprobs=batch["logprobs"],
+        training_logprobs=batch["training_logprobs"],
+        mask=batch["mask"],
+        target_tokens=batch["target_tokens"],
+        with_tokens=True,
+    )
+    stats = DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, generator=torch.Generator().manual_seed(0))
+    host = stats.to_host()
+    scalar_metrics(host)
+    signature_numbers(host)
+    histogram_values(host.diffs, 50_000)
+    worst_token_rows(host.worst, None)
+
+
+def child(tokens: int) -> dict[str, float]:
+    import torch
+
+    torch.set_num_threads(1)
+    rows = tokens // COLUMNS
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "logprobs": -torch.rand(rows, COLUMNS, generator=generator) * 5,
+        "training_logprobs": -torch.rand(rows, COLUMNS, generator=generator) * 5,
+        "mask": torch.ones(rows, COLUMNS),
+        "target_tokens": torch.randint(0, 50_000, (rows, COLUMNS), generator=generator),
+    }
+    small = {key: value[:2, :64].clone() for key, value in batch.items()}
+    logged_step(small)  # imports and one-time allocations are not the step's
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    logged_step(batch)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    n = rows * COLUMNS
+    return {"tokens": n, "peak_bytes": after - before, "copies": (after - before) / (8 * n)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1_000_000, 10_000_000])
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child)))
+        return
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    worst = 0.0
+    for tokens in args.tokens:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(tokens)], env=env, capture_output=True, text=True, check=True
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        worst = max(worst, result["copies"])
+        print(
+            f"{result['tokens']:>11,} tokens: peak +{result['peak_bytes'] / 2**20:,.0f} MiB "
+            f"= {result['copies']:.2f} float64 copies per token (target <= {TARGET_COPIES:g})"
+        )
+    print(f"worst ratio {worst:.2f}: {'meets' if worst <= TARGET_COPIES else 'MISSES'} the target")
+
+
+if __name__ == "__main__":
+    main()
