@@ -37,7 +37,7 @@ from loops_callbacks.data import (
 from loops_callbacks.fields import field_to_tensor, model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.across_ranks import ReferenceCacheError
-from loops_callbacks.reference.cache import CACHE_FILE_NAME
+from loops_callbacks.reference.cache import list_caches
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.helpers import CleanDistributedExit, ToyDPO
@@ -188,6 +188,12 @@ def test_dpo_pair_datums_reject_bad_pairs(kwargs: dict[str, Any], message: str) 
 # ----------------------------------------------------------------------------- scoring and the cache
 
 
+def the_cache_file(directory: Any) -> Any:
+    """The one reference-logprob cache file in ``directory`` (one file per cache key)."""
+    (info,) = list_caches(directory)
+    return type(directory)(info.path)
+
+
 def test_scores_once_then_reuses_the_cache(tmp_path: Any) -> None:
     data = pair_datums(make_pairs(6))
     client = CountingClient()
@@ -195,8 +201,7 @@ def test_scores_once_then_reuses_the_cache(tmp_path: Any) -> None:
     fit(toy_model(), first, tmp_path)
     assert client.scored == len(data)
     assert first.reference_report.source == "scored"
-    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
-    assert cache_file.is_file()
+    assert the_cache_file(tmp_path / "reference_logprobs").is_file()
     # the values equal a direct attach_reference_logprobs call, bit for bit
     assert ref_values(first.scored_data) == ref_values(attach_reference_logprobs(data, CountingClient()))
 
@@ -257,7 +262,7 @@ def _memmap_of(array: np.ndarray) -> np.memmap | None:
     return array
 
 
-def test_values_are_one_float32_buffer_and_a_cache_hit_maps_the_file(tmp_path: Any) -> None:
+def test_values_are_one_float32_buffer_and_a_cache_hit_is_read_into_memory(tmp_path: Any) -> None:
     data = pair_datums(make_pairs(6))
     num_tokens = sum(d.model_input.length for d in data)
     first = DPODataModule(data, batch_size=2, reference=CountingClient(), progress=False)
@@ -273,9 +278,8 @@ def test_values_are_one_float32_buffer_and_a_cache_hit_maps_the_file(tmp_path: A
         # the batches are cut from that buffer: the dataset's rows are views of it, not copies
         row = module._pairs.pairs[0][0]["ref_logprobs"]
         assert np.shares_memory(row.numpy(), fields[0])
-    # a hit is the cache file itself, mapped copy-on-write (shared by the ranks of a machine)
-    mapped = _memmap_of(second.scored_data[0].loss_fn_inputs["ref_logprobs"])
-    assert mapped is not None and mapped.filename == str(tmp_path / "reference_logprobs" / CACHE_FILE_NAME)
+    # a hit is read into memory (not a map of the file, which another run could change or truncate)
+    assert _memmap_of(second.scored_data[0].loss_fn_inputs["ref_logprobs"]) is None
     assert ref_values(second.scored_data) == ref_values(first.scored_data)
 
 
@@ -316,7 +320,7 @@ def test_damaged_cache_is_detected_and_rescored(tmp_path: Any, damage: Any, reas
     client = CountingClient()
     first = DPODataModule(data, reference=client, progress=False)
     fit(toy_model(), first, tmp_path, max_steps=1)
-    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    cache_file = the_cache_file(tmp_path / "reference_logprobs")
     damage(cache_file)
     client.scored = 0
     second = DPODataModule(data, reference=client, progress=False)
@@ -334,7 +338,7 @@ def test_client_without_fingerprint_is_not_cached(tmp_path: Any) -> None:
     client = CountingClient(fingerprint=None)
     with pytest.warns(ReferenceCacheWarning, match="not cached"):
         fit(toy_model(), DPODataModule(data, reference=client, progress=False), tmp_path, max_steps=1)
-    assert not (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).exists()
+    assert list_caches(tmp_path / "reference_logprobs") == []
     module = DPODataModule(data, reference=client, reference_fingerprint="sampler@step-0", progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
     client.scored = 0
@@ -443,7 +447,7 @@ def test_resume_uses_the_cache_never_the_trained_or_a_fresh_module(tmp_path: Any
 def test_resume_without_its_cache_is_an_error_that_names_the_fix(tmp_path: Any) -> None:
     data = pair_datums(make_pairs(6))
     ckpt, _ = _trained_checkpoint(tmp_path, data)
-    cache_file = tmp_path / "reference_logprobs" / CACHE_FILE_NAME
+    cache_file = the_cache_file(tmp_path / "reference_logprobs")
     os.remove(cache_file)
     model = watched_model(3)
     with pytest.raises(ReferenceCacheError, match="does not exist") as error:
@@ -455,18 +459,24 @@ def test_resume_without_its_cache_is_an_error_that_names_the_fix(tmp_path: Any) 
         fit(watched_model(3), DPODataModule(data, use_cache=False, progress=False), tmp_path, ckpt_path=str(ckpt))
 
 
-def test_resume_with_another_reference_cache_is_an_error(tmp_path: Any) -> None:
+def test_resume_after_another_run_shared_the_cache_dir(tmp_path: Any) -> None:
     data = pair_datums(make_pairs(6))
-    ckpt, _ = _trained_checkpoint(tmp_path, data, seed=3)
-    # another run (another initial policy) replaces the cache in the same directory
-    fit(watched_model(9), DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=1)
+    ckpt, expected = _trained_checkpoint(tmp_path, data, seed=3)
+    mine = the_cache_file(tmp_path / "reference_logprobs")
+    # another run (another initial policy, then other data) caches in the same directory: its own files
+    with pytest.warns(ReferenceCacheWarning, match="the reference weights changed"):
+        fit(watched_model(9), DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=1)
+    with pytest.warns(ReferenceCacheWarning, match="the data changed"):
+        fit(watched_model(3), DPODataModule(pair_datums(make_pairs(6, seed=5)), progress=False), tmp_path, max_steps=1)
+    assert len(list_caches(tmp_path / "reference_logprobs")) == 3
     model = watched_model(3)
-    with pytest.raises(ReferenceCacheError, match="the reference weights changed"):
-        fit(model, DPODataModule(data, batch_size=2, progress=False), tmp_path, max_steps=6, ckpt_path=str(ckpt))
-    assert model.scoring_calls == []
-    # and a cache of other data
-    fit(watched_model(3), DPODataModule(pair_datums(make_pairs(6, seed=5)), progress=False), tmp_path, max_steps=1)
-    with pytest.raises(ReferenceCacheError, match="the data changed"):
+    resumed = DPODataModule(data, batch_size=2, progress=False)
+    fit(model, resumed, tmp_path, max_steps=6, ckpt_path=str(ckpt))  # the first run still resumes
+    assert model.scoring_calls == [] and resumed.reference_report.source == "cache"
+    assert ref_values(resumed.scored_data) == expected
+    # without its own cache, the error names the others and why none matches
+    os.remove(mine)
+    with pytest.raises(ReferenceCacheError, match="none of the 2 cache.*the data changed.*reference weights changed"):
         fit(watched_model(3), DPODataModule(data, progress=False), tmp_path, max_steps=6, ckpt_path=str(ckpt))
 
 
@@ -525,7 +535,7 @@ def test_a_callable_reference(tmp_path: Any) -> None:
     assert_close_rows(ref_values(module.scored_data), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
     module = DPODataModule(data, reference=lambda ids: reference(ids), reference_fingerprint="toy-8", progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
-    assert (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).is_file()
+    assert the_cache_file(tmp_path / "reference_logprobs").is_file()
 
 
 def test_checkpoint_and_module_references(tmp_path: Any) -> None:
@@ -617,7 +627,7 @@ def test_validation_split_and_user_mixin(tmp_path: Any) -> None:
     expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(model)))
     fit(model, mine, tmp_path, max_steps=2)
     assert ref_values(mine.scored_data) == expected
-    assert (tmp_path / "mine" / CACHE_FILE_NAME).is_file()
+    assert the_cache_file(tmp_path / "mine").is_file()
     with pytest.raises(RuntimeError, match="setup\\('fit'\\)"):
         _ = MyData().scored_data
 
@@ -688,7 +698,7 @@ def test_a_failing_reference_fails_the_run_and_caches_nothing(tmp_path: Any) -> 
 
     with pytest.raises(RuntimeError, match="the sampler is down"):
         fit(toy_model(), DPODataModule(pair_datums(make_pairs(2)), reference=Broken(), progress=False), tmp_path)
-    assert not (tmp_path / "reference_logprobs" / CACHE_FILE_NAME).exists()
+    assert list_caches(tmp_path / "reference_logprobs") == []
 
 
 class _TwoRanks:

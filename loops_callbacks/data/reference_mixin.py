@@ -68,7 +68,8 @@ def compute_reference_logprobs(
         data: interleaved DPO datums (chosen at even indices, rejected at odd).
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
             ranks is given rank 0's weights first (as DDP does to the policy).
-        cache_path: the cache file (read by rank 0, mapped by every rank, written by rank 0).
+        cache_path: the cache's base path: each key's file lies beside it (``cache_file``; found and
+            written by rank 0, read into memory by every rank).
         reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
             (e.g. the checkpoint path a remote sampler serves).
         scoring_dtype: part of the cache key (``None`` means the model's own dtype).
@@ -175,7 +176,8 @@ class ReferenceLogprobsMixin:
     names the fix (the cache file, or an explicit ``reference=`` checkpoint of the initial policy).
 
     The cache lives in ``cache_dir`` (default ``<trainer.default_root_dir>/reference_logprobs``),
-    one file per directory: give each data set its own ``cache_dir``.
+    one file per reference, data and scoring dtype, so runs may share it; see and prune the caches
+    with ``python -m loops_callbacks.reference.cache_tool list|prune DIR``.
 
     Example::
 
@@ -400,9 +402,12 @@ class ReferenceLogprobsMixin:
                 ReferenceCacheWarning,
             )
         which = f" (weights fingerprint {expected[:16]}...)" if expected else ""
-        where = f"put it back at {cache_path} (or point cache_dir at the directory holding it)"
-        if cache_path is None:
-            where = "run with use_cache=True and the first run's cache_dir"
+        where = "run with use_cache=True and the first run's cache_dir"
+        if cache_path is not None:
+            where = (
+                f"restore the first run's cache file in {os.path.dirname(cache_path)} (or point cache_dir at the "
+                "directory holding it)"
+            )
         fix = (
             f"this run resumes from {trainer.ckpt_path}, so the LightningModule holds trained weights, not the "
             f"initial policy{which} whose logprobs are the DPO reference; they can only come from the cache the "

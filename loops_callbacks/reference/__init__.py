@@ -13,7 +13,7 @@ In data-flow order:
 - ``fingerprint``: the weights' fingerprint, the same however they are placed or sharded;
 - ``resolve``: what a ``reference`` setting (client, module, callable, checkpoint path, ``None``) scores with;
 - ``attach``: ``attach_reference_logprobs``, the Loops SDK helper (batched, async or one by one);
-- ``cache``: the fingerprinted, checksummed, memory-mapped on-disk cache of the values;
+- ``cache``: the fingerprinted, checksummed, checksummed on-disk cache, read into memory of the values;
 - ``collectives``: the process-group operations, values as tensors;
 - ``across_ranks``: ``score_across_ranks``, each rank scoring its share, cached and gathered.
 
