@@ -34,7 +34,7 @@ from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
 from loops_callbacks.data.labels import datum_label, pair_label
-from loops_callbacks.data.preference import _json_lines, _read_utf8
+from loops_callbacks.data.preference import _check_regular_file, _json_lines, _read_utf8
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -214,6 +214,7 @@ def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
     """
     path = os.fspath(path)
     data: list[Datum] = []
+    _check_regular_file(path)
     for pair, item in enumerate(_json_lines(_read_utf8(path), path)):
         data.extend(_record_pair(item.record, pair_label(pair, item.where)))
     return data

@@ -34,8 +34,11 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import shlex
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from loops_callbacks.data.labels import file_line, pair_label
@@ -48,11 +51,22 @@ __all__ = [
     "import_optional",
     "parse_preference",
     "read_preference_records",
+    "unusual_turns",
 ]
 
 PreferenceFormat = Literal["standard", "conversational", "implicit_standard", "implicit_conversational", "token_ids"]
 
-HF_EXTRA_HINT = 'pip install "loops-callbacks[hf]"'
+
+
+def _hf_extra_hint() -> str:
+    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout the package runs from, else from the index."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        return f'cd {shlex.quote(str(checkout))} && pip install -e ".[hf]"'
+    return 'pip install "loops-callbacks[hf]"'
+
+
+HF_EXTRA_HINT = _hf_extra_hint()
 
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
@@ -142,9 +156,7 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
     if kinds == ("messages", "messages"):
         _check_messages(chosen, "chosen", where)
         _check_messages(rejected, "rejected", where)
-        tools = present.get("tools")
-        if isinstance(tools, str):
-            tools = json.loads(tools)
+        tools = _parse_tools(present.get("tools"), where)
         kwargs = present.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise ValueError(f"{where}: 'chat_template_kwargs' must be a dict, got {_describe(kwargs)}")
@@ -199,11 +211,88 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _parse_tools(tools: Any, where: str) -> list[Any] | None:
+    """The record's ``tools``: a list of tool schemas (dicts), given as such or as a JSON string of one."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{where}: 'tools' is a string that is not valid JSON ({error}); give a list of tool schemas "
+                "(dicts), or a JSON string of one"
+            ) from None
+    if hasattr(tools, "tolist"):  # numpy arrays from Arrow / pandas
+        tools = tools.tolist()
+    if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
+        raise ValueError(f"{where}: 'tools' must be a list of tool schemas (dicts), got {_describe(tools)}")
+    return tools
+
+
 def _check_messages(messages: Sequence[Any], name: str, where: str) -> None:
+    """Each message has a string role and a ``content`` the chat template can render.
+
+    ``content`` is a string, or a list of text parts ``{"type": "text", "text": str}`` (templates
+    that take parts render them; others fail, and the record is named); an assistant message with
+    ``tool_calls`` may have none.
+    """
     for index, message in enumerate(messages):
         role = message.get("role")
         if not isinstance(role, str):
             raise ValueError(f"{where}: {name}[{index}] has role {role!r}; a message's role must be a string")
+        content = message.get("content")
+        if content is None:
+            if message.get("tool_calls") is not None:
+                continue
+            raise ValueError(
+                f"{where}: {name}[{index}] (role {role!r}) has no 'content' (keys: {sorted(message)}); give every "
+                "message a 'content' string (an assistant message with 'tool_calls' may have none)"
+            )
+        if isinstance(content, str):
+            continue
+        if hasattr(content, "tolist"):
+            content = content.tolist()
+        if isinstance(content, list) and content and all(_is_text_part(part) for part in content):
+            continue
+        raise TypeError(
+            f"{where}: {name}[{index}] (role {role!r}) has 'content' that is {_describe(content)}; a message's "
+            "content is a string or a non-empty list of text parts {'type': 'text', 'text': str}"
+        )
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+USUAL_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+
+
+def unusual_turns(example: PreferenceExample) -> list[tuple[str, str]]:
+    """``(event, detail)`` for what a conversational example holds that is rarely right.
+
+    ``unusual_role``: a message whose role is outside ``USUAL_ROLES`` (a typo the template renders
+    as is); ``completion_not_assistant``: a chosen or rejected completion that does not start with
+    an assistant turn, so the next turn's role header is trained as completion.
+
+    Example:
+        >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
+        ...     "chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "asistant", "content": "b"}]}, "x")
+        >>> unusual_turns(example)
+        [('unusual_role', "rejected[0] has role 'asistant'"), ('completion_not_assistant', "chosen starts with a 'user' turn")]
+    """
+    if not example.conversational:
+        return []
+    events = []
+    for name, messages in (("prompt", example.prompt), ("chosen", example.chosen), ("rejected", example.rejected)):
+        for index, message in enumerate(messages):
+            if message["role"] not in USUAL_ROLES:
+                events.append(("unusual_role", f"{name}[{index}] has role {message['role']!r}"))
+    for name, messages in (("chosen", example.chosen), ("rejected", example.rejected)):
+        role = messages[0]["role"] if messages else None
+        if role in USUAL_ROLES and role != "assistant":
+            events.append(("completion_not_assistant", f"{name} starts with a {role!r} turn"))
+    return events
 
 
 def _extract_prompt(chosen: Any, rejected: Any, where: str) -> tuple[Any, Any, Any]:
@@ -261,25 +350,62 @@ def read_preference_records(source: Any, *, description: str | None = None) -> l
 
 def _read_file(path: str) -> list[LocatedRecord]:
     kind = next((k for suffix, k in _FILE_KINDS.items() if path.lower().endswith(suffix)), None)
+    if kind is not None or os.path.lexists(path):  # a directory or FIFO is named as such, whatever its name
+        _check_regular_file(path)
     if kind is None:
         raise ValueError(
             f"{path!r}: unknown preference file type; use .jsonl, .json or .parquet "
             "(or dataset={'path': 'json', 'data_files': ...} for anything load_dataset reads)"
         )
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"preference file {path!r} does not exist")
     if kind == "parquet":
         parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
         rows = parquet.read_table(path).to_pylist()
         return [LocatedRecord(row, f"row {index} of {path}") for index, row in enumerate(rows)]
     text = _read_utf8(path)
-    if kind == "json" and text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON at line {error.lineno}: {error.msg}") from None
-        return [LocatedRecord(item, f"item {index} of {path}") for index, item in enumerate(items)]
+    if kind == "json":
+        document = _json_document(text, path)
+        if isinstance(document, list):
+            return [LocatedRecord(item, f"item {index} of {path}") for index, item in enumerate(document)]
+        if isinstance(document, Mapping):
+            return [LocatedRecord(document, f"the object in {path}")]
     return list(_json_lines(text, path))
+
+
+def _check_regular_file(path: str) -> None:
+    """A ``FileNotFoundError`` for a missing file, a ``ValueError`` for a directory, FIFO, device or symlink loop."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        target = f" (a symlink to {os.readlink(path)!r}, which does not exist)" if os.path.islink(path) else ""
+        raise FileNotFoundError(f"preference file {path!r} does not exist{target}") from None
+    except OSError as error:  # ELOOP: a symlink loop; EACCES; ENAMETOOLONG ...
+        raise ValueError(f"preference file {path!r} cannot be opened: {error.strerror}; give a readable file") from None
+    if stat.S_ISREG(mode):
+        return
+    what = "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    hint = (
+        "; give one .jsonl, .json or .parquet file in it, or dataset={'path': 'json', 'data_files': ...} for many"
+        if stat.S_ISDIR(mode)
+        else "; write the records to a regular .jsonl, .json or .parquet file"
+    )
+    raise ValueError(f"preference file {path!r} is {what}{hint}")
+
+
+def _json_document(text: str, path: str) -> Any:
+    """A ``.json`` file read as one JSON document (an array of records, or one record), else ``None`` (JSON Lines).
+
+    A document that starts with ``[`` must parse as one: its error is the one that helps.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested deeper than Python's parser allows; flatten the records") from None
+    except json.JSONDecodeError as error:
+        if text.lstrip().startswith("["):
+            raise ValueError(
+                f"{path}: not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"
+            ) from None
+        return None  # maybe one record per line
 
 
 def _read_utf8(path: str) -> str:
@@ -311,10 +437,29 @@ def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
         where = file_line(number, path)
         try:
             record = json.loads(line)
+        except RecursionError:
+            raise ValueError(
+                f"{pair_label(count, where)}: JSON nested deeper than Python's parser allows; flatten the record"
+            ) from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"{pair_label(count, where)}: not valid JSON: {error}") from None
+            raise ValueError(f"{pair_label(count, where)}: not valid JSON: {error}{_one_document_hint(text, path)}") from None
         yield LocatedRecord(record, where)
         count += 1
+
+
+def _one_document_hint(text: str, path: str) -> str:
+    """When a JSON Lines file is one JSON document over several lines (pretty-printed), say so."""
+    if not text.lstrip().startswith(("[", "{")):
+        return ""
+    try:
+        document = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return ""
+    what = "an array" if isinstance(document, list) else "an object" if isinstance(document, Mapping) else "a value"
+    return (
+        f". The file holds one JSON document ({what}) over several lines, not one record per line: name it "
+        f"{os.path.splitext(path)[0]}.json, or write one record per line"
+    )
 
 
 def _is_dataset(source: Any) -> bool:

@@ -39,9 +39,11 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,11 +54,13 @@ from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import _prompt_pair, _record_pair
 from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.preference import (
+    USUAL_ROLES,
     LocatedRecord,
     PreferenceExample,
     import_optional,
     parse_preference,
     read_preference_records,
+    unusual_turns,
 )
 from loops_callbacks.types import Datum
 
@@ -64,6 +68,7 @@ __all__ = [
     "PreferenceDataWarning",
     "TokenizationReport",
     "apply_length_limits",
+    "check_chat_template_kwargs",
     "common_prefix_length",
     "load_tokenizer",
     "preference_datums",
@@ -76,7 +81,11 @@ _CHUNK = 256  # records per batched tokenizer call
 
 
 class PreferenceDataWarning(UserWarning):
-    """Preference pairs were truncated or dropped by the length limits, or their prompt split was unusual."""
+    """Preference pairs were truncated or dropped by the length limits, or hold something rarely right.
+
+    (A prompt split inside the tokenized prompt, identical chosen and rejected sequences, an
+    unusual message role, a completion that is not an assistant turn.)
+    """
 
 
 @dataclass
@@ -87,6 +96,9 @@ class TokenizationReport:
     prompt + completion (TRL's warning); ``prompt_truncated`` pairs lost the start of their prompt
     to ``max_prompt_length``; ``truncated`` lost the end of a sequence to ``max_length``;
     ``dropped_prompt_fills_max_length`` and ``dropped_empty_completion`` were left out;
+    ``identical`` kept pairs have the same chosen and rejected sequence (no gradient);
+    ``unusual_role`` / ``completion_not_assistant`` count conversational records with a message role
+    outside ``USUAL_ROLES`` / a completion that does not start with an assistant turn;
     ``record_indices[p]`` is the index of the record that became pair ``p``.
     """
 
@@ -98,6 +110,9 @@ class TokenizationReport:
     truncated: int = 0
     dropped_prompt_fills_max_length: int = 0
     dropped_empty_completion: int = 0
+    identical: int = 0
+    unusual_role: int = 0
+    completion_not_assistant: int = 0
     record_indices: list[int] = field(default_factory=list)  # the record of each kept pair, in order
     examples: dict[str, str] = field(default_factory=dict)  # first occurrence of each event: where (and what)
 
@@ -122,6 +137,21 @@ class TokenizationReport:
             ("truncated", "had a sequence cut to its first max_length tokens"),
             ("dropped_prompt_fills_max_length", "were dropped: their prompt alone fills max_length"),
             ("dropped_empty_completion", "were dropped: no completion token left in the chosen or rejected sequence"),
+            (
+                "identical",
+                "have the same chosen and rejected sequence, so they give no gradient and only cost compute: "
+                "remove them",
+            ),
+            (
+                "unusual_role",
+                f"have a message role outside {sorted(USUAL_ROLES)}, which the chat template renders as is: "
+                "check for a typo",
+            ),
+            (
+                "completion_not_assistant",
+                "have a chosen or rejected completion that does not start with an assistant turn, so that turn's "
+                "role header is trained as completion",
+            ),
         ):
             count = getattr(self, event)
             if count:
@@ -130,16 +160,110 @@ class TokenizationReport:
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
-    """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained(tokenizer)`` for a name/path."""
+    """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained(tokenizer)`` for a name/path.
+
+    A name is looked up in the local cache first; a path that is not a directory, or a name that
+    is not cached while the Hub is offline (``HF_HUB_OFFLINE``), is a ``ValueError`` at once.
+    """
     if isinstance(tokenizer, (str, os.PathLike)):
-        transformers = import_optional("transformers", f"loading the tokenizer {os.fspath(tokenizer)!r}")
-        return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        name = os.fspath(tokenizer)
+        transformers = import_optional("transformers", f"loading the tokenizer {name!r}")
+        return _from_pretrained(transformers.AutoTokenizer, name)
     if callable(tokenizer) and callable(getattr(tokenizer, "apply_chat_template", None)):
         return tokenizer
     raise TypeError(
         f"tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
         f"got {type(tokenizer).__name__}"
     )
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
+
+
+def _from_pretrained(auto: Any, name: str) -> Any:
+    """``auto.from_pretrained(name)``, failing fast with the fix for a missing path or an uncached name offline."""
+    if os.path.isdir(name):
+        return auto.from_pretrained(name)
+    if os.path.exists(name) or not _HUB_NAME.fullmatch(name) or name.startswith((".", "~")):
+        what = "is a file, not a directory" if os.path.exists(name) else "does not exist"
+        raise ValueError(
+            f"tokenizer {name!r} {what}: give the directory that holds tokenizer.json / tokenizer_config.json "
+            "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
+    try:
+        return auto.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        pass  # not in the local cache
+    if _hub_offline():
+        raise ValueError(
+            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and the Hub is "
+            f"offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE): fetch it where there is a network "
+            f"(hf download {name} --exclude '*.safetensors' '*.bin') or give the path of its directory"
+        )
+    try:
+        return auto.from_pretrained(name)
+    except OSError as error:
+        raise ValueError(
+            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and could not be "
+            f"downloaded ({error}); check the name and the network, or give the path of its directory"
+        ) from error
+
+
+def _hub_offline() -> bool:
+    if any(os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE") for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+# apply_chat_template's own arguments and the template's own variables: a record's
+# chat_template_kwargs may not set them (the signature adds any a newer transformers has)
+_RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
+def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> None:
+    """Only template variables pass: a key that is an argument of ``apply_chat_template`` or a special token is an error.
+
+    Example:
+        >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
+        >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
+        ...     "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}],
+        ...     "chat_template_kwargs": {"tokenize": False}}, "line 1 of pairs.jsonl")
+        >>> check_chat_template_kwargs(example, build_chat_tokenizer())
+        Traceback (most recent call last):
+        ...
+        ValueError: line 1 of pairs.jsonl: chat_template_kwargs sets 'tokenize', an argument of apply_chat_template, not a template variable; only template variables (such as enable_thinking) may be set per record
+    """
+    if not example.chat_template_kwargs:
+        return
+    reserved = _RESERVED_TEMPLATE_NAMES | {
+        name
+        for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+        if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    special = set(getattr(tokenizer, "special_tokens_map", {}) or {})
+    for key in example.chat_template_kwargs:
+        if key in reserved:
+            fix = {
+                "chat_template": "; a record cannot replace the chat template: set tokenizer.chat_template",
+                "tools": "; give tools as the record's own 'tools'",
+            }.get(key, "; only template variables (such as enable_thinking) may be set per record")
+            raise ValueError(
+                f"{example.where}: chat_template_kwargs sets {key!r}, an argument of apply_chat_template, not a "
+                f"template variable{fix}"
+            )
+        if key in special:
+            raise ValueError(
+                f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's special token "
+                "in the template; remove it (set the tokenizer's own special tokens instead)"
+            )
 
 
 def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
@@ -171,6 +295,7 @@ def tokenize_preferences(
                 f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has none; set "
                 "tokenizer.chat_template or use the model's own tokenizer"
             )
+        check_chat_template_kwargs(example, tokenizer)
     results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
     bar = _progress_bar(len(examples), progress)
     try:
@@ -200,9 +325,13 @@ def _tokenize_group(examples: list[PreferenceExample], tokenizer: Any) -> list[t
         kwargs: dict[str, Any] = {"tools": examples[0].tools, **examples[0].chat_template_kwargs}
 
         def render(conversations: list[list[Any]], generation_prompt: bool) -> list[list[int]]:
-            encoded = tokenizer.apply_chat_template(
-                conversations, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True, **kwargs
-            )
+            try:
+                encoded = tokenizer.apply_chat_template(
+                    conversations, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True, **kwargs
+                )
+            except Exception as error:
+                _name_the_failing_record(examples, conversations, generation_prompt, kwargs, tokenizer, error)
+                raise
             return [list(ids) for ids in encoded["input_ids"]]
 
         prompts = render([e.prompt for e in examples], True)
@@ -217,6 +346,25 @@ def _tokenize_group(examples: list[PreferenceExample], tokenizer: Any) -> list[t
         count = len(examples)
         prompts, chosen, rejected = ids[:count], ids[count : 2 * count], ids[2 * count :]
     return list(zip(prompts, chosen, rejected))
+
+
+def _name_the_failing_record(
+    examples: list[PreferenceExample],
+    conversations: list[list[Any]],
+    generation_prompt: bool,
+    kwargs: dict[str, Any],
+    tokenizer: Any,
+    error: Exception,
+) -> None:
+    """A batch the chat template failed on: a ``ValueError`` naming the first record it fails on alone."""
+    for example, conversation in zip(examples, conversations):
+        try:
+            tokenizer.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+        except Exception as own:
+            raise ValueError(
+                f"{example.where}: the chat template of {type(tokenizer).__name__} "
+                f"({getattr(tokenizer, 'name_or_path', '')!r}) fails on this record: {type(own).__name__}: {own}"
+            ) from error
 
 
 def _with_eos(text: str, eos: str | None) -> str:
@@ -296,6 +444,8 @@ def preference_datums(
     examples = [parse_preference(item.record, item.where) for item in located]
     for example in examples:
         report.formats[example.format] = report.formats.get(example.format, 0) + 1
+        for event, detail in dict(unusual_turns(example)).items():  # each event once per record
+            report.note(event, f"{example.where}: {detail}")
     text = [i for i, e in enumerate(examples) if e.format != "token_ids"]
     tokenized: dict[int, tuple[list[int], list[int], list[int]]] = {}
     if text:
@@ -313,12 +463,11 @@ def preference_datums(
         if example.format == "token_ids":
             label = pair_label(index, example.where)
             pair = _record_pair(example.record, label)  # checks the record
-            if not limited:
-                data.extend(pair)
-                report.record_indices.append(index)
-                continue
-            if example.record.get("prompt_length") is None:
-                _check_weighted_within_limits(example.record, label, max_length, max_prompt_length)
+            if not limited or example.record.get("prompt_length") is None:
+                if limited:
+                    _check_weighted_within_limits(example.record, label, max_length, max_prompt_length)
+                if _same_datums(*pair):
+                    report.note("identical", example.where)
                 data.extend(pair)
                 report.record_indices.append(index)
                 continue
@@ -342,6 +491,8 @@ def preference_datums(
             report.note(event, example.where)
         if any(event.startswith("dropped") for event in events):
             continue
+        if chosen == rejected:
+            report.note("identical", example.where)
         data.extend(_prompt_pair(chosen, rejected, prompt_length))
         report.record_indices.append(index)
     report.num_pairs = len(data) // 2
@@ -354,6 +505,13 @@ def preference_datums(
         run_warnings.warn(message, PreferenceDataWarning)
     log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
     return data, report
+
+
+def _same_datums(chosen: Datum, rejected: Datum) -> bool:
+    """The two datums of a pair hold the same tokens and the same weights: the pair gives no gradient."""
+    return chosen.model_input.to_ints() == rejected.model_input.to_ints() and (
+        chosen.loss_fn_inputs["weights"].data == rejected.loss_fn_inputs["weights"].data
+    )
 
 
 def _is_located(source: Any) -> bool:
