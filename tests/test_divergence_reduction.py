@@ -263,3 +263,35 @@ def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
     assert np.array_equal(cpu.worst, cuda.worst) and cpu.extrema == cuda.extrema
     assert cpu.totals == pytest.approx(cuda.totals, rel=1e-12)
     assert cuda.diffs.shape == cpu.diffs.shape
+
+
+def test_the_reduction_does_not_import_the_statistics_it_reduces() -> None:
+    """statistics -> reduction -> layout: no cycle, and no import hidden in a function to break one."""
+    import ast
+    import inspect
+
+    from loops_callbacks.divergence import reduction, statistics
+
+    def imported(module: Any) -> set[str]:
+        tree = ast.parse(inspect.getsource(module))
+        tree.body = [  # imports under `if TYPE_CHECKING:` are for type checkers only
+            node for node in tree.body if not (isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+        ]
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+    assert "loops_callbacks.divergence.statistics" not in imported(reduction)
+    assert "loops_callbacks.divergence.reduction" in imported(statistics)
+
+
+def test_every_statistic_is_declared_once_with_a_formula_and_travels_by_name() -> None:
+    from loops_callbacks.divergence.layout import EXTREMA, PER_RANK_TOTALS, STATISTICS, SUMMED_TOTALS, pack_named
+    from loops_callbacks.divergence.reduction import header_length
+
+    names = [statistic.name for statistic in STATISTICS]
+    assert len(names) == len(set(names))
+    assert set(PER_RANK_TOTALS) | set(SUMMED_TOTALS) | set(EXTREMA) == set(names)
+    with pytest.raises(KeyError, match=r"\['b'\] are declared .* but have no formula"):
+        pack_named(("a", "b"), {"a": torch.tensor(1.0)})
+    with pytest.raises(KeyError, match=r"\['c'\] are computed but not declared"):
+        pack_named(("a",), {"a": torch.tensor(1.0), "c": torch.tensor(2.0)})
+    assert header_length(top_n=3) == len(PER_RANK_TOTALS) + len(EXTREMA) + 3 + 1

@@ -5,6 +5,8 @@ In data-flow order:
 - ``action_tokens``: reads each field (``loops_callbacks.fields``) and flattens a batch's action
   tokens once, on the trainer logprobs' device (``list[Datum]`` or padded ``[B, T]``);
 - ``token_context``: the token ids around a position, for the worst-tokens table;
+- ``layout``: every statistic declared once by name with its reduction, and the one packing of
+  named parts that the host transfer and the collectives use;
 - ``statistics``: ``DivergenceStats``, mergeable sums, counts, maxima, worst rows and a diff sample
   (across micro-batches), and ``HostDivergence``, their one host copy;
 - ``reduction``: the same statistics across ranks, in two collectives of a size that does not

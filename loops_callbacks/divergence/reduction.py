@@ -1,19 +1,19 @@
 """Divergence statistics of all ranks, with per-rank traffic that does not grow with the ranks.
 
-``reduce_across_ranks(stats, group)`` gives every rank the same ``DivergenceStats`` of all ranks'
+``reduce_across_ranks(stats, collectives)`` gives every rank the same ``DivergenceStats`` of all ranks'
 batches, rank 0's first, in two collectives, each on one packed float64 buffer:
 
-1. ``all_gather`` of a header per rank, ``GATHERED_TOTALS + len(EXTREMA) + top_n + 1`` values:
-   the rank's totals (but the diagnosis' signature sums), extrema, the |d| of its ``top_n`` worst rows (already ranked) and one random
-   number. From the gathered headers every rank computes, identically and without a loop over
+1. ``all_gather`` of a header per rank, ``len(PER_RANK_TOTALS) + len(EXTREMA) + top_n + 1`` values:
+   the rank's per-rank totals (``layout.STATISTICS``: all but the diagnosis' sums), extrema, the
+   |d| of its ``top_n`` worst rows (already ranked) and one random number. From the gathered headers every rank computes, identically and without a loop over
    ranks: the totals (summed in rank order), the extrema (max), which ``top_n`` (rank, row) pairs
    are the worst of all ranks and in which order, each rank's datum offset, and each rank's share
    of the percentile sample.
 2. ``all_reduce`` (sum) of one body, ``top_n * ROW.WIDTH + S + sample_size + 1`` values, in which
    each rank writes its own chosen rows and sampled diffs at their final places and zeros
    everywhere else. The sum is the assembled result, exactly: each place receives one value and
-   zeros. The body also carries the diagnosis' sums, summed as they are (S = the 18 signature
-   totals + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
+   zeros. The body also carries the diagnosis' sums, summed as they are (S = the 18
+   ``SUMMED_TOTALS`` + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
    summation order is the collective's (exact for counts, and for any sum on 2 ranks).
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
@@ -47,6 +47,8 @@ A single rank gets its statistics back unchanged. Host synchronizations: none on
 when a ``sample_size`` is set (every shape is fixed); without one (every diff kept, as the plain
 functions do) the body's length is read from the headers, one synchronization.
 
+Header and body are ``layout.Packing``s: their parts are read by name.
+
 Example:
     >>> received_bytes(world=1024, top_n=20, sample_size=100_000)
     2078784
@@ -54,27 +56,34 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import dataclasses
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from loops_callbacks.divergence.statistics import (
+from loops_callbacks.divergence.layout import (
     EXTREMA,
-    GATHERED_TOTALS,
+    PER_RANK_TOTALS,
     ROW,
+    SUMMED_TOTALS,
     TOKEN_BUCKETS,
     TOTAL_INDEX,
     TOTALS,
-    DivergenceStats,
+    Packing,
 )
+
+if TYPE_CHECKING:  # statistics imports this module; the reduction only reads and replaces the fields
+    from loops_callbacks.divergence.statistics import DivergenceStats
 
 __all__ = [
     "Collectives",
     "ProcessGroupCollectives",
     "as_collectives",
     "body_length",
+    "body_packing",
     "header_length",
+    "header_packing",
     "received_bytes",
     "reduce_across_ranks",
     "stratified_allocation",
@@ -163,35 +172,48 @@ class _StrategyCollectives:
         return self.strategy.reduce(tensor, reduce_op="sum")
 
 
-def as_collectives(group: Collectives | Any) -> Collectives:
-    """``group`` itself, or the collectives of a Lightning strategy (``trainer.strategy``).
+def as_collectives(collectives: Collectives | Any) -> Collectives:
+    """``collectives`` itself, or those of a Lightning strategy (``trainer.strategy``).
 
     A strategy running on ``torch.distributed`` (DDP, FSDP, DeepSpeed) is served by
     ``torch.distributed`` directly, since Lightning's ``reduce`` runs a barrier before each
     all-reduce (one more collective, and a host synchronization under NCCL); other strategies
     through their own ``all_gather`` and ``reduce``.
     """
-    if isinstance(group, Collectives):
-        return group
-    if _distributed() and dist.get_world_size() == group.world_size:
-        device = group.root_device if dist.get_backend() == "nccl" else None
+    if isinstance(collectives, Collectives):
+        return collectives
+    strategy = collectives
+    if _distributed() and dist.get_world_size() == strategy.world_size:
+        device = strategy.root_device if dist.get_backend() == "nccl" else None
         return ProcessGroupCollectives(device=device)
-    return _StrategyCollectives(group)
+    return _StrategyCollectives(strategy)
+
+
+def header_packing(top_n: int) -> Packing:
+    """A rank's header: its per-rank totals, extrema, its worst rows' |d| and one random number."""
+    return Packing(totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), worst_abs=top_n, draw=1)
+
+
+def body_packing(top_n: int, capacity: int) -> Packing:
+    """The summed body: the worst rows, the summed totals, the per-token-id sums, the sample and one
+    slot that takes every unchosen diff."""
+    return Packing(
+        worst=top_n * ROW.WIDTH,
+        totals=len(SUMMED_TOTALS),
+        token_sums=3 * TOKEN_BUCKETS,
+        sample=capacity,
+        unchosen=1,
+    )
 
 
 def header_length(top_n: int) -> int:
-    """Values in a rank's header: gathered totals, extrema, its worst rows' |d| and one random number."""
-    return GATHERED_TOTALS + len(EXTREMA) + top_n + 1
+    """Values in a rank's header (``header_packing``)."""
+    return header_packing(top_n).length
 
 
 def body_length(top_n: int, sample_size: int) -> int:
-    """Values in the summed body: the worst rows, the signature sums, the sample, and one slot for unchosen diffs."""
-    return top_n * ROW.WIDTH + _summed_length() + sample_size + 1
-
-
-def _summed_length() -> int:
-    """The diagnosis' signature totals and per-token-id sums, summed in the body."""
-    return len(TOTALS) - GATHERED_TOTALS + 3 * TOKEN_BUCKETS
+    """Values in the summed body (``body_packing``)."""
+    return body_packing(top_n, sample_size).length
 
 
 def received_bytes(world: int, top_n: int, sample_size: int) -> int:
@@ -211,63 +233,71 @@ def received_bytes(world: int, top_n: int, sample_size: int) -> int:
 
 @torch.no_grad()
 def reduce_across_ranks(
-    stats: DivergenceStats, group: Collectives | Any, *, generator: torch.Generator | None = None
+    stats: DivergenceStats, collectives: Collectives | Any, *, generator: torch.Generator | None = None
 ) -> DivergenceStats:
     """Statistics of every rank's batches, rank 0's first, the same on every rank.
 
     A collective: every rank calls it, with statistics of one ``top_n`` and ``sample_size``.
-    ``group`` is a ``Collectives`` or a Lightning strategy; ``generator`` (on the statistics'
+    ``collectives`` is a ``Collectives`` or a Lightning strategy; ``generator`` (on the statistics'
     device) draws the one random number of the sample's allocation (default: torch's global RNG).
     The result is for reading (``to_host``): its sample keys only mark the filled places, so it
     is not meant to be merged again.
     """
-    collectives = as_collectives(group)
+    collectives = as_collectives(collectives)
     world, rank = collectives.world_size, collectives.rank
     if world == 1:
         return stats
     device = stats.totals.device
     top_n = stats.worst.shape[0]
-    draw = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
-    n_totals, n_extrema = GATHERED_TOTALS, len(EXTREMA)
-    header = torch.cat([stats.totals[:n_totals], stats.extrema, stats.worst[:, ROW.ABS], draw])
-    headers = collectives.all_gather(header)
-    rank_totals = headers[:, :n_totals]
-    # Summed in rank order, as merging rank by rank does (bit for bit on the CPU).
-    gathered_totals = torch.cumsum(rank_totals, 0)[-1]
-    extrema = headers[:, n_totals : n_totals + n_extrema].amax(0)
-    worst_abs = headers[:, n_totals + n_extrema : n_totals + n_extrema + top_n]
-    datums = rank_totals[:, TOTAL_INDEX["n_datums"]]
+    per_rank = torch.tensor([TOTAL_INDEX[name] for name in PER_RANK_TOTALS], device=device)
+    summed = torch.tensor([TOTAL_INDEX[name] for name in SUMMED_TOTALS], device=device)
+    header = header_packing(top_n)
+    mine = header.pack(
+        totals=stats.totals.index_select(0, per_rank),
+        extrema=stats.extrema,
+        worst_abs=stats.worst[:, ROW.ABS],
+        draw=torch.rand(1, dtype=torch.float64, device=device, generator=generator),
+    )
+    ranks = header.unpack(collectives.all_gather(mine))  # each part [world, ...]
+    rank_totals = dict(zip(PER_RANK_TOTALS, ranks["totals"].unbind(1)))
+    datums = rank_totals["n_datums"]
     datum_offsets = torch.cumsum(datums, 0) - datums
-    counts = rank_totals[:, TOTAL_INDEX["n_action_tokens"]].to(torch.int64)
-    share, start = stratified_allocation(counts, stats.sample_size, headers[0, -1])
+    counts = rank_totals["n_action_tokens"].to(torch.int64)
+    share, start = stratified_allocation(counts, stats.sample_size, ranks["draw"][0, 0])
 
     capacity = stats.sample_size
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
-    width = top_n * ROW.WIDTH
-    summed = _summed_length()
-    signatures = len(TOTALS) - n_totals
-    body = torch.zeros(width + summed + capacity + 1, dtype=torch.float64, device=device)
-    body[:width] = _chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank).reshape(-1)
-    body[width : width + signatures] = stats.totals[n_totals:]
-    if stats.token_sums is not None:
-        body[width + signatures : width + summed] = stats.token_sums.reshape(-1)
-    _add_sample(body[width + summed :], stats, share[rank], start[rank])
-    body = collectives.all_reduce_sum(body)
-
-    values = body[width + summed : width + summed + capacity]
+    body = body_packing(top_n, capacity)
+    token_sums = stats.token_sums if stats.token_sums is not None else stats.totals.new_zeros(3, TOKEN_BUCKETS)
+    sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
+    _add_sample(sample, stats, share[rank], start[rank])
+    reduced = body.unpack(
+        collectives.all_reduce_sum(
+            body.pack(
+                worst=_chosen_rows(stats.worst, ranks["worst_abs"], datum_offsets[rank], rank),
+                totals=stats.totals.index_select(0, summed),
+                token_sums=token_sums,
+                sample=sample[:capacity],
+                unchosen=sample[capacity:],
+            )
+        )
+    )
+    totals = torch.empty(len(TOTALS), dtype=torch.float64, device=device)
+    totals[per_rank] = torch.cumsum(ranks["totals"], 0)[-1]  # in rank order, as merging rank by rank (bit for bit on the CPU)
+    totals[summed] = reduced["totals"]
     keys = None
     if stats.sample_size is not None:
         filled = torch.arange(capacity, device=device) < share.sum()
         keys = torch.zeros(capacity, dtype=torch.float64, device=device).masked_fill_(~filled, float("inf"))
-    return DivergenceStats(
-        totals=torch.cat([gathered_totals, body[width : width + signatures]]),
-        extrema=extrema,
-        worst=body[:width].reshape(top_n, ROW.WIDTH),
-        sample_values=values,
+    return dataclasses.replace(
+        stats,
+        totals=totals,
+        extrema=ranks["extrema"].amax(0),
+        worst=reduced["worst"].reshape(top_n, ROW.WIDTH),
+        sample_values=reduced["sample"],
         sample_keys=keys,
-        sample_size=stats.sample_size,
-        token_sums=body[width + signatures : width + summed].reshape(3, TOKEN_BUCKETS),
+        token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
     )
 
 

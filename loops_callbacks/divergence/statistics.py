@@ -7,6 +7,9 @@ those of ranks with ``reduce_across_ranks`` (module ``reduction``), exactly as i
 concatenated batch (sums up to floating-point summation order; counts, maxima and rows exactly).
 ``to_host`` moves everything to the host in one transfer, the only synchronization.
 
+Which totals and extrema there are, and how each reduces, is declared once in ``layout``
+(``STATISTICS``); ``from_batch`` gives each its formula by name.
+
 The sample keeps every diff when ``sample_size`` is ``None`` (the plain functions). With a
 ``sample_size`` it is a uniform sample without replacement of the union (bottom-k of one random
 key per token, which merges exactly), so percentiles stay exact while the union has at most
@@ -35,7 +38,18 @@ import numpy as np
 import torch
 
 from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE, NO_TOKEN
+from loops_callbacks.divergence.layout import (
+    EXTREMA,
+    ROW,
+    SUMMED_TOTALS,
+    TOKEN_BUCKETS,
+    TOTAL_INDEX,
+    TOTALS,
+    Packing,
+    pack_named,
+)
+from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
+from loops_callbacks.divergence.token_context import NO_TOKEN
 
 __all__ = [
     "DivergenceStats",
@@ -46,7 +60,6 @@ __all__ = [
     "ROW",
     "IS_RATIO_CLAMP",
     "TOKEN_BUCKETS",
-    "GATHERED_TOTALS",
     "LOGPROB_CEILING",
     "LOGPROB_FLOOR",
 ]
@@ -54,83 +67,18 @@ __all__ = [
 IS_RATIO_CLAMP = 80.0
 """The importance ratio e^d is exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
 
-TOTALS = (
-    "n_datums",
-    "n_scored_datums",  # datums with at least one action token
-    "n_action_tokens",
-    "n_skipped_nonfinite",
-    "n_trainer_zero",  # action tokens whose trainer logprob is exactly 0.0
-    "sum_d",
-    "sum_d2",
-    "sum_is_ratio",
-    "sum_is_ratio2",
-    "sum_k3",
-    "sum_sampler",
-    "n_abs_gt_1",
-    "n_abs_gt_2",
-    "n_abs_gt_4",
-    "n_is_ratio_gt_2",
-    "n_is_ratio_lt_half",
-    "sum_seq_mean_d",
-    "sum_seq_is_ratio",
-    "n_sampler_above_zero",  # logprobs > LOGPROB_CEILING: impossible (probabilities passed as logprobs?)
-    "n_trainer_above_zero",
-    "n_sampler_below_floor",  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
-    "n_trainer_below_floor",
-    # The diagnosis' signatures (``loops_callbacks.divergence.signatures``), t = trainer, s = sampler:
-    "sum_trainer",  # with sum_sampler and the next three: Pearson(t, s) and the slope of t on s
-    "sum_sampler2",
-    "sum_trainer2",
-    "sum_sampler_trainer",
-    "n_d_neg",  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
-    "n_d_pos",
-    "n_p_high",  # tokens the sampler gave p = e^s > 0.5
-    "n_p_high_d_pos",
-    "n_p_high_d_neg",
-    "sum_abs_d_p_high",
-    "n_p_low",  # tokens the sampler gave p < 0.1
-    "n_p_low_d_pos",
-    "n_p_low_d_neg",
-    "sum_abs_d_p_low",
-    "n_pairs",  # adjacent action tokens k, k+1 of one datum
-    "sum_abs_d_pairs",  # over those pairs: |d[k]| + |d[k+1]|
-    "sum_abs_shift_next",  # |t[k] - s[k+1]|: the sampler's value one position later
-    "sum_abs_shift_prev",  # |t[k+1] - s[k]|: the sampler's value one position earlier
-)
-EXTREMA = ("max_d", "neg_min_d", "max_seq_mean_d", "max_sampler", "neg_min_sampler", "max_trainer", "neg_min_trainer")
-"""Maxima (minima stored negated, so every extremum merges with max); -inf when empty."""
-
 LOGPROB_CEILING = 1e-4
 """A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
 LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
-TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
-"""Position of each named total in ``DivergenceStats.totals``."""
-GATHERED_TOTALS = TOTAL_INDEX["n_trainer_below_floor"] + 1
-"""The first totals, which every rank's header carries (``reduction``); the later ones, the
-diagnosis' signature sums, travel in the summed body, so the per-rank header does not grow."""
-SIGNATURE_TOTALS = TOTALS[GATHERED_TOTALS:]
-"""The diagnosis' sums: zero when a batch is read with ``signatures=False``."""
 CHUNK_POSITIONS = 1 << 18
 """On the CPU, ``from_batch`` reads at most about this many positions at a time (whole datums)."""
-TOKEN_BUCKETS = 1024
-"""Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
-mergeable buffer whatever the vocabulary. Below 1,024 ids every id has its own bucket; above, a
-bucket pools about V / 1024 ids, which dilutes token identity's share of the variance (eta²) but
-keeps it meaningful (``signatures.token_eta2`` corrects for the buckets' number)."""
+SIGNATURE_TOTALS = SUMMED_TOTALS
+"""The diagnosis' sums (the totals the reduction only sums): zero when a batch is read with ``signatures=False``."""
 P_HIGH = float(np.log(0.5))
 """Sampler logprob above which a token is "likely" (p > 0.5) for the sign-split signature."""
 P_LOW = float(np.log(0.1))
 """Sampler logprob below which a token is "unlikely" (p < 0.1)."""
-
-
-class ROW:
-    """Columns of a worst-token row (all float64; token ids are exact below 2**53)."""
-
-    ABS, DIFF, SAMPLER, TRAINER, DATUM, POSITION, TOKEN = range(7)
-    BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before index k+1, NO_TOKEN-padded on the left
-    AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # the id at k+1, then the ids after it
-    WIDTH = 7 + CONTEXT_BEFORE + CONTEXT_AFTER
 
 
 @dataclass(frozen=True)
@@ -241,15 +189,22 @@ class DivergenceStats:
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
         sums["sum_k3"] = k3.sum()
-        totals = torch.stack([sums[name].to(torch.float64) for name in TOTALS])
+        totals = pack_named(TOTALS, sums)
         inf = float("inf")
-        extrema = torch.stack(
-            [
-                *_max_and_negated_min(d, valid),
-                _min_max(seq_mean.masked_fill(~scored, -inf))[1],
-                *_max_and_negated_min(sampler, valid),
-                *_max_and_negated_min(trainer, valid),
-            ]
+        max_d, neg_min_d = _max_and_negated_min(d, valid)
+        max_sampler, neg_min_sampler = _max_and_negated_min(sampler, valid)
+        max_trainer, neg_min_trainer = _max_and_negated_min(trainer, valid)
+        extrema = pack_named(
+            EXTREMA,
+            {
+                "max_d": max_d,
+                "neg_min_d": neg_min_d,
+                "max_seq_mean_d": _min_max(seq_mean.masked_fill(~scored, -inf))[1],
+                "max_sampler": max_sampler,
+                "neg_min_sampler": neg_min_sampler,
+                "max_trainer": max_trainer,
+                "neg_min_trainer": neg_min_trainer,
+            },
         )
         worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=device)
         if top_n:
@@ -295,33 +250,46 @@ class DivergenceStats:
             token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
         )._capped()
 
-    def reduce_across_ranks(self, group: Any, *, generator: torch.Generator | None = None) -> DivergenceStats:
+    def reduce_across_ranks(
+        self, collectives: Collectives | Any, *, generator: torch.Generator | None = None
+    ) -> DivergenceStats:
         """Statistics of every rank's batches, rank 0's first, the same on every rank.
 
-        A collective: every rank calls it. ``group`` is a ``reduction.Collectives`` or a Lightning
-        strategy (``trainer.strategy``); ``generator`` draws the sample allocation's one random
-        number. Two collectives whose size does not grow with the ranks beyond a few hundred bytes
-        per rank; ``loops_callbacks.divergence.reduction`` says what they carry.
+        A collective: every rank calls it. ``collectives`` is a ``reduction.Collectives`` or a
+        Lightning strategy (``trainer.strategy``); ``generator`` draws the sample allocation's one
+        random number. Two collectives whose size does not grow with the ranks beyond a few
+        hundred bytes per rank; ``loops_callbacks.divergence.reduction`` says what they carry.
         """
-        from loops_callbacks.divergence.reduction import reduce_across_ranks  # it imports this module
-
-        return reduce_across_ranks(self, group, generator=generator)
+        return reduce_across_ranks(self, collectives, generator=generator)
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
         token_sums = self.token_sums if self.token_sums is not None else self.totals.new_zeros(3, TOKEN_BUCKETS)
-        pieces = [self.totals, self.extrema, token_sums.reshape(-1), self.worst.reshape(-1), self.sample_values]
-        if self.sample_keys is not None:
-            pieces.append(self.sample_keys)
-        packed = torch.cat([p.to(torch.float64) for p in pieces]).cpu().numpy()
-        totals, extrema, buckets, worst, values, *keys = np.split(packed, np.cumsum([p.numel() for p in pieces])[:-1])
-        worst = worst.reshape(-1, ROW.WIDTH)
+        keys = self.sample_keys if self.sample_keys is not None else self.sample_values.new_zeros(0)
+        transfer = Packing(
+            totals=len(TOTALS),
+            extrema=len(EXTREMA),
+            token_sums=token_sums.numel(),
+            worst=self.worst.numel(),
+            values=self.sample_values.numel(),
+            keys=keys.numel(),
+        )
+        packed = transfer.pack(
+            totals=self.totals,
+            extrema=self.extrema,
+            token_sums=token_sums,
+            worst=self.worst,
+            values=self.sample_values,
+            keys=keys,
+        )
+        part = {name: value.numpy() for name, value in transfer.unpack(packed.cpu()).items()}
+        worst = part["worst"].reshape(-1, ROW.WIDTH)
         return HostDivergence(
-            totals=dict(zip(TOTALS, totals.tolist())),
-            extrema=dict(zip(EXTREMA, extrema.tolist())),
+            totals=dict(zip(TOTALS, part["totals"].tolist())),
+            extrema=dict(zip(EXTREMA, part["extrema"].tolist())),
             worst=worst[worst[:, ROW.ABS] > float("-inf")],
-            diffs=values[keys[0] < np.inf] if keys else values,
-            token_sums=buckets.reshape(3, TOKEN_BUCKETS),
+            diffs=part["values"][part["keys"] < np.inf] if self.sample_keys is not None else part["values"],
+            token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
         )
 
     def keys_or_zeros(self) -> torch.Tensor:

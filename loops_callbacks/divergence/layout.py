@@ -1,0 +1,194 @@
+"""The statistics a step keeps, declared once by name with their reduction, and their packing.
+
+Every total (a sum or a count) and every extremum of ``DivergenceStats`` is one ``Statistic``
+in ``STATISTICS``: its name, how two batches' values combine (``"sum"`` or ``"max"``, minima
+stored negated), and whether the reduction across ranks carries each rank's value (``per_rank``:
+summed in rank order, bit for bit as a merge, and read per rank for the datum offsets and the
+sample's allocation) or only their sum (the diagnosis' sums). A new statistic is one declaration
+here plus its formula in ``statistics.DivergenceStats.from_batch``; merging, the reduction
+across ranks and the host transfer follow from the declaration.
+
+``Packing`` lays named parts end to end in one float64 vector and reads them back by name: the
+host transfer and both collectives of the reduction use it, so nothing is found by position.
+
+Example:
+    >>> packing = Packing(totals=2, extrema=1)
+    >>> vector = packing.pack(totals=torch.tensor([3.0, 4.0]), extrema=torch.tensor([5.0]))
+    >>> {name: part.tolist() for name, part in packing.unpack(vector).items()}
+    {'totals': [3.0, 4.0], 'extrema': [5.0]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE
+
+__all__ = [
+    "EXTREMA",
+    "PER_RANK_TOTALS",
+    "ROW",
+    "STATISTICS",
+    "SUMMED_TOTALS",
+    "TOKEN_BUCKETS",
+    "TOTALS",
+    "TOTAL_INDEX",
+    "Packing",
+    "Statistic",
+    "pack_named",
+]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One named statistic and how it reduces (module docstring)."""
+
+    name: str
+    reduction: Literal["sum", "max"]
+    per_rank: bool = False
+
+
+def _total(name: str, *, per_rank: bool = True) -> Statistic:
+    return Statistic(name, "sum", per_rank)
+
+
+def _extremum(name: str) -> Statistic:
+    return Statistic(name, "max", per_rank=True)
+
+
+STATISTICS = (
+    _total("n_datums"),
+    _total("n_scored_datums"),  # datums with at least one action token
+    _total("n_action_tokens"),
+    _total("n_skipped_nonfinite"),
+    _total("n_trainer_zero"),  # action tokens whose trainer logprob is exactly 0.0
+    _total("sum_d"),
+    _total("sum_d2"),
+    _total("sum_is_ratio"),  # the importance ratio e^d = exp(min(d, 80))
+    _total("sum_is_ratio2"),
+    _total("sum_k3"),
+    _total("sum_sampler"),
+    _total("n_abs_gt_1"),
+    _total("n_abs_gt_2"),
+    _total("n_abs_gt_4"),
+    _total("n_is_ratio_gt_2"),
+    _total("n_is_ratio_lt_half"),
+    _total("sum_seq_mean_d"),
+    _total("sum_seq_is_ratio"),
+    _total("n_sampler_above_zero"),  # logprobs > LOGPROB_CEILING: impossible (probabilities passed as logprobs?)
+    _total("n_trainer_above_zero"),
+    _total("n_sampler_below_floor"),  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
+    _total("n_trainer_below_floor"),
+    # The diagnosis' signature sums (``signatures``), t = trainer, s = sampler; zero when not read:
+    _total("sum_trainer", per_rank=False),  # with sum_sampler and the next three: Pearson(t, s), slope of t on s
+    _total("sum_sampler2", per_rank=False),
+    _total("sum_trainer2", per_rank=False),
+    _total("sum_sampler_trainer", per_rank=False),
+    _total("n_d_neg", per_rank=False),  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
+    _total("n_d_pos", per_rank=False),
+    _total("n_p_high", per_rank=False),  # tokens the sampler gave p = e^s > 0.5
+    _total("n_p_high_d_pos", per_rank=False),
+    _total("n_p_high_d_neg", per_rank=False),
+    _total("sum_abs_d_p_high", per_rank=False),
+    _total("n_p_low", per_rank=False),  # tokens the sampler gave p < 0.1
+    _total("n_p_low_d_pos", per_rank=False),
+    _total("n_p_low_d_neg", per_rank=False),
+    _total("sum_abs_d_p_low", per_rank=False),
+    _total("n_pairs", per_rank=False),  # adjacent action tokens k, k+1 of one datum
+    _total("sum_abs_d_pairs", per_rank=False),  # over those pairs: |d[k]| + |d[k+1]|
+    _total("sum_abs_shift_next", per_rank=False),  # |t[k] - s[k+1]|: the sampler's value one position later
+    _total("sum_abs_shift_prev", per_rank=False),  # |t[k+1] - s[k]|: the sampler's value one position earlier
+    _extremum("max_d"),
+    _extremum("neg_min_d"),
+    _extremum("max_seq_mean_d"),
+    _extremum("max_sampler"),
+    _extremum("neg_min_sampler"),
+    _extremum("max_trainer"),
+    _extremum("neg_min_trainer"),
+)
+"""Every total and extremum, in the order they are stored."""
+
+TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum")
+"""The sums and counts, in the order of ``DivergenceStats.totals``."""
+EXTREMA = tuple(s.name for s in STATISTICS if s.reduction == "max")
+"""The maxima (minima stored negated, so every extremum merges with max), in the order of
+``DivergenceStats.extrema``; -inf when empty."""
+TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
+"""Position of each named total in ``DivergenceStats.totals``."""
+PER_RANK_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and s.per_rank)
+"""Totals whose every rank's value the reduction gathers (its header)."""
+SUMMED_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and not s.per_rank)
+"""Totals the reduction only sums (its body): the diagnosis' sums, so the per-rank header stays small."""
+
+TOKEN_BUCKETS = 1024
+"""Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
+mergeable buffer whatever the vocabulary. Below 1,024 ids every id has its own bucket; above, a
+bucket pools about V / 1024 ids, which dilutes token identity's share of the variance (eta²) but
+keeps it meaningful (``signatures.token_eta2`` corrects for the buckets' number)."""
+
+
+class ROW:
+    """Columns of a worst-token row (all float64; token ids are exact below 2**53)."""
+
+    ABS, DIFF, SAMPLER, TRAINER, DATUM, POSITION, TOKEN = range(7)
+    BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before index k+1, NO_TOKEN-padded on the left
+    AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # the id at k+1, then the ids after it
+    WIDTH = 7 + CONTEXT_BEFORE + CONTEXT_AFTER
+
+
+def pack_named(names: tuple[str, ...], values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Float64 ``[len(names)]``: ``values[name]`` (0-d tensors) in the order of ``names``.
+
+    Every name must have a value (``KeyError`` naming the one without a formula); extra values
+    are an error too, so a formula and its declaration cannot drift apart.
+
+    Example:
+        >>> pack_named(("a", "b"), {"b": torch.tensor(2), "a": torch.tensor(1.5)}).tolist()
+        [1.5, 2.0]
+    """
+    extra = sorted(set(values) - set(names))
+    if extra:
+        raise KeyError(f"statistics {extra} are computed but not declared in layout.STATISTICS")
+    missing = [name for name in names if name not in values]
+    if missing:
+        raise KeyError(f"statistics {missing} are declared in layout.STATISTICS but have no formula")
+    return torch.stack([values[name].to(torch.float64) for name in names])
+
+
+class Packing:
+    """Named parts of given lengths, end to end in one vector (module docstring).
+
+    ``unpack`` works on the last dimension, so a ``[world, length]`` stack of packed vectors
+    unpacks into ``[world, part]`` views.
+    """
+
+    def __init__(self, **lengths: int) -> None:
+        self.lengths = lengths
+
+    @property
+    def length(self) -> int:
+        return sum(self.lengths.values())
+
+    def pack(self, **parts: torch.Tensor) -> torch.Tensor:
+        """One float64 vector of ``parts`` (flattened), in the declared order."""
+        if list(parts) != list(self.lengths):
+            raise KeyError(f"pack expects the parts {list(self.lengths)} in this order, got {list(parts)}")
+        pieces = [part.reshape(-1).to(torch.float64) for part in parts.values()]
+        for (name, length), piece in zip(self.lengths.items(), pieces):
+            if piece.numel() != length:
+                raise ValueError(f"part {name!r} has {piece.numel()} values, the packing declares {length}")
+        return torch.cat(pieces)
+
+    def unpack(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``vector``'s last dimension, by name."""
+        if vector.shape[-1] != self.length:
+            raise ValueError(f"a packed vector has {self.length} values, got {vector.shape[-1]}")
+        parts, start = {}, 0
+        for name, length in self.lengths.items():
+            parts[name] = vector[..., start : start + length]
+            start += length
+        return parts
