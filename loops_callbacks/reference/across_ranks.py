@@ -161,7 +161,8 @@ def score_across_ranks(
         raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
     group = _Group()
     guard = StallGuard(group, scoring_timeout)
-    _check_same_tokens(packed, group, guard, datum_name or (lambda index: f"datum {index}"))
+    digest = _Digest(packed)  # of the token data: compared across ranks, and part of the cache key
+    _check_same_tokens(packed, digest, group, guard, datum_name or (lambda index: f"datum {index}"))
     path = os.fspath(cache_path) if cache_path is not None else None
     if cached_only is not None:
         if path is None:
@@ -181,7 +182,7 @@ def score_across_ranks(
             ReferenceCacheWarning,
         )
     elif path is not None:
-        key = CacheKey(reference=fingerprint, data=data_fingerprint(packed), dtype=scoring_dtype or "model")
+        key = CacheKey(reference=fingerprint, data=digest(), dtype=scoring_dtype or "model")
     values, status, reason, stored_reference, file = _load(path, key, packed.lengths, group, warn=cached_only is None)
     if values is None and cached_only is not None:
         raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
@@ -241,7 +242,22 @@ def score_across_ranks(
     return result, report
 
 
-def _check_same_tokens(packed: PackedTokens, group: _Group, guard: StallGuard, name: Callable[[int], str]) -> None:
+class _Digest:
+    """``data_fingerprint(packed)``, computed on the first call only (one pass over the ids per run)."""
+
+    def __init__(self, packed: PackedTokens) -> None:
+        self.packed = packed
+        self.value: str | None = None
+
+    def __call__(self) -> str:
+        if self.value is None:
+            self.value = data_fingerprint(self.packed)
+        return self.value
+
+
+def _check_same_tokens(
+    packed: PackedTokens, digest: Callable[[], str], group: _Group, guard: StallGuard, name: Callable[[int], str]
+) -> None:
     """``RanksDisagreeError`` on every rank unless all hold the same token ids (see ``check_ranks_agree``)."""
     if group.world_size == 1:
         return
@@ -249,7 +265,7 @@ def _check_same_tokens(packed: PackedTokens, group: _Group, guard: StallGuard, n
         group,
         what="datums",
         count=len(packed),
-        digest=data_fingerprint(packed),
+        digest=digest(),
         item_digests=lambda: token_digests(packed),
         item_name=name,
         guard=guard,
