@@ -3,8 +3,10 @@
 It knows datums and token ids, not what the data mean (DPO pairs are checked by the caller,
 ``loops_callbacks.data``). In order:
 
-1. the token ids are packed once into flat arrays (``PackedTokens``) and the cache key is made:
-   the reference's fingerprint (its weights, or the ``reference_fingerprint`` you give for a
+1. the token ids are packed once into flat arrays (``PackedTokens``), and the ranks compare them
+   (a count and one digest each, ``check_ranks_agree``): ranks that hold different datums raise
+   ``RanksDisagreeError`` on every rank, naming the first that differs, before anything is scored
+   or cached. The cache key is made: the reference's fingerprint (its weights, or the ``reference_fingerprint`` you give for a
    client whose weights cannot be read here), the token data and the scoring dtype;
 2. rank 0 finds this key's cache file (``find_cache``: one file per key beside ``cache_path``) and
    checks it whole; then nothing is scored: every rank reads it into its own memory and checks
@@ -22,6 +24,9 @@ It knows datums and token ids, not what the data mean (DPO pairs are checked by 
 
 With ``cached_only`` nothing is scored: the values must come from the cache (a resumed run whose
 reference was the initial policy), and a missing or mismatching file is a ``ReferenceCacheError``.
+
+Before each collective step the ranks meet (``StallGuard``): a rank that does not come within
+``scoring_timeout`` seconds is named, with the step, by a ``RankStalledError`` on every rank.
 """
 
 from __future__ import annotations
