@@ -205,7 +205,11 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     @override
     def dpo_data(self) -> list[Any]:
-        """The interleaved datums: the given datums, or the records read and tokenized (once)."""
+        """The interleaved datums: the given datums, or the records read and tokenized (once).
+
+        With an initialized ``torch.distributed`` group every rank must call it (``setup`` does):
+        the ranks compare what they read and share the tokenizing.
+        """
         if self._datums is None:
             self._datums = self._load()
         return self._datums
