@@ -53,6 +53,7 @@ import numpy as np
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import _prompt_pair, _record_pair
 from loops_callbacks.data.labels import pair_label
+from loops_callbacks.data.token_window import common_prefix_length, shared_start, window_token_ids, worth_a_window
 from loops_callbacks.data.preference import (
     USUAL_ROLES,
     LocatedRecord,
@@ -93,7 +94,8 @@ class TokenizationReport:
     """What ``preference_datums`` did to the pairs: formats seen, truncations and drops.
 
     ``prompt_not_prefix`` counts pairs whose tokenized prompt is not a prefix of the tokenized
-    prompt + completion (TRL's warning); ``prompt_truncated`` pairs lost the start of their prompt
+    prompt + completion (TRL's warning), except those dropped because their prompt fills
+    ``max_length`` (their split is never trained on); ``prompt_truncated`` pairs lost the start of their prompt
     to ``max_prompt_length``; ``truncated`` lost the end of a sequence to ``max_length``;
     ``dropped_prompt_fills_max_length`` and ``dropped_empty_completion`` were left out;
     ``identical`` kept pairs have the same chosen and rejected sequence (no gradient);
@@ -266,27 +268,21 @@ def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> No
             )
 
 
-def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
-    """How many leading tokens ``ids`` and ``other`` share.
-
-    Example:
-        >>> common_prefix_length([1, 2, 3], [1, 2, 4, 5]), common_prefix_length([1, 2], [1, 2, 3])
-        (2, 2)
-    """
-    length = min(len(ids), len(other))
-    if length == 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(ids[:length]) != np.asarray(other[:length]))
-    return int(differ[0]) if differ.size else length
-
-
 def tokenize_preferences(
-    examples: Sequence[PreferenceExample], tokenizer: Any, *, progress: bool = False
+    examples: Sequence[PreferenceExample],
+    tokenizer: Any,
+    *,
+    progress: bool = False,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
 ) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, prompt_chosen_ids, prompt_rejected_ids)`` of each text or chat example, as TRL 1.x computes them.
 
     Batched: one tokenizer call per chunk of records (and per distinct ``tools`` /
-    ``chat_template_kwargs``), which gives the same ids as TRL's one call per record.
+    ``chat_template_kwargs``), which gives the same ids as TRL's one call per record. With a
+    limit, a record much longer than it is tokenized from a window of its text
+    (``loops_callbacks.data.token_window``): its lists are then the slices of the whole ids that
+    the limits can keep, which give the same datums.
     """
     for example in examples:
         if example.conversational and not getattr(tokenizer, "chat_template", None):
@@ -302,7 +298,11 @@ def tokenize_preferences(
         for start in range(0, len(examples), _CHUNK):
             groups: dict[str, list[int]] = {}
             for index in range(start, min(start + _CHUNK, len(examples))):
-                groups.setdefault(_call_key(examples[index]), []).append(index)
+                example = examples[index]
+                if worth_a_window(_text_length(example), max_length, max_prompt_length):
+                    results[index] = _window_ids(example, tokenizer, max_length, max_prompt_length)
+                else:
+                    groups.setdefault(_call_key(example), []).append(index)
             for indices in groups.values():
                 for index, ids in zip(indices, _tokenize_group([examples[i] for i in indices], tokenizer)):
                     results[index] = ids
@@ -312,6 +312,50 @@ def tokenize_preferences(
         if bar is not None:
             bar.close()
     return results
+
+
+def _text_length(example: PreferenceExample) -> int:
+    """The characters of the longer of prompt + chosen and prompt + rejected (message contents for chats)."""
+    if not example.conversational:
+        return len(example.prompt) + max(len(example.chosen), len(example.rejected))
+
+    def characters(messages: list[Any]) -> int:
+        total = 0
+        for message in messages:
+            content = message.get("content")
+            total += len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content or [])
+        return total
+
+    return characters(example.prompt) + max(characters(example.chosen), characters(example.rejected))
+
+
+def _window_ids(
+    example: PreferenceExample, tokenizer: Any, max_length: int | None, max_prompt_length: int | None
+) -> tuple[list[int], list[int], list[int]]:
+    """One long example's ids from a window of its text (``window_token_ids``)."""
+    if example.conversational:
+        kwargs: dict[str, Any] = {"tools": example.tools, **example.chat_template_kwargs}
+        texts = []
+        for conversation, generation_prompt in (
+            (example.prompt, True), (example.prompt + example.chosen, False), (example.prompt + example.rejected, False)
+        ):
+            try:  # as apply_chat_template(tokenize=True) does: render, then tokenize without special tokens
+                texts.append(tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+                ))
+            except Exception as error:
+                _name_the_failing_record([example], [conversation], generation_prompt, kwargs, tokenizer, error)
+                raise
+        shared, special = texts[1][: shared_start(texts)], False
+        tails = [text[len(shared) :] for text in texts]
+    else:
+        eos = tokenizer.eos_token
+        shared, special = example.prompt, True
+        tails = ["", _with_eos(example.chosen, eos), _with_eos(example.rejected, eos)]
+    prompt, chosen, rejected = window_token_ids(
+        tokenizer, shared, tails, add_special_tokens=special, max_length=max_length, max_prompt_length=max_prompt_length
+    )
+    return prompt, chosen, rejected
 
 
 def _call_key(example: PreferenceExample) -> str:
@@ -455,11 +499,15 @@ def preference_datums(
                 "(a Hugging Face tokenizer, or its name/path)"
             )
         tokenizer = load_tokenizer(tokenizer)
-        tokenized = dict(zip(text, tokenize_preferences([examples[i] for i in text], tokenizer, progress=progress)))
+        tokenized = dict(zip(text, tokenize_preferences(
+            [examples[i] for i in text], tokenizer, progress=progress,
+            max_length=max_length, max_prompt_length=max_prompt_length,
+        )))
 
     data: list[Datum] = []
     limited = max_length is not None or max_prompt_length is not None
     for index, example in enumerate(examples):
+        split: int | None = None
         if example.format == "token_ids":
             label = pair_label(index, example.where)
             pair = _record_pair(example.record, label)  # checks the record
@@ -476,17 +524,18 @@ def preference_datums(
         else:
             prompt_ids, chosen, rejected = tokenized[index]
             prompt_length = min(common_prefix_length(prompt_ids, chosen), common_prefix_length(prompt_ids, rejected))
-            if prompt_length < len(prompt_ids):
-                shown = tokenizer.decode(prompt_ids[prompt_length:])
-                report.note("prompt_not_prefix", f"{example.where}, prompt end {shown!r} left out")
+            split = prompt_length if prompt_length < len(prompt_ids) else None  # TRL's warning, if kept
             if prompt_length == 0:
                 prompt_length = 1  # token 0 is never predicted (nor by TRL); its two sequences must share it
                 if chosen[:1] != rejected[:1]:
+                    _note_prompt_split(report, example.where, prompt_ids, 0, tokenizer)
                     report.note("dropped_empty_completion", example.where)
                     continue
         chosen, rejected, prompt_length, events = apply_length_limits(
             chosen, rejected, prompt_length, max_length=max_length, max_prompt_length=max_prompt_length
         )
+        if split is not None and "dropped_prompt_fills_max_length" not in events:
+            _note_prompt_split(report, example.where, prompt_ids, split, tokenizer)
         for event in events:
             report.note(event, example.where)
         if any(event.startswith("dropped") for event in events):
@@ -505,6 +554,12 @@ def preference_datums(
         run_warnings.warn(message, PreferenceDataWarning)
     log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
     return data, report
+
+
+def _note_prompt_split(report: TokenizationReport, where: str, prompt_ids: list[int], split: int, tokenizer: Any) -> None:
+    """TRL's warning: the completion starts at token ``split``, inside the tokenized prompt (its end is shown)."""
+    shown = tokenizer.decode(prompt_ids[split:])
+    report.note("prompt_not_prefix", f"{where}, prompt end {shown!r} left out")
 
 
 def _same_datums(chosen: Datum, rejected: Datum) -> bool:

@@ -1,0 +1,131 @@
+"""A long record tokenized from a window of its text gives the same datums as its whole text.
+
+Property tests on the shipped tokenizer (``configs/data/chat_tokenizer``, byte-level BPE, ChatML):
+standard, conversational and implicit records, texts made of awkward pieces (spaces and
+newlines at the cut, multi-byte UTF-8, special-token text, digits), cut by ``max_length`` and
+``max_prompt_length``; the whole-text path is the reference (windows switched off).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from loops_callbacks.data import tokenization  # noqa: E402
+from loops_callbacks.data.token_window import shared_start, window_token_ids, worth_a_window  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = transformers.AutoTokenizer.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
+
+PIECES = [" ", "  ", "\n", "\n\n", "\t", "a", "word", " word", "é", "日本語", "🙂", "👩‍👩‍👧", "<|im_end|>", "<|im_",
+          "123", "4", ".", "!?", "'s", " '", "x" * 40, "ÿ"]
+text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=30).map("".join)
+
+
+def long_text(draw: Any, minimum: int) -> str:
+    """A text of at least ``minimum`` characters: drawn pieces, a drawn body repeated, drawn pieces."""
+    head, body, tail = draw(text), draw(text), draw(text)
+    return head + body * (minimum // len(body) + 1) + tail
+
+
+@st.composite
+def records(draw: Any) -> dict[str, Any]:
+    fmt = draw(st.sampled_from(["standard", "conversational", "implicit_standard", "implicit_conversational"]))
+    long_prompt, long_completion = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
+    prompt = long_text(draw, 3000) if long_prompt else draw(text)
+    chosen = long_text(draw, 3000) if long_completion else draw(text)
+    rejected = draw(st.one_of(st.just(chosen), text, st.builds(lambda t: chosen[: len(chosen) // 2] + t, text)))
+    if fmt == "standard":
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if fmt == "implicit_standard":
+        return {"chosen": prompt + chosen, "rejected": prompt + rejected}
+    turns = [{"role": "user", "content": prompt}]
+    if draw(st.booleans()):
+        turns = [{"role": "system", "content": draw(text)}, *turns]
+    answer = [{"role": "assistant", "content": chosen}], [{"role": "assistant", "content": rejected}]
+    if fmt == "conversational":
+        return {"prompt": turns, "chosen": answer[0], "rejected": answer[1]}
+    return {"chosen": turns + answer[0], "rejected": turns + answer[1]}
+
+
+limits = st.sampled_from([(16, None), (128, None), (None, 8), (24, 8), (128, 64), (40, 39), (2, 1)])
+
+
+def datums_and_report(record: dict[str, Any], max_length: int | None, max_prompt_length: int | None) -> Any:
+    try:
+        data, report = tokenization.preference_datums(
+            [record], TOKENIZER, max_length=max_length, max_prompt_length=max_prompt_length, progress=False, warn=False
+        )
+    except ValueError as error:
+        return str(error)
+    rows = [(d.model_input.to_ints(), d.loss_fn_inputs["weights"].data) for d in data]
+    events = {k: v for k, v in vars(report).items() if k not in ("examples",)}
+    return rows, events
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(record=records(), limit=limits)
+def test_a_window_gives_the_whole_texts_datums(record: dict[str, Any], limit: tuple[Any, Any],
+                                               monkeypatch_module: pytest.MonkeyPatch) -> None:
+    max_length, max_prompt_length = limit
+    with monkeypatch_module.context() as patch:  # a window for every record, long or short
+        patch.setattr(tokenization, "worth_a_window", lambda *args: True)
+        windowed = datums_and_report(record, max_length, max_prompt_length)
+    with monkeypatch_module.context() as patch:
+        patch.setattr(tokenization, "worth_a_window", lambda *args: False)
+        whole = datums_and_report(record, max_length, max_prompt_length)
+    assert windowed == whole
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@settings(max_examples=80, deadline=None)
+@given(prompt=text, chosen=text, rejected=text, repeat=st.integers(50, 400), cut=st.integers(0, 40),
+       limit=limits)
+def test_window_ids_are_slices_of_the_whole_ids(prompt: str, chosen: str, rejected: str, repeat: int, cut: int,
+                                                limit: tuple[Any, Any]) -> None:
+    """Cut anywhere in a repeated text (inside a multi-byte character's neighbours, a word, a special token)."""
+    max_length, max_prompt_length = limit
+    shared = (prompt * repeat)[cut:]
+    tails = ["", chosen + TOKENIZER.eos_token, rejected + TOKENIZER.eos_token]
+    whole = [TOKENIZER(shared + tail)["input_ids"] for tail in tails]
+    got = window_token_ids(TOKENIZER, shared, tails, max_length=max_length, max_prompt_length=max_prompt_length)
+    for part, full in zip(got, whole):
+        starts = [k for k in range(len(full) - len(part) + 1) if full[k : k + len(part)] == part]
+        assert starts, (part, full)
+
+
+def test_a_long_record_is_tokenized_from_a_window() -> None:
+    calls: list[int] = []
+    real = TOKENIZER.__class__.__call__
+
+    class Counting(TOKENIZER.__class__):  # type: ignore[misc,name-defined]
+        def __call__(self, texts: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(max(len(t) for t in ([texts] if isinstance(texts, str) else texts)))
+            return real(self, texts, *args, **kwargs)
+
+    tokenizer = Counting.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
+    record = {"prompt": "Tell me a story. " * 200_000, "chosen": " Once.", "rejected": " No."}
+    assert worth_a_window(len(record["prompt"]), 128, None)
+    data, report = tokenization.preference_datums([record], tokenizer, max_length=128, max_prompt_length=64,
+                                                  progress=False, warn=False)
+    assert report.prompt_truncated == 1 and len(data[0].model_input.to_ints()) <= 128
+    assert calls and max(calls) < 20_000 < len(record["prompt"])  # never the whole text
+
+
+def test_shared_start_finds_the_first_difference_anywhere() -> None:
+    base = "é" * 10_000
+    for at in (0, 1, 4095, 4096, 4097, 9_999):
+        other = base[:at] + "x" + base[at + 1 :]
+        assert shared_start([base, other, base]) == at
+    assert shared_start([base, base + "y"]) == len(base)
