@@ -1,9 +1,9 @@
 """Peak host memory of one logged step of KLSampleTrainMonitor, in float64 copies per token.
 
-One logged step is what the monitor runs on a step it logs: read the batch into a ``FlatBatch``,
-read that into statistics (signatures, worst tokens and the percentile sample on, as by
-default), move them to the host and build the step's report (scalars, diagnosis, histogram
-values, worst-token rows). The batch is padded ``[B, T]`` float32 logprobs, a float32 mask and
+One logged step is what the monitor runs on a step it logs: ``read_step`` (the batch into a
+``FlatBatch``), ``DivergenceStats.from_batch`` (signatures, worst tokens and the percentile sample
+on, as by default), ``to_host`` and ``step_report`` (scalars, diagnosis, histogram values,
+worst-token rows, the guard rail's judgement). The batch is padded ``[B, T]`` float32 logprobs, a float32 mask and
 int64 target tokens, every position an action token; the inputs themselves are not counted.
 
 Each size runs in a fresh process whose large allocations all go through ``mmap``
@@ -34,25 +34,21 @@ def logged_step(batch: dict) -> None:
     """One logged step on one rank, as the monitor runs it (the batch is kept while it is read)."""
     import torch
 
-    from loops_callbacks.divergence.action_tokens import flatten_padded
-    from loops_callbacks.divergence.metrics import histogram_values, scalar_metrics
-    from loops_callbacks.divergence.signatures import signature_numbers
+    from loops_callbacks.divergence.guard_rail import GuardRail
+    from loops_callbacks.divergence.media import MediaOptions
+    from loops_callbacks.divergence.report import step_report
     from loops_callbacks.divergence.statistics import DivergenceStats
-    from loops_callbacks.divergence.worst_tokens import worst_token_rows
+    from loops_callbacks.divergence.step_input import data_keys, read_step
 
-    flat = flatten_padded(
-        sampler_logprobs=batch["logprobs"],
-        training_logprobs=batch["training_logprobs"],
-        mask=batch["mask"],
-        target_tokens=batch["target_tokens"],
-        with_tokens=True,
-    )
+    flat = read_step({}, batch, data_keys(None), with_tokens=True)
     stats = DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, generator=torch.Generator().manual_seed(0))
-    host = stats.to_host()
-    scalar_metrics(host)
-    signature_numbers(host)
-    histogram_values(host.diffs, 50_000)
-    worst_token_rows(host.worst, None)
+    step_report(
+        stats.to_host(),
+        prefix="optim/train-sample-div/",
+        media=MediaOptions(),
+        guard_rail=GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3"),
+        diagnosing=True,
+    )
 
 
 def child(tokens: int) -> dict[str, float]:

@@ -25,7 +25,7 @@ import torch
 
 from loops_callbacks.divergence.action_tokens import flatten_datums, trainer_logprobs_from_output
 from loops_callbacks.divergence.guard_rail import impossible_inputs
-from loops_callbacks.divergence.media import MediaOptions, divergence_media
+from loops_callbacks.divergence.media import MediaOptions, step_media, wandb_media
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 from loops_callbacks.divergence.worst_tokens import Tokenizer
@@ -82,9 +82,8 @@ def loops_log_kl_sample_train(
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
     host = _read(data, training_logprobs, top_n=top_n if log_worst_tokens else 0)
     metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
-    metrics.update(
-        divergence_media(host, MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer))
-    )
+    options = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
+    metrics.update(wandb_media(step_media(host, options), prefix=prefix))
     if wandb_run is not None:
         try:
             wandb_run.log(metrics, step=step)

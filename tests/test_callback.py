@@ -124,6 +124,27 @@ def test_tensorboard_and_csv_loggers_receive_the_scalars(tmp_path: Any) -> None:
         assert K3 in handle.readline()
 
 
+def test_a_step_s_media_are_built_once_whatever_the_number_of_loggers(tmp_path: Any) -> None:
+    """The worst-tokens rows (and the histogram's values) are part of the step's report, not of each logger."""
+
+    class CountingTokenizer:
+        calls = 0
+
+        def decode(self, ids: list[int]) -> str:
+            CountingTokenizer.calls += 1
+            return f"<{ids[0]}>" if ids else ""
+
+    def decodes(loggers: int) -> int:
+        CountingTokenizer.calls = 0
+        tensorboards = [TensorBoardLogger(str(tmp_path), name=f"tb{loggers}_{i}") for i in range(loggers)]
+        monitor = KLSampleTrainMonitor(tokenizer=CountingTokenizer(), log_every_n_steps=1)
+        quiet_trainer(max_steps=1, logger=tensorboards, callbacks=[monitor]).fit(TinyPolicy())
+        return CountingTokenizer.calls
+
+    one = decodes(1)
+    assert one > 0 and decodes(3) == one
+
+
 def test_a_failing_logger_is_a_warning_and_training_goes_on() -> None:
     class Broken(RecordingLogger):
         def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:

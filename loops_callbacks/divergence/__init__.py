@@ -2,6 +2,8 @@
 
 In data-flow order:
 
+- ``step_input``: ``read_step``, a training step's batch and output (either contract form) into
+  one ``FlatBatch``;
 - ``action_tokens``: reads each field (``loops_callbacks.fields``) and flattens a batch's action
   tokens once, on the trainer logprobs' device (``list[Datum]`` or padded ``[B, T]``);
 - ``token_context``: the token ids around a position, for the worst-tokens table;
@@ -14,8 +16,10 @@ In data-flow order:
 - ``metrics``: every formula of the logged scalars, once;
 - ``signatures``, ``diagnosis``: the evidence numbers of each likely cause, and the rule naming it;
 - ``guard_rail``: judging a logged step (above the bound, or not to be trusted);
-- ``worst_tokens``, ``media``: the worst-tokens table and the W&B histogram and table;
-- ``sinks``: delivery to each Lightning logger;
+- ``worst_tokens``, ``media``: the worst-tokens rows and the histogram's values, built once;
+- ``report``: ``step_report``, the one pure function from a step's host statistics to its report
+  (scalars, likely cause, media, the guard rail's judgement);
+- ``sinks``: delivery of a report to each Lightning logger;
 - ``lightning_loop``: the two Lightning loop internals the callback reads, checked at setup;
 - ``monitor``: ``KLSampleTrainMonitor``, the Lightning callback.
 

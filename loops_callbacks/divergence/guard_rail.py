@@ -20,8 +20,8 @@ Example:
     >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
     >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_skipped_nonfinite": 64.0}
     >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, ROW.WIDTH)), np.zeros(0))
-    >>> rail = GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3", prefix="div/")
-    >>> rail.untrusted({"div/n_action_tokens": 0.0}, host)
+    >>> rail = GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3")
+    >>> rail.untrusted({"n_action_tokens": 0.0}, host)
     '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from loops_callbacks.divergence.metrics import SCALAR_METRICS
 from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
 from loops_callbacks.validation import check_real
@@ -71,27 +71,27 @@ def watchable_metric(kl_metric: str, prefix: str) -> str:
 class GuardRail:
     """The bound on one metric, with the rules of the module docstring; ``None`` bound: never exceeds.
 
-    ``kl_metric`` is the watched metric's bare name (given bare or with ``prefix``); the step's
-    metrics are read under ``prefix + kl_metric``.
+    ``kl_metric`` is the watched metric's bare name (given bare, or with ``prefix``, which is only
+    read to remove it); the step's scalars are judged by their bare names.
     """
 
     max_kl: float | None
     kl_metric: str
-    prefix: str
+    prefix: InitVar[str] = ""
     max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
 
-    def __post_init__(self) -> None:
-        for name in ("kl_metric", "prefix"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
-        self.kl_metric = watchable_metric(self.kl_metric, self.prefix)
+    def __post_init__(self, prefix: str) -> None:
+        for name, value in (("kl_metric", self.kl_metric), ("prefix", prefix)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {value!r}")
+        self.kl_metric = watchable_metric(self.kl_metric, prefix)
         if self.max_kl is not None:
             self.max_kl = check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0 or None")
         self.max_nonfinite_fraction = check_real(
             "max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0, most=1.0, what="a number in [0, 1]"
         )
 
-    def untrusted(self, metrics: Mapping[str, float], host: HostDivergence) -> str | None:
+    def untrusted(self, scalars: Mapping[str, float], host: HostDivergence) -> str | None:
         """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
         totals = host.totals
         n = totals["n_action_tokens"]
@@ -105,7 +105,7 @@ class GuardRail:
                 f"more than max_nonfinite_fraction = {self.max_nonfinite_fraction:g}"
             )
         sentinel = _sentinel(host)
-        value = metrics[self.prefix + self.kl_metric]
+        value = scalars[self.kl_metric]
         if not math.isfinite(value) or (value < 0 and self.kl_metric not in SIGNED_METRICS):
             why = sentinel or _positive(host) or f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
             return f"{self.kl_metric} = {value:.3g}: {why}"
@@ -113,18 +113,21 @@ class GuardRail:
             return sentinel
         return None
 
-    def exceeds(self, metrics: Mapping[str, float], host: HostDivergence) -> str | None:
-        """Why this step exceeds the guard rail, or ``None``; an untrusted step always exceeds."""
+    def exceeds(self, scalars: Mapping[str, float], host: HostDivergence, *, prefix: str = "") -> str | None:
+        """Why this step exceeds the guard rail, or ``None``; an untrusted step always exceeds.
+
+        The message names the metric by its logged key, ``prefix + kl_metric``.
+        """
         if self.max_kl is None:
             return None
-        reason = self.untrusted(metrics, host)
+        reason = self.untrusted(scalars, host)
         if reason is not None:
             return f"the step cannot be trusted: {reason}"
-        value = metrics.get(self.prefix + self.kl_metric)
+        value = scalars.get(self.kl_metric)
         if value is None or not value > self.max_kl:
             return None
         hint = _positive(host)
-        return f"{self.prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
+        return f"{prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
 
 
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:

@@ -1,14 +1,17 @@
-"""W&B media for the divergence metrics: the per-token-diff histogram and the worst-tokens table.
+"""The media of a logged step, built once: the per-token-diff histogram's values and the worst-tokens rows.
 
-``wandb`` is imported only when one of them is built.
+``step_media`` builds them from the host statistics, whatever the loggers; ``wandb_media`` turns
+them into ``wandb.Histogram`` / ``wandb.Table`` (``wandb`` is imported only then), and the sinks
+give TensorBoard the same values and rows.
 
 Example:
     >>> import numpy as np
     >>> from loops_callbacks.divergence.statistics import ROW, HostDivergence
-    >>> host = HostDivergence(totals={"n_action_tokens": 0.0}, extrema={}, worst=np.zeros((0, ROW.WIDTH)),
-    ...                       diffs=np.zeros(0))
-    >>> divergence_media(host, MediaOptions(prefix="div/"))
-    {}
+    >>> host = HostDivergence(totals={"n_action_tokens": 2.0}, extrema={}, worst=np.zeros((0, ROW.WIDTH)),
+    ...                       diffs=np.array([-0.5, 0.0]))
+    >>> media = step_media(host, MediaOptions(log_worst_tokens=False))
+    >>> media.histogram.tolist(), media.worst_rows
+    ([-0.5, 0.0], None)
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from loops_callbacks.divergence.metrics import histogram_values
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.worst_tokens import WORST_TOKEN_COLUMNS, Tokenizer, worst_token_rows
 
-__all__ = ["HISTOGRAM_KEY", "TABLE_KEY", "MediaOptions", "divergence_media"]
+__all__ = ["HISTOGRAM_KEY", "TABLE_KEY", "MediaOptions", "StepMedia", "step_media", "wandb_media"]
 
 HISTOGRAM_KEY = "per_token_diff_hist"
 TABLE_KEY = "worst_tokens"
@@ -28,37 +33,52 @@ TABLE_KEY = "worst_tokens"
 
 @dataclass(frozen=True)
 class MediaOptions:
-    """What to build beside the scalars, and how: one object from the callback to every logger.
+    """What to build beside the scalars, and how.
 
-    ``max_histogram_tokens`` caps the histogram's values (evenly subsampled); ``tokenizer`` (anything
-    with ``decode(list[int]) -> str``) shows the table's tokens as text.
+    ``max_histogram_tokens`` caps the histogram's values (evenly subsampled; <= 0: no cap);
+    ``tokenizer`` (anything with ``decode(list[int]) -> str``) shows the table's tokens as text.
     """
 
-    prefix: str
     log_histogram: bool = True
     max_histogram_tokens: int = 50000
     log_worst_tokens: bool = True
     tokenizer: Tokenizer | None = None
 
 
-def divergence_media(host: HostDivergence, options: MediaOptions) -> dict[str, Any]:
-    """``{prefix + "per_token_diff_hist": wandb.Histogram, prefix + "worst_tokens": wandb.Table}``.
+@dataclass(frozen=True)
+class StepMedia:
+    """A step's histogram values and table rows; ``None`` for what is off or empty."""
 
-    Both are left out when there are no action tokens (or when switched off).
-    """
-    media: dict[str, Any] = {}
+    histogram: np.ndarray | None = None
+    worst_rows: list[list[Any]] | None = None
+
+
+def step_media(host: HostDivergence, options: MediaOptions) -> StepMedia:
+    """The histogram's values and the table's rows; neither without action tokens (or when switched off)."""
     if host.totals["n_action_tokens"] == 0:
-        return media
+        return StepMedia()
+    histogram = None
     if options.log_histogram and host.diffs.size:
+        histogram = histogram_values(host.diffs, options.max_histogram_tokens)
+    rows = worst_token_rows(host.worst, options.tokenizer) if options.log_worst_tokens else None
+    return StepMedia(histogram, rows)
+
+
+def wandb_media(media: StepMedia, *, prefix: str) -> dict[str, Any]:
+    """``{prefix + "per_token_diff_hist": wandb.Histogram, prefix + "worst_tokens": wandb.Table}``, those there are.
+
+    Example:
+        >>> wandb_media(StepMedia(), prefix="div/")
+        {}
+    """
+    logged: dict[str, Any] = {}
+    if media.histogram is not None:
         import wandb
 
-        values = histogram_values(host.diffs, options.max_histogram_tokens)
-        media[options.prefix + HISTOGRAM_KEY] = wandb.Histogram(values)
-    if options.log_worst_tokens:
+        logged[prefix + HISTOGRAM_KEY] = wandb.Histogram(media.histogram)
+    if media.worst_rows is not None:
         import wandb
 
-        media[options.prefix + TABLE_KEY] = wandb.Table(
-            columns=list(WORST_TOKEN_COLUMNS),
-            data=worst_token_rows(host.worst, options.tokenizer),  # one type per column: the token column is text
-        )
-    return media
+        # one type per column: the token column is text
+        logged[prefix + TABLE_KEY] = wandb.Table(columns=list(WORST_TOKEN_COLUMNS), data=media.worst_rows)
+    return logged

@@ -5,11 +5,21 @@ KL Sample-Train Monitor
 Logs, every optimizer step, how far the sampler's logprobs are from the trainer's on exactly the
 tokens that step trained on, and stops a run whose sampler and trainer have come apart — or whose
 numbers can no longer be trusted (``loops_callbacks.divergence.guard_rail``).
+
+A logged step, top to bottom (``on_train_batch_end``):
+
+1. ``read_step``: the step's batch and ``training_step`` output become one ``FlatBatch``;
+2. ``DivergenceStats.from_batch``: its statistics, merged over the micro-batches of the window;
+3. ``reduce_across_ranks`` and ``to_host``: every rank's statistics, on the host in one transfer;
+4. ``step_report``: one pure function turns them into the step's report (scalars, likely cause,
+   media, the guard rail's judgement);
+5. the report is delivered (``sinks``), remembered (``RunHistory``), and acted on: warnings about
+   the inputs, then the guard rail's patience and action (``_act``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,49 +27,22 @@ import torch
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
-from loops_callbacks.divergence.action_tokens import (
-    FlatBatch,
-    flatten_datums,
-    flatten_padded,
-    trainer_logprobs_from_output,
-)
-from loops_callbacks.divergence.diagnosis import (
-    IMPOSSIBLE_INPUTS,
-    Calibration,
-    Diagnosis,
-    diagnose,
-    diagnosis_metrics,
-)
-from loops_callbacks.divergence.guard_rail import (
-    DEFAULT_MAX_NONFINITE_FRACTION,
-    GuardRail,
-    SampleTrainDivergenceError,
-    impossible_inputs,
-)
+from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
+from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.media import MediaOptions
-from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
+from loops_callbacks.divergence.report import StepReport, step_report
 from loops_callbacks.divergence.run_history import RunHistory, Verdict
-from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.sinks import deliver, deliver_text
-from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
+from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats
+from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check_bool, check_int
 
 __all__ = ["DATA_KEYS", "KLSampleTrainMonitor", "SampleTrainDivergenceError", "Verdict"]
-
-DATA_KEYS = (
-    "data",
-    "training_logprobs",
-    "forward_backward_output",
-    "logprobs",
-    "mask",
-    "advantages",
-    "target_tokens",
-    "input_ids",
-)
-"""The names ``keys=`` may remap; by default each is read under its own name."""
 
 GUARD_RAIL_TEXT_KEY = "guard_rail"
 """Text key (under the prefix) of the guard rail's message, at the step it acted."""
@@ -231,7 +214,7 @@ class KLSampleTrainMonitor(Callback):
         self.interval = interval
         self.log_every_n_steps = log_every_n_steps
         self.prefix = prefix
-        self.media = MediaOptions(prefix, log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
+        self.media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
         self.top_n = top_n if log_worst_tokens else 0
         self.sample_size = sample_size
         self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)  # checks these four
@@ -239,7 +222,7 @@ class KLSampleTrainMonitor(Callback):
         self.kl_metric = self.guard_rail.kl_metric  # the bare name
         self.patience = patience
         self.on_exceed = on_exceed
-        self.keys = _data_keys(keys)
+        self.keys = data_keys(keys)
         self.diagnosing = diagnose
         self.calibration_steps = calibration_steps
         self.exceeded_steps = 0
@@ -262,7 +245,7 @@ class KLSampleTrainMonitor(Callback):
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
-        self.history = RunHistory(self.prefix, self.kl_metric, self.max_kl)
+        self.history = RunHistory(self.kl_metric, self.max_kl)
         self.calibration = Calibration(self.calibration_steps)
         self.last_diagnosis: Diagnosis | None = None
         self._window: DivergenceStats | None = None
@@ -279,8 +262,8 @@ class KLSampleTrainMonitor(Callback):
         logged = self._logs_at(trainer, step)
         if not logged and self._contract_checked:
             return
-        flat = self._read_batch(outputs, batch)  # the first batch is always checked: fail fast
-        self._contract_checked = True
+        flat = read_step(outputs, batch, self.keys, with_tokens=self.top_n > 0, with_token_ids=self.diagnosing)
+        self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
             return
         stats = DivergenceStats.from_batch(
@@ -292,10 +275,26 @@ class KLSampleTrainMonitor(Callback):
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
-        if self.interval == "forward_backward" or not accumulating(trainer):
-            window, self._window = self._window, None
-            self._publish(trainer, window, step)
-            self._last_flat = None
+        if self.interval == "optimizer_step" and accumulating(trainer):
+            return
+        window, self._window = self._window, None
+        if trainer.world_size > 1:
+            window = window.reduce_across_ranks(
+                trainer.strategy, generator=self._generator(window.totals.device, trainer.global_rank)
+            )
+        report = step_report(
+            window.to_host(),  # the one host synchronization of a logged step
+            prefix=self.prefix,
+            media=self.media,
+            guard_rail=self.guard_rail,
+            diagnosing=self.diagnosing,
+            precision_max_k3=self.calibration.precision_max_k3,
+        )
+        self._deliver(trainer, report, step)
+        self._remember(report, step)
+        self._warn_about_inputs(report, step)
+        self._act(trainer, report, step)
+        self._last_flat = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -324,7 +323,7 @@ class KLSampleTrainMonitor(Callback):
         tokens and its metrics, the last diagnosis, and the verdict. The same text is logged at
         the end of fit under ``<prefix>run_summary``.
         """
-        return self.history.lines()
+        return self.history.lines(self.prefix)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -334,12 +333,6 @@ class KLSampleTrainMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the patience counter; a ``stop_reason`` saved by older versions belongs to the run that stopped."""
         self.exceeded_steps = state_dict.get("exceeded_steps", 0)
-
-    def _deliver_summary(self, trainer: pl.Trainer) -> None:
-        if trainer.is_global_zero:
-            text, key = "\n".join(self.summary_lines()), self.prefix + RUN_SUMMARY_TEXT_KEY
-            step = trainer.global_step  # at or after every logged step: W&B drops steps behind its counter
-            deliver_text(trainer.loggers, key, text, step=step, warnings=self.warnings, preformatted=True)
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
@@ -354,57 +347,38 @@ class KLSampleTrainMonitor(Callback):
             self._generators[device] = torch.Generator(device=device).manual_seed(rank)
         return self._generators[device]
 
-    def _publish(self, trainer: pl.Trainer, window: DivergenceStats, step: int) -> None:
-        if trainer.world_size > 1:
-            generator = self._generator(window.totals.device, trainer.global_rank)
-            window = window.reduce_across_ranks(trainer.strategy, generator=generator)
-        host = window.to_host()  # the one host synchronization of a logged step
-        metrics = scalar_metrics(host, prefix=self.prefix)
-        self.last_metrics = metrics
-        problems = impossible_inputs(host)
-        logged = {**metrics, **self._diagnose(host, problems)}
+    def _deliver(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
+        """The report's scalars into ``callback_metrics`` (every rank); scalars, media and diagnosis to the loggers (rank 0)."""
+        logged = report.logged(self.prefix)
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
+        if not trainer.is_global_zero:
+            return
+        deliver(trainer.loggers, report, step=step, prefix=self.prefix, warnings=self.warnings)
+        if report.diagnosis is not None:
+            key = self.prefix + DIAGNOSIS_TEXT_KEY
+            deliver_text(trainer.loggers, key, report.diagnosis.message, step=step, warnings=self.warnings)
+
+    def _deliver_summary(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero:
-            deliver(trainer.loggers, logged, host, step=step, media=self.media, warnings=self.warnings)
-            if self.last_diagnosis is not None:
-                deliver_text(
-                    trainer.loggers,
-                    self.prefix + DIAGNOSIS_TEXT_KEY,
-                    self.last_diagnosis.message,
-                    step=step,
-                    warnings=self.warnings,
-                )
-        self.history.observe(step, metrics, self.last_diagnosis)
-        self._watch_inputs(host, problems, step)
-        self._guard(trainer, metrics, host, problems, step)
+            text, key = "\n".join(self.summary_lines()), self.prefix + RUN_SUMMARY_TEXT_KEY
+            step = trainer.global_step  # at or after every logged step: W&B drops steps behind its counter
+            deliver_text(trainer.loggers, key, text, step=step, warnings=self.warnings, preformatted=True)
 
-    def _diagnose(self, host: HostDivergence, problems: Mapping[str, str]) -> dict[str, float]:
-        """The step's likely cause (kept in ``last_diagnosis``) and its metrics; nothing without action tokens.
-
-        Impossible inputs (``guard_rail.impossible_inputs``) are the cause when there are any: the
-        statistical rule would read them as something else (probabilities look like truncation).
-        """
-        self.last_diagnosis = None
-        n = host.totals["n_action_tokens"]
-        if not self.diagnosing or n == 0:
-            return {}
-        signatures = signature_numbers(host)
-        if problems:
-            diagnosis = Diagnosis.impossible_inputs(problems.values())
-        else:
-            diagnosis = diagnose(signatures, n_tokens=n, precision_max_k3=self.calibration.precision_max_k3)
-            self.calibration.observe(diagnosis, signatures["kl_sample_train_k3"])
-        self.last_diagnosis = diagnosis
-        return diagnosis_metrics(diagnosis, signatures, prefix=self.prefix)
-
-    def _watch_inputs(self, host: HostDivergence, problems: Mapping[str, str], step: int) -> None:
-        """Count steps with something to judge; warn once per run about impossible logprobs."""
-        totals = host.totals
-        if totals["n_action_tokens"] + totals["n_skipped_nonfinite"] > 0:
+    def _remember(self, report: StepReport, step: int) -> None:
+        """The run's state after this step: last metrics and diagnosis, the history, the calibration."""
+        self.last_metrics = {self.prefix + name: value for name, value in report.scalars.items()}
+        self.last_diagnosis = report.diagnosis
+        self.history.observe(step, report.scalars, report.diagnosis)
+        if report.diagnosis is not None:
+            self.calibration.observe(report.diagnosis, report.scalars["kl_sample_train_k3"])
+        if report.has_action_tokens:
             self._steps_with_action_tokens += 1
-        elif self.history.logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
+
+    def _warn_about_inputs(self, report: StepReport, step: int) -> None:
+        """Say once per run that the monitor watches nothing, and once per problem that the inputs are impossible."""
+        if self.history.logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
             self._warn_watching_nothing()
-        for problem, message in problems.items():
+        for problem, message in report.problems.items():
             if not self.warnings.said(problem):
                 self.warnings.warn(
                     problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
@@ -437,39 +411,19 @@ class KLSampleTrainMonitor(Callback):
         value = float(values[index])
         return f"key {key!r}, e.g. {value:.3g} at datum {datum}, position {position} of the last micro-batch"
 
-    def _guard(
-        self,
-        trainer: pl.Trainer,
-        metrics: Mapping[str, float],
-        host: HostDivergence,
-        problems: Mapping[str, str],
-        step: int,
-    ) -> None:
-        reason = self.guard_rail.exceeds(metrics, host)
-        if reason is None:
-            untrusted = self.guard_rail.untrusted(metrics, host)
-            if untrusted is not None:  # no bound set: say it, act on nothing
-                self.warnings.warn(f"untrusted:{untrusted}", f"KLSampleTrainMonitor, step {step}: {untrusted}")
+    def _act(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
+        """The guard rail's patience and action on the report's judgement: warn, stop or raise."""
+        if report.exceeds is None:
+            if report.untrusted is not None:  # no bound set: say it, act on nothing
+                self.warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
         if self.exceeded_steps < self.patience:
             return
-        cause = self.last_diagnosis
-        if cause is None and problems:  # diagnose=False: the inputs are still what the message names
-            cause = Diagnosis.impossible_inputs(problems.values())
-        if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
-            advice = f"{cause.message}."  # a fact about the inputs, not a hint
-        elif cause is not None and cause.cause not in ("unclear", "none"):
-            advice = f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
-        else:
-            advice = (
-                "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
-                "precision and sampling settings."
-            )
         message = (
-            f"{reason} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
-            f"the sampler's logprobs no longer match the trainer's — {advice}"
+            f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
+            f"the sampler's logprobs no longer match the trainer's — {_advice(report)}"
         )
         verdict = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[self.on_exceed]
         self.history.acted(verdict, step, message)
@@ -483,84 +437,17 @@ class KLSampleTrainMonitor(Callback):
             raise SampleTrainDivergenceError(message)
         self.warnings.warn(f"exceeded:{step}", message)
 
-    def _read_batch(self, outputs: Any, batch: Any) -> FlatBatch:
-        """The step's tokens, in either contract form; a clear error when the contract is broken."""
-        data = self._lookup(outputs, batch, "data")
-        if data is None and _is_datum_list(batch):
-            data = batch
-        with_tokens = self.top_n > 0
-        if data is not None:
-            return flatten_datums(
-                data,
-                self._trainer_logprobs(outputs, batch, datums=True),
-                with_tokens=with_tokens,
-                with_token_ids=self.diagnosing,  # read only by the diagnosis' per-token-id sums
-            )
-        missing = [self.keys[k] for k in ("logprobs", "mask") if self._lookup(outputs, batch, k) is None]
-        if missing:
-            raise ValueError(
-                f"KLSampleTrainMonitor: neither training_step's output (keys: {_keys(outputs)}) nor the batch "
-                f"(keys: {_keys(batch)}) has {missing}. Provide the sampler's per-token logprobs "
-                f"{self.keys['logprobs']!r} and the action-token mask {self.keys['mask']!r} as [B, T] tensors "
-                "(in the batch or in the dict training_step returns), or a list of Datum as the batch "
-                "(or under 'data'); other key names can be set with keys={'logprobs': ..., 'mask': ...}."
-            )
-        return flatten_padded(
-            sampler_logprobs=self._lookup(outputs, batch, "logprobs"),
-            training_logprobs=self._trainer_logprobs(outputs, batch, datums=False),
-            mask=self._lookup(outputs, batch, "mask"),
-            advantages=self._lookup(outputs, batch, "advantages"),
-            target_tokens=self._lookup(outputs, batch, "target_tokens"),
-            input_ids=self._lookup(outputs, batch, "input_ids"),
-            with_tokens=with_tokens,
-        )
 
-    def _trainer_logprobs(self, outputs: Any, batch: Any, *, datums: bool) -> Any:
-        logprobs = self._lookup(outputs, batch, "training_logprobs")
-        if logprobs is not None:
-            return logprobs
-        output = self._lookup(outputs, batch, "forward_backward_output") if datums else None
-        if output is not None:
-            return trainer_logprobs_from_output(output)
-        also = f" or {self.keys['forward_backward_output']!r}" if datums else ""
-        raise ValueError(
-            f"KLSampleTrainMonitor: training_step's output has no {self.keys['training_logprobs']!r}{also} "
-            f"(keys: {_keys(outputs)}). Return the trainer's per-token logprobs of the target tokens, e.g. "
-            f"`return {{'loss': loss, {self.keys['training_logprobs']!r}: logprobs}}` with logprobs [B, T] "
-            "(position k = the token predicted at k), or set keys={'training_logprobs': <your key>}."
-        )
-
-    def _lookup(self, outputs: Any, batch: Any, name: str) -> Any:
-        key = self.keys[name]
-        for source in (outputs, batch):
-            if isinstance(source, Mapping) and source.get(key) is not None:
-                return source[key]
-        return None
-
-
-def _data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
-    """``keys`` over the defaults; ``ValueError`` naming an unknown name or a non-string key."""
-    given = dict(keys or {})
-    unknown = sorted(set(given) - set(DATA_KEYS))
-    if unknown:
-        raise ValueError(f"keys has unknown names {unknown}; the names are {list(DATA_KEYS)}")
-    not_str = {name: key for name, key in given.items() if not isinstance(key, str)}
-    if not_str:
-        raise TypeError(f"keys must map each name to a non-empty string, got {not_str}")
-    empty = [name for name, key in given.items() if not key]
-    if empty:
-        raise ValueError(f"keys must map each name to a non-empty string, got an empty key for {empty}")
-    return {name: given.get(name, name) for name in DATA_KEYS}
-
-
-def _is_datum_list(batch: Any) -> bool:
+def _advice(report: StepReport) -> str:
+    """What the guard rail's message says to check: the likely cause when there is one."""
+    cause = report.diagnosis
+    if cause is None and report.problems:  # diagnose=False: the inputs are still what the message names
+        cause = Diagnosis.impossible_inputs(report.problems.values())
+    if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
+        return f"{cause.message}."  # a fact about the inputs, not a hint
+    if cause is not None and cause.cause not in ("unclear", "none"):
+        return f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
     return (
-        isinstance(batch, Sequence)
-        and not isinstance(batch, (str, bytes, torch.Tensor))
-        and len(batch) > 0
-        and (hasattr(batch[0], "loss_fn_inputs") or (isinstance(batch[0], Mapping) and "loss_fn_inputs" in batch[0]))
+        "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+        "precision and sampling settings."
     )
-
-
-def _keys(value: Any) -> list[str] | str:
-    return sorted(map(str, value)) if isinstance(value, Mapping) else type(value).__name__

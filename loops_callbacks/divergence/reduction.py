@@ -18,7 +18,7 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
-monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 104,431 values) that is
+monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 104,451 values) that is
 1.67 MB plus 400 B per rank: 2.08 MB at 1,024 ranks, where gathering every rank's statistics
 received about 1.6 MB per rank (1.6 GB at 1,024).
 

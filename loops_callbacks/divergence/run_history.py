@@ -6,12 +6,12 @@ guard rail's ``Verdict``. ``lines`` renders it as plain text, the verdict last.
 
 Example:
     >>> from loops_callbacks.divergence.diagnosis import Diagnosis
-    >>> history = RunHistory(prefix="div/", watched="kl_sample_train_k3", max_kl=0.05)
+    >>> history = RunHistory(watched="kl_sample_train_k3", max_kl=0.05)
     >>> stale = Diagnosis("stale", 0.8, {"token_eta2": 0.2})
-    >>> history.observe(0, {"div/n_action_tokens": 64.0, "div/kl_sample_train_k3": 0.2}, stale)
-    >>> history.observe(1, {"div/n_action_tokens": 0.0}, None)
-    >>> history.acted(Verdict.STOPPED, 0, "div/kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05")
-    >>> print("\\n".join(history.lines()))
+    >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, stale)
+    >>> history.observe(1, {"n_action_tokens": 0.0}, None)
+    >>> history.acted(Verdict.STOPPED, 0, "kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05")
+    >>> print("\\n".join(history.lines(prefix="div/")))
     Sampler-vs-trainer divergence (div/*): 2 logged steps
       steps by likely cause: stale 1 (first at step 0), no action tokens 1 (first at step 1)
       last step with action tokens: 0 (the last logged step, 1, had none)
@@ -19,7 +19,7 @@ Example:
         n_action_tokens      64
         kl_sample_train_k3   0.2
       last diagnosis (step 0, a hint, confidence 0.80): likely cause: the sampler's weights are out of date (token eta2 0.2); check that the sampler receives the trainer's weights every step (sync frequency, failed or partial weight loads)
-    Guard rail: stopped the run at step 0: div/kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05
+    Guard rail: stopped the run at step 0: kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class CauseCount:
 class RunHistory:
     """One run's history (module docstring); the monitor starts a new one when a fit starts."""
 
-    prefix: str
     watched: str
     max_kl: float | None
     logged_steps: int = 0
@@ -85,10 +84,10 @@ class RunHistory:
             self.verdict = Verdict.OFF
 
     def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
-        """Count one logged step: its cause (or ``no action tokens``), its metrics when it had tokens."""
+        """Count one logged step: its cause (or ``no action tokens``), its metrics (bare names) when it had tokens."""
         self.logged_steps += 1
         self.last_step = step
-        has_tokens = metrics.get(self.prefix + "n_action_tokens", 0.0) > 0
+        has_tokens = metrics.get("n_action_tokens", 0.0) > 0
         label = diagnosis.cause if diagnosis is not None else NOT_DIAGNOSED if has_tokens else NO_ACTION_TOKENS
         if label in self.causes:
             self.causes[label].steps += 1
@@ -107,9 +106,9 @@ class RunHistory:
             return
         self.verdict, self.verdict_step, self.verdict_reason = verdict, step, reason
 
-    def lines(self) -> list[str]:
-        """The summary as plain text lines, the guard rail's verdict last."""
-        lines = [f"Sampler-vs-trainer divergence ({self.prefix}*): {self.logged_steps} logged steps"]
+    def lines(self, prefix: str) -> list[str]:
+        """The summary as plain text lines, the guard rail's verdict last; ``prefix``: the metrics' key prefix."""
+        lines = [f"Sampler-vs-trainer divergence ({prefix}*): {self.logged_steps} logged steps"]
         if self.causes:
             counts = ", ".join(f"{cause} {c.steps} (first at step {c.first_step})" for cause, c in self.causes.items())
             lines.append(f"  steps by likely cause: {counts}")
@@ -122,7 +121,7 @@ class RunHistory:
                 where += f" (the last logged step, {self.last_step}, had none)"
             lines.append(where)
             lines.append("  its metrics:")
-            names = {key.removeprefix(self.prefix): value for key, value in self.metrics_with_action_tokens.items()}
+            names = self.metrics_with_action_tokens
             width = max(map(len, names))
             lines += [f"    {name:{width}s}   {value + 0.0:.6g}" for name, value in names.items()]  # + 0.0: no "-0"
         if self.last_diagnosis is not None:

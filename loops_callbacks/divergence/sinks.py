@@ -1,8 +1,9 @@
-"""Deliver one step's divergence metrics to every Lightning logger, each in its own way.
+"""Deliver one step's report to every Lightning logger, each in its own way.
 
 * ``WandbLogger``: scalars, ``wandb.Histogram`` and ``wandb.Table`` through ``log_metrics``
   (never ``run.log(step=...)``, which W&B silently drops once its own counter is ahead);
 * ``TensorBoardLogger``: scalars, ``add_histogram`` and the table as Markdown text;
+  (the histogram's values and the table's rows are the report's, built once for every logger);
 * any other logger (CSV, MLflow, ...): scalars.
 
 ``deliver_text`` writes one text entry (e.g. why the guard rail stopped the run) to each logger
@@ -11,50 +12,49 @@ that can show text: TensorBoard's text panel (``add_text``, Markdown) and W&B (a
 A logger that fails is reported as a warning and skipped: monitoring must never stop training.
 
 Example:
-    >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import ROW, HostDivergence
+    >>> from loops_callbacks.divergence.report import StepReport
     >>> class Printer:
     ...     def log_metrics(self, metrics, step):
     ...         print(step, metrics)
-    >>> host = HostDivergence({"n_action_tokens": 0.0}, {}, np.zeros((0, ROW.WIDTH)), np.zeros(0))
-    >>> deliver([Printer()], {"div/n_action_tokens": 0.0}, host, step=3, media=MediaOptions("div/"))
+    >>> deliver([Printer()], StepReport({"n_action_tokens": 0.0}), step=3, prefix="div/")
     3 {'div/n_action_tokens': 0.0}
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from loops_callbacks import run_warnings
-from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, MediaOptions, divergence_media
-from loops_callbacks.divergence.metrics import histogram_values
-from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.worst_tokens import worst_token_rows, worst_tokens_markdown
+from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, wandb_media
+from loops_callbacks.divergence.worst_tokens import worst_tokens_markdown
 from loops_callbacks.run_warnings import RunWarnings
+
+if TYPE_CHECKING:  # the report module builds what this one delivers
+    from loops_callbacks.divergence.report import StepReport
 
 __all__ = ["deliver", "deliver_text"]
 
 
 def deliver(
     loggers: Iterable[Any],
-    scalars: Mapping[str, float],
-    host: HostDivergence,
+    report: StepReport,
     *,
     step: int,
-    media: MediaOptions,
+    prefix: str,
     warnings: RunWarnings | None = None,
 ) -> None:
-    """Log ``scalars`` (and media where the logger can show it) at ``step`` to each logger.
+    """Log ``report``'s scalars (and its media where the logger can show it) at ``step`` to each logger.
 
-    A failing logger is a warning, through ``warnings`` (once per run and logger) when given.
+    Every key gets ``prefix``. A failing logger is a warning, through ``warnings`` (once per run
+    and logger) when given.
     """
     for logger in loggers:
         try:
-            _deliver_one(logger, scalars, host, step, media)
+            _deliver_one(logger, report, step, prefix)
         except Exception as error:  # a full disk, a closed W&B run, a network error
             _warn(
                 warnings,
@@ -106,15 +106,15 @@ def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
         warnings.warn(key, message)
 
 
-def _deliver_one(logger: Any, scalars: Mapping[str, float], host: HostDivergence, step: int, media: MediaOptions) -> None:
+def _deliver_one(logger: Any, report: StepReport, step: int, prefix: str) -> None:
+    scalars = report.logged(prefix)
     if isinstance(logger, WandbLogger):
-        extra = divergence_media(host, media)
-        logger.log_metrics({**scalars, **extra}, step=step)
+        logger.log_metrics({**scalars, **wandb_media(report.media, prefix=prefix)}, step=step)
         return
-    logger.log_metrics(dict(scalars), step=step)
-    if isinstance(logger, TensorBoardLogger) and host.totals["n_action_tokens"] > 0:
+    logger.log_metrics(scalars, step=step)
+    if isinstance(logger, TensorBoardLogger):
         writer = logger.experiment
-        if media.log_histogram and host.diffs.size:
-            writer.add_histogram(media.prefix + HISTOGRAM_KEY, histogram_values(host.diffs, media.max_histogram_tokens), step)
-        if media.log_worst_tokens:
-            writer.add_text(media.prefix + TABLE_KEY, worst_tokens_markdown(worst_token_rows(host.worst, media.tokenizer)), step)
+        if report.media.histogram is not None:
+            writer.add_histogram(prefix + HISTOGRAM_KEY, report.media.histogram, step)
+        if report.media.worst_rows is not None:
+            writer.add_text(prefix + TABLE_KEY, worst_tokens_markdown(report.media.worst_rows), step)
