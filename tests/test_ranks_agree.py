@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from typing_extensions import override
 
-from loops_callbacks.data import DPODataModule, compute_reference_logprobs, dpo_pair_datums
+from loops_callbacks.data import DPODataModule, ReferenceLogprobsMixin, compute_reference_logprobs, dpo_pair_datums
 from tests.helpers import CleanDistributedExit, ToyDPO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,6 +195,25 @@ def _case_missing_file(rank: int, out_dir: Path) -> dict[str, Any]:
     return {}
 
 
+class OwnData(ReferenceLogprobsMixin, L.LightningDataModule):
+    """A user's DataModule: rank 1's ``dpo_data()`` has a datum too many (an odd number)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.configure_reference(FlatClient(), use_cache=False, progress=False)
+
+    def dpo_data(self) -> list[Any]:
+        records = token_records(4)
+        data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=3)]
+        return data + data[:1] if self.rank == 1 else data
+
+
+def _case_invalid_on_one_rank(rank: int, out_dir: Path) -> dict[str, Any]:
+    OwnData(rank).setup("fit")
+    return {}
+
+
 def dropped_first_half() -> list[dict[str, Any]]:
     """Token-id records whose first half have prompts too long for ``max_length=5``: rank 0 keeps no pair."""
     long = [{"chosen": [1, 2, 3, 4, 5, 6, 7], "rejected": [1, 2, 3, 4, 5, 6, 8], "prompt_length": 6}] * 4
@@ -266,3 +285,9 @@ def test_a_rank_that_cannot_read_its_file_stops_every_rank(tmp_path: Path) -> No
     assert str(tmp_path / "absent.jsonl") in rank1, rank1
     assert rank0.startswith("RuntimeError: reading the preference records failed on another rank (rank 1: "), rank0
     assert str(tmp_path / "absent.jsonl") in rank0, rank0
+
+
+def test_pairs_that_fail_their_check_on_one_rank_stop_every_rank(tmp_path: Path) -> None:
+    rank0, rank1 = (result.get("error", "") for result in run_two_processes("invalid_on_one_rank", tmp_path))
+    assert rank1.startswith("ValueError: ") and "odd" in rank1, rank1
+    assert rank0.startswith("ValueError: checking the DPO pairs failed on another rank (rank 1: ValueError: "), rank0

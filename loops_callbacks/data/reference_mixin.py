@@ -31,6 +31,7 @@ from loops_callbacks.reference.across_ranks import (
     score_across_ranks,
 )
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
+from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
 from loops_callbacks.validation import check_dtype, check_int
@@ -316,8 +317,18 @@ class ReferenceLogprobsMixin:
         return getattr(self, "_reference_config", None) or ReferenceConfig()
 
     def _checked_data(self, config: ReferenceConfig) -> tuple[list[Any], list[list[int]]]:
-        data = list(self.dpo_data())
-        tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
+        """``dpo_data()`` and its checked token ids; an error on any rank is raised on every rank."""
+        failure: BaseException | None = None
+        data: list[Any] = []
+        tokens: list[list[int]] = []
+        try:
+            data = list(self.dpo_data())
+            tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
+        except Exception as error:  # noqa: BLE001 - a rank whose data fail must not leave the others waiting
+            failure = error
+        group = Group()
+        StallGuard(group, config.scoring_timeout).arrive("the end of checking the DPO pairs")
+        raise_together(group, failure, "checking the DPO pairs")
         self._num_dpo_pairs = len(data) // 2
         return data, tokens
 
