@@ -38,16 +38,8 @@ import numpy as np
 import torch
 
 from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.layout import (
-    EXTREMA,
-    ROW,
-    SUMMED_TOTALS,
-    TOKEN_BUCKETS,
-    TOTAL_INDEX,
-    TOTALS,
-    Packing,
-    pack_named,
-)
+from loops_callbacks.divergence.layout import EXTREMA, ROW, TOKEN_BUCKETS, TOTAL_INDEX, TOTALS, Packing, pack_named
+from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
 from loops_callbacks.divergence.token_context import NO_TOKEN
 
@@ -73,8 +65,6 @@ LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
 CHUNK_POSITIONS = 1 << 18
 """On the CPU, ``from_batch`` reads at most about this many positions at a time (whole datums)."""
-SIGNATURE_TOTALS = SUMMED_TOTALS
-"""The diagnosis' sums (the totals the reduction only sums): zero when a batch is read with ``signatures=False``."""
 P_HIGH = float(np.log(0.5))
 """Sampler logprob above which a token is "likely" (p > 0.5) for the sign-split signature."""
 P_LOW = float(np.log(0.1))
@@ -184,6 +174,7 @@ class DivergenceStats:
         if signatures:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
         else:
+            # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS)
             sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
         k3 = is_ratio.sub_(1.0).sub_(d)  # every use of the ratio is above: its buffer becomes k3 = e^d - 1 - d
         if valid is not None:
