@@ -44,6 +44,7 @@ import loops_callbacks.data  # noqa: F401  (registers the DataModules for short 
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
 from loops_callbacks.divergence.monitor import KLSampleTrainMonitor, Verdict
+from loops_callbacks.reference import cache_tool
 
 __all__ = [
     "EXIT_ERROR",
@@ -80,6 +81,7 @@ MAIN_COMMANDS = (
     ("loops-callbacks fit --config configs/rl_tiny.yaml", "RL with the divergence monitor (the main demo)"),
     ("loops-callbacks fit --config configs/dpo_tiny.yaml", "DPO with cached reference logprobs"),
 )
+CACHE_COMMAND = ("loops-callbacks cache list|prune DIR", "see and prune reference-logprob caches (--help for options)")
 
 
 class LoopsCLI(LightningCLI):
@@ -150,6 +152,7 @@ def help_epilog() -> str:
     """The main commands, the shipped configs (read from ``CONFIGS_DIR`` now) and the exit statuses."""
     lines = ["The two main commands (from the checkout's root):"]
     lines += [f"  {command:54s} {what}" for command, what in MAIN_COMMANDS]
+    lines.append(f"  {CACHE_COMMAND[0]:54s} {CACHE_COMMAND[1]}")
     lines.append("  (add --print_config to see a config with every default, --trainer.max_steps N to shorten it)")
     configs = shipped_configs()
     if configs:
@@ -374,7 +377,14 @@ def run_cli(args: Any = None) -> LoopsCLI:
 
 
 def main(args: Any = None) -> None:
-    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks``; exits with ``EXIT_STATUSES``."""
+    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks``; exits with ``EXIT_STATUSES``.
+
+    ``loops-callbacks cache list|prune DIR ...`` sees and prunes reference-logprob caches
+    (``loops_callbacks.reference.cache_tool``) instead of running LightningCLI.
+    """
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, (list, tuple)) and argv[:1] == ["cache"]:
+        raise SystemExit(cache_tool.main(list(argv[1:])))
     try:
         cli = run_cli(args)
     except SampleTrainDivergenceError:

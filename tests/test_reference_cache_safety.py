@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -334,6 +335,17 @@ def test_cache_tool_runs_as_a_module(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "loops_callbacks.reference.cache_tool", "list", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
+
+
+def test_cache_tool_is_a_subcommand_of_the_console_script(tmp_path: Path) -> None:
+    """``loops-callbacks cache ...``: the command the messages and ``--help`` name."""
+    script = shutil.which("loops-callbacks", path=os.path.dirname(sys.executable)) or shutil.which("loops-callbacks")
+    assert script is not None, "the loops-callbacks console script is not installed"
+    run = subprocess.run([script, "cache", "list", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
+    bad = subprocess.run([script, "cache", "prune", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "nothing is removed by default" in bad.stderr
+    assert CACHE_TOOL == "loops-callbacks cache"
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the liveness check is POSIX")

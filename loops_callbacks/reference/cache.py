@@ -21,7 +21,7 @@ The file is read into this process's memory once, and the checksum is computed o
 bytes read: a file copied over, truncated or removed while a job runs cannot change that job's
 values (nor kill it with ``SIGBUS``, as a memory map of a truncated file does). The cost is 4
 bytes a token in each process (no pages shared between the ranks of a machine).
-``python -m loops_callbacks.reference.cache_tool list|prune DIR`` shows and removes caches.
+``loops-callbacks cache list|prune DIR`` (``loops_callbacks.reference.cache_tool``) shows and removes caches.
 
 Example:
     >>> import os, tempfile
@@ -75,7 +75,7 @@ __all__ = [
 CACHE_FILE_NAME = "ref_logprobs.cache"
 """The cache's base name in its directory (each key's file is ``cache_file(base, key)``; this very
 name is the single-file layout of earlier versions, still read)."""
-CACHE_TOOL = "python -m loops_callbacks.reference.cache_tool"
+CACHE_TOOL = "loops-callbacks cache"
 """The command that lists (``list DIR``) and removes (``prune DIR ...``) caches."""
 _MAGIC = b"LOOPSREF"
 _PREFIX = len(_MAGIC) + 4

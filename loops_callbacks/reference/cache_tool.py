@@ -1,11 +1,12 @@
-"""See and prune the reference-logprob caches of a directory: ``python -m loops_callbacks.reference.cache_tool``.
+"""See and prune the reference-logprob caches of a directory: ``loops-callbacks cache``.
 
 Each run caches its reference logprobs in a file of its own (one per reference, data and scoring
-dtype), so a directory shared by experiments keeps all of them until they are pruned::
+dtype), so a directory shared by experiments keeps all of them until they are pruned (``python -m
+loops_callbacks.reference.cache_tool`` is the same command)::
 
-    python -m loops_callbacks.reference.cache_tool list runs/dpo/reference_logprobs
-    python -m loops_callbacks.reference.cache_tool prune runs/dpo/reference_logprobs --older-than 30
-    python -m loops_callbacks.reference.cache_tool prune runs/dpo/reference_logprobs --keep-newest 2 --dry-run
+    loops-callbacks cache list runs/dpo/reference_logprobs
+    loops-callbacks cache prune runs/dpo/reference_logprobs --older-than 30
+    loops-callbacks cache prune runs/dpo/reference_logprobs --keep-newest 2 --dry-run
 
 ``list`` shows each file's size, date and key (reference weights, data, scoring dtype: the first
 12 hex digits of each fingerprint); ``prune`` removes the files it selects, and says which. A
