@@ -144,6 +144,8 @@ def test_log_errors() -> None:
         loops_log_kl_sample_train(None, 0, [good(), good()], output)
     with pytest.raises(ValueError, match="top_n must be >= 0, got -1"):
         loops_log_kl_sample_train(None, 0, [good()], training_logprobs=[[0.0, -1.0, -2.0]], top_n=-1)
+    with pytest.raises(TypeError, match="forward_backward_output has no loss_fn_outputs"):  # not an output at all
+        loops_log_kl_sample_train(None, 0, [good()], {"logprobs": [0.0, -1.0, -2.0]})
 
 
 def test_training_logprobs_win_over_the_output() -> None:

@@ -133,8 +133,8 @@ def trainer_logprobs_from_output(forward_backward_output: Any) -> list[Any]:
     """
     outputs = getattr(forward_backward_output, "loss_fn_outputs", None)
     if outputs is None:
-        raise ValueError(
-            "forward_backward_output has no loss_fn_outputs; pass training_logprobs= instead, "
+        raise TypeError(
+            f"forward_backward_output has no loss_fn_outputs (got {type(forward_backward_output).__name__}); pass training_logprobs= instead, "
             "or the output of a forward_backward call whose loss returns per-datum logprobs"
         )
     missing = [i for i, item in enumerate(outputs) if not isinstance(item, Mapping) or "logprobs" not in item]
