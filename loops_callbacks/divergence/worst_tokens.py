@@ -56,7 +56,7 @@ class Tokenizer(Protocol):
 
 
 def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> list[list[Any]]:
-    """Table rows, rank 1 first: each row's own diff and importance weight, rounded to 4 places.
+    """Table rows, rank 1 first: each row's own diff and importance ratio, rounded to 4 places.
 
     ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k). The
     token is ``target_tokens[k]``, else ``model_input[k + 1]``; the ``token`` column always holds
