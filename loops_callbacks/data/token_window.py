@@ -116,7 +116,7 @@ def _kept(
     ends = [len(i) for i in ids]
     if max_length is not None:  # max_length tokens past the prompt cut, and one more: the sequence is still cut
         keep = offset + cut + max_length + 1
-        if right_cut[0]:  # the prompt runs past the window: it fills max_length, the pair is dropped
+        if right_cut[0]:  # the prompt runs past the window: only its first max_length + 1 tokens can matter
             ends = [min(end, keep) for end in ends]
         else:  # and the tokens up to where the prompt differs, for the warning that shows the prompt's end
             ends = [ends[0]] + [min(end, max(keep, start + 1)) for end in ends[1:]]
