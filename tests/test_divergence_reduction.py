@@ -274,9 +274,10 @@ def test_the_reduction_does_not_import_the_statistics_it_reduces() -> None:
 
     def imported(module: Any) -> set[str]:
         tree = ast.parse(inspect.getsource(module))
-        tree.body = [  # imports under `if TYPE_CHECKING:` are for type checkers only
-            node for node in tree.body if not (isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
-        ]
+        def for_type_checkers(node: ast.stmt) -> bool:
+            return isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+
+        tree.body = [node for node in tree.body if not for_type_checkers(node)]
         return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
     assert "loops_callbacks.divergence.statistics" not in imported(reduction)

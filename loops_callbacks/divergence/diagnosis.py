@@ -185,7 +185,8 @@ def diagnose(
         evidence = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
         return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), evidence)
     if get("token_eta2") >= STALE_ETA2:
-        return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), {"token_eta2": get("token_eta2"), "k3": k3})
+        evidence = {"token_eta2": get("token_eta2"), "k3": k3}
+        return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence)
     return Diagnosis("unclear", 0.0, {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson")})
 
 

@@ -107,7 +107,8 @@ class GuardRail:
         sentinel = _sentinel(host)
         value = scalars[self.kl_metric]
         if not math.isfinite(value) or (value < 0 and self.kl_metric not in SIGNED_METRICS):
-            why = sentinel or _positive(host) or f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
+            impossible = f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
+            why = sentinel or _positive(host) or impossible
             return f"{self.kl_metric} = {value:.3g}: {why}"
         if sentinel:
             return sentinel

@@ -207,8 +207,9 @@ class KLSampleTrainMonitor(Callback):
         check_int("sample_size", sample_size, least=1)
         check_int("patience", patience, least=1)
         check_int("calibration_steps", calibration_steps, least=0)
-        for name, flag in {"log_histogram": log_histogram, "log_worst_tokens": log_worst_tokens, "diagnose": diagnose}.items():
-            check_bool(name, flag)
+        check_bool("log_histogram", log_histogram)
+        check_bool("log_worst_tokens", log_worst_tokens)
+        check_bool("diagnose", diagnose)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -232,7 +233,8 @@ class KLSampleTrainMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(prefix=self.prefix, kl_metric=self.prefix + self.kl_metric)  # as older versions named it
+        # kl_metric with the prefix, as older versions named it: their checkpoints still load
+        return self._generate_state_key(prefix=self.prefix, kl_metric=self.prefix + self.kl_metric)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -348,7 +350,7 @@ class KLSampleTrainMonitor(Callback):
         return self._generators[device]
 
     def _deliver(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
-        """The report's scalars into ``callback_metrics`` (every rank); scalars, media and diagnosis to the loggers (rank 0)."""
+        """The report's scalars into ``callback_metrics`` (every rank); everything to the loggers (rank 0)."""
         logged = report.logged(self.prefix)
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if not trainer.is_global_zero:
@@ -415,15 +417,16 @@ class KLSampleTrainMonitor(Callback):
         """The guard rail's patience and action on the report's judgement: warn, stop or raise."""
         if report.exceeds is None:
             if report.untrusted is not None:  # no bound set: say it, act on nothing
-                self.warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
+                untrusted = report.untrusted
+                self.warnings.warn(f"untrusted:{untrusted}", f"KLSampleTrainMonitor, step {step}: {untrusted}")
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
         if self.exceeded_steps < self.patience:
             return
         message = (
-            f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience {self.patience}): "
-            f"the sampler's logprobs no longer match the trainer's — {_advice(report)}"
+            f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, "
+            f"patience {self.patience}): the sampler's logprobs no longer match the trainer's — {_advice(report)}"
         )
         verdict = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[self.on_exceed]
         self.history.acted(verdict, step, message)

@@ -284,7 +284,8 @@ def reduce_across_ranks(
         )
     )
     totals = torch.empty(len(TOTALS), dtype=torch.float64, device=device)
-    totals[per_rank] = torch.cumsum(ranks["totals"], 0)[-1]  # in rank order, as merging rank by rank (bit for bit on the CPU)
+    # summed in rank order, as merging rank by rank does (bit for bit on the CPU)
+    totals[per_rank] = torch.cumsum(ranks["totals"], 0)[-1]
     totals[summed] = reduced["totals"]
     keys = None
     if stats.sample_size is not None:

@@ -44,7 +44,8 @@ DATA_KEYS = (
 
 
 def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
-    """``keys`` over the defaults; ``ValueError`` naming an unknown name or an empty key, ``TypeError`` for a non-string key.
+    """``keys`` over the defaults; ``ValueError`` naming an unknown name or an empty key, ``TypeError``
+    for a non-string key.
 
     Example:
         >>> data_keys({"logprobs": "sampler_lp"})["logprobs"]
