@@ -129,3 +129,25 @@ def test_shared_start_finds_the_first_difference_anywhere() -> None:
         other = base[:at] + "x" + base[at + 1 :]
         assert shared_start([base, other, base]) == at
     assert shared_start([base, base + "y"]) == len(base)
+
+
+PEAK_CHILD = r"""
+import resource, sys
+from loops_callbacks.data.tokenization import preference_datums
+text = "The quick brown fox jumps over the lazy dog 1234 times, naïvely. " * 60_000  # 4 MB
+record = {"prompt": "Write a long story.", "chosen": " " + text, "rejected": " No."}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+preference_datums([record], sys.argv[1], max_length=128, progress=False, warn=False)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_the_peak_memory_of_a_long_record_is_bounded_by_the_limits() -> None:
+    """4 MB of text with max_length=128: the whole text would take ~900 MB of peak RSS; a window a few."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(ROOT / "configs" / "data" / "chat_tokenizer")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 64  # MB of peak RSS growth
