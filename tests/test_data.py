@@ -11,6 +11,7 @@ import json
 import os
 import re
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import jsonargparse
@@ -610,6 +611,17 @@ def test_validation_split_and_user_mixin(tmp_path: Any) -> None:
     train = [tuple(t) for b in module.train_dataloader() for t in b["input_ids"][0::2].tolist()]
     val = [tuple(t) for b in module.val_dataloader() for t in b["input_ids"][0::2].tolist()]
     assert len(train) == 7 and len(val) == 3 and not set(train) & set(val)
+
+    # Under DDP every held-out pair is validated on exactly one rank (Lightning's own sampler would
+    # repeat one to give both ranks 2, and it would count twice in val/*).
+    fitted_trainer = module.trainer
+    per_rank = []
+    for rank in range(2):
+        module.trainer = SimpleNamespace(world_size=2, global_rank=rank)
+        per_rank.append([row[row != 0].tolist() for b in module.val_dataloader() for row in b["input_ids"][0::2]])
+    module.trainer = fitted_trainer
+    unpadded = sorted([token for token in t if token != 0] for t in val)  # 0 pads; the pairs' ids are > 0
+    assert sorted(per_rank[0] + per_rank[1]) == unpadded and [len(p) for p in per_rank] == [2, 1]
 
     class MyData(ReferenceLogprobsMixin, L.LightningDataModule):
         def __init__(self, reference: Any = None, cache_dir: str | None = None) -> None:

@@ -42,6 +42,8 @@ from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
 from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
+from loops_callbacks.reference.collectives import RankStalledError
+from loops_callbacks.reference.rank_agreement import RanksDisagreeError
 from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
 from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
 
@@ -50,6 +52,8 @@ __all__ = [
     "DPODataModule",
     "DPOPairDataset",
     "PreferenceDataWarning",
+    "RankStalledError",
+    "RanksDisagreeError",
     "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceConfig",

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
@@ -313,17 +314,33 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         """The held-out pairs (``val_fraction``), or no loader when there are none."""
         if self._val is None:
             raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
-        return self._loader(self._val, shuffle=False, generator=None) if len(self._val) else []
+        return self._loader(self._val, shuffle=False, generator=None, unrepeated=True) if len(self._val) else []
 
-    def _loader(self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None) -> DataLoader:
+    def _loader(
+        self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None, unrepeated: bool = False
+    ) -> DataLoader:
+        """Batches of the pairs ``indices``; ``unrepeated``: under DDP each held-out pair goes to one rank once.
+
+        Lightning's own ``DistributedSampler`` pads every rank to the same count by repeating up
+        to world size - 1 pairs, which would count twice in ``val/*``; with fewer pairs than ranks
+        it is kept (Lightning refuses a rank without a batch).
+        """
         if self._pairs is None:
             # With the default reference the policy is scored here, on the first dataloader the
             # trainer asks for: after the strategy has set it up, before the first optimizer step.
             self._pairs = DPOPairDataset(self.scored_data)
+        subset = Subset(self._pairs, indices)
+        trainer = getattr(self, "trainer", None)
+        sampler = None
+        if unrepeated and trainer is not None and 1 < trainer.world_size <= len(indices):
+            sampler = UnrepeatedDistributedSampler(
+                subset, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
+            )
         return DataLoader(
-            Subset(self._pairs, indices),
+            subset,
             batch_size=self.batch_size,
             shuffle=shuffle,
+            sampler=sampler,
             generator=generator,
             collate_fn=collate_dpo_pairs,
             num_workers=self.num_workers,

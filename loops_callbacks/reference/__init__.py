@@ -13,7 +13,7 @@ In data-flow order:
 - ``fingerprint``: the weights' fingerprint, the same however they are placed or sharded;
 - ``resolve``: what a ``reference`` setting (client, module, callable, checkpoint path, ``None``) scores with;
 - ``attach``: ``attach_reference_logprobs``, the Loops SDK helper (batched, async or one by one);
-- ``cache``: the fingerprinted, checksummed, checksummed on-disk cache, read into memory of the values;
+- ``cache``: the fingerprinted, checksummed on-disk cache of the values, read into memory;
 - ``collectives``: the process-group operations, values as tensors;
 - ``across_ranks``: ``score_across_ranks``, each rank scoring its share, cached and gathered.
 
@@ -33,11 +33,15 @@ from loops_callbacks.reference.across_ranks import (
 )
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.collectives import RankStalledError
 from loops_callbacks.reference.policy import PolicyReference
+from loops_callbacks.reference.rank_agreement import RanksDisagreeError
 from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
 
 __all__ = [
     "PolicyReference",
+    "RankStalledError",
+    "RanksDisagreeError",
     "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceLogprobsReport",
