@@ -250,3 +250,19 @@ def test_the_hf_extra_hint_is_the_checkouts_editable_install_and_ends_the_messag
     with pytest.raises(ImportError) as error:
         import_optional("transformers", "x")
     assert str(error.value).endswith(HF_EXTRA_HINT)
+
+
+def test_an_uncached_hub_name_without_a_network_fails_at_once_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    def no_dns(*args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"'no-such-org/no-such-tokenizer' is neither a local directory nor in the local "
+                                         r"Hugging Face cache, and the Hub cannot be reached \(huggingface.co does not "
+                                         r"resolve.*set HF_HUB_OFFLINE=1"):
+        load_tokenizer("no-such-org/no-such-tokenizer")
+    assert time.monotonic() - started < 10  # not ~50 s of retries

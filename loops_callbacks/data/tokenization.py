@@ -202,6 +202,13 @@ def _from_pretrained(auto: Any, name: str) -> Any:
             f"offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE): fetch it where there is a network "
             f"(hf download {name} --exclude '*.safetensors' '*.bin') or give the path of its directory"
         )
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise ValueError(
+            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and the Hub cannot "
+            f"be reached ({unreachable}): fetch it where there is a network (hf download {name} --exclude "
+            "'*.safetensors' '*.bin') or give the path of its directory; set HF_HUB_OFFLINE=1 on machines without one"
+        )
     try:
         return auto.from_pretrained(name)
     except OSError as error:
@@ -209,6 +216,25 @@ def _from_pretrained(auto: Any, name: str) -> Any:
             f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and could not be "
             f"downloaded ({error}); check the name and the network, or give the path of its directory"
         ) from error
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub's host cannot be reached, when its name does not even resolve (no network: fail now, not after retries)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except ImportError:
+        endpoint = "https://huggingface.co"
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as error:
+        return f"{host} does not resolve: {error}"
+    return None
 
 
 def _hub_offline() -> bool:
