@@ -57,6 +57,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -249,8 +250,7 @@ def reduce_across_ranks(
         return stats
     device = stats.totals.device
     top_n = stats.worst.shape[0]
-    per_rank = torch.tensor([TOTAL_INDEX[name] for name in PER_RANK_TOTALS], device=device)
-    summed = torch.tensor([TOTAL_INDEX[name] for name in SUMMED_TOTALS], device=device)
+    per_rank, summed = _total_indices(device)
     header = header_packing(top_n)
     mine = header.pack(
         totals=stats.totals.index_select(0, per_rank),
@@ -300,6 +300,14 @@ def reduce_across_ranks(
         sample_keys=keys,
         token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _total_indices(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the per-rank and the summed totals sit in ``totals``, on ``device`` (made once per device)."""
+    per_rank = torch.tensor([TOTAL_INDEX[name] for name in PER_RANK_TOTALS], device=device)
+    summed = torch.tensor([TOTAL_INDEX[name] for name in SUMMED_TOTALS], device=device)
+    return per_rank, summed
 
 
 def stratified_allocation(
