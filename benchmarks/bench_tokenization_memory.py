@@ -50,7 +50,9 @@ print(json.dumps({"growth_mb": (after - before) / 1024, "seconds": seconds,
 def measure(mode: str, fmt: str, megabytes: float, max_length: int, tokenizer: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, mode, fmt, str(megabytes), str(max_length), tokenizer],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -72,8 +74,10 @@ def main() -> None:
         for mode, sizes in (("whole", args.whole_mb), ("window", args.window_mb)):
             for megabytes in sizes:
                 result = measure(mode, fmt, megabytes, args.max_length, args.tokenizer)
-                print(f"{fmt:<15} {mode:<7} {megabytes:>9.1f} {result['growth_mb']:>19.1f} {result['seconds']:>8.2f}  "
-                      f"{same if mode == 'window' else ''}")
+                print(
+                    f"{fmt:<15} {mode:<7} {megabytes:>9.1f} {result['growth_mb']:>19.1f} {result['seconds']:>8.2f}  "
+                    f"{same if mode == 'window' else ''}"
+                )
 
 
 if __name__ == "__main__":

@@ -51,16 +51,22 @@ def datums(source: Any, tokenizer: Any, **kwargs: Any) -> Any:
 # ----------------------------------------------------------------------------- chat_template_kwargs
 
 
-@pytest.mark.parametrize("key", ["tokenize", "add_generation_prompt", "return_dict", "chat_template", "tools", "messages"])
+@pytest.mark.parametrize(
+    "key", ["tokenize", "add_generation_prompt", "return_dict", "chat_template", "tools", "messages"]
+)
 def test_chat_template_kwargs_may_hold_template_variables_only(key: str, tokenizer: Any, tmp_path: Path) -> None:
     path = jsonl(tmp_path / "pairs.jsonl", [chat(), chat(chat_template_kwargs={key: "{{ 'x' }}"})])
-    with pytest.raises(ValueError, match=re.escape(f"line 2 of {path}: chat_template_kwargs sets {key!r}, an argument")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"line 2 of {path}: chat_template_kwargs sets {key!r}, an argument")
+    ):
         datums(str(path), tokenizer)
 
 
 def test_chat_template_kwargs_may_not_replace_a_special_token(tokenizer: Any, tmp_path: Path) -> None:
     path = jsonl(tmp_path / "pairs.jsonl", [chat(chat_template_kwargs={"bos_token": ""})])
-    with pytest.raises(ValueError, match=re.escape(f"line 1 of {path}: chat_template_kwargs sets 'bos_token', which would")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"line 1 of {path}: chat_template_kwargs sets 'bos_token', which would")
+    ):
         datums(str(path), tokenizer)
 
 
@@ -84,13 +90,17 @@ def test_identical_chosen_and_rejected_are_counted_and_named(tokenizer: Any, tmp
     report, messages = caught_warnings(str(path), tokenizer)
     assert report.identical == 2 and report.num_pairs == 3
     assert len(messages) == 1
-    assert re.search(rf"2 of 3 pair\(s\) have the same chosen and rejected sequence.*\(first: line 2 of {re.escape(str(path))}\)",
-                     messages[0])
+    assert re.search(
+        rf"2 of 3 pair\(s\) have the same chosen and rejected sequence.*\(first: line 2 of {re.escape(str(path))}\)",
+        messages[0],
+    )
 
 
 def test_identical_token_id_pairs_are_counted_too(tokenizer: Any) -> None:
-    records = [{"chosen": [1, 2, 3], "rejected": [1, 2, 3], "prompt_length": 1},
-               {"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 1}]
+    records = [
+        {"chosen": [1, 2, 3], "rejected": [1, 2, 3], "prompt_length": 1},
+        {"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 1},
+    ]
     report, messages = caught_warnings(records, None)
     assert report.identical == 1 and "item 0 of the data list" in messages[0]
 
@@ -141,7 +151,9 @@ def test_an_assistant_message_with_tool_calls_needs_no_content(tokenizer: Any) -
 @pytest.mark.parametrize("content", [42, [1, 2], [{"type": "image", "url": "x.png"}], {"text": "a"}, []])
 def test_content_that_is_not_text_is_named(content: Any, tokenizer: Any, tmp_path: Path) -> None:
     path = jsonl(tmp_path / "pairs.jsonl", [chat(rejected=content)])
-    with pytest.raises(TypeError, match=re.escape(f"line 1 of {path}: rejected[0] (role 'assistant') has 'content' that is")):
+    with pytest.raises(
+        TypeError, match=re.escape(f"line 1 of {path}: rejected[0] (role 'assistant') has 'content' that is")
+    ):
         datums(str(path), tokenizer)
 
 
@@ -169,8 +181,14 @@ def test_tools_that_are_not_a_list_of_schemas_are_named(tokenizer: Any) -> None:
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_deeply_nested_json_is_named(suffix: str, tmp_path: Path) -> None:
     path = tmp_path / f"pairs{suffix}"
-    path.write_text(json.dumps({"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}) + "\n"
-                    + '{"chosen": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    path.write_text(
+        json.dumps({"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1})
+        + "\n"
+        + '{"chosen": '
+        + "[" * 100_000
+        + "]" * 100_000
+        + "}\n"
+    )
     with pytest.raises(ValueError, match="nested deeper than Python's parser allows") as error:
         read_preference_records(str(path))
     assert str(path) in str(error.value)
@@ -188,8 +206,13 @@ def test_a_json_file_holding_one_pretty_printed_object_is_one_record(tmp_path: P
 def test_a_jsonl_file_holding_one_pretty_printed_document_says_so(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2, indent=2))
-    with pytest.raises(ValueError, match=re.escape("holds one JSON document (an array) over several lines, not one record "
-                                                   f"per line: name it {tmp_path / 'pairs'}.json")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "holds one JSON document (an array) over several lines, not one record "
+            f"per line: name it {tmp_path / 'pairs'}.json"
+        ),
+    ):
         read_preference_records(str(path))
 
 
@@ -225,7 +248,9 @@ def test_a_path_that_is_not_a_regular_file_is_named_for_what_it_is(kind: str, re
 
 def test_a_missing_tokenizer_path_fails_at_once_with_the_fix(tmp_path: Path) -> None:
     started = time.monotonic()
-    with pytest.raises(ValueError, match=re.escape(f"tokenizer {str(tmp_path / 'nowhere')!r} does not exist: give the directory")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"tokenizer {str(tmp_path / 'nowhere')!r} does not exist: give the directory")
+    ):
         load_tokenizer(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="is a file, not a directory"):
         load_tokenizer(str(Path(TOKENIZER_PATH) / "tokenizer.json"))
@@ -235,13 +260,18 @@ def test_a_missing_tokenizer_path_fails_at_once_with_the_fix(tmp_path: Path) -> 
 def test_an_uncached_hub_name_offline_fails_at_once_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"'no-such-org/no-such-tokenizer' is neither a local directory nor in the local "
-                                         r"Hugging Face cache, and the Hub is offline .*hf download no-such-org/"):
+    with pytest.raises(
+        ValueError,
+        match=r"'no-such-org/no-such-tokenizer' is neither a local directory nor in the local "
+        r"Hugging Face cache, and the Hub is offline .*hf download no-such-org/",
+    ):
         load_tokenizer("no-such-org/no-such-tokenizer")
     assert time.monotonic() - started < 10
 
 
-def test_the_hf_extra_hint_is_the_checkouts_editable_install_and_ends_the_message(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hf_extra_hint_is_the_checkouts_editable_install_and_ends_the_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import sys
 
     assert (ROOT / "pyproject.toml").is_file()  # these tests run from a checkout
@@ -261,8 +291,11 @@ def test_an_uncached_hub_name_without_a_network_fails_at_once_with_the_fix(monke
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"'no-such-org/no-such-tokenizer' is neither a local directory nor in the local "
-                                         r"Hugging Face cache, and the Hub cannot be reached \(huggingface.co does not "
-                                         r"resolve.*set HF_HUB_OFFLINE=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"'no-such-org/no-such-tokenizer' is neither a local directory nor in the local "
+        r"Hugging Face cache, and the Hub cannot be reached \(huggingface.co does not "
+        r"resolve.*set HF_HUB_OFFLINE=1",
+    ):
         load_tokenizer("no-such-org/no-such-tokenizer")
     assert time.monotonic() - started < 10  # not ~50 s of retries

@@ -23,8 +23,30 @@ from loops_callbacks.data.token_window import shared_start, window_token_ids, wo
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = transformers.AutoTokenizer.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
 
-PIECES = [" ", "  ", "\n", "\n\n", "\t", "a", "word", " word", "é", "日本語", "🙂", "👩‍👩‍👧", "<|im_end|>", "<|im_",
-          "123", "4", ".", "!?", "'s", " '", "x" * 40, "ÿ"]
+PIECES = [
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "a",
+    "word",
+    " word",
+    "é",
+    "日本語",
+    "🙂",
+    "👩‍👩‍👧",
+    "<|im_end|>",
+    "<|im_",
+    "123",
+    "4",
+    ".",
+    "!?",
+    "'s",
+    " '",
+    "x" * 40,
+    "ÿ",
+]
 text = st.lists(st.sampled_from(PIECES), min_size=1, max_size=30).map("".join)
 
 
@@ -71,8 +93,9 @@ def datums_and_report(record: dict[str, Any], max_length: int | None, max_prompt
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(record=records(), limit=limits)
-def test_a_window_gives_the_whole_texts_datums(record: dict[str, Any], limit: tuple[Any, Any],
-                                               monkeypatch_module: pytest.MonkeyPatch) -> None:
+def test_a_window_gives_the_whole_texts_datums(
+    record: dict[str, Any], limit: tuple[Any, Any], monkeypatch_module: pytest.MonkeyPatch
+) -> None:
     max_length, max_prompt_length = limit
     with monkeypatch_module.context() as patch:  # a window for every record, long or short
         patch.setattr(tokenization, "worth_a_window", lambda *args: True)
@@ -90,10 +113,10 @@ def monkeypatch_module() -> Any:
 
 
 @settings(max_examples=80, deadline=None)
-@given(prompt=text, chosen=text, rejected=text, repeat=st.integers(50, 400), cut=st.integers(0, 40),
-       limit=limits)
-def test_window_ids_are_slices_of_the_whole_ids(prompt: str, chosen: str, rejected: str, repeat: int, cut: int,
-                                                limit: tuple[Any, Any]) -> None:
+@given(prompt=text, chosen=text, rejected=text, repeat=st.integers(50, 400), cut=st.integers(0, 40), limit=limits)
+def test_window_ids_are_slices_of_the_whole_ids(
+    prompt: str, chosen: str, rejected: str, repeat: int, cut: int, limit: tuple[Any, Any]
+) -> None:
     """Cut anywhere in a repeated text (inside a multi-byte character's neighbours, a word, a special token)."""
     max_length, max_prompt_length = limit
     shared = (prompt * repeat)[cut:]
@@ -117,8 +140,9 @@ def test_a_long_record_is_tokenized_from_a_window() -> None:
     tokenizer = Counting.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
     record = {"prompt": "Tell me a story. " * 200_000, "chosen": " Once.", "rejected": " No."}
     assert worth_a_window(len(record["prompt"]), 128, None)
-    data, report = tokenization.preference_datums([record], tokenizer, max_length=128, max_prompt_length=64,
-                                                  progress=False, warn=False)
+    data, report = tokenization.preference_datums(
+        [record], tokenizer, max_length=128, max_prompt_length=64, progress=False, warn=False
+    )
     assert report.prompt_truncated == 1 and len(data[0].model_input.to_ints()) <= 128
     assert calls and max(calls) < 20_000 < len(record["prompt"])  # never the whole text
 
@@ -147,7 +171,11 @@ def test_the_peak_memory_of_a_long_record_is_bounded_by_the_limits() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", PEAK_CHILD, str(ROOT / "configs" / "data" / "chat_tokenizer")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, str(ROOT / "configs" / "data" / "chat_tokenizer")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) < 64  # MB of peak RSS growth

@@ -123,8 +123,7 @@ def _check_prompt_length(prompt_length: Any, chosen: list[int], rejected: list[i
     for name, tokens in (("chosen", chosen), ("rejected", rejected)):
         if prompt_length >= len(tokens):
             raise ValueError(
-                f"prompt_length={prompt_length} leaves no response tokens in the {name} sequence "
-                f"({len(tokens)} tokens)"
+                f"prompt_length={prompt_length} leaves no response tokens in the {name} sequence ({len(tokens)} tokens)"
             )
     if chosen[:prompt_length] != rejected[:prompt_length]:
         position = next(i for i in range(prompt_length) if chosen[i] != rejected[i])
@@ -321,8 +320,7 @@ def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) ->
             position = next(i for i, token in enumerate(ids) if token < 0 or token >= high)
             vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
             raise OutOfVocabularyError(
-                f"{datum_label(index)} has token id "
-                f"{ids[position]} at position {position}, outside {vocabulary}",
+                f"{datum_label(index)} has token id {ids[position]} at position {position}, outside {vocabulary}",
                 pair=index // 2,
                 index=index,
                 position=position,

@@ -45,6 +45,7 @@ from loops_callbacks.data.labels import file_line, pair_label
 
 __all__ = [
     "HF_EXTRA_HINT",
+    "USUAL_ROLES",
     "LocatedRecord",
     "PreferenceExample",
     "PreferenceFormat",
@@ -57,9 +58,8 @@ __all__ = [
 PreferenceFormat = Literal["standard", "conversational", "implicit_standard", "implicit_conversational", "token_ids"]
 
 
-
 def _hf_extra_hint() -> str:
-    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout the package runs from, else from the index."""
+    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout this runs from, else from the index."""
     checkout = Path(__file__).resolve().parents[2]
     if (checkout / "pyproject.toml").is_file():
         return f'cd {shlex.quote(str(checkout))} && pip install -e ".[hf]"'
@@ -193,7 +193,12 @@ def _kind(value: Any) -> str:
         value = value.tolist()
     if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
         return "messages"
-    if isinstance(value, Sequence) and value and isinstance(value[0], numbers.Integral) and not isinstance(value[0], bool):
+    if (
+        isinstance(value, Sequence)
+        and value
+        and isinstance(value[0], numbers.Integral)
+        and not isinstance(value[0], bool)
+    ):
         return "ids"  # the first id decides; dpo_pair_datums checks every one
     return "other"
 
@@ -278,8 +283,10 @@ def unusual_turns(example: PreferenceExample) -> list[tuple[str, str]]:
     Example:
         >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
         ...     "chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "asistant", "content": "b"}]}, "x")
-        >>> unusual_turns(example)
-        [('unusual_role', "rejected[0] has role 'asistant'"), ('completion_not_assistant', "chosen starts with a 'user' turn")]
+        >>> for event in unusual_turns(example):
+        ...     print(event)
+        ('unusual_role', "rejected[0] has role 'asistant'")
+        ('completion_not_assistant', "chosen starts with a 'user' turn")
     """
     if not example.conversational:
         return []
@@ -382,7 +389,9 @@ def _check_regular_file(path: str) -> None:
         raise ValueError(f"preference file {path!r} cannot be opened: {error.strerror}; give a readable file") from None
     if stat.S_ISREG(mode):
         return
-    what = "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    what = (
+        "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    )
     hint = (
         "; give one .jsonl, .json or .parquet file in it, or dataset={'path': 'json', 'data_files': ...} for many"
         if stat.S_ISDIR(mode)
@@ -442,7 +451,9 @@ def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
                 f"{pair_label(count, where)}: JSON nested deeper than Python's parser allows; flatten the record"
             ) from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"{pair_label(count, where)}: not valid JSON: {error}{_one_document_hint(text, path)}") from None
+            raise ValueError(
+                f"{pair_label(count, where)}: not valid JSON: {error}{_one_document_hint(text, path)}"
+            ) from None
         yield LocatedRecord(record, where)
         count += 1
 

@@ -53,7 +53,6 @@ import numpy as np
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import _prompt_pair, _record_pair
 from loops_callbacks.data.labels import pair_label
-from loops_callbacks.data.token_window import common_prefix_length, shared_start, window_token_ids, worth_a_window
 from loops_callbacks.data.preference import (
     USUAL_ROLES,
     LocatedRecord,
@@ -63,6 +62,7 @@ from loops_callbacks.data.preference import (
     read_preference_records,
     unusual_turns,
 )
+from loops_callbacks.data.token_window import common_prefix_length, shared_start, window_token_ids, worth_a_window
 from loops_callbacks.types import Datum
 
 __all__ = [
@@ -219,7 +219,7 @@ def _from_pretrained(auto: Any, name: str) -> Any:
 
 
 def _hub_unreachable() -> str | None:
-    """Why the Hub's host cannot be reached, when its name does not even resolve (no network: fail now, not after retries)."""
+    """Why the Hub cannot be reached when its host name does not resolve (no network: fail now, not after retries)."""
     import socket
     from urllib.parse import urlparse
 
@@ -238,7 +238,10 @@ def _hub_unreachable() -> str | None:
 
 
 def _hub_offline() -> bool:
-    if any(os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE") for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if any(
+        os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE")
+        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    ):
         return True
     try:
         from huggingface_hub import constants
@@ -249,25 +252,40 @@ def _hub_offline() -> bool:
 
 # apply_chat_template's own arguments and the template's own variables: a record's
 # chat_template_kwargs may not set them (the signature adds any a newer transformers has)
-_RESERVED_TEMPLATE_NAMES = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
-})
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> None:
-    """Only template variables pass: a key that is an argument of ``apply_chat_template`` or a special token is an error.
+    """Only template variables pass: an argument of ``apply_chat_template`` or a special token is an error.
 
     Example:
         >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
         >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
         ...     "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}],
         ...     "chat_template_kwargs": {"tokenize": False}}, "line 1 of pairs.jsonl")
-        >>> check_chat_template_kwargs(example, build_chat_tokenizer())
+        >>> check_chat_template_kwargs(example, build_chat_tokenizer())  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: line 1 of pairs.jsonl: chat_template_kwargs sets 'tokenize', an argument of apply_chat_template, not a template variable; only template variables (such as enable_thinking) may be set per record
+        ValueError: line 1 of pairs.jsonl: chat_template_kwargs sets 'tokenize', an argument of apply_chat_template, ...
     """
     if not example.chat_template_kwargs:
         return
@@ -289,8 +307,8 @@ def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> No
             )
         if key in special:
             raise ValueError(
-                f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's special token "
-                "in the template; remove it (set the tokenizer's own special tokens instead)"
+                f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's special "
+                "token in the template; remove it (set the tokenizer's own special tokens instead)"
             )
 
 
@@ -363,12 +381,16 @@ def _window_ids(
         kwargs: dict[str, Any] = {"tools": example.tools, **example.chat_template_kwargs}
         texts = []
         for conversation, generation_prompt in (
-            (example.prompt, True), (example.prompt + example.chosen, False), (example.prompt + example.rejected, False)
+            (example.prompt, True),
+            (example.prompt + example.chosen, False),
+            (example.prompt + example.rejected, False),
         ):
             try:  # as apply_chat_template(tokenize=True) does: render, then tokenize without special tokens
-                texts.append(tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
-                ))
+                texts.append(
+                    tokenizer.apply_chat_template(
+                        conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+                    )
+                )
             except Exception as error:
                 _name_the_failing_record([example], [conversation], generation_prompt, kwargs, tokenizer, error)
                 raise
@@ -429,7 +451,9 @@ def _name_the_failing_record(
     """A batch the chat template failed on: a ``ValueError`` naming the first record it fails on alone."""
     for example, conversation in zip(examples, conversations):
         try:
-            tokenizer.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+            tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+            )
         except Exception as own:
             raise ValueError(
                 f"{example.where}: the chat template of {type(tokenizer).__name__} "
@@ -525,10 +549,18 @@ def preference_datums(
                 "(a Hugging Face tokenizer, or its name/path)"
             )
         tokenizer = load_tokenizer(tokenizer)
-        tokenized = dict(zip(text, tokenize_preferences(
-            [examples[i] for i in text], tokenizer, progress=progress,
-            max_length=max_length, max_prompt_length=max_prompt_length,
-        )))
+        tokenized = dict(
+            zip(
+                text,
+                tokenize_preferences(
+                    [examples[i] for i in text],
+                    tokenizer,
+                    progress=progress,
+                    max_length=max_length,
+                    max_prompt_length=max_prompt_length,
+                ),
+            )
+        )
 
     data: list[Datum] = []
     limited = max_length is not None or max_prompt_length is not None
@@ -582,7 +614,9 @@ def preference_datums(
     return data, report
 
 
-def _note_prompt_split(report: TokenizationReport, where: str, prompt_ids: list[int], split: int, tokenizer: Any) -> None:
+def _note_prompt_split(
+    report: TokenizationReport, where: str, prompt_ids: list[int], split: int, tokenizer: Any
+) -> None:
     """TRL's warning: the completion starts at token ``split``, inside the tokenized prompt (its end is shown)."""
     shown = tokenizer.decode(prompt_ids[split:])
     report.note("prompt_not_prefix", f"{where}, prompt end {shown!r} left out")
@@ -625,4 +659,3 @@ def _check_limits(max_length: int | None, max_prompt_length: int | None) -> None
             f"max_prompt_length={max_prompt_length} must be less than max_length={max_length}, or a prompt cut to "
             "max_prompt_length leaves no room for the completion"
         )
-
