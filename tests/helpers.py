@@ -12,13 +12,17 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.util
+import socket
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from lightning.pytorch.loggers.logger import Logger
@@ -358,3 +362,27 @@ class ToyDPO(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a test's own process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_two_ranks(worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, what: str) -> list[Any]:
+    """Run ``worker(rank, *args)`` in two spawned processes and load what each saved as ``out_dir/rank<r>.pt``.
+
+    A rank still running after two minutes fails the test (``what`` says which case hung) instead
+    of hanging the suite.
+    """
+    context = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
+    for _ in range(240):
+        if context.join(timeout=0.5):
+            break
+    else:
+        for process in context.processes:
+            process.terminate()
+        pytest.fail(f"the ranks hung: {what}")
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]

@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 from typing_extensions import override
 
 from loops_callbacks.data import DPODataModule, ReferenceLogprobsMixin, compute_reference_logprobs, dpo_pair_datums
-from tests.helpers import CleanDistributedExit, ToyDPO
+from tests.helpers import CleanDistributedExit, ToyDPO, free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "configs" / "data" / "chat_tokenizer")
@@ -106,12 +104,6 @@ def test_ranks_reading_different_files_stop_with_the_first_differing_pair(tmp_pa
 
 
 # ----------------------------------------------------------------------------- plain processes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(rank: int, case: str, port: int, out_dir: str) -> None:
@@ -227,16 +219,7 @@ def _case_dropped_share(rank: int, out_dir: Path) -> dict[str, Any]:
 
 
 def run_two_processes(case: str, out_dir: Path) -> list[dict[str, Any]]:
-    arguments = (case, _free_port(), str(out_dir))
-    context = mp.start_processes(_worker, args=arguments, nprocs=2, join=False, start_method="spawn")
-    for _ in range(240):
-        if context.join(timeout=0.5):
-            break
-    else:
-        for process in context.processes:
-            process.terminate()
-        pytest.fail(f"the ranks hung ({case})")
-    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    return run_two_ranks(_worker, (case, free_port(), str(out_dir)), out_dir, case)
 
 
 def test_a_users_datums_that_differ_across_ranks_stop_before_scoring(tmp_path: Path) -> None:

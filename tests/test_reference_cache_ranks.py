@@ -9,7 +9,6 @@ and gets rank 0's values instead.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import loops_callbacks.reference.across_ranks as across_ranks
 from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.types import Datum, ModelInput
+from tests.helpers import free_port
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [3, 1, 4, 1, 5]]
 
@@ -71,14 +71,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_rank_that_reads_other_bytes_than_rank_0_checked_trains_on_rank_0s_values(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     expected = [-0.5 if k < len(ids) - 1 else 0.0 for ids in TOKENS for k in range(len(ids))]  # (shifted: targets)
     for rank, result in enumerate(results):

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from loops_callbacks.reference.across_ranks import _shard_bounds, score_across_ranks
 from loops_callbacks.reference.policy import PolicyReference
 from loops_callbacks.types import Datum, ModelInput
+from tests.helpers import free_port, run_two_ranks
 
 transformers = pytest.importorskip("transformers", reason="the model is a tiny Hugging Face Llama")
 
@@ -91,25 +90,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_fsdp2_and_fsdp1_ranks_score_in_lockstep_and_agree_with_one_process(tmp_path: Any) -> None:
     lengths = np.array([len(s) for s in SEQUENCES])
     assert _shard_bounds(lengths, 1, 2) == [0, 1, 6]  # one batch on rank 0, five on rank 1
 
-    context = mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    for _ in range(240):
-        if context.join(timeout=0.5):
-            break
-    else:
-        for process in context.processes:
-            process.terminate()
-        pytest.fail("the ranks hung: the sharded forwards were not in lock-step")
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+    ranks = run_two_ranks(_worker, (2, free_port(), str(tmp_path)), tmp_path, "the sharded forwards were not in lock-step")
 
     single = PolicyReference(tiny_llama(), max_tokens_per_batch=BUDGET)
     fingerprint, values = score(single, SEQUENCES)
