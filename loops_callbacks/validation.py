@@ -47,7 +47,7 @@ def check_int(name: str, value: Any, *, least: int | None, what: str = "") -> in
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int{bound}{what}, got {value!r}")
     if least is not None and value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        raise ValueError(f"{name} must be an int{bound}{what}, got {value!r}")
     return value
 
 

@@ -110,3 +110,14 @@ def test_a_batch_read_in_whole_datum_chunks_equals_the_batch_read_at_once(
     assert np.array_equal(got.diffs, whole.diffs)  # the same random keys, drawn in the same order
     assert got.extrema == whole.extrema
     assert_totals_equal(got, whole)
+
+
+def test_from_batch_checks_its_counts_as_every_argument_is_checked() -> None:
+    from loops_callbacks.divergence.action_tokens import flatten_padded
+    from loops_callbacks.divergence.statistics import DivergenceStats
+
+    batch = flatten_padded(sampler_logprobs=torch.zeros(1, 2), training_logprobs=torch.zeros(1, 2), mask=torch.ones(1, 2))
+    with pytest.raises(TypeError, match=r"^top_n must be an int >= 0, got 1.5"):
+        DivergenceStats.from_batch(batch, top_n=1.5)
+    with pytest.raises(ValueError, match=r"^sample_size must be an int >= 1 or None, got 0"):
+        DivergenceStats.from_batch(batch, sample_size=0)

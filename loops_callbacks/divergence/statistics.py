@@ -42,6 +42,7 @@ from loops_callbacks.divergence.layout import EXTREMA, ROW, TOKEN_BUCKETS, TOTAL
 from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
 from loops_callbacks.divergence.token_context import NO_TOKEN
+from loops_callbacks.validation import check_int
 
 __all__ = [
     "DivergenceStats",
@@ -112,10 +113,9 @@ class DivergenceStats:
         ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, merged as micro-batches are,
         so a step's temporaries stay a few chunks' worth whatever its size.
         """
-        if top_n < 0:
-            raise ValueError(f"top_n must be >= 0, got {top_n}")
-        if sample_size is not None and sample_size < 1:
-            raise ValueError(f"sample_size must be >= 1 or None, got {sample_size}")
+        check_int("top_n", top_n, least=0)
+        if sample_size is not None:
+            check_int("sample_size", sample_size, least=1, what=" or None")
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if _on_host(flat.device) else [flat]
         return cls.concatenated(
             [cls._from_chunk(chunk, top_n, sample_size, generator, signatures) for chunk in chunks]
