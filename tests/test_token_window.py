@@ -179,3 +179,86 @@ def test_the_peak_memory_of_a_long_record_is_bounded_by_the_limits() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) < 64  # MB of peak RSS growth
+
+
+def test_a_tokenizer_without_a_pre_tokenizer_tokenizes_the_whole_text() -> None:
+    """BPE over the whole text (no pre-tokenizer) or a slow tokenizer: a cut may move tokens far away."""
+
+    class Backend:
+        pre_tokenizer = None
+
+    class WholeText:
+        backend_tokenizer = Backend()
+
+    assert worth_a_window(50_000_000, 128, None, TOKENIZER)
+    assert not worth_a_window(50_000_000, 128, None, WholeText())
+    assert not worth_a_window(50_000_000, 128, None, object())  # a slow tokenizer has no backend
+
+
+def other_tokenizer(kind: str) -> Any:
+    """A small tokenizer of another family, trained here (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    special = ["<unk>", "</s>"]
+    if kind == "unigram_metaspace":
+        backend = Tokenizer(models.Unigram())
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer: Any = trainers.UnigramTrainer(vocab_size=200, special_tokens=special, unk_token="<unk>")
+    elif kind == "bpe_metaspace":
+        backend = Tokenizer(models.BPE(unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special)
+    else:
+        backend = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=special)
+    corpus = [
+        "the quick brown fox jumps over the lazy dog " * 3,
+        "naïve café 日本語 🙂 1234",
+        "aaaa bbbb aaaabbbb abab",
+    ] * 50
+    backend.train_from_iterator(corpus, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+OTHER_PIECES = [" ", "the", " quick", "aaaa", "bb", "é", "日本", "🙂", "\n", "12", "ab", "  "]
+other_text = st.lists(st.sampled_from(OTHER_PIECES), min_size=1, max_size=12).map("".join)
+
+
+@pytest.mark.parametrize("kind", ["unigram_metaspace", "bpe_metaspace", "wordpiece"])
+def test_window_ids_are_the_whole_texts_for_other_tokenizer_families(kind: str) -> None:
+    tokenizer = other_tokenizer(kind)
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        body=other_text,
+        repeat=st.integers(100, 600),
+        cut=st.integers(0, 20),
+        chosen=other_text,
+        rejected=st.lists(st.sampled_from(OTHER_PIECES), max_size=400).map("".join),
+        limit=limits,
+    )
+    def check(body: str, repeat: int, cut: int, chosen: str, rejected: str, limit: tuple[Any, Any]) -> None:
+        shared = (body * repeat)[cut:]
+        tails = ["", chosen + "</s>", rejected + "</s>"]
+        whole = [tokenizer(shared + tail)["input_ids"] for tail in tails]
+        got = window_token_ids(tokenizer, shared, tails, max_length=limit[0], max_prompt_length=limit[1])
+        for part, full in zip(got, whole):
+            assert any(full[k : k + len(part)] == part for k in range(len(full) - len(part) + 1))
+
+    check()
+
+
+@pytest.mark.parametrize("kind", ["unigram_metaspace", "bpe_metaspace"])
+def test_a_window_is_cut_between_words_never_inside_a_long_one(kind: str) -> None:
+    """Thousands of letters without a space are one pre-token: BPE and Unigram segment it from its start,
+    so a cut inside it shifts its tokens all the way to its end; the window is cut between pre-tokens."""
+    tokenizer = other_tokenizer(kind)
+    tails = ["", "日本bb</s>", "bb quick🙂 quick日本\né" * 20 + "</s>"]
+    for length in range(1850, 1900):
+        shared = "a" * length
+        whole = [tokenizer(shared + tail)["input_ids"] for tail in tails]
+        for max_length, max_prompt_length in ((24, 8), (None, 8), (64, 32)):
+            got = window_token_ids(tokenizer, shared, tails, max_length=max_length, max_prompt_length=max_prompt_length)
+            for part, full in zip(got, whole):
+                assert any(full[k : k + len(part)] == part for k in range(len(full) - len(part) + 1)), (length, part)

@@ -9,13 +9,16 @@ that give ``preference_datums`` *the same* datums, limits and events as the whol
 The three texts of a pair (``prompt``, ``prompt + chosen``, ``prompt + rejected``, as rendered)
 share a start ``shared``; their ``tails`` follow it. A window keeps the last ``before`` characters
 of ``shared`` and the first ``after`` characters past its end (with ``max_prompt_length``), or
-the first ``after`` characters of each text (without it). Tokens near a cut may differ from the
-whole text's (a word cut in two, a BOS token added at the cut): the ``_MARGIN`` tokens next to a
-cut are never used, and a window is accepted only when the window twice its size gives the same
-ids; else the window doubles, up to the whole text (then the ids are the whole text's, exactly).
-So the ids are the whole text's for any tokenizer whose cuts change only nearby tokens (BPE or
-WordPiece with a pre-tokenizer, SentencePiece); ``tests/test_token_window.py`` checks them against
-the whole text's for the shipped tokenizer.
+the first ``after`` characters of each text (without it), its cuts moved to fall between two
+pre-tokens (words, as the tokenizer's own pre-tokenizer splits them: BPE and Unigram segment a
+long word from its start, so a cut inside one would shift its tokens to its end). Tokens near a
+cut may still differ from the whole text's (a BOS token added at the cut, a special token's text
+cut in two): the ``_MARGIN`` tokens next to a cut are never used, and a window is accepted only
+when a window about twice its size, cut elsewhere, gives the same ids; else the window doubles,
+up to the whole text (then the ids are the whole text's, exactly). ``tests/test_token_window.py``
+checks the ids against the whole text's for the shipped tokenizer and for Unigram, BPE and
+WordPiece ones. A tokenizer without a pre-tokenizer (a slow one, BPE over the whole text as
+Llama 2's) always tokenizes the whole text.
 
 Example:
     >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
@@ -36,17 +39,24 @@ import numpy as np
 __all__ = ["common_prefix_length", "shared_start", "window_token_ids", "worth_a_window"]
 
 _MARGIN = 16  # tokens next to a cut that are never used
+_REACH = 256  # characters either side of a cut searched for a word boundary
+_EDGE = 32  # word boundaries this close to the searched text's own ends are not trusted
 _CHARS_PER_TOKEN = 8  # a first guess of the characters a window needs per token; windows double from there
 
 
-def worth_a_window(length: int, max_length: int | None, max_prompt_length: int | None) -> bool:
+def worth_a_window(length: int, max_length: int | None, max_prompt_length: int | None, tokenizer: Any = None) -> bool:
     """Whether a text of ``length`` characters is long enough for the limits that a window saves work.
+
+    Never for a tokenizer without a pre-tokenizer (a slow one, or BPE over the whole text as
+    Llama 2's): its cuts may change tokens far away, so it tokenizes the whole text.
 
     Example:
         >>> worth_a_window(50_000_000, 128, None), worth_a_window(300, 128, None), worth_a_window(10**9, None, None)
         (True, False, False)
     """
     if max_length is None and max_prompt_length is None:
+        return False
+    if tokenizer is not None and getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
         return False
     budget = (max_length or 0) + (max_prompt_length or 0) + 4 * _MARGIN
     return length > 4 * _CHARS_PER_TOKEN * budget
@@ -72,20 +82,59 @@ def window_token_ids(
         raise ValueError("window_token_ids needs max_length or max_prompt_length: without limits every token is kept")
     before = _CHARS_PER_TOKEN * ((max_prompt_length or 0) + 2 * _MARGIN + 2)
     after = _CHARS_PER_TOKEN * ((max_length or 0) + 2 * _MARGIN + 2)
+    if getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
+        return [list(tokenizer(shared + tail, add_special_tokens=add_special_tokens)["input_ids"]) for tail in tails]
     previous: list[list[int]] | None = None
     while True:
         lo = max(0, len(shared) - before) if max_prompt_length is not None else 0
         hi = (len(shared) if max_prompt_length is not None else 0) + after if max_length is not None else None
-        texts = [_window_text(shared, tail, lo, hi) for tail in tails]
+        lo = _word_start(tokenizer, shared, lo)
+        ends = [None if hi is None else _word_end(tokenizer, shared, tail, hi) for tail in tails]
+        right_cut = [end is not None and end < len(shared) + len(tail) for end, tail in zip(ends, tails)]
+        texts = [_window_text(shared, tail, lo, end) for tail, end in zip(tails, ends)]
         ids = [list(i) for i in tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
-        right_cut = [hi is not None and hi < len(shared) + len(tail) for tail in tails]
         if lo == 0 and not any(right_cut):
             return ids  # the whole texts
         kept = _kept(ids, lo > 0, right_cut, max_length, max_prompt_length)
         if kept is not None and kept == previous:
             return kept
         previous = kept
-        before, after = 2 * before, 2 * after
+        before, after = 2 * before + 1, 2 * after + 1  # +1: the next window cuts a periodic text at another phase
+
+
+def _word_start(tokenizer: Any, shared: str, lo: int) -> int:
+    """The last cut at or before ``lo`` that falls between two pre-tokens (words), or 0: never inside a word."""
+    reach = _REACH
+    while lo > 0:
+        start = max(0, lo - reach)
+        boundaries = _boundaries(tokenizer, shared[start : lo + _REACH], start, lo)
+        if boundaries:
+            return max(boundaries)
+        if start == 0:
+            return 0
+        reach *= 2
+    return 0
+
+
+def _word_end(tokenizer: Any, shared: str, tail: str, hi: int) -> int | None:
+    """The first cut at or after ``hi`` in ``shared + tail`` between two pre-tokens, or ``None``: the whole text."""
+    total, reach = len(shared) + len(tail), _REACH
+    while hi < total:
+        start, end = max(0, hi - _REACH), hi + reach
+        boundaries = _boundaries(tokenizer, _window_text(shared, tail, start, end), start, hi, after=True)
+        if boundaries:
+            return min(boundaries)
+        if end >= total:
+            break
+        reach *= 2
+    return None
+
+
+def _boundaries(tokenizer: Any, text: str, start: int, cut: int, *, after: bool = False) -> list[int]:
+    """Where pre-tokens of ``text`` (at ``start``) begin, away from its own ends, on the ``cut``'s side."""
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    inner = [start + begin for _, (begin, _) in pieces[1:] if _EDGE <= begin <= len(text) - _EDGE]
+    return [b for b in inner if (b >= cut if after else b <= cut)]
 
 
 def _window_text(shared: str, tail: str, lo: int, hi: int | None) -> str:

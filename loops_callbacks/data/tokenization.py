@@ -343,7 +343,7 @@ def tokenize_preferences(
             groups: dict[str, list[int]] = {}
             for index in range(start, min(start + _CHUNK, len(examples))):
                 example = examples[index]
-                if worth_a_window(_text_length(example), max_length, max_prompt_length):
+                if worth_a_window(_text_length(example), max_length, max_prompt_length, tokenizer):
                     results[index] = _window_ids(example, tokenizer, max_length, max_prompt_length)
                 else:
                     groups.setdefault(_call_key(example), []).append(index)
