@@ -168,11 +168,11 @@ def test_the_base_install_works_without_the_hf_extra_and_names_it_when_needed(tm
 
 
 def test_chat_pairs_train_with_the_modules_tokenizer_and_tokenize_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import loops_callbacks.data.module as module_file
+    import loops_callbacks.data.records_across_ranks as tokenizing  # DPODataModule tokenizes through it
 
     calls = []
-    real = module_file.preference_datums
-    monkeypatch.setattr(module_file, "preference_datums", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = tokenizing.preference_datums
+    monkeypatch.setattr(tokenizing, "preference_datums", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     data = DPODataModule(path=small_pairs(tmp_path), max_length=128, batch_size=4, val_fraction=0.25, progress=False)
     trainer = fit(tiny_module(), data, tmp_path, val_check_interval=2)
     assert calls == [TOKENIZER]  # the LightningModule's tokenizer
