@@ -233,3 +233,22 @@ def test_only_an_import_error_that_caused_the_failure_is_reported_as_a_missing_p
             raise ValueError("Does not validate against any of the Union subtypes") from error
     except ValueError as wrapped:
         assert str(_missing_package(wrapped)) == "needs the 'transformers' package"
+
+
+def test_a_shipped_rl_run_resumes_through_the_command(tmp_path: Path) -> None:
+    """LightningCLI reads a checkpoint with ``weights_only=True``: nothing in a shipped config's
+    checkpoint may be a jsonargparse type (the optimizer's ``lr`` was a ``PositiveFloat``)."""
+    root = tmp_path / "run"
+    common = ("--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_checkpointing", "true")
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), *common, "--trainer.max_steps", "10", cwd=tmp_path
+    )
+    assert status == 0, output[-3000:]
+    (checkpoint,) = root.rglob("*.ckpt")
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), *common, "--trainer.max_steps", "20",
+        "--ckpt_path", str(checkpoint), cwd=tmp_path,
+    )
+    assert status == 0, output[-3000:]
+    assert "Restored all states from the checkpoint" in output
+    assert last_lines(output, 1)[0].startswith("Guard rail: no exceedance"), output[-3000:]

@@ -149,7 +149,7 @@ class RLPolicyModule(LightningModule):
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer
         self.group_size = group_size
-        self.lr = lr
+        self.lr = float(lr)  # a plain float: the optimizer state is pickled with it, and jsonargparse gives PositiveFloat
         self.sync_every = sync_every
         self.policy = TinyCausalLM(
             vocab_size=self.tokenizer.vocab_size,
