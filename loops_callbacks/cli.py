@@ -255,7 +255,12 @@ def _reference_lines(datamodule: Any) -> list[str]:
     where = _shown(report.cache_path) if report.cache_path else None
     if report.source == "cache":
         return [f"Reference logprobs: {report.num_datums} datums loaded from the cache {where} (nothing scored)"]
-    cached = f"cached in {where}" if where and report.cache_status != "off" else "not cached"
+    if report.cache_written:
+        cached = f"cached in {where}"
+    elif where and report.cache_status != "off":
+        cached = f"not cached: {where} could not be written (see the ReferenceCacheWarning above)"
+    else:
+        cached = "not cached"
     return [f"Reference logprobs: {report.num_datums} datums scored in {report.seconds:.1f} s "
             f"(cache lookup: {report.cache_status}), {cached}"]
 

@@ -293,3 +293,19 @@ def test_the_console_script_exits_zero(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no exceedance" in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+def test_the_summary_says_cached_only_when_the_cache_was_written() -> None:
+    from types import SimpleNamespace
+
+    from loops_callbacks.cli import _reference_lines
+    from loops_callbacks.reference import ReferenceLogprobsReport
+
+    def line(**fields: object) -> str:
+        report = ReferenceLogprobsReport(source="scored", num_datums=4, scored_here=4, seconds=0.5,
+                                         cache_path="/c/ref.cache", cache_status="missing", **fields)
+        (text,) = _reference_lines(SimpleNamespace(reference_report=report))
+        return text
+
+    assert line(cache_written=True).endswith("cached in /c/ref.cache")
+    assert "not cached: /c/ref.cache could not be written" in line(cache_written=False)

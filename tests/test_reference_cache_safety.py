@@ -215,6 +215,7 @@ def test_a_resume_without_its_cache_names_the_caches_present_and_why_none_matche
         assert message.count(why) == 1, message
     assert f"{CACHE_TOOL} list {base.parent}" in message
     assert all(os.path.basename(info.path) in message for info in list_caches(base.parent))
+    assert f"{mine.cache_path} does not exist" in message  # the file to restore, by name
 
 
 def test_an_empty_directory_says_the_cache_does_not_exist(tmp_path: Path) -> None:
@@ -252,6 +253,19 @@ def test_a_link_planted_at_the_temporary_file_is_never_written_through(tmp_path:
         write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
     assert victim.read_text() == "precious" and not path.exists()
     assert planted.is_symlink()  # not ours: left as it was
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or not hasattr(os, "O_NOFOLLOW"), reason="POSIX links")
+def test_the_report_says_whether_the_values_were_cached(tmp_path: Path) -> None:
+    base = tmp_path / CACHE_FILE_NAME
+    _, report, _ = score(base, -0.5, "reference-a")
+    assert report.cache_written and Path(report.cache_path).is_file()
+    os.remove(report.cache_path)
+    planted = Path(f"{report.cache_path}.tmp.{socket.gethostname().replace(os.sep, '_')}.{os.getpid()}")
+    planted.symlink_to(tmp_path / "victim.txt")
+    with pytest.warns(ReferenceCacheWarning, match="could not write"):
+        _, report, _ = score(base, -0.5, "reference-a")
+    assert not report.cache_written and not Path(report.cache_path).exists()
 
 
 # ----------------------------------------------------------------------------- a header that lies

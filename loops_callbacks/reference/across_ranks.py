@@ -82,7 +82,8 @@ class ReferenceLogprobsReport:
     ``source`` is ``"cache"`` (loaded, nothing scored) or ``"scored"``; ``scored_here`` counts the
     datums this rank scored; ``cache_status`` is the lookup's outcome (``"hit"``, ``"missing"``,
     ``"stale"``, ``"corrupt"``, or ``"off"`` when there is no cache); ``cache_key`` is the key the
-    values are (or would be) cached under.
+    values are (or would be) cached under; ``cache_written`` says that this rank wrote the scored
+    values to ``cache_path`` (rank 0 writes; a failed write is a warning).
     """
 
     source: Literal["cache", "scored"]
@@ -93,6 +94,7 @@ class ReferenceLogprobsReport:
     cache_status: str
     cache_key: CacheKey | None = None
     reference_fingerprint: str | None = None
+    cache_written: bool = False
 
 
 def score_across_ranks(
@@ -193,6 +195,7 @@ def score_across_ranks(
         raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
 
     scored_here = 0
+    cache_written = False
     if values is None:
         bounds = _shard_bounds(packed.lengths, shard_unit, group.world_size)
         first, last = bounds[group.rank], bounds[group.rank + 1]
@@ -216,6 +219,7 @@ def score_across_ranks(
         if group.rank == 0 and key is not None:
             try:
                 write_cache(file, key, values, packed.lengths)
+                cache_written = True
             except OSError as error:
                 group.warn_once(f"could not write the reference-logprob cache {file!r}: {error}", ReferenceCacheWarning)
 
@@ -229,6 +233,7 @@ def score_across_ranks(
         cache_status=status,
         cache_key=key,
         reference_fingerprint=fingerprint if fingerprint is not None else stored_reference,
+        cache_written=cache_written,
     )
     if group.rank == 0 and status == "hit":
         from lightning.pytorch.utilities.rank_zero import rank_zero_info  # shown by Lightning's console logger
@@ -283,7 +288,8 @@ def _describe(status: str, reason: str, path: str | None) -> str:
         directory = os.path.dirname(path or "") or "."
         return f"the reference-logprob cache {path} does not exist (nor any other cache in {directory})"
     if status == "stale":
-        return f"no reference-logprob cache was made for this run: {reason}"
+        missing = f" ({path} does not exist)" if path else ""
+        return f"no reference-logprob cache was made for this run{missing}: {reason}"
     return f"the reference-logprob cache {path!r} cannot be used ({reason}; `{CACHE_TOOL} list` shows the caches)"
 
 
