@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -39,12 +40,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def caches_in_a_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Every W&B directory in this session's tmp dir (set before any test starts a W&B run)."""
+    """Every W&B directory, and every temporary file (``tempfile``: torch's spawn error files among
+    them, also in the processes the tests start), in this session's tmp dir."""
     root = tmp_path_factory.mktemp("caches")
+    (root / "tmp").mkdir()
     with pytest.MonkeyPatch.context() as patch:
         for variable, name in _WANDB_DIRS.items():
             (root / name).mkdir()
             patch.setenv(variable, str(root / name))
+        patch.setenv("TMPDIR", str(root / "tmp"))
+        patch.setattr(tempfile, "tempdir", str(root / "tmp"))
         yield
         if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
             sys.modules["wandb"].run.finish()  # a run a failed test left open writes nothing later
