@@ -129,7 +129,7 @@ def test_implicit_prompts_are_extracted_as_trl_does() -> None:
         ({"question": "p", "answer": "c"}, r"no 'chosen' or 'rejected'.*keys: \['answer', 'question'\]"),
         ({"prompt": "p", "chosen": "c", "rejected": [assistant("r")]}, r"fits no preference format: 'chosen' is a string"),
         ({"prompt": [user("p")], "chosen": "c", "rejected": "r"}, r"'prompt' is a list of dicts.*standard record"),
-        ({"prompt": 5, "chosen": [assistant("c")], "rejected": [assistant("r")]}, r"'prompt' is a int"),
+        ({"prompt": 5, "chosen": [assistant("c")], "rejected": [assistant("r")]}, r"'prompt' is an int"),
         ({"prompt": "p", "chosen": [], "rejected": []}, r"'chosen' is an empty list"),
         ({"chosen": [{"content": "c"}], "rejected": [{"content": "r"}]}, r"list of dicts with keys \['content'\]"),
         ({"chosen": [{"role": 1, "content": "c"}], "rejected": [assistant("r")]}, r"chosen\[0\] has role 1"),

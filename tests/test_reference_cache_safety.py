@@ -381,3 +381,11 @@ def test_cache_tool_lists_and_prunes_the_temporary_files_of_killed_writers(
     assert cache_tool(["prune", str(tmp_path), "--damaged"]) == 0
     assert "removed 1 temporary file(s)" in capsys.readouterr().out
     assert not orphan.exists() and all(path.exists() for path in kept)
+
+
+def test_cache_tool_names_a_bad_option_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for option, value in (("--older-than", "abc"), ("--keep-newest", "two")):
+        with pytest.raises(SystemExit):
+            cache_tool(["prune", str(tmp_path), option, value])
+        error = capsys.readouterr().err
+        assert f"argument {option}: must be" in error and repr(value) in error and "_days" not in error

@@ -213,7 +213,8 @@ def _describe(value: Any) -> str:
         if isinstance(first, Mapping):
             return f"a list of dicts with keys {sorted(first)} (a message needs 'role')"
         return f"a list of {type(first).__name__}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _parse_tools(tools: Any, where: str) -> list[Any] | None:

@@ -71,16 +71,22 @@ def _line(info: CacheInfo) -> str:
 
 
 def _count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
     return value
 
 
 def _days(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of days, 0 or more, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number of days, 0 or more, got {text!r}")
     return value
 
 
