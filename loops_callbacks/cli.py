@@ -13,7 +13,8 @@ from, and each monitor's summary with the guard rail's verdict last.
 
 Exit status (``EXIT_STATUSES``): 0 training ended normally, 1 an error (a missing package is one
 line, the last printed), 2 a bad command line or config, 3 the guard rail stopped the run, 4 the
-guard rail raised ``SampleTrainDivergenceError``.
+guard rail raised ``SampleTrainDivergenceError``, 130 interrupted by Ctrl-C (the summary so far, then
+the step it stopped at).
 
 Example:
     loops-callbacks fit --config configs/rl_tiny.yaml
@@ -50,6 +51,7 @@ __all__ = [
     "EXIT_ERROR",
     "EXIT_GUARD_RAIL_RAISED",
     "EXIT_GUARD_RAIL_STOPPED",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_STATUSES",
     "EXIT_USAGE",
@@ -65,12 +67,14 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_GUARD_RAIL_STOPPED = 3
 EXIT_GUARD_RAIL_RAISED = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_STATUSES = {
     EXIT_OK: "training ended normally (max_steps, max_epochs, or a callback such as EarlyStopping)",
     EXIT_ERROR: "an error (a missing package: one line, the last printed)",
     EXIT_USAGE: "a bad command line or config value",
     EXIT_GUARD_RAIL_STOPPED: "KLSampleTrainMonitor's guard rail stopped the run (on_exceed: stop)",
     EXIT_GUARD_RAIL_RAISED: "KLSampleTrainMonitor's guard rail raised SampleTrainDivergenceError (on_exceed: raise)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): the summary so far is printed, then 'Interrupted ... at step N'",
 }
 """The command's exit statuses, as ``--help`` and the README list them."""
 
@@ -118,6 +122,7 @@ class LoopsCLI(LightningCLI):
             if isinstance(logger, WandbLogger):
                 _prepare_wandb(logger)
         _started.extend(trainer.loggers)
+        _trainers.append(trainer)
         return trainer
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
@@ -129,6 +134,7 @@ class LoopsCLI(LightningCLI):
 
 
 _started: list[Any] = []  # loggers of the trainers run_cli built, finished however the run ends
+_trainers: list[Trainer] = []  # the trainers run_cli built: an interrupted one still gets its summary
 
 
 class _HelpFormatter(DefaultHelpFormatter):
@@ -361,19 +367,31 @@ def run_cli(args: Any = None) -> LoopsCLI:
     guard-rail ``SampleTrainDivergenceError`` is raised again after it.
     """
     _wandb_offline_unless_logged_in()
+    interrupted: Trainer | None = None
     try:
-        with _third_party_noise_filtered():
-            cli = LoopsCLI(
-                LightningModule,
-                LightningDataModule,
-                subclass_mode_model=True,
-                subclass_mode_data=True,
-                save_config_kwargs={"overwrite": True},
-                args=args,
-            )
+        try:
+            with _third_party_noise_filtered():
+                cli = LoopsCLI(
+                    LightningModule,
+                    LightningDataModule,
+                    subclass_mode_model=True,
+                    subclass_mode_data=True,
+                    save_config_kwargs={"overwrite": True},
+                    args=args,
+                )
+        except SystemExit:  # Lightning exits 1 after a Ctrl-C has shut the run down
+            interrupted = next((trainer for trainer in _trainers if trainer.interrupted), None)
+            if interrupted is None:
+                raise
     finally:
         _finish_wandb(_started)  # also when the run failed: no W&B writes after we return
         _started.clear()
+        _trainers.clear()
+    if interrupted is not None:
+        if interrupted.is_global_zero:
+            print(run_summary(interrupted), flush=True)
+            print(f"Interrupted (Ctrl-C) at step {interrupted.global_step}: the run did not finish", flush=True)
+        raise SystemExit(EXIT_INTERRUPTED)
     if cli.subcommand == "fit" and cli.trainer.is_global_zero:
         print(run_summary(cli.trainer), flush=True)
     if cli.guard_rail_error is not None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from loops_callbacks.cli import (
     EXIT_ERROR,
     EXIT_GUARD_RAIL_RAISED,
     EXIT_GUARD_RAIL_STOPPED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_STATUSES,
     EXIT_USAGE,
@@ -252,3 +255,28 @@ def test_a_shipped_rl_run_resumes_through_the_command(tmp_path: Path) -> None:
     assert status == 0, output[-3000:]
     assert "Restored all states from the checkpoint" in output
     assert last_lines(output, 1)[0].startswith("Guard rail: no exceedance"), output[-3000:]
+
+
+def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.logger", "false",
+         "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        seen = []
+        for line in process.stdout:  # the model summary comes just before the first step
+            seen.append(line)
+            if "Total params" in line or len(seen) > 2000:
+                break
+        time.sleep(2.0)  # into the 200 steps (about 10 s of training)
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        process.kill()
+    output = "".join(seen) + rest
+    assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
+    assert re.fullmatch(r"Interrupted \(Ctrl-C\) at step \d+: the run did not finish", last_lines(output, 1)[0])
+    assert "Sampler-vs-trainer divergence" in output
