@@ -299,3 +299,13 @@ def test_an_uncached_hub_name_without_a_network_fails_at_once_with_the_fix(monke
     ):
         load_tokenizer("no-such-org/no-such-tokenizer")
     assert time.monotonic() - started < 10  # not ~50 s of retries
+
+
+def test_the_hf_extra_hint_outside_a_checkout_names_the_extras_packages() -> None:
+    import tomllib
+
+    from loops_callbacks.data.preference import HF_EXTRA_PACKAGES, _hf_extra_hint
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    assert list(HF_EXTRA_PACKAGES) == extra  # one list, kept equal to the extra
+    assert _hf_extra_hint(ROOT / "no-such-dir") == "pip install " + " ".join(f'"{r}"' for r in extra)

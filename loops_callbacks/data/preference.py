@@ -58,12 +58,20 @@ __all__ = [
 PreferenceFormat = Literal["standard", "conversational", "implicit_standard", "implicit_conversational", "token_ids"]
 
 
-def _hf_extra_hint() -> str:
-    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout this runs from, else from the index."""
-    checkout = Path(__file__).resolve().parents[2]
+HF_EXTRA_PACKAGES = ("transformers>=4.56", "datasets>=3.0", "pyarrow>=15")
+"""The 'hf' extra of pyproject.toml, for a package installed from a wheel (no checkout to install from)."""
+
+
+def _hf_extra_hint(checkout: Path = Path(__file__).resolve().parents[2]) -> str:
+    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout this runs from, else its packages.
+
+    Example:
+        >>> _hf_extra_hint(Path("/nowhere"))
+        'pip install "transformers>=4.56" "datasets>=3.0" "pyarrow>=15"'
+    """
     if (checkout / "pyproject.toml").is_file():
         return f'cd {shlex.quote(str(checkout))} && pip install -e ".[hf]"'
-    return 'pip install "loops-callbacks[hf]"'
+    return "pip install " + " ".join(f'"{requirement}"' for requirement in HF_EXTRA_PACKAGES)
 
 
 HF_EXTRA_HINT = _hf_extra_hint()
