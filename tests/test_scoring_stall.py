@@ -37,6 +37,27 @@ class SleepyClient:
         return [None] + [-0.5] * (prompt.length - 1)
 
 
+def sleepy_policy(sleep: float) -> Any:
+    """The policy itself as the reference (lock-step forwards), sleeping ``sleep`` seconds in its first forward."""
+    import torch
+
+    from loops_callbacks.reference.policy import PolicyReference
+
+    class SleepyLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.out = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+            self.sleep = sleep
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.sleep)
+            self.sleep = 0.0
+            return self.out(self.embed(input_ids))
+
+    torch.manual_seed(0)
+    return PolicyReference(SleepyLM(), device="cpu", max_tokens_per_batch=3, output_head=False)
+
+
 def main() -> None:
     """One rank: score four datums, the stalled rank sleeping in its forward; print how it ended."""
     import torch
@@ -47,7 +68,8 @@ def main() -> None:
     rank, stalled = int(os.environ["RANK"]), int(os.environ["STALLED_RANK"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     sequences = [[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 5, 7]]
-    client = SleepyClient(STALL_S if rank == stalled else 0.0)
+    sleep = STALL_S if rank == stalled else 0.0
+    client = sleepy_policy(sleep) if os.environ.get("REFERENCE") == "policy" else SleepyClient(sleep)
     start = time.monotonic()
     try:
         score_across_ranks([Datum(ModelInput.from_ints(s)) for s in sequences], client, sequences, progress=False,
@@ -65,13 +87,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.parametrize("stalled", [1, 0], ids=["rank1_stalls", "rank0_stalls"])
-def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
+def run_two_ranks(stalled: int, reference: str) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """Both ranks as processes (``main``), rank ``stalled`` sleeping in its scoring; their outputs."""
     port = _free_port()
     processes = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), STALLED_RANK=str(stalled), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1", REFERENCE=reference)
         processes.append(subprocess.Popen(
             [sys.executable, "-c", "from tests.test_scoring_stall import main; main()"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -82,6 +104,12 @@ def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
         for process in processes:
             if process.poll() is None:
                 process.kill()
+    return processes, outputs
+
+
+@pytest.mark.parametrize("stalled", [1, 0], ids=["rank1_stalls", "rank0_stalls"])
+def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
+    processes, outputs = run_two_ranks(stalled, "client")
     waiting = 1 - stalled
     waited = outputs[waiting].strip().splitlines()[-1]
     assert processes[waiting].returncode == 3, outputs[waiting]
@@ -97,6 +125,17 @@ def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
         assert "rank 0 stops before 'gathering the scored values': rank 1 gave up waiting" in late, late
     else:  # rank 0, which held the store, has ended
         assert "rank 1 lost the process group's store" in late, late
+
+
+def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward() -> None:
+    """The policy as the reference: its forwards may be collectives (FSDP), so the ranks meet before each."""
+    processes, outputs = run_two_ranks(1, "policy")
+    waited = outputs[0].strip().splitlines()[-1]
+    assert processes[0].returncode == 3 and "RankStalledError" in waited, outputs[0]
+    assert f"rank(s) 1 did not reach 'lock-step forward 2 of 2' within {TIMEOUT_S:g} s" in waited, waited
+    assert "rank 1 is still at: in lock-step forward 1 of 2" in waited, waited
+    assert TIMEOUT_S <= float(waited.split()[1]) < STALL_S, waited
+    assert processes[1].returncode == 3, outputs[1]
 
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (float("nan"), ValueError), ("60", TypeError)])

@@ -203,7 +203,8 @@ def score_across_ranks(
         local = torch.zeros(0, dtype=torch.float32)
         guard.note(f"scoring its block (datums {first} to {last - 1} of {len(data)})")
         try:
-            local = _score_block(data[first:last], reference, packed.slice(first, last), progress and group.rank == 0)
+            block = packed.slice(first, last)
+            local = _score_block(data[first:last], reference, block, progress and group.rank == 0, guard)
         except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
             failure = error
         guard.arrive("gathering the scored values")
@@ -327,12 +328,19 @@ def _token_progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]
         bar.close()
 
 
-def _score_block(data: list[Any], reference: Any, packed: PackedTokens, progress: bool) -> torch.Tensor:
-    """This rank's values, flat float32: from ``score_packed`` when the reference has it, else via the SDK helper."""
+def _score_block(
+    data: list[Any], reference: Any, packed: PackedTokens, progress: bool, guard: StallGuard
+) -> torch.Tensor:
+    """This rank's values, flat float32: from ``score_packed`` when the reference has it, else via the SDK helper.
+
+    A reference that scores in lock-step (``PolicyReference``) meets the other ranks before each
+    forward through ``guard``, so a rank stalled inside a sharded forward is named, not waited for.
+    """
     score_packed = getattr(reference, "score_packed", None)
     if callable(score_packed):
+        lockstep = {"lockstep": guard} if getattr(reference, "scores_in_lockstep", False) else {}
         with _token_progress(progress, packed.num_tokens) as report:
-            return score_packed(packed, progress=report).to(torch.float32)
+            return score_packed(packed, progress=report, **lockstep).to(torch.float32)
     scored = attach_reference_logprobs(data, reference, progress=progress)
     parts = [_ref_values(datum, first_index) for first_index, datum in enumerate(scored)]
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.float32)

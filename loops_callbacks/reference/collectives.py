@@ -72,6 +72,9 @@ class Group:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
 
+    def before_forward(self, index: int, count: int) -> None:
+        """Lock-step scoring's meeting before forward ``index`` of ``count``: none (a ``StallGuard`` has one)."""
+
     def any_true(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank."""
         return self.max_int(int(flag)) > 0
@@ -166,9 +169,21 @@ class StallGuard:
     _PREFIX = "loops_callbacks/stall_guard"
 
     def __init__(self, group: Group, timeout: float | None) -> None:
+        self.group = group
         self.rank, self.world_size, self.timeout = group.rank, group.world_size, timeout
         distributed = group.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.store = _default_store() if timeout is not None and distributed else None
+
+    def max_int(self, value: int) -> int:
+        """``Group.max_int`` once every rank has come: a ``StallGuard`` is a lock-step for ``TokenScorer``."""
+        self.arrive("agreeing on the number of lock-step forwards")
+        return self.group.max_int(value)
+
+    def before_forward(self, index: int, count: int) -> None:
+        """Every rank meets before each lock-step forward, so a rank stalled in a sharded forward is named."""
+        phase = f"lock-step forward {index + 1} of {count}"
+        self.arrive(phase)
+        self.note(f"in {phase}")
 
     def note(self, phase: str) -> None:
         """Record that this rank is now in ``phase`` (named if another rank times out waiting for it)."""

@@ -64,7 +64,8 @@ class PolicyReference(ScorerClient):
     """The policy module as a reference scorer, used in place; see the module docstring.
 
     Its scoring methods (``score_packed``, and the ``SamplingClient`` forms ``compute_logprobs`` /
-    ``compute_logprobs_batch``) run in lock-step: every rank of a process group calls them at once.
+    ``compute_logprobs_batch``) run in lock-step: every rank of a process group calls them at once
+    (``scores_in_lockstep``).
 
     Args:
         module: the policy (a LightningModule, or any causal LM ``module(input_ids) -> logits``).
@@ -77,6 +78,8 @@ class PolicyReference(ScorerClient):
         max_tokens_per_batch: padded tokens per forward (default: the scorer's).
         output_head: score from the output head when the module exposes one.
     """
+
+    scores_in_lockstep = True  # its forwards may be collectives (FSDP): every rank runs as many
 
     def __init__(
         self,

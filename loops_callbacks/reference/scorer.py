@@ -101,11 +101,15 @@ def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
 
 
 class Lockstep(Protocol):
-    """What lock-step scoring needs of a process group: every rank's largest batch count."""
+    """What lock-step scoring needs of a process group: every rank's largest batch count, and a
+    meeting before each forward (``collectives.Group``: none; ``collectives.StallGuard``: a rank
+    that does not come in time is named instead of waited for inside a sharded forward)."""
 
     world_size: int
 
     def max_int(self, value: int) -> int: ...
+
+    def before_forward(self, index: int, count: int) -> None: ...
 
 
 class TokenScorer:
@@ -184,13 +188,18 @@ class TokenScorer:
             forwards = lockstep.max_int(len(plan)) if lockstep is not None and lockstep.world_size > 1 else len(plan)
             batches = DeviceBatches(packed, order, self.device)
             lengths = packed.lengths[order]
-            for start, stop in plan:
+            meet = lockstep.before_forward if lockstep is not None and lockstep.world_size > 1 else None
+            for index, (start, stop) in enumerate(plan):
                 ids = batches.input_ids(start, stop, int(lengths[start]))
+                if meet is not None:
+                    meet(index, forwards)
                 batches.store(start, stop, self._batch_logprobs(ids))
                 if progress is not None:
                     progress(int(lengths[start:stop].sum()))
             padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-            for _ in range(forwards - len(plan)):
+            for index in range(len(plan), forwards):
+                if meet is not None:
+                    meet(index, forwards)
                 self._batch_logprobs(padding)
             return batches.result()
 
