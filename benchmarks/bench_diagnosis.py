@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from loops_callbacks.divergence.diagnosis import CAUSES  # noqa: E402
@@ -69,21 +70,30 @@ OTHER_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class Recorder:
-    """Wraps the monitor's diagnosis: keeps each logged step's named cause, signatures, and
-    whether the sampler had just been synced (then a stale run has, truly, no mismatch)."""
+    """While open, keeps each logged step's named cause, signatures, and whether the sampler had
+    just been synced (then a stale run has, truly, no mismatch): it wraps the monitor's one
+    report function, ``step_report``, which sees the step's host statistics."""
 
-    def __init__(self, monitor: KLSampleTrainMonitor, module: RLPolicyModule) -> None:
+    def __init__(self, module: RLPolicyModule) -> None:
         self.steps: list[tuple[str, dict[str, float], bool]] = []
-        original = monitor._diagnose
+        self.module = module
 
-        def diagnose_and_keep(host: Any) -> dict[str, float]:
-            out = original(host)
-            if monitor.last_diagnosis is not None:
+    def __enter__(self) -> Recorder:
+        self.original = monitor_module.step_report
+
+        def report_and_keep(host: Any, **options: Any) -> Any:
+            report = self.original(host, **options)
+            if report.diagnosis is not None:
+                module = self.module
                 fresh = module.sampler_synced_at_step == module.trainer.global_step - 1  # after its optimizer step
-                self.steps.append((monitor.last_diagnosis.cause, signature_numbers(host), fresh))
-            return out
+                self.steps.append((report.diagnosis.cause, signature_numbers(host), fresh))
+            return report
 
-        monitor._diagnose = diagnose_and_keep  # type: ignore[method-assign]
+        monitor_module.step_report = report_and_keep
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        monitor_module.step_report = self.original
 
 
 def _trainer(steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
@@ -107,8 +117,8 @@ def run_fault(
     module = RLPolicyModule(**options)
     module.policy.load_state_dict(base)
     monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
-    recorder = Recorder(monitor, module)
-    _trainer(steps, [monitor]).fit(module, PromptDataModule(seed=seed))
+    with Recorder(module) as recorder:
+        _trainer(steps, [monitor]).fit(module, PromptDataModule(seed=seed))
     return recorder.steps
 
 
