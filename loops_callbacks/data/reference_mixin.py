@@ -178,7 +178,7 @@ class ReferenceLogprobsMixin:
 
     The cache lives in ``cache_dir`` (default ``<trainer.default_root_dir>/reference_logprobs``),
     one file per reference, data and scoring dtype, so runs may share it; see and prune the caches
-    with ``python -m loops_callbacks.reference.cache_tool list|prune DIR``.
+    with ``loops-callbacks cache list|prune DIR``.
 
     Example::
 
