@@ -6,6 +6,7 @@ Llama, Qwen2 and Gemma 2 (final logit soft-capping), right-padded batches of dif
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.heads import LogitTransform, find_output_head, head_logprobs
-from loops_callbacks.reference.scorer import TokenScorer
+from loops_callbacks.reference.scorer import OutputHeadWarning, TokenScorer
 
 transformers = pytest.importorskip("transformers", reason="the architectures come from transformers")
 
@@ -98,6 +99,11 @@ def test_unknown_transforms_take_the_general_path() -> None:
     )
     granite = TorchSamplingClient(transformers.GraniteForCausalLM(config).eval())
     assert granite.path == "logits" and "logits_scaling" in granite.scorer.why_not_head
+    with pytest.warns(OutputHeadWarning, match="GraniteForCausalLM is scored from its full logits.*logits_scaling"):
+        values(granite)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OutputHeadWarning)
+        values(granite)  # once per scorer
 
     class Scaled(nn.Module):
         """A head whose output the model changes afterwards: only the one-time check can tell."""
@@ -114,9 +120,13 @@ def test_unknown_transforms_take_the_general_path() -> None:
 
     model = Scaled()
     client = TorchSamplingClient(model)
-    got = values(client)
+    with pytest.warns(OutputHeadWarning, match="Scaled is scored from its full logits.*relative difference"):
+        got = values(client)
     assert client.path == "logits" and "relative difference" in client.scorer.why_not_head
-    assert max_diff(got, values(TorchSamplingClient(model, output_head=False))) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OutputHeadWarning)  # the general path asked for, or no head: nothing to say
+        assert max_diff(got, values(TorchSamplingClient(model, output_head=False))) == 0.0
+        values(TorchSamplingClient(nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))))
 
 
 def test_head_logprobs_by_hand_with_a_transform() -> None:

@@ -33,11 +33,16 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from loops_callbacks import run_warnings
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
 from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, plan_batches
 
-__all__ = ["TokenScorer", "default_head_rows", "default_tokens_per_batch"]
+__all__ = ["OutputHeadWarning", "TokenScorer", "default_head_rows", "default_tokens_per_batch"]
+
+
+class OutputHeadWarning(UserWarning):
+    """A model exposes an output head, but it cannot be scored from it: full logits are used instead."""
 
 # The default token budget per forward pass (it counts padded tokens, B * T_max), by device type,
 # measured with benchmarks/bench_reference.py (512 sequences of 16-512 tokens; scored tokens/s and
@@ -151,6 +156,8 @@ class TokenScorer:
         self.why_not_head = "output_head=False" if not output_head else "no nn.Module to look into"
         if output_head and model is not None:
             self.head, self.why_not_head = find_output_head(model)
+        # a head exposed but refused (an unknown transform, or the check below) is said once, when scoring
+        self._tell_fallback = output_head and callable(getattr(model, "get_output_embeddings", None))
         self.vocab_size = vocab_size if vocab_size is not None else (self.head.vocab_size if self.head else None)
         self._explicit_budget = max_tokens_per_batch
         self._verified = self.head is None
@@ -182,6 +189,14 @@ class TokenScorer:
         with self._scoring():
             if not self._verified:
                 self._verify()
+            if self._tell_fallback and self.head is None:
+                run_warnings.warn(
+                    f"{type(self.model).__name__} is scored from its full logits, not from its output head in row "
+                    f"chunks: {self.why_not_head}. Each batch then holds [B, T, V] logits: lower "
+                    "max_tokens_per_batch if memory runs short",
+                    OutputHeadWarning,
+                )
+            self._tell_fallback = False
             order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
             # Agreed before the first forward: a rank must not wait in this collective while
             # another is inside a forward's (FSDP's all-gathers).
