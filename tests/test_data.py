@@ -723,7 +723,7 @@ class _TwoRanks:
         self.failed = False
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
-        return ["RuntimeError: out of memory", obj] if self.failed else [obj, obj]
+        return [("RuntimeError", "out of memory"), obj] if self.failed else [obj, obj]  # raise_together's form
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj

@@ -61,10 +61,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         base = os.path.join(out_dir, "cache", CACHE_FILE_NAME)
         results["first"] = _score(base)
         torch.distributed.barrier()
-        if rank == 1:  # (``map_cache``: the name this read had before)
-            for name in ("read_cache", "map_cache"):
-                if hasattr(across_ranks, name):
-                    setattr(across_ranks, name, _flip_a_value_in_place_first(getattr(across_ranks, name)))
+        if rank == 1:
+            across_ranks.read_cache = _flip_a_value_in_place_first(across_ranks.read_cache)
         results["second"] = _score(base)
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

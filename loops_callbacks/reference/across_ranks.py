@@ -31,6 +31,7 @@ Before each collective step the ranks meet (``StallGuard``): a rank that does no
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -49,7 +50,7 @@ from loops_callbacks.reference.attach import attach_reference_logprobs, attach_r
 from loops_callbacks.reference.cache import CACHE_TOOL, CacheKey, data_fingerprint, find_cache, read_cache, write_cache
 from loops_callbacks.reference.clients import TorchSamplingClient, check_token_ids
 from loops_callbacks.reference.collectives import Group as _Group
-from loops_callbacks.reference.collectives import StallGuard
+from loops_callbacks.reference.collectives import StallGuard, raise_together
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
@@ -168,7 +169,8 @@ def score_across_ranks(
         raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
     group = _Group()
     guard = StallGuard(group, scoring_timeout)
-    digest = _Digest(packed)  # of the token data: compared across ranks, and part of the cache key
+    # the token data's digest, computed once: compared across ranks, and part of the cache key
+    digest = functools.cache(functools.partial(data_fingerprint, packed))
     _check_same_tokens(packed, digest, group, guard, datum_name or (lambda index: f"datum {index}"))
     path = os.fspath(cache_path) if cache_path is not None else None
     if cached_only is not None:
@@ -208,12 +210,7 @@ def score_across_ranks(
         except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
             failure = error
         guard.arrive("gathering the scored values")
-        if group.any_true(failure is not None):
-            messages = group.all_gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
-            if failure is not None:
-                raise failure
-            failed = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None]
-            raise RuntimeError(f"scoring the reference logprobs failed on another rank ({'; '.join(failed)})")
+        raise_together(group, failure, "scoring the reference logprobs")
         scored_here = last - first
         value_bounds = [int(packed.offsets[b]) for b in bounds]
         values = group.gather_blocks(local, value_bounds).cpu().numpy()
@@ -251,19 +248,6 @@ def score_across_ranks(
             status,
         )
     return result, report
-
-
-class _Digest:
-    """``data_fingerprint(packed)``, computed on the first call only (one pass over the ids per run)."""
-
-    def __init__(self, packed: PackedTokens) -> None:
-        self.packed = packed
-        self.value: str | None = None
-
-    def __call__(self) -> str:
-        if self.value is None:
-            self.value = data_fingerprint(self.packed)
-        return self.value
 
 
 def _check_same_tokens(

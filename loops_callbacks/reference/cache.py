@@ -66,7 +66,6 @@ __all__ = [
     "data_fingerprint",
     "find_cache",
     "list_caches",
-    "map_cache",
     "orphaned_temporaries",
     "read_cache",
     "write_cache",
@@ -144,7 +143,7 @@ class CacheLookup:
     """The outcome of ``read_cache`` / ``find_cache``: ``flat`` (and ``values``) when ``status == "hit"``, else why not.
 
     ``status`` is ``"hit"``, ``"missing"`` (no file, and no other cache beside it), ``"stale"``
-    (files made for other keys only: ``others``, and ``reason`` names them and what differs) or
+    (files made for other keys only: ``reason`` names them and what differs) or
     ``"corrupt"`` (a truncated or damaged file, or one whose lengths do not fit the data).
     ``path`` is the file the values were read from, or the file this key's values belong in.
     ``flat`` is in this process's memory (a read-only snapshot: the file may change afterwards).
@@ -157,7 +156,6 @@ class CacheLookup:
     digest: bytes | None = None
     key: CacheKey | None = None
     path: str | None = None
-    others: tuple[CacheInfo, ...] = ()
 
     @property
     def values(self) -> list[np.ndarray] | None:
@@ -342,13 +340,6 @@ def read_cache(
     return lookup
 
 
-def map_cache(
-    path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray, digest: bytes
-) -> CacheLookup:
-    """``read_cache(path, key, lengths, digest=digest)``, by its name in earlier versions (it mapped the file)."""
-    return read_cache(path, key, lengths, digest=digest)
-
-
 def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
     """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
 
@@ -356,7 +347,7 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
     the directory whose header holds ``key``, is used when whole. With ``key.reference=None`` a
     whole file of these data and dtype is used, unless files of them by several references are
     there (which one is meant cannot be told: a miss). A miss names every cache in the directory
-    and what differs (``reason``, ``others``); ``path`` is then the file ``key``'s values belong in.
+    and what differs (``reason``); ``path`` is then the file ``key``'s values belong in.
     """
     base = os.fspath(base)
     directory = os.path.dirname(base) or "."
@@ -382,7 +373,6 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
             f"{len(candidates)} caches in {directory} hold these data and dtype, made by {len(references)} "
             f"references ({named}), and which one is meant is not known (no reference fingerprint was given); "
             f"remove the ones not wanted (`{CACHE_TOOL} list {directory}`)",
-            others=tuple(others),
         )
     unusable: dict[str, str] = {}
     for info in candidates:
@@ -392,7 +382,7 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
         unusable[info.path] = found.reason
     if not others:
         return CacheLookup("missing", path=path)
-    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path, others=tuple(others))
+    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path)
 
 
 def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
