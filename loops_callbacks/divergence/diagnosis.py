@@ -183,7 +183,7 @@ def diagnose(
     if k3 < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(k3, 1e-300))
         evidence = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
-        return Diagnosis("precision", 0.5 + 0.5 * min(margin, 1.0), evidence)
+        return Diagnosis("precision", _confidence(margin), evidence)
     if get("token_eta2") >= STALE_ETA2:
         evidence = {"token_eta2": get("token_eta2"), "k3": k3}
         return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence)

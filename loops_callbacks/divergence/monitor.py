@@ -245,7 +245,6 @@ class KLSampleTrainMonitor(Callback):
 
     def _start_run(self) -> None:
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
-        self.stop_reason: str | None = None
         self.last_metrics: dict[str, float] = {}
         self.history = RunHistory(self.kl_metric, self.max_kl)
         self.calibration = Calibration(self.calibration_steps)
@@ -253,8 +252,8 @@ class KLSampleTrainMonitor(Callback):
         self._window: DivergenceStats | None = None
         self._last_flat: FlatBatch | None = None
         self._contract_checked = False
+        self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not (the history counts finite ones)
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not
 
     @override
     def on_train_batch_end(
@@ -312,6 +311,11 @@ class KLSampleTrainMonitor(Callback):
     def verdict(self) -> Verdict:
         """What the guard rail did in this run: ``OFF``, ``NO_EXCEEDANCE``, ``WARNED``, ``STOPPED`` or ``RAISED``."""
         return self.history.verdict
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The guard rail's message when it stopped this run (``on_exceed="stop"``), else ``None``."""
+        return self.history.verdict_reason if self.history.verdict is Verdict.STOPPED else None
 
     @property
     def verdict_step(self) -> int | None:
@@ -431,7 +435,6 @@ class KLSampleTrainMonitor(Callback):
         verdict = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[self.on_exceed]
         self.history.acted(verdict, step, message)
         if self.on_exceed == "stop":
-            self.stop_reason = message
             trainer.should_stop = True
             message += " Signaling Trainer to stop."
         if trainer.is_global_zero:
