@@ -328,6 +328,7 @@ def tokenize_preferences(
     (``loops_callbacks.data.token_window``): its lists are then the slices of the whole ids that
     the limits can keep, which give the same datums.
     """
+    checked_keys: set[frozenset[str]] = set()  # the check reads only the keys: once per distinct set
     for example in examples:
         if example.conversational and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -335,7 +336,10 @@ def tokenize_preferences(
                 f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has none; set "
                 "tokenizer.chat_template or use the model's own tokenizer"
             )
-        check_chat_template_kwargs(example, tokenizer)
+        keys = frozenset(example.chat_template_kwargs or ())
+        if keys not in checked_keys:
+            check_chat_template_kwargs(example, tokenizer)
+            checked_keys.add(keys)
     results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
     bar = _progress_bar(len(examples), progress)
     try:
