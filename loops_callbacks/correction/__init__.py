@@ -1,0 +1,29 @@
+"""Rollout corrections (TRL's, verl's, IcePop, off-policy masking) as plain torch functions, no Lightning.
+
+- ``spec``: ``Correction`` (a method and its parameters, with the framework's defaults) and
+  ``parse_correction`` (``"sequence_mask:3.0"``, ``"token_truncate(clip_max=2.0)"``);
+- ``compute``: ``apply_correction`` (padded ``[B, T]`` in, ``CorrectionResult`` out) and
+  ``correct_flat`` (the same on concatenated positions, for the monitor's shadow statistics).
+
+Example:
+    >>> import torch
+    >>> from loops_callbacks.correction import apply_correction
+    >>> result = apply_correction("token_truncate:2.0", torch.zeros(1, 2), torch.tensor([[-1.0, 0.0]]), torch.ones(1, 2))
+    >>> result.weights.tolist(), result.clipped.tolist()
+    ([[2.0, 1.0]], [[True, False]])
+"""
+
+from loops_callbacks.correction.compute import CorrectionResult, FlatCorrection, Segments, apply_correction, correct_flat
+from loops_callbacks.correction.spec import METHODS, Correction, Method, parse_correction
+
+__all__ = [
+    "METHODS",
+    "Correction",
+    "CorrectionResult",
+    "FlatCorrection",
+    "Method",
+    "Segments",
+    "apply_correction",
+    "correct_flat",
+    "parse_correction",
+]
