@@ -48,13 +48,16 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from loops_callbacks.divergence.evidence import DirectEvidence
 from loops_callbacks.divergence.metrics import SCALAR_METRICS
 
-__all__ = ["CAUSES", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
+__all__ = ["CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
-CAUSES = (IMPOSSIBLE_INPUTS, "none", "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
+DROPOUT = "dropout"
+"""The cause named when dropout is seen live in the trainer (``evidence``): an observation, not a guess."""
+CAUSES = (IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
 MIN_TOKENS = 64
@@ -71,6 +74,7 @@ CALIBRATION_FACTOR = 20.0
 _WHAT = {
     IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
     "none": "no mismatch",
+    DROPOUT: "observed: the trainer's logprobs include dropout noise",
     "shift": "sampler logprobs are shifted by one position",
     "unrelated": "sampler and trainer score unrelated distributions",
     "truncation": "the sampler truncates (top-k / top-p) and reports renormalized logprobs",
@@ -83,6 +87,8 @@ _CHECK = {
     IMPOSSIBLE_INPUTS: "fix the inputs first (position k must hold log p of the token predicted at k, a number "
     "<= 0); no other cause can be judged on them",
     "none": "",
+    DROPOUT: "compute the trainer's logprobs without dropout (model.eval() for the scoring forward, or dropout 0 "
+    "in the model's config, as TRL does for RL); the sampler never applies dropout",
     "shift": "check the alignment of logprobs with target tokens (position k must hold the logprob of the "
     "token predicted at k; here the trainer's value at k matches the sampler's at k{sign}1)",
     "unrelated": "check the chat template, BOS and special tokens and the tokenizer on both sides, and that the "
@@ -102,13 +108,15 @@ _CHECK = {
 class Diagnosis:
     """The likely cause of one logged step, how sure the rule is (0 to 1), and the numbers behind it.
 
-    ``problems`` says what is impossible about the inputs (cause ``impossible_inputs`` only).
+    ``problems`` says what is impossible about the inputs (cause ``impossible_inputs`` only);
+    ``observed`` what was seen directly about the trainer (``evidence.DirectEvidence.facts``).
     """
 
     cause: str
     confidence: float
     evidence: dict[str, float] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    observed: str = ""
 
     @classmethod
     def impossible_inputs(cls, problems: Iterable[str]) -> Diagnosis:
@@ -121,6 +129,11 @@ class Diagnosis:
         return cls(IMPOSSIBLE_INPUTS, 1.0, problems=tuple(problems))
 
     @property
+    def is_observation(self) -> bool:
+        """Whether the cause was seen directly (impossible inputs, live dropout), not inferred from statistics."""
+        return self.cause in (IMPOSSIBLE_INPUTS, DROPOUT)
+
+    @property
     def message(self) -> str:
         """One sentence for logs and the guard rail: the cause, its evidence, what to check."""
         if self.cause == "none":
@@ -130,6 +143,8 @@ class Diagnosis:
         what = _WHAT[self.cause]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
+        if self.observed:
+            what += f": {self.observed}"
         check = _CHECK[self.cause].format(sign="+" if self.evidence.get("shift_direction", 1.0) > 0 else "−")
         return f"likely cause: {what} ({_format(self.evidence)}); {check}"
 
@@ -155,9 +170,18 @@ class Calibration:
 
 
 def diagnose(
-    signatures: Mapping[str, float], *, n_tokens: float, precision_max_k3: float = PRECISION_MAX_K3
+    signatures: Mapping[str, float],
+    *,
+    n_tokens: float,
+    precision_max_k3: float = PRECISION_MAX_K3,
+    evidence: DirectEvidence | None = None,
 ) -> Diagnosis:
-    """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``)."""
+    """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
+
+    ``evidence`` is what was seen directly about the trainer (``evidence.observe_training``): live
+    dropout is named before any statistical cause, with confidence 1, unless d = 0 on most tokens
+    (then the dropout does not reach the logprobs).
+    """
     sig = dict(signatures)
 
     def get(name: str) -> float:
@@ -166,6 +190,10 @@ def diagnose(
     def found(cause: str, margin: float, *names: str) -> Diagnosis:
         return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
 
+    if evidence is not None and evidence.dropout_active and not get("frac_d_zero") >= ZERO_SHARE:
+        numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
+        numbers["k3"] = get("kl_sample_train_k3")
+        return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts)
     if n_tokens < MIN_TOKENS:
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     if get("frac_d_zero") >= ZERO_SHARE:

@@ -24,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from loops_callbacks.divergence.diagnosis import PRECISION_MAX_K3, Diagnosis, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.evidence import DirectEvidence
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.media import MediaOptions, StepMedia, step_media
 from loops_callbacks.divergence.metrics import scalar_metrics
@@ -64,18 +67,24 @@ def step_report(
     guard_rail: GuardRail,
     diagnosing: bool,
     precision_max_k3: float = PRECISION_MAX_K3,
+    evidence: DirectEvidence | None = None,
+    by_lag: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
     ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read
-    them as something else); ``precision_max_k3`` is the calibrated precision bound.
+    them as something else); ``precision_max_k3`` is the calibrated precision bound; ``evidence``
+    what was seen directly about the trainer (``evidence.observe_training``); ``by_lag`` the
+    host per-lag numbers and ``offsets`` the host ``alignment.offset_sums`` of the step (``None``:
+    not measured).
     """
     scalars = scalar_metrics(host, prefix="")
     problems = impossible_inputs(host)
     diagnosis, diagnosis_scalars = None, {}
     if diagnosing and host.totals["n_action_tokens"] > 0:
         signatures = signature_numbers(host)
-        diagnosis = _likely_cause(signatures, problems, host.totals["n_action_tokens"], precision_max_k3)
+        diagnosis = _likely_cause(signatures, problems, host.totals["n_action_tokens"], precision_max_k3, evidence)
         diagnosis_scalars = diagnosis_metrics(diagnosis, signatures, prefix="")
     return StepReport(
         scalars=scalars,
@@ -89,8 +98,12 @@ def step_report(
 
 
 def _likely_cause(
-    signatures: Mapping[str, float], problems: Mapping[str, str], n_tokens: float, precision_max_k3: float
+    signatures: Mapping[str, float],
+    problems: Mapping[str, str],
+    n_tokens: float,
+    precision_max_k3: float,
+    evidence: DirectEvidence | None,
 ) -> Diagnosis:
     if problems:
         return Diagnosis.impossible_inputs(problems.values())
-    return diagnose(signatures, n_tokens=n_tokens, precision_max_k3=precision_max_k3)
+    return diagnose(signatures, n_tokens=n_tokens, precision_max_k3=precision_max_k3, evidence=evidence)

@@ -125,8 +125,9 @@ class RunHistory:
             width = max(map(len, names))
             lines += [f"    {name:{width}s}   {value + 0.0:.6g}" for name, value in names.items()]  # + 0.0: no "-0"
         if self.last_diagnosis is not None:
+            kind = "observed" if self.last_diagnosis.is_observation else "a hint"
             lines.append(
-                f"  last diagnosis (step {self.last_diagnosis_step}, a hint, confidence "
+                f"  last diagnosis (step {self.last_diagnosis_step}, {kind}, confidence "
                 f"{self.last_diagnosis.confidence:.2f}): {self.last_diagnosis.message}"
             )
         lines.append(self.verdict_line())
