@@ -8,12 +8,19 @@
 Example:
     >>> import torch
     >>> from loops_callbacks.correction import apply_correction
-    >>> result = apply_correction("token_truncate:2.0", torch.zeros(1, 2), torch.tensor([[-1.0, 0.0]]), torch.ones(1, 2))
+    >>> sampler = torch.tensor([[-1.0, 0.0]])
+    >>> result = apply_correction("token_truncate:2.0", torch.zeros(1, 2), sampler, torch.ones(1, 2))
     >>> result.weights.tolist(), result.clipped.tolist()
     ([[2.0, 1.0]], [[True, False]])
 """
 
-from loops_callbacks.correction.compute import CorrectionResult, FlatCorrection, Segments, apply_correction, correct_flat
+from loops_callbacks.correction.compute import (
+    CorrectionResult,
+    FlatCorrection,
+    Segments,
+    apply_correction,
+    correct_flat,
+)
 from loops_callbacks.correction.spec import METHODS, Correction, Method, parse_correction
 
 __all__ = [

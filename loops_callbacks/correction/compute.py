@@ -150,7 +150,9 @@ def correct_flat(
         weights = keep.to(torch.float64)
     else:  # off_policy
         if advantages is None:
-            raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
+            raise ValueError(
+                f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages="
+            )
         count = rows.sum(mask.to(torch.float64)).clamp(min=1.0)
         mean_kl = rows.sum(-d) / count  # the sampler's minus the trainer's logprob, as TRL's kl_div
         keep = mask & rows.spread((advantages >= 0) | (mean_kl <= correction.params["threshold"]))
@@ -167,7 +169,9 @@ def _outside(ratio: torch.Tensor, low: float | None, high: float | None) -> torc
     return outside
 
 
-def _verl_rejection_keep(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor, rows: Segments) -> torch.Tensor:
+def _verl_rejection_keep(
+    correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor, rows: Segments
+) -> torch.Tensor:
     """verl's per-option keep (``compute_rollout_rejection_mask``) at every position; NaN log ratios fail."""
     option = correction.spec.formula
     safe = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
@@ -230,9 +234,14 @@ def apply_correction(
     per_row = None
     if advantages is not None:
         if not isinstance(advantages, torch.Tensor):
-            raise TypeError(f"'advantages' must be a tensor of shape ({batch},) or ({batch}, 1), got {type(advantages).__name__}")
+            raise TypeError(
+                f"'advantages' must be a tensor of shape ({batch},) or ({batch}, 1), got {type(advantages).__name__}"
+            )
         if tuple(advantages.shape) not in ((batch,), (batch, 1)):
-            raise ValueError(f"'advantages' has shape {tuple(advantages.shape)}; expected ({batch},) or ({batch}, 1), one per sequence")
+            raise ValueError(
+                f"'advantages' has shape {tuple(advantages.shape)}; expected ({batch},) or ({batch}, 1), "
+                "one per sequence"
+            )
         per_row = advantages.detach().reshape(batch).to(device=device, dtype=torch.float64)
     elif correction.spec.needs_advantages:
         raise ValueError(f"correction {correction.name!r} needs 'advantages' of shape ({batch},) or ({batch}, 1)")

@@ -134,7 +134,9 @@ class Correction:
             raise TypeError(f"Correction.params must be a mapping, got {type(self.params).__name__}")
         unknown = sorted(set(self.params) - set(spec.params))
         if unknown:
-            raise ValueError(f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}")
+            raise ValueError(
+                f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}"
+            )
         filled: dict[str, float | None] = {}
         for name, default in spec.defaults.items():
             value = self.params.get(name, default)
@@ -209,7 +211,10 @@ def parse_correction(spec: str | Correction) -> Correction:
         raise TypeError(f"a correction is a str like 'sequence_mask:3.0' or a Correction, got {type(spec).__name__}")
     match = _CALL.match(spec)
     if match is None:
-        raise ValueError(f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' or 'method(name=value, ...)'")
+        raise ValueError(
+            f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' "
+            "or 'method(name=value, ...)'"
+        )
     method, keywords, shorthand = match.groups()
     if method not in METHODS:
         raise ValueError(f"correction {spec!r}: unknown method {method!r}; known: {sorted(METHODS)}")
