@@ -92,8 +92,11 @@ def test_offline_wandb_run_gets_scalars_histogram_and_table(tmp_path: Any, monke
     trainer.fit(model)
     run_dir = logger.experiment.dir
     logger.experiment.finish()
-    tables = glob.glob(os.path.join(run_dir, "media", "table", "**", "*.table.json"), recursive=True)
+    every_table = glob.glob(os.path.join(run_dir, "media", "table", "**", "*.table.json"), recursive=True)
+    tables = [path for path in every_table if os.path.basename(path).startswith("worst_tokens")]
     assert len(tables) == 2  # steps 1 and 3
+    strata = [path for path in every_table if os.path.basename(path).startswith("strata")]
+    assert len(strata) == 2 and len(every_table) == 4  # and the strata view, once per logged step
     with open(sorted(tables)[-1]) as handle:
         table = json.load(handle)
     assert table["columns"][:4] == ["rank", "datum", "position", "token"] and len(table["data"]) == 20

@@ -65,6 +65,8 @@ class FlatBatch:
     row_lengths: torch.Tensor  # int64 [B]
     tokens: TokenLookup | None = None
     token_ids: torch.Tensor | None = None  # int64 [L], the token predicted at each position; < 0 unknown
+    lags: torch.Tensor | None = None  # int64 [B], each datum's policy lag (``step_input``); None: no versions
+    groups: torch.Tensor | None = None  # int64 [B], each datum's group id (>= 0); None: no groups
 
     @property
     def n_datums(self) -> int:
@@ -110,6 +112,8 @@ class FlatBatch:
             self.row_lengths[first:end],
             None if self.tokens is None else _ShiftedTokens(self.tokens, first),
             None if self.token_ids is None else self.token_ids[start:stop],
+            None if self.lags is None else self.lags[first:end],
+            None if self.groups is None else self.groups[first:end],
         )
 
 

@@ -36,7 +36,8 @@ from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, step_report
 from loops_callbacks.divergence.run_history import RunHistory, Verdict
 from loops_callbacks.divergence.sinks import deliver, deliver_text
-from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats
+from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
+from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS, Strata
 from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
@@ -92,13 +93,19 @@ class KLSampleTrainMonitor(Callback):
             healthy case, and any skipped token is counted in ``n_skipped_nonfinite``).
         keys: where to read the data, as ``{name: key}`` for any of ``data``,
             ``training_logprobs``, ``forward_backward_output``, ``logprobs`` (the sampler's),
-            ``mask``, ``advantages``, ``target_tokens``, ``input_ids``; each defaults to its name.
+            ``mask``, ``advantages``, ``target_tokens``, ``input_ids``, ``policy_version``,
+            ``group``; each defaults to its name.
         diagnose: on every logged step, name the likely cause of the divergence with its
             evidence (``loops_callbacks.divergence.diagnosis``): logged as
             ``diagnosis/<cause>`` indicators, ``diagnosis/confidence``, ``signature/<name>``
             numbers and the text ``diagnosis``; the guard rail's message names it too.
         calibration_steps: healthy logged steps (diagnosed ``none`` or ``precision``) from which
             the precision bound is learned (20x their median k3, at most 1e-3).
+        log_strata: log the divergence by stratum (``loops_callbacks.divergence.strata``): k3,
+            mean |d|, IS-ratio mean and tokens by sampler probability, by quartile of each
+            datum's action tokens, by policy lag and by group.
+        max_groups: groups kept apart in the strata (ids ``0`` to ``max_groups - 1``); datums with
+            a larger id are pooled in ``group_other``, with one warning per run.
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
@@ -149,6 +156,13 @@ class KLSampleTrainMonitor(Callback):
       are then read from the datums on the host: one small synchronization per micro-batch of a
       logged step, where the padded form gathers them on the device.)
 
+    * Optional, either form: ``policy_version`` (``[B]`` ints: the version of the sampler's
+      weights that generated each datum, counted in the trainer's optimizer steps, 0 for the
+      initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id); in the
+      datum form also a one-value field of each datum's ``loss_fn_inputs``. A datum's policy lag
+      is the optimizer step being trained minus its version (``step_input`` says why the
+      trainer's step is the reference); a version ahead of the trainer is a ``ValueError``.
+
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
 
@@ -163,6 +177,12 @@ class KLSampleTrainMonitor(Callback):
     * ``entropy``, ``n_action_tokens``, ``n_sequences``, ``n_skipped_nonfinite``
     * ``per_token_diff_hist`` (W&B histogram, TensorBoard histogram)
     * ``worst_tokens`` (W&B table, TensorBoard text)
+    * with ``log_strata``, in a second record at the same step: ``stratum/<name>/k3``,
+      ``stratum/<name>/abs_d_mean``, ``stratum/<name>/is_ratio_mean``, ``stratum/<name>/n_tokens``
+      for each stratum with tokens: ``p_lt_0.01``, ``p_0.01_0.1``, ``p_0.1_0.5``, ``p_0.5_0.9``,
+      ``p_ge_0.9`` (the sampler's probability), ``pos_q1`` … ``pos_q4``, ``lag_0`` … ``lag_3``,
+      ``lag_4_7``, ``lag_8_plus``, ``group_<id>``, ``group_other``; and the table ``strata``
+      with them side by side (W&B table, TensorBoard text)
 
     A step without action tokens logs only ``n_action_tokens = 0`` and the two counts. The
     scalars are also put in ``trainer.callback_metrics``, so ``EarlyStopping`` and
@@ -194,6 +214,8 @@ class KLSampleTrainMonitor(Callback):
         keys: Mapping[str, str] | None = None,
         diagnose: bool = True,
         calibration_steps: int = 5,
+        log_strata: bool = True,
+        max_groups: int = DEFAULT_MAX_GROUPS,
     ) -> None:
         super().__init__()
         if interval not in ("optimizer_step", "forward_backward"):
@@ -210,6 +232,8 @@ class KLSampleTrainMonitor(Callback):
         check_bool("log_histogram", log_histogram)
         check_bool("log_worst_tokens", log_worst_tokens)
         check_bool("diagnose", diagnose)
+        check_bool("log_strata", log_strata)
+        self.strata = Strata(max_groups) if log_strata else None  # checks max_groups
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -263,7 +287,14 @@ class KLSampleTrainMonitor(Callback):
         logged = self._logs_at(trainer, step)
         if not logged and self._contract_checked:
             return
-        flat = read_step(outputs, batch, self.keys, with_tokens=self.top_n > 0, with_token_ids=self.diagnosing)
+        flat = read_step(
+            outputs,
+            batch,
+            self.keys,
+            with_tokens=self.top_n > 0,
+            with_token_ids=self.diagnosing,
+            optimizer_step=step if self.strata is not None else None,
+        )
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
             return
@@ -273,6 +304,7 @@ class KLSampleTrainMonitor(Callback):
             sample_size=self.sample_size,
             generator=self._generator(flat.device, trainer.global_rank),
             signatures=self.diagnosing,
+            strata=self.strata,
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
@@ -283,8 +315,9 @@ class KLSampleTrainMonitor(Callback):
             window = window.reduce_across_ranks(
                 trainer.strategy, generator=self._generator(window.totals.device, trainer.global_rank)
             )
+        host = window.to_host()  # the one host synchronization of a logged step
         report = step_report(
-            window.to_host(),  # the one host synchronization of a logged step
+            host,
             prefix=self.prefix,
             media=self.media,
             guard_rail=self.guard_rail,
@@ -294,6 +327,7 @@ class KLSampleTrainMonitor(Callback):
         self._deliver(trainer, report, step)
         self._remember(report, step)
         self._warn_about_inputs(report, step)
+        self._warn_about_groups(host, step)
         self._act(trainer, report, step)
         self._last_flat = None
 
@@ -389,6 +423,15 @@ class KLSampleTrainMonitor(Callback):
                 self.warnings.warn(
                     problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
                 )
+
+    def _warn_about_groups(self, host: HostDivergence, step: int) -> None:
+        """Say once per run that group ids beyond ``max_groups`` are pooled as ``group_other``."""
+        if host.strata is not None and host.strata["group_other"].n_tokens:
+            self.warnings.warn(
+                "group_other",
+                f"KLSampleTrainMonitor, step {step}: datums with {self.keys['group']!r} >= max_groups = "
+                f"{self.strata.max_groups} are pooled in the stratum 'group_other'; raise max_groups to see them apart",
+            )
 
     def _warn_watching_nothing(self) -> None:
         self.warnings.warn(

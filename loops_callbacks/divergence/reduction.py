@@ -195,13 +195,15 @@ def header_packing(top_n: int) -> Packing:
     return Packing(totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), worst_abs=top_n, draw=1)
 
 
-def body_packing(top_n: int, capacity: int) -> Packing:
-    """The summed body: the worst rows, the summed totals, the per-token-id sums, the sample and one
-    slot that takes every unchosen diff."""
+def body_packing(top_n: int, capacity: int, strata: int = 0) -> Packing:
+    """The summed body: the worst rows, the summed totals, the per-token-id sums, the ``strata``
+    stratum sums (``strata.Strata``; a fixed number per monitor), the sample and one slot that takes
+    every unchosen diff."""
     return Packing(
         worst=top_n * ROW.WIDTH,
         totals=len(SUMMED_TOTALS),
         token_sums=3 * TOKEN_BUCKETS,
+        strata=strata,
         sample=capacity,
         unchosen=1,
     )
@@ -268,8 +270,8 @@ def reduce_across_ranks(
     capacity = stats.sample_size
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
-    body = body_packing(top_n, capacity)
-    token_sums = stats.token_sums if stats.token_sums is not None else stats.totals.new_zeros(3, TOKEN_BUCKETS)
+    strata = stats.strata if stats.strata is not None else stats.totals.new_zeros(0)
+    body = body_packing(top_n, capacity, strata.numel())
     sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
     _add_sample(sample, stats, share[rank], start[rank])
     reduced = body.unpack(
@@ -277,7 +279,8 @@ def reduce_across_ranks(
             body.pack(
                 worst=_chosen_rows(stats.worst, ranks["worst_abs"], datum_offsets[rank], rank),
                 totals=stats.totals.index_select(0, summed),
-                token_sums=token_sums,
+                token_sums=stats.token_sums_or_zeros(),
+                strata=strata,
                 sample=sample[:capacity],
                 unchosen=sample[capacity:],
             )
@@ -299,6 +302,7 @@ def reduce_across_ranks(
         sample_values=reduced["sample"],
         sample_keys=keys,
         token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
+        strata=None if stats.strata is None else reduced["strata"].reshape(stats.strata.shape),
     )
 
 

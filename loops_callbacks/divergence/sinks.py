@@ -6,6 +6,11 @@
   (the histogram's values and the table's rows are the report's, built once for every logger);
 * any other logger (CSV, MLflow, ...): scalars.
 
+The strata view (``media.StrataView``: ``stratum/<name>/<metric>`` scalars and their table) goes
+in a second ``log_metrics`` call at the same step, so the step's own metrics stay one record:
+W&B gets its scalars and a ``wandb.Table``, TensorBoard its scalars and a Markdown table, other
+loggers its scalars.
+
 ``deliver_text`` writes one text entry (e.g. why the guard rail stopped the run) to each logger
 that can show text: TensorBoard's text panel (``add_text``, Markdown) and W&B (an HTML panel).
 
@@ -29,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from loops_callbacks import run_warnings
-from loops_callbacks.divergence.media import HISTOGRAM_KEY, TABLE_KEY, wandb_media
+from loops_callbacks.divergence.media import (
+    HISTOGRAM_KEY,
+    STRATA_TABLE_KEY,
+    TABLE_KEY,
+    strata_markdown,
+    wandb_media,
+    wandb_strata,
+)
 from loops_callbacks.divergence.worst_tokens import worst_tokens_markdown
 from loops_callbacks.run_warnings import RunWarnings
 
@@ -110,6 +122,7 @@ def _deliver_one(logger: Any, report: StepReport, step: int, prefix: str) -> Non
     scalars = report.logged(prefix)
     if isinstance(logger, WandbLogger):
         logger.log_metrics({**scalars, **wandb_media(report.media, prefix=prefix)}, step=step)
+        _deliver_strata(logger, report, step, prefix)
         return
     logger.log_metrics(scalars, step=step)
     if isinstance(logger, TensorBoardLogger):
@@ -118,3 +131,16 @@ def _deliver_one(logger: Any, report: StepReport, step: int, prefix: str) -> Non
             writer.add_histogram(prefix + HISTOGRAM_KEY, report.media.histogram, step)
         if report.media.worst_rows is not None:
             writer.add_text(prefix + TABLE_KEY, worst_tokens_markdown(report.media.worst_rows), step)
+    _deliver_strata(logger, report, step, prefix)
+
+
+def _deliver_strata(logger: Any, report: StepReport, step: int, prefix: str) -> None:
+    view = report.media.strata
+    if view is None or not view.rows:
+        return
+    if isinstance(logger, WandbLogger):
+        logger.log_metrics(wandb_strata(view, prefix=prefix), step=step)
+        return
+    logger.log_metrics({prefix + name: value for name, value in view.scalars.items()}, step=step)
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_text(prefix + STRATA_TABLE_KEY, strata_markdown(view), step)

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.layout import EXTREMA, ROW, TOKEN_BUCKETS, TOTAL_INDEX, TOTALS, Packing, pack_named
 from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
+from loops_callbacks.divergence.strata import COLUMNS, Strata, StratumSums, by_lag
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
 
@@ -81,6 +83,21 @@ class HostDivergence:
     worst: np.ndarray  # [rows, ROW.WIDTH], most divergent first, empty rows removed
     diffs: np.ndarray  # float64, the sampled diffs in batch order
     token_sums: np.ndarray | None = None  # float64 [3, TOKEN_BUCKETS]: count, sum d, sum d² per bucket
+    strata: dict[str, StratumSums] | None = None  # by stratum name (``strata``); None: not kept
+
+    @property
+    def by_lag(self) -> dict[str, StratumSums]:
+        """The step's divergence by policy lag, for a diagnosis of stale weights; ``{}`` without versions.
+
+        Keys ``"0"``, ``"1"``, ``"2"``, ``"3"``, ``"4-7"``, ``"8+"`` in that order (all six, empty
+        buckets with ``n_tokens == 0``), present when at least one action token of the step came
+        from a datum with a policy version. Lag = the trainer's optimizer step minus the datum's
+        policy version (the optimizer steps its sampler's weights were behind; ``step_input``).
+        Each value is a ``StratumSums``: ``n_tokens``, ``sum_k3``, ``sum_abs_d``, ``sum_is_ratio``
+        and the means ``k3``, ``abs_d_mean``, ``is_ratio_mean`` (NaN when empty). Stale weights
+        show as k3 growing with the lag.
+        """
+        return by_lag(self.strata) if self.strata is not None else {}
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,8 @@ class DivergenceStats:
     sample_keys: torch.Tensor | None  # float64 [m]; +inf marks an empty slot; None: all kept
     sample_size: int | None = None
     token_sums: torch.Tensor | None = None  # float64 [3, TOKEN_BUCKETS]; None reads as zeros
+    strata: torch.Tensor | None = None  # float64 [len(strata.COLUMNS), Strata.width]; None: not kept
+    stratification: Strata | None = None  # which strata ``strata`` holds
 
     @classmethod
     @torch.no_grad()
@@ -105,8 +124,12 @@ class DivergenceStats:
         sample_size: int | None = None,
         generator: torch.Generator | None = None,
         signatures: bool = True,
+        strata: Strata | None = None,
     ) -> DivergenceStats:
         """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set.
+
+        ``strata`` keeps the divergence by stratum (module ``strata``; lags and groups from
+        ``flat.lags`` / ``flat.groups``); ``None`` keeps none.
 
         ``signatures=False`` skips the diagnosis' sums (they stay zero): the plain SDK functions,
         which report no diagnosis, do not pay for them. On the CPU a batch of more than
@@ -118,7 +141,7 @@ class DivergenceStats:
             check_int("sample_size", sample_size, least=1, what=" or None")
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if _on_host(flat.device) else [flat]
         return cls.concatenated(
-            [cls._from_chunk(chunk, top_n, sample_size, generator, signatures) for chunk in chunks]
+            [cls._from_chunk(chunk, top_n, sample_size, generator, signatures, strata) for chunk in chunks]
         )
 
     @classmethod
@@ -129,6 +152,7 @@ class DivergenceStats:
         sample_size: int | None,
         generator: torch.Generator | None,
         signatures: bool,
+        strata: Strata | None,
     ) -> DivergenceStats:
         # On the CPU, select the action tokens (fewer, cheaper passes); on accelerators keep
         # fixed shapes and mask instead, so that nothing waits for the device.
@@ -176,6 +200,12 @@ class DivergenceStats:
         else:
             # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS)
             sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
+        stratum_sums = None
+        if strata is not None:  # before the ratio's buffer becomes k3
+            stratum_sums = strata.sums(
+                d=d, abs_d=abs_d, is_ratio=is_ratio, sampler=sampler, active=active, row_lengths=flat.row_lengths,
+                row_counts=row_counts, lags=flat.lags, groups=flat.groups, valid=valid,
+            )
         k3 = is_ratio.sub_(1.0).sub_(d)  # every use of the ratio is above: its buffer becomes k3 = e^d - 1 - d
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
@@ -209,7 +239,7 @@ class DivergenceStats:
         if valid is not None:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
         token_sums = _token_sums(flat, d, valid, compact) if signatures else None
-        return cls(totals, extrema, worst, d, keys, sample_size, token_sums)._capped()
+        return cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata)._capped()
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
         """Statistics of this batch followed by ``later`` (datum indices of ``later`` shift)."""
@@ -239,6 +269,8 @@ class DivergenceStats:
             sample_keys=keys,
             sample_size=first.sample_size,
             token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
+            strata=functools.reduce(_add_or_none, [part.strata for part in parts]),
+            stratification=first.stratification,
         )._capped()
 
     def reduce_across_ranks(
@@ -255,12 +287,14 @@ class DivergenceStats:
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
-        token_sums = self.token_sums if self.token_sums is not None else self.totals.new_zeros(3, TOKEN_BUCKETS)
+        token_sums = self.token_sums_or_zeros()
+        strata = self.strata if self.strata is not None else self.totals.new_zeros(0)
         keys = self.sample_keys if self.sample_keys is not None else self.sample_values.new_zeros(0)
         transfer = Packing(
             totals=len(TOTALS),
             extrema=len(EXTREMA),
             token_sums=token_sums.numel(),
+            strata=strata.numel(),
             worst=self.worst.numel(),
             values=self.sample_values.numel(),
             keys=keys.numel(),
@@ -269,6 +303,7 @@ class DivergenceStats:
             totals=self.totals,
             extrema=self.extrema,
             token_sums=token_sums,
+            strata=strata,
             worst=self.worst,
             values=self.sample_values,
             keys=keys,
@@ -281,7 +316,12 @@ class DivergenceStats:
             worst=worst[worst[:, ROW.ABS] > float("-inf")],
             diffs=part["values"][part["keys"] < np.inf] if self.sample_keys is not None else part["values"],
             token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
+            strata=None if self.stratification is None else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
         )
+
+    def token_sums_or_zeros(self) -> torch.Tensor:
+        """The per-token-id sums; zeros when they were not kept (``signatures=False``)."""
+        return self.token_sums if self.token_sums is not None else self.totals.new_zeros(3, TOKEN_BUCKETS)
 
     def keys_or_zeros(self) -> torch.Tensor:
         """The sample's keys; zeros (every diff kept, in order) when there are none."""
@@ -292,14 +332,10 @@ class DivergenceStats:
         if self.sample_size is None or self.sample_keys is None or self.sample_keys.shape[0] <= self.sample_size:
             return self
         keep = torch.topk(self.sample_keys, self.sample_size, largest=False, sorted=False).indices.sort().values
-        return DivergenceStats(
-            self.totals,
-            self.extrema,
-            self.worst,
-            self.sample_values.index_select(0, keep),
-            self.sample_keys.index_select(0, keep),
-            self.sample_size,
-            self.token_sums,
+        return dataclasses.replace(
+            self,
+            sample_values=self.sample_values.index_select(0, keep),
+            sample_keys=self.sample_keys.index_select(0, keep),
         )
 
 

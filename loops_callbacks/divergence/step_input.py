@@ -6,6 +6,17 @@ batch, or ``"data"``) with the trainer's ``training_logprobs`` or a ``forward_ba
 or padded ``[B, T]`` tensors. A broken contract is a ``ValueError`` naming the keys found in each
 place and how to provide what is missing.
 
+Two optional per-datum keys: ``policy_version`` (the version of the sampler's weights that
+generated each datum, counted in the trainer's optimizer steps: 0 for the initial weights, n for
+the weights after n optimizer steps) and ``group`` (a task or environment id, an int >= 0). Each
+is a ``[B]`` int tensor or list in the output or the batch, or in the datum form a one-value
+field of every datum's ``loss_fn_inputs``. With ``optimizer_step`` given, a datum's policy lag is
+``optimizer_step - policy_version``: how many optimizer steps the weights that sampled it are
+behind the weights being trained (0 on-policy). The trainer's step is the reference, not the
+newest version in the step, because a whole batch that is equally stale (a sampler synced late)
+would otherwise read lag 0, hiding the fault the lag is for; the cost is that versions must count
+optimizer steps (a version ahead of the trainer is a ``ValueError``: it cannot be).
+
 Example:
     >>> import torch
     >>> batch = {"logprobs": torch.tensor([[-1.0, -2.0]]), "mask": torch.ones(1, 2)}
@@ -21,12 +32,15 @@ from typing import Any
 
 import torch
 
+import dataclasses
+
 from loops_callbacks.divergence.action_tokens import (
     FlatBatch,
     flatten_datums,
     flatten_padded,
     trainer_logprobs_from_output,
 )
+from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
 
 __all__ = ["DATA_KEYS", "data_keys", "read_step"]
 
@@ -39,6 +53,8 @@ DATA_KEYS = (
     "advantages",
     "target_tokens",
     "input_ids",
+    "policy_version",
+    "group",
 )
 """The names ``keys=`` may remap; by default each is read under its own name."""
 
@@ -71,21 +87,51 @@ def read_step(
     *,
     with_tokens: bool = False,
     with_token_ids: bool = True,
+    optimizer_step: int | None = None,
 ) -> FlatBatch:
     """The step's positions, in either contract form (module docstring).
 
     ``keys`` maps every name of ``DATA_KEYS`` to its key (``data_keys``); ``with_tokens`` keeps
     the token look-up for the worst-tokens table, ``with_token_ids`` the predicted ids the
-    diagnosis groups by (datums only; padded tensors always carry theirs).
+    diagnosis groups by (datums only; padded tensors always carry theirs). ``optimizer_step``
+    turns the datums' policy versions into lags (``FlatBatch.lags``); groups are read either way.
     """
+    flat, data = _read_positions(outputs, batch, keys, with_tokens, with_token_ids)
+    step = _Step(outputs, batch, keys)
+    groups = _per_datum_ints(step, "group", data, flat.n_datums)
+    versions = _per_datum_ints(step, "policy_version", data, flat.n_datums) if optimizer_step is not None else None
+    if groups is None and versions is None:
+        return flat
+    lags = None
+    if versions is not None:
+        lags = optimizer_step - versions
+        if bool((lags < 0).any()):
+            datum = int(torch.nonzero(lags < 0)[0, 0])
+            raise ValueError(
+                f"KLSampleTrainMonitor: datum {datum} has {keys['policy_version']!r} = {int(versions[datum])}, "
+                f"ahead of the trainer's optimizer step {optimizer_step}; the policy version must count the "
+                "trainer's optimizer steps the sampler's weights had received (0 for the initial weights)"
+            )
+    return dataclasses.replace(
+        flat,
+        lags=None if lags is None else lags.to(flat.device),
+        groups=None if groups is None else groups.to(flat.device),
+    )
+
+
+def _read_positions(
+    outputs: Any, batch: Any, keys: Mapping[str, str], with_tokens: bool, with_token_ids: bool
+) -> tuple[FlatBatch, Sequence[Any] | None]:
+    """The ``FlatBatch`` of the step's positions, and its datums when the step is in the datum form."""
     step = _Step(outputs, batch, keys)
     data = step.get("data")
     if data is None and _is_datum_list(batch):
         data = batch
     if data is not None:
-        return flatten_datums(
+        flat = flatten_datums(
             data, step.trainer_logprobs(datums=True), with_tokens=with_tokens, with_token_ids=with_token_ids
         )
+        return flat, data
     missing = [keys[name] for name in ("logprobs", "mask") if step.get(name) is None]
     if missing:
         raise ValueError(
@@ -95,7 +141,7 @@ def read_step(
             "(in the batch or in the dict training_step returns), or a list of Datum as the batch "
             "(or under 'data'); other key names can be set with keys={'logprobs': ..., 'mask': ...}."
         )
-    return flatten_padded(
+    flat = flatten_padded(
         sampler_logprobs=step.get("logprobs"),
         training_logprobs=step.trainer_logprobs(datums=False),
         mask=step.get("mask"),
@@ -104,6 +150,56 @@ def read_step(
         input_ids=step.get("input_ids"),
         with_tokens=with_tokens,
     )
+    return flat, None
+
+
+def _per_datum_ints(step: _Step, name: str, data: Sequence[Any] | None, n_datums: int) -> torch.Tensor | None:
+    """Int64 ``[B]`` CPU tensor of the per-datum key ``name`` (module docstring); ``None`` when absent.
+
+    ``ValueError`` naming the key and the lengths for a wrong count, a non-integer or a negative
+    value, or a key only some datums have; ``TypeError`` for a value that is not numbers.
+    """
+    key = step.keys[name]
+    value = step.get(name)
+    where = f"KLSampleTrainMonitor: {key!r}"
+    if value is None and data is not None:
+        has = [key in datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
+        if not any(has):
+            return None
+        if not all(has):
+            raise ValueError(
+                f"{where}: datum {has.index(True)} has it in loss_fn_inputs but datum {has.index(False)} "
+                "does not; give it to every datum of the step, or to none"
+            )
+        rows = [field_to_tensor(_as_row(datum_loss_fn_inputs(d, index=i)[key]), where=f"datum {i}, key {key!r}")
+                for i, d in enumerate(data)]
+        lengths = sorted({row.numel() for row in rows})
+        if lengths != [1]:
+            raise ValueError(f"{where}: each datum's field must hold one value, got lengths {lengths}")
+        value = torch.cat([row.reshape(1).detach().cpu().to(torch.float64) for row in rows])
+    if value is None:
+        return None
+    values = field_to_tensor(_as_row(value), where=where).detach().cpu()
+    if values.numel() != n_datums:
+        raise ValueError(f"{where} has {values.numel()} values for {n_datums} datums; give one per datum")
+    if values.is_floating_point():
+        if not bool(torch.isfinite(values).all()) or not bool((values == values.round()).all()):
+            raise ValueError(f"{where} must hold integers, got {values.tolist()}")
+    elif values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{where} must hold integers, got dtype {values.dtype}")
+    values = values.to(torch.int64)
+    if bool((values < 0).any()):
+        raise ValueError(f"{where} must be >= 0, got {values.tolist()}")
+    return values
+
+
+def _as_row(value: Any) -> Any:
+    """A scalar (an int, a 0-d tensor) as a one-value row; anything else as it is."""
+    if isinstance(value, (int, float)):
+        return [value]
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.reshape(1)
+    return value
 
 
 class _Step:

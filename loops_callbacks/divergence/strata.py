@@ -1,0 +1,208 @@
+"""Divergence by stratum: where in the batch the sampler–trainer gap lives.
+
+Every action token falls in one stratum of each family, and each stratum keeps four sums
+(``COLUMNS``): its tokens, Σ k3 (k3 = e^d − 1 − d), Σ |d| and Σ e^d (the importance ratio,
+``exp(min(d, 80))``), so that k3, mean |d| and the IS-ratio mean of the stratum follow and two
+batches' sums add up (micro-batches, ranks). The families:
+
+* ``p_*``: the sampler's probability p = e^s of the token: < 0.01, 0.01–0.1, 0.1–0.5, 0.5–0.9,
+  ≥ 0.9 (a bucket holds its lower edge);
+* ``pos_q1`` … ``pos_q4``: the token's place among its datum's action tokens: token j of n is in
+  quartile ⌊4j / n⌋ + 1 (so a datum with 1 action token puts it in ``pos_q1``);
+* ``lag_0``, ``lag_1``, ``lag_2``, ``lag_3``, ``lag_4_7``, ``lag_8_plus``: the datum's policy lag
+  (``FlatBatch.lags``: the trainer's optimizer step minus the policy version that sampled the
+  datum); empty when the step carries no versions;
+* ``group_0`` … ``group_{G-1}``, ``group_other``: the datum's group id (task, environment) when
+  the step carries one; ids ≥ ``max_groups`` are pooled in ``group_other``.
+
+The sums are one float64 ``[len(COLUMNS), strata.width]`` array whose shape depends only on
+``max_groups``: it merges by addition and travels in the reduction's summed body.
+
+Example:
+    >>> strata = Strata(max_groups=2)
+    >>> strata.names[:5], strata.names[-3:]
+    (('p_lt_0.01', 'p_0.01_0.1', 'p_0.1_0.5', 'p_0.5_0.9', 'p_ge_0.9'), ('group_0', 'group_1', 'group_other'))
+    >>> stratum = StratumSums(n_tokens=4.0, sum_k3=0.2, sum_abs_d=2.0, sum_is_ratio=4.4)
+    >>> stratum.k3, stratum.abs_d_mean, stratum.is_ratio_mean
+    (0.05, 0.5, 1.1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loops_callbacks.validation import check_int
+
+__all__ = [
+    "COLUMNS",
+    "LAG_STRATA",
+    "POSITION_STRATA",
+    "PROBABILITY_EDGES",
+    "PROBABILITY_STRATA",
+    "STRATUM_METRICS",
+    "Strata",
+    "StratumSums",
+    "lag_bucket",
+    "stratum_scalars",
+]
+
+COLUMNS = ("n_tokens", "sum_k3", "sum_abs_d", "sum_is_ratio")
+"""The sums each stratum keeps, in the order of the array's rows."""
+PROBABILITY_EDGES = (0.01, 0.1, 0.5, 0.9)
+"""Edges of the sampler-probability buckets (a bucket holds its lower edge)."""
+PROBABILITY_STRATA = ("p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge_0.9")
+POSITION_STRATA = ("pos_q1", "pos_q2", "pos_q3", "pos_q4")
+LAG_STRATA = ("lag_0", "lag_1", "lag_2", "lag_3", "lag_4_7", "lag_8_plus")
+LAG_LABELS = ("0", "1", "2", "3", "4-7", "8+")
+"""How ``HostDivergence.by_lag`` names the lag buckets, in order."""
+STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
+"""The scalars logged per stratum with tokens: ``stratum/<name>/<metric>``."""
+DEFAULT_MAX_GROUPS = 8
+
+
+def lag_bucket(lags: torch.Tensor) -> torch.Tensor:
+    """The ``LAG_STRATA`` index of each lag (non-negative int64): 0–3 as they are, 4–7 → 4, 8 and more → 5.
+
+    Example:
+        >>> lag_bucket(torch.tensor([0, 3, 4, 7, 8, 100])).tolist()
+        [0, 3, 4, 4, 5, 5]
+    """
+    return torch.where(lags < 4, lags, torch.where(lags < 8, 4, 5))
+
+
+@dataclass(frozen=True)
+class StratumSums:
+    """One stratum's sums on the host, and the three numbers they give (NaN without tokens)."""
+
+    n_tokens: float
+    sum_k3: float
+    sum_abs_d: float
+    sum_is_ratio: float
+
+    @property
+    def k3(self) -> float:
+        return self.sum_k3 / self.n_tokens if self.n_tokens else math.nan
+
+    @property
+    def abs_d_mean(self) -> float:
+        return self.sum_abs_d / self.n_tokens if self.n_tokens else math.nan
+
+    @property
+    def is_ratio_mean(self) -> float:
+        return self.sum_is_ratio / self.n_tokens if self.n_tokens else math.nan
+
+
+@dataclass(frozen=True)
+class Strata:
+    """The strata one monitor keeps: every family, with ``max_groups`` groups (module docstring)."""
+
+    max_groups: int = DEFAULT_MAX_GROUPS
+
+    def __post_init__(self) -> None:
+        check_int("max_groups", self.max_groups, least=1)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        groups = tuple(f"group_{i}" for i in range(self.max_groups)) + ("group_other",)
+        return PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + groups
+
+    @property
+    def width(self) -> int:
+        return len(self.names)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Where each family's first stratum sits."""
+        position = len(PROBABILITY_STRATA)
+        lag = position + len(POSITION_STRATA)
+        return {"p": 0, "pos": position, "lag": lag, "group": lag + len(LAG_STRATA)}
+
+    @torch.no_grad()
+    def sums(
+        self,
+        *,
+        d: torch.Tensor,
+        abs_d: torch.Tensor,
+        is_ratio: torch.Tensor,
+        sampler: torch.Tensor,
+        active: torch.Tensor,
+        row_lengths: torch.Tensor,
+        row_counts: torch.Tensor,
+        lags: torch.Tensor | None,
+        groups: torch.Tensor | None,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Float64 ``[len(COLUMNS), width]`` of one chunk (read before ``is_ratio`` becomes k3).
+
+        ``d``, ``abs_d``, ``is_ratio``, ``sampler`` hold the action tokens (``valid is None``) or
+        every position with ``valid`` marking the action tokens, as in ``from_batch``;
+        ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum.
+        Places that are not action tokens, and tokens of datums without a lag or group, go to a
+        last column that is dropped.
+        """
+        device = d.device
+        trash = self.width
+        datum = torch.repeat_interleave(
+            torch.arange(row_lengths.numel(), device=device), row_lengths, output_size=active.numel()
+        )
+        before = torch.cumsum(active, 0) - active.to(torch.int64)  # action tokens before each position
+        starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
+        rank_in_datum = before - (before.index_select(0, starts) if before.numel() else starts).index_select(0, datum)
+        if valid is None:  # the compact form: keep the action tokens' places only
+            datum, rank_in_datum = datum[active], rank_in_datum[active]
+        quartile = torch.div(4 * rank_in_datum, row_counts.index_select(0, datum).clamp(min=1), rounding_mode="floor")
+        offsets = self.offsets
+        edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
+        columns = [
+            torch.bucketize(sampler.to(torch.float64), edges, right=True) + offsets["p"],
+            quartile.clamp(max=3) + offsets["pos"],
+        ]
+        if lags is not None:
+            columns.append(lag_bucket(lags).index_select(0, datum) + offsets["lag"])
+        if groups is not None:
+            pooled = groups.clamp(max=self.max_groups)  # max_groups is group_other's place
+            columns.append(pooled.index_select(0, datum) + offsets["group"])
+        values = torch.stack([torch.ones_like(d), is_ratio - 1.0 - d, abs_d, is_ratio])
+        if valid is not None:
+            values.masked_fill_(~valid, 0.0)
+        out = torch.zeros(len(COLUMNS), trash + 1, dtype=torch.float64, device=device)
+        for column in columns:
+            index = column if valid is None else column.masked_fill(~valid, trash)
+            out.index_add_(1, index, values)
+        return out[:, :trash]
+
+    def host(self, sums: np.ndarray) -> dict[str, StratumSums]:
+        """Each stratum's sums by name, from the array ``sums``."""
+        return {name: StratumSums(*map(float, sums[:, i])) for i, name in enumerate(self.names)}
+
+
+def by_lag(strata: Mapping[str, StratumSums]) -> dict[str, StratumSums]:
+    """The lag strata by ``LAG_LABELS`` ("0" … "8+", in order), or ``{}`` when no token had a version.
+
+    Example:
+        >>> sums = {name: StratumSums(0.0, 0.0, 0.0, 0.0) for name in LAG_STRATA}
+        >>> by_lag(sums)
+        {}
+    """
+    lags = {label: strata[name] for label, name in zip(LAG_LABELS, LAG_STRATA)}
+    return lags if any(stratum.n_tokens for stratum in lags.values()) else {}
+
+
+def stratum_scalars(strata: Mapping[str, StratumSums]) -> dict[str, float]:
+    """``stratum/<name>/<metric>`` (``STRATUM_METRICS``) for every stratum with tokens, without prefix.
+
+    Example:
+        >>> stratum_scalars({"pos_q1": StratumSums(2.0, 0.1, 1.0, 2.0), "pos_q2": StratumSums(0.0, 0.0, 0.0, 0.0)})
+        {'stratum/pos_q1/k3': 0.05, 'stratum/pos_q1/abs_d_mean': 0.5, 'stratum/pos_q1/is_ratio_mean': 1.0, 'stratum/pos_q1/n_tokens': 2.0}
+    """
+    scalars = {}
+    for name, stratum in strata.items():
+        if stratum.n_tokens:
+            for metric in STRATUM_METRICS:
+                scalars[f"stratum/{name}/{metric}"] = float(getattr(stratum, metric))
+    return scalars

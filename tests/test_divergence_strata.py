@@ -1,0 +1,169 @@
+"""Divergence by stratum (sampler probability, place in the completion, policy lag, group) and the
+per-datum keys it reads: per-token sums as a plain loop computes them, exact under merging and
+across ranks, the same on the accelerator's fixed-shape path."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loops_callbacks.divergence import statistics as statistics_module
+from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.step_input import data_keys, read_step
+from loops_callbacks.divergence.strata import LAG_LABELS, Strata
+from tests.helpers import as_datums, reduce_in_threads, rows
+
+MAX_GROUPS = 3
+STRATA = Strata(MAX_GROUPS)
+STEP = 12
+
+
+def labelled(batch: list[dict[str, Any]], versions: list[int], groups: list[int]) -> list[dict[str, Any]]:
+    """``batch`` with a policy version and a group per datum (as their ``loss_fn_inputs`` fields)."""
+    return [{**row, "policy_version": [v], "group": [g]} for row, v, g in zip(batch, versions, groups)]
+
+
+def flat_of(batch: list[dict[str, Any]]) -> FlatBatch:
+    datums, trainer = as_datums(batch, "lists")
+    for datum, row in zip(datums, batch):
+        for key in ("policy_version", "group"):
+            if key in row:
+                datum.loss_fn_inputs[key] = row[key]
+    return read_step({"training_logprobs": trainer, "data": datums}, None, data_keys(None), optimizer_step=STEP)
+
+
+def stats_of(batch: list[dict[str, Any]], sample_size: int | None = None) -> DivergenceStats:
+    return DivergenceStats.from_batch(flat_of(batch), strata=STRATA, sample_size=sample_size)
+
+
+def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
+    """Each stratum's (tokens, Σ k3, Σ |d|, Σ e^d), one token at a time."""
+    sums = {name: np.zeros(4) for name in STRATA.names}
+    edges = [math.log(p) for p in (0.01, 0.1, 0.5, 0.9)]
+    start = 0
+    for i, length in enumerate(flat.row_lengths.tolist()):
+        actions = [k for k in range(start, start + length) if bool(flat.active[k])]
+        for j, k in enumerate(actions):
+            d, s = float(flat.diff[k]), float(flat.sampler[k])
+            ratio = math.exp(min(d, 80.0))
+            values = np.array([1.0, ratio - 1.0 - d, abs(d), ratio])
+            names = [
+                ["p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge_0.9"][sum(s >= e for e in edges)],
+                f"pos_q{4 * j // len(actions) + 1}",
+            ]
+            if flat.lags is not None:
+                lag = int(flat.lags[i])
+                names.append(f"lag_{lag}" if lag < 4 else "lag_4_7" if lag < 8 else "lag_8_plus")
+            if flat.groups is not None:
+                group = int(flat.groups[i])
+                names.append(f"group_{group}" if group < MAX_GROUPS else "group_other")
+            for name in names:
+                sums[name] += values
+        start += length
+    return sums
+
+
+def assert_strata_equal(got: Any, want: dict[str, np.ndarray]) -> None:
+    for name, values in want.items():
+        stratum = got[name]
+        assert stratum.n_tokens == values[0], name  # counts: exact
+        np.testing.assert_allclose(
+            [stratum.sum_k3, stratum.sum_abs_d, stratum.sum_is_ratio], values[1:], rtol=1e-9, atol=1e-9, err_msg=name
+        )
+
+
+labelled_rows = rows(max_datums=8).flatmap(
+    lambda batch: st.tuples(
+        st.just(batch),
+        st.lists(st.integers(0, STEP), min_size=len(batch), max_size=len(batch)),
+        st.lists(st.integers(0, 2 * MAX_GROUPS), min_size=len(batch), max_size=len(batch)),
+    )
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=labelled_rows, masked=st.booleans())
+def test_stratum_sums_equal_a_token_by_token_loop(case: Any, masked: bool) -> None:
+    batch = labelled(*case)
+    flat = flat_of(batch)
+    with pytest.MonkeyPatch.context() as patch:
+        if masked:  # the accelerator's fixed-shape path, run on the CPU
+            patch.setattr(statistics_module, "_on_host", lambda device: False)
+        host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+    assert_strata_equal(host.strata, loop_oracle(flat))
+    assert [label for label in host.by_lag] == (list(LAG_LABELS) if host.strata["pos_q1"].n_tokens else [])
+
+
+def test_lags_are_the_trainer_step_minus_the_version_and_by_lag_reads_them() -> None:
+    batch = [
+        {"tokens": [1, 2, 3], "logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0], "trainer": [None, -1.5, -2.0]},
+        {"tokens": [1, 2], "logprobs": [None, -0.5], "mask": [0.0, 1.0], "trainer": [None, -0.25]},
+    ]
+    flat = flat_of(labelled(batch, versions=[STEP, STEP - 5], groups=[0, 0]))
+    assert flat.lags.tolist() == [0, 5]
+    by_lag = DivergenceStats.from_batch(flat, strata=STRATA).to_host().by_lag
+    assert list(by_lag) == ["0", "1", "2", "3", "4-7", "8+"]
+    assert (by_lag["0"].n_tokens, by_lag["4-7"].n_tokens, by_lag["1"].n_tokens) == (2.0, 1.0, 0.0)
+    assert by_lag["4-7"].abs_d_mean == 0.25
+    assert by_lag["0"].k3 == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2)
+    plain = DivergenceStats.from_batch(flat_of(batch), strata=STRATA).to_host()
+    assert plain.by_lag == {} and plain.strata["group_0"].n_tokens == 0  # no versions, no groups: empty
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=labelled_rows, cuts=st.lists(st.integers(0, 8), max_size=3))
+def test_merged_micro_batches_and_ranks_equal_the_whole(case: Any, cuts: list[int]) -> None:
+    batch = labelled(*case)
+    bounds = sorted({min(c, len(batch)) for c in cuts} | {0, len(batch)})
+    parts = [batch[a:b] for a, b in zip(bounds, bounds[1:])] or [[]]
+    whole = loop_oracle(flat_of(batch))
+    merged = stats_of(parts[0])
+    for part in parts[1:]:
+        merged = merged.merge(stats_of(part))
+    assert_strata_equal(merged.to_host().strata, whole)
+    if len(parts) == 1:
+        parts.append([])  # a rank with nothing at all
+    for result in reduce_in_threads([stats_of(part, sample_size=1000) for part in parts]):
+        assert_strata_equal(result.to_host().strata, whole)
+
+
+def test_per_datum_keys_are_read_from_the_batch_and_checked() -> None:
+    padded = {
+        "logprobs": torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]),
+        "mask": torch.ones(2, 2),
+        "policy_version": torch.tensor([3, 1]),
+        "group": [0, 5],
+    }
+    output = {"training_logprobs": torch.tensor([[-1.5, -2.0], [-0.5, -0.25]])}
+    flat = read_step(output, padded, data_keys(None), optimizer_step=4)
+    assert flat.lags.tolist() == [1, 3] and flat.groups.tolist() == [0, 5]
+    renamed = {key: value for key, value in padded.items() if key != "policy_version"}
+    renamed["version"] = padded["policy_version"]
+    flat = read_step(output, renamed, data_keys({"policy_version": "version"}), optimizer_step=4)
+    assert flat.lags.tolist() == [1, 3]
+    assert read_step(output, renamed, data_keys(None), optimizer_step=4).lags is None  # not under its default key
+    with pytest.raises(ValueError, match=r"datum 0 has 'policy_version' = 3, ahead of the trainer's optimizer step 2"):
+        read_step(output, {**padded, "policy_version": torch.tensor([3, 1])}, data_keys(None), optimizer_step=2)
+    with pytest.raises(ValueError, match=r"'policy_version' has 3 values for 2 datums"):
+        read_step(output, {**padded, "policy_version": [1, 1, 1]}, data_keys(None), optimizer_step=4)
+    with pytest.raises(ValueError, match=r"'group' must hold integers, got \[0.0, 1.5\]"):
+        read_step(output, {**padded, "group": [0.0, 1.5]}, data_keys(None), optimizer_step=4)
+    with pytest.raises(ValueError, match=r"'group' must be >= 0"):
+        read_step(output, {**padded, "group": [-1, 0]}, data_keys(None), optimizer_step=4)
+    assert torch.equal(padded["logprobs"], torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]))  # the caller's data untouched
+
+
+def test_a_version_on_only_some_datums_is_an_error() -> None:
+    batch = [
+        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5]},
+        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5], "group": [1]},
+    ]
+    with pytest.raises(ValueError, match=r"'group': datum 1 has it in loss_fn_inputs but datum 0 does not"):
+        flat_of(batch)

@@ -1,0 +1,111 @@
+"""The monitor logs the divergence by stratum of every optimizer step's window (all its micro-batches,
+every rank), with lags from the datums' policy versions, as the statistics of the whole window give it."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from loops_callbacks import KLSampleTrainMonitor
+from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.strata import Strata, stratum_scalars
+from tests.helpers import CleanDistributedExit, RecordingLogger, TinyPolicy, quiet_trainer
+from tests.oracle import PREFIX
+
+MAX_GROUPS = 2
+
+
+class VersionedPolicy(TinyPolicy):
+    """Returns each row's policy version (1 to 3 steps behind, or current) and group id, and records them."""
+
+    def __init__(self, out_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        out = super().training_step(batch, batch_idx)
+        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        rows = batch["input_ids"].shape[0]
+        behind = (torch.arange(rows) + batch_idx + 3 * self.global_rank) % 4
+        versions = (step - behind).clamp(min=0)
+        groups = (torch.arange(rows) + batch_idx) % (MAX_GROUPS + 2)  # some beyond max_groups: pooled
+        self.recorded[-1].update(versions=versions, groups=groups)
+        return {**out, "policy_version": versions, "group": groups.tolist()}
+
+    def on_train_end(self) -> None:
+        if self.out_dir is not None:
+            torch.save(self.recorded, os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
+
+
+def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The strata scalars of the window's micro-batches concatenated, computed in one piece."""
+    cat = {key: torch.cat([record[key] for record in window]) for key in window[0] if key != "step"}
+    flat = flatten_padded(
+        sampler_logprobs=cat["sampler"], training_logprobs=cat["trainer"], mask=cat["mask"],
+        advantages=cat["advantages"],
+    )
+    flat = dataclasses.replace(flat, lags=step - cat["versions"], groups=cat["groups"])
+    host = DivergenceStats.from_batch(flat, strata=Strata(MAX_GROUPS)).to_host()
+    return {PREFIX + name: value for name, value in stratum_scalars(host.strata).items()}
+
+
+def assert_close(got: dict[str, float], want: dict[str, float]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if key.endswith("/n_tokens"):
+            assert got[key] == value, key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_strata_of_each_accumulation_window_and_one_pooled_groups_warning() -> None:
+    model, logger = VersionedPolicy(), RecordingLogger()
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[monitor])
+    with pytest.warns(UserWarning, match=r"'group' >= max_groups = 2 are pooled in the stratum 'group_other'") as seen:
+        trainer.fit(model)
+    assert sum("group_other" in str(w.message) for w in seen) == 1
+    logged = [(step, m) for step, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
+    assert [step for step, _ in logged] == [0, 1, 2]
+    for step, metrics in logged:
+        window = [r for r in model.recorded if r["step"] == step]
+        assert len(window) == 2
+        want = expected_strata(window, step)
+        assert PREFIX + "stratum/lag_1/k3" in want or step == 0
+        assert_close(metrics, want)
+    k3 = [m for _, m in logger.calls if PREFIX + "kl_sample_train_k3" in m]
+    assert not any("/stratum/" in key for metrics in k3 for key in metrics)  # the step's own record is unchanged
+
+
+def test_strata_off_logs_nothing_more() -> None:
+    logger = RecordingLogger()
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_strata=False)
+    quiet_trainer(max_steps=2, logger=logger, callbacks=[monitor]).fit(VersionedPolicy())
+    assert logger.calls and not any("/stratum/" in key for _, metrics in logger.calls for key in metrics)
+
+
+def test_two_ranks_log_the_strata_of_the_global_window(tmp_path: Any) -> None:
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    trainer = quiet_trainer(
+        strategy="ddp_spawn", devices=2, max_steps=2, accumulate_grad_batches=2, logger=logger,
+        callbacks=[monitor, CleanDistributedExit()],
+    )
+    trainer.fit(VersionedPolicy(str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
+        logged = [row for row in csv.DictReader(handle) if row.get(PREFIX + "stratum/pos_q1/k3")]
+    assert [int(row["step"]) for row in logged] == [0, 1]
+    for row in logged:
+        step = int(row["step"])
+        window = [r for rank in ranks for r in rank if r["step"] == step]  # rank 0's micro-batches first
+        want = expected_strata(window, step)
+        assert want[PREFIX + "stratum/pos_q1/n_tokens"] > 0
+        assert_close({key: float(row[key]) for key in row if row[key] and "/stratum/" in key}, want)
