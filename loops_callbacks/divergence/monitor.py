@@ -12,7 +12,8 @@ A logged step, top to bottom (``on_train_batch_end``):
 2. ``DivergenceStats.from_batch``: its statistics, merged over the micro-batches of the window;
 3. ``reduce_across_ranks`` and ``to_host``: every rank's statistics, on the host in one transfer;
 4. ``step_report``: one pure function turns them into the step's report (scalars, likely cause,
-   media, the guard rail's judgement);
+   media, the guard rail's judgement), with what is seen directly about the trainer
+   (``observe_training``: live dropout, precision) and the divergence by policy lag;
 5. the report is delivered (``sinks``), remembered (``RunHistory``), and acted on: warnings about
    the inputs, then the guard rail's patience and action (``_act``).
 """
@@ -29,6 +30,7 @@ from typing_extensions import override
 
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
+from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.media import MediaOptions
@@ -323,6 +325,9 @@ class KLSampleTrainMonitor(Callback):
             guard_rail=self.guard_rail,
             diagnosing=self.diagnosing,
             precision_max_k3=self.calibration.precision_max_k3,
+            # on every rank (the modules are the same on each), so every rank's report and guard rail agree
+            evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
+            by_lag=host.by_lag or None,
         )
         self._deliver(trainer, report, step)
         self._remember(report, step)
