@@ -1,0 +1,205 @@
+"""Shadow statistics of rollout corrections: what each listed correction would do to a batch, without applying it.
+
+For a list of corrections (``loops_callbacks.correction``) and one ``FlatBatch``, ``shadow_values``
+gives mergeable sums, counts and maxima (0-d float64 tensors, by name); ``shadow_statistics`` declares
+each name with its reduction (``layout.Statistic``: sums add, maxima take the max, minima are stored
+negated), so micro-batches and ranks merge exactly; ``shadow_scalars`` turns merged values into
+the logged scalars:
+
+* ``correction/<name>/frac_tokens_masked``, ``frac_seqs_masked``: the share of action tokens
+  (of sequences with at least one) the correction would drop;
+* ``correction/<name>/frac_tokens_clipped``, ``frac_seqs_clipped``: the share a truncation would change;
+* ``correction/<name>/ess_tokens``, ``ess_seqs``: the effective sample size (Σw)² / (n Σw²) of its
+  weights, dropped tokens weighing 0; a sequence's weight is the mean of its tokens' weights;
+* ``correction/<name>/mean_weight``;
+* ``correction/raw/token_ratio_max`` / ``_min``, ``seq_ratio_max`` / ``_min`` (the product of a
+  sequence's token ratios) and ``seq_geo_ratio_max`` / ``_min`` (its geometric mean): the raw
+  ratios p_trainer / p_sampler before any truncation. Only action tokens count: padding never
+  reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
+
+The action tokens are the batch's ``counted`` positions (mask > 0, advantage != 0). A token whose
+log ratio is NaN (a logprob missing) is handled as ``correct_flat`` handles it: ratio 1 for TRL's
+and verl's IS, rejected by verl's rejection; the raw extremes skip it. Each correction is computed
+by ``correct_flat``, the function ``apply_correction`` uses: what is logged is what applying it would do.
+
+Example:
+    >>> import torch
+    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+    >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
+    ...                       mask=torch.ones(1, 2))
+    >>> values = shadow_values(flat, ["token_mask:2.0"])
+    >>> scalars = shadow_scalars(values, values, ["token_mask:2.0"])
+    >>> scalars["correction/token_mask(clip_max=2.0)/frac_tokens_masked"]
+    1.0
+    >>> round(scalars["correction/raw/token_ratio_max"], 3)
+    2.718
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from loops_callbacks.correction import Correction, Segments, correct_flat, parse_correction
+from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.layout import Statistic
+
+__all__ = ["parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
+
+PREFIX = "correction/"
+"""Logged scalars' prefix."""
+SHARED_TOTALS = ("n_tokens", "n_sequences")
+SHARED_EXTREMA = (
+    "max_token_log_ratio", "neg_min_token_log_ratio",
+    "max_seq_log_ratio", "neg_min_seq_log_ratio",
+    "max_seq_mean_log_ratio", "neg_min_seq_mean_log_ratio",
+)
+PER_CORRECTION_TOTALS = (
+    "n_tokens_masked", "n_tokens_clipped", "n_seqs_masked", "n_seqs_clipped",
+    "sum_weight", "sum_weight2", "sum_seq_weight", "sum_seq_weight2",
+)
+
+
+def parse_corrections(corrections: Sequence[str | Correction]) -> tuple[Correction, ...]:
+    """Each spec parsed; two with one name are a ``ValueError`` (their statistics would collide).
+
+    Example:
+        >>> [c.name for c in parse_corrections(["sequence_mask", "geo"])]
+        ['sequence_mask', 'geo']
+    """
+    if isinstance(corrections, (str, Correction)):
+        raise TypeError("corrections must be a list of specs, e.g. ['sequence_mask:3.0'], not a single spec")
+    parsed = tuple(parse_correction(c) for c in corrections)
+    names = [c.name for c in parsed]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"corrections {repeated} are listed more than once")
+    return parsed
+
+
+def _key(correction: Correction | None, stat: str) -> str:
+    return f"correction:{'' if correction is None else correction.name}:{stat}"
+
+
+def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statistic, ...]:
+    """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
+
+    Example:
+        >>> [s.name for s in shadow_statistics(["geo"])][:3]
+        ['correction::n_tokens', 'correction::n_sequences', 'correction:geo:n_tokens_masked']
+    """
+    parsed = parse_corrections(corrections)
+    if not parsed:
+        return ()
+    totals = [_key(None, s) for s in SHARED_TOTALS] + [_key(c, s) for c in parsed for s in PER_CORRECTION_TOTALS]
+    extrema = [Statistic(_key(None, s), "max", per_rank=True) for s in SHARED_EXTREMA]
+    return (*(Statistic(n, "sum") for n in totals), *extrema)
+
+
+@torch.no_grad()
+def shadow_values(
+    flat: FlatBatch, corrections: Sequence[str | Correction], advantages: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The shadow statistics of one batch, by name: 0-d float64 tensors on the batch's device.
+
+    ``advantages`` (one per datum, ``[B]``) is needed only by ``off_policy_mask``. Nothing
+    synchronizes with the device.
+    """
+    parsed = parse_corrections(corrections)
+    if not parsed:
+        return {}
+    diff, mask = flat.diff, flat.counted
+    rows = Segments.of_lengths(flat.row_lengths, total=diff.numel())
+    if advantages is not None:
+        if tuple(advantages.shape) != (rows.n_rows,):
+            raise ValueError(
+                f"'advantages' has shape {tuple(advantages.shape)}; expected ({rows.n_rows},), one per datum"
+            )
+        advantages = advantages.detach().to(device=diff.device, dtype=torch.float64)
+    tokens_per_row = rows.sum(mask.to(torch.float64))
+    scored = tokens_per_row > 0
+    values: dict[str, torch.Tensor] = {
+        _key(None, "n_tokens"): tokens_per_row.sum(),
+        _key(None, "n_sequences"): scored.sum().to(torch.float64),
+    }
+    known = mask & ~torch.isnan(diff)
+    values.update(_extrema("token_log_ratio", diff, known))
+    seq_sum = rows.sum(torch.where(known, diff, 0.0))
+    values.update(_extrema("seq_log_ratio", seq_sum, scored))
+    values.update(_extrema("seq_mean_log_ratio", seq_sum / tokens_per_row.clamp(min=1.0), scored))
+    for correction in parsed:
+        result = correct_flat(correction, diff, mask, rows, advantages)
+        masked, clipped = mask & ~result.keep, result.clipped
+        seq_weight = rows.sum(result.weights) / tokens_per_row.clamp(min=1.0)  # 0 for a row without action tokens
+        values.update({
+            _key(correction, "n_tokens_masked"): masked.sum().to(torch.float64),
+            _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64),
+            _key(correction, "n_seqs_masked"): (rows.sum(masked.to(torch.float64)) > 0).sum().to(torch.float64),
+            _key(correction, "n_seqs_clipped"): (rows.sum(clipped.to(torch.float64)) > 0).sum().to(torch.float64),
+            _key(correction, "sum_weight"): result.weights.sum(),
+            _key(correction, "sum_weight2"): result.weights.square().sum(),
+            _key(correction, "sum_seq_weight"): seq_weight.sum(),
+            _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
+        })
+    return values
+
+
+def _extrema(name: str, values: torch.Tensor, where: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``max_<name>`` and ``neg_min_<name>`` over ``where`` (-inf when empty)."""
+    if not values.numel():  # amax of nothing is an error
+        empty = torch.tensor(-math.inf, dtype=torch.float64, device=values.device)
+        return {_key(None, f"max_{name}"): empty, _key(None, f"neg_min_{name}"): empty.clone()}
+    return {
+        _key(None, f"max_{name}"): torch.where(where, values, -math.inf).amax(),
+        _key(None, f"neg_min_{name}"): torch.where(where, -values, -math.inf).amax(),
+    }
+
+
+def shadow_scalars(
+    totals: Mapping[str, float | torch.Tensor],
+    extrema: Mapping[str, float | torch.Tensor],
+    corrections: Sequence[str | Correction],
+) -> dict[str, float]:
+    """The logged scalars (module docstring) from merged totals and extrema, by statistic name.
+
+    Nothing is logged for a step without action tokens (every share would be 0 / 0).
+    """
+    parsed = parse_corrections(corrections)
+    if not parsed:
+        return {}
+    total = {name: float(value) for name, value in totals.items()}
+    peak = {name: float(value) for name, value in extrema.items()}
+    n_tokens, n_seqs = total[_key(None, "n_tokens")], total[_key(None, "n_sequences")]
+    if n_tokens == 0:
+        return {}
+    scalars = {}
+    for name, stat in (("token_ratio", "token_log_ratio"), ("seq_ratio", "seq_log_ratio"),
+                       ("seq_geo_ratio", "seq_mean_log_ratio")):
+        high, neg_low = peak[_key(None, f"max_{stat}")], peak[_key(None, f"neg_min_{stat}")]
+        if high > -math.inf:  # -inf: every action token's log ratio was NaN
+            scalars[f"{PREFIX}raw/{name}_max"] = _exp(high)
+            scalars[f"{PREFIX}raw/{name}_min"] = _exp(-neg_low)
+    for correction in parsed:
+        def get(stat: str, c: Correction = correction) -> float:
+            return total[_key(c, stat)]
+
+        out = f"{PREFIX}{correction.name}/"
+        scalars[out + "frac_tokens_masked"] = get("n_tokens_masked") / n_tokens
+        scalars[out + "frac_tokens_clipped"] = get("n_tokens_clipped") / n_tokens
+        scalars[out + "frac_seqs_masked"] = get("n_seqs_masked") / n_seqs
+        scalars[out + "frac_seqs_clipped"] = get("n_seqs_clipped") / n_seqs
+        scalars[out + "ess_tokens"] = _ess(get("sum_weight"), get("sum_weight2"), n_tokens)
+        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_seqs)
+        scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
+    return scalars
+
+
+def _ess(total: float, total2: float, n: float) -> float:
+    """(Σw)² / (n Σw²): 1 for equal weights, 1/n for one weight alone, 0 when every weight is 0."""
+    return 0.0 if total2 == 0 else total * total / (n * total2)
+
+
+def _exp(log_ratio: float) -> float:
+    return math.exp(log_ratio) if log_ratio < 709.0 else math.inf
