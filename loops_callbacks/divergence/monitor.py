@@ -398,7 +398,7 @@ class KLSampleTrainMonitor(Callback):
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if not trainer.is_global_zero:
             return
-        deliver(trainer.loggers, report, step=step, prefix=self.prefix, warnings=self.warnings)
+        deliver(trainer.loggers, report, step=step, prefix=self.prefix, warnings=self.warnings, scalars=logged)
         if report.diagnosis is not None:
             key = self.prefix + DIAGNOSIS_TEXT_KEY
             deliver_text(trainer.loggers, key, report.diagnosis.message, step=step, warnings=self.warnings)

@@ -58,15 +58,19 @@ def deliver(
     step: int,
     prefix: str,
     warnings: RunWarnings | None = None,
+    scalars: dict[str, float] | None = None,
 ) -> None:
     """Log ``report``'s scalars (and its media where the logger can show it) at ``step`` to each logger.
 
-    Every key gets ``prefix``. A failing logger is a warning, through ``warnings`` (once per run
-    and logger) when given.
+    Every key gets ``prefix``; ``scalars`` is ``report.logged(prefix)`` when the caller has it
+    (built once per step, whatever the loggers). A failing logger is a warning, through
+    ``warnings`` (once per run and logger) when given.
     """
+    if scalars is None:
+        scalars = report.logged(prefix)
     for logger in loggers:
         try:
-            _deliver_one(logger, report, step, prefix)
+            _deliver_one(logger, report, scalars, step, prefix)
         except Exception as error:  # a full disk, a closed W&B run, a network error
             _warn(
                 warnings,
@@ -118,8 +122,7 @@ def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
         warnings.warn(key, message)
 
 
-def _deliver_one(logger: Any, report: StepReport, step: int, prefix: str) -> None:
-    scalars = report.logged(prefix)
+def _deliver_one(logger: Any, report: StepReport, scalars: dict[str, float], step: int, prefix: str) -> None:
     if isinstance(logger, WandbLogger):
         logger.log_metrics({**scalars, **wandb_media(report.media, prefix=prefix)}, step=step)
         _deliver_strata(logger, report, step, prefix)

@@ -142,38 +142,45 @@ class Strata:
         ``d``, ``abs_d``, ``is_ratio``, ``sampler`` hold the action tokens (``valid is None``) or
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
         ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum.
-        Places that are not action tokens, and tokens of datums without a lag or group, go to a
-        last column that is dropped.
+        Places that are not action tokens go to a last column that is dropped. Each family is one
+        index per token and four weighted ``bincount``s, so the temporaries are a few 1-D arrays.
         """
         device = d.device
         trash = self.width
         datum = torch.repeat_interleave(
             torch.arange(row_lengths.numel(), device=device), row_lengths, output_size=active.numel()
         )
-        before = torch.cumsum(active, 0) - active.to(torch.int64)  # action tokens before each position
-        starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
-        rank_in_datum = before - (before.index_select(0, starts) if before.numel() else starts).index_select(0, datum)
-        if valid is None:  # the compact form: keep the action tokens' places only
-            datum, rank_in_datum = datum[active], rank_in_datum[active]
-        quartile = torch.div(4 * rank_in_datum, row_counts.index_select(0, datum).clamp(min=1), rounding_mode="floor")
+        if valid is None:  # the compact form: the action tokens, datum after datum
+            datum = datum[active]
+            first = torch.cumsum(row_counts, 0) - row_counts  # each datum's first action token
+            rank = torch.arange(datum.numel(), device=device).sub_(first.index_select(0, datum))
+        else:
+            rank = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
+            starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
+            rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
         offsets = self.offsets
-        edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
-        columns = [
-            torch.bucketize(sampler.to(torch.float64), edges, right=True) + offsets["p"],
-            quartile.clamp(max=3) + offsets["pos"],
-        ]
-        if lags is not None:
-            columns.append(lag_bucket(lags).index_select(0, datum) + offsets["lag"])
-        if groups is not None:
-            pooled = groups.clamp(max=self.max_groups)  # max_groups is group_other's place
-            columns.append(pooled.index_select(0, datum) + offsets["group"])
-        values = torch.stack([torch.ones_like(d), is_ratio - 1.0 - d, abs_d, is_ratio])
+        k3 = is_ratio - 1.0 - d
+        weights = (k3, abs_d, is_ratio)
         if valid is not None:
-            values.masked_fill_(~valid, 0.0)
+            weights = tuple(weight.masked_fill(~valid, 0.0) for weight in weights)
         out = torch.zeros(len(COLUMNS), trash + 1, dtype=torch.float64, device=device)
-        for column in columns:
-            index = column if valid is None else column.masked_fill(~valid, trash)
-            out.index_add_(1, index, values)
+
+        def add(index: torch.Tensor) -> None:
+            if valid is not None:
+                index.masked_fill_(~valid, trash)
+            out[0] += torch.bincount(index, minlength=trash + 1)
+            for row, weight in enumerate(weights, start=1):
+                out[row] += torch.bincount(index, weights=weight, minlength=trash + 1)
+
+        edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
+        add(torch.bucketize(sampler.to(torch.float64), edges, right=True).add_(offsets["p"]))
+        quartile = rank.mul_(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
+        add(quartile.clamp_(max=3).add_(offsets["pos"]))
+        del quartile, rank
+        if lags is not None:
+            add(lag_bucket(lags).add_(offsets["lag"]).index_select(0, datum))
+        if groups is not None:  # max_groups is group_other's place
+            add(groups.clamp(max=self.max_groups).add_(offsets["group"]).index_select(0, datum))
         return out[:, :trash]
 
     def host(self, sums: np.ndarray) -> dict[str, StratumSums]:

@@ -10,7 +10,7 @@ For position k of a datum the token (the table's ``token`` column) is ``target_t
 ``model_input[k + 1]``, else ``NO_TOKEN`` (shown as ``<end>``). The context is ``model_input``
 alone, as in the Loops SDK: the ``CONTEXT_BEFORE`` ids before index k + 1, then ``after``, which
 starts with the id *at* k + 1 (the one shown between ``»«``; ``NO_TOKEN`` past the datum's end,
-shown as ``»<end>«``) and goes on with the ``SHOWN_AFTER`` ids after it. So the context shows
+shown as ``»<end>«``) and goes on with the ``CONTEXT_AFTER - 1`` ids after it. So the context shows
 ``model_input[k + 1]`` even where ``target_tokens[k]`` differs from it (shifted targets, the last
 position).
 
@@ -33,8 +33,6 @@ from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, fiel
 
 __all__ = [
     "NO_TOKEN",
-    "SHOWN_BEFORE",
-    "SHOWN_AFTER",
     "CONTEXT_BEFORE",
     "CONTEXT_AFTER",
     "TokenLookup",
@@ -43,14 +41,12 @@ __all__ = [
 ]
 
 NO_TOKEN = -1
-SHOWN_BEFORE = 40
-"""The Loops SDK's context: up to 40 ``model_input`` ids before index k + 1 ..."""
-SHOWN_AFTER = 20
-"""... the id at k + 1, and up to 20 ids after it."""
-CONTEXT_BEFORE = SHOWN_BEFORE
-"""Width of a look-up's ``before``: the ids before index k + 1, ``NO_TOKEN``-padded on the left."""
-CONTEXT_AFTER = 1 + SHOWN_AFTER
-"""Width of a look-up's ``after``: the id at k + 1 (the context's centre), then the ids after it."""
+CONTEXT_BEFORE = 40
+"""Width of a look-up's ``before``: the Loops SDK's context of up to 40 ``model_input`` ids before
+index k + 1, ``NO_TOKEN``-padded on the left."""
+CONTEXT_AFTER = 1 + 20
+"""Width of a look-up's ``after``: the id at k + 1 (the context's centre), then the SDK's up to 20
+ids after it."""
 
 
 class TokenLookup(Protocol):
