@@ -253,3 +253,44 @@ def test_reward_rises_in_a_short_run() -> None:
     quiet_trainer(max_steps=130).fit(module, PromptDataModule(num_digits=3, num_symbols=5, batch_size=8))
     after = _mean_reward(module, held_out)
     assert before < 0.25 and after > 0.7, (before, after)
+
+
+def _loss_and_grads(module: RLPolicyModule, tensors: dict[str, torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
+    module.zero_grad()
+    training_logprobs = token_logprobs(module(tensors["input_ids"]), tensors["target_tokens"])
+    loss = module._policy_gradient_loss(training_logprobs, tensors["logprobs"], tensors["mask"], tensors["advantages"])
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in module.policy.parameters() if p.grad is not None]
+
+
+def test_a_correction_replaces_the_importance_ratio_in_the_loss() -> None:
+    """A truncation that never binds gives Loops' loss and gradient; a mask that drops everything gives none."""
+    torch.manual_seed(0)
+    plain = RLPolicyModule(num_digits=2, group_size=2, sync_every=None)
+    out = plain.training_step({"prompt_ids": plain.task.sample_prompts(3)}, 0)
+    tensors = {key: out[key].detach() for key in ("input_ids", "target_tokens", "logprobs", "mask", "advantages")}
+    with torch.no_grad():  # a sampler that differs from the policy, so the ratio is not 1
+        tensors["logprobs"] = (tensors["logprobs"] - 0.3 * tensors["mask"]).clone()
+    loss, grads = _loss_and_grads(plain, tensors)
+
+    loose = RLPolicyModule(num_digits=2, group_size=2, sync_every=None, correction="token_truncate:1e9")
+    loose.load_state_dict(plain.state_dict())
+    loose_loss, loose_grads = _loss_and_grads(loose, tensors)
+    assert loose_loss == pytest.approx(loss, rel=1e-6)
+    for grad, loose_grad in zip(grads, loose_grads):
+        torch.testing.assert_close(loose_grad, grad, rtol=1e-5, atol=1e-7)
+
+    tight = RLPolicyModule(num_digits=2, group_size=2, sync_every=None, correction="token_truncate:1.0")
+    tight.load_state_dict(plain.state_dict())
+    tight_loss, _ = _loss_and_grads(tight, tensors)
+    assert tight_loss != pytest.approx(loss, rel=1e-3)  # e^0.3 > 1 is clipped to 1
+
+    dropped = RLPolicyModule(num_digits=2, group_size=2, sync_every=None, correction="token_mask:1.1")
+    dropped.load_state_dict(plain.state_dict())
+    dropped_loss, dropped_grads = _loss_and_grads(dropped, tensors)
+    assert dropped_loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in dropped_grads)
+
+
+def test_an_unknown_correction_is_refused_when_the_module_is_built() -> None:
+    with pytest.raises(ValueError, match="no_such_method"):
+        RLPolicyModule(num_digits=2, group_size=2, correction="no_such_method")

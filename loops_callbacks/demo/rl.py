@@ -28,7 +28,11 @@ logprobs of the sampled tokens come from one more pass of the same sampler over 
 sequence, the same shapes the trainer scores, so a float32 sampler agrees with the trainer exactly.
 
 The loss is not clipped (as in Loops): even a never-updated sampler still lets the policy learn
-the demo task, while the monitored gap grows to several nats per token.
+the demo task, while the monitored gap grows to several nats per token. With ``correction`` (any
+``loops_callbacks.correction`` spec, e.g. ``"token_truncate:2.0"``) the importance ratio is
+replaced by that correction's weights, as TRL and verl apply them: the loss becomes
+``-w * exp(trainer_lp - sg(trainer_lp)) * advantage`` with ``w`` the correction's (detached)
+weight, 0 on the tokens it masks.
 
 Each ``training_step`` takes ``{"prompt_ids": LongTensor[P, L]}`` (from ``PromptDataModule``),
 samples ``group_size`` completions per prompt with the sampler, rewards them, centres the rewards
@@ -39,7 +43,7 @@ position k belongs to the token predicted at k):
 =====================  ======================  =============================================
 key                    shape, dtype            meaning
 =====================  ======================  =============================================
-``loss``               scalar                  mean over action tokens of ``-exp(trainer_lp - sampler_lp) * advantage``
+``loss``               scalar                  mean over action tokens of ``-exp(trainer_lp - sampler_lp) * advantage`` (or ``correction``'s weight)
 ``training_logprobs``  [B, T] float32          trainer logprobs of ``target_tokens`` (with grad)
 ``logprobs``           [B, T] float32          sampler logprobs, detached; 0.0 off the action tokens
 ``mask``               [B, T] float32          1.0 on completion tokens (up to and including ``<eos>``)
@@ -72,6 +76,7 @@ from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
+from loops_callbacks.correction import apply_correction, parse_correction
 from loops_callbacks.demo.model import KVCache, TinyCausalLM
 from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
@@ -104,6 +109,9 @@ class RLPolicyModule(LightningModule):
             one position off, a different prompt template. The defaults change nothing.
         faults_from_step: the faults start after this many optimizer steps (before: a faithful
             sampler), so a demo can first train a policy worth diagnosing, then break its sampler.
+        correction: a rollout correction applied in the loss (``loops_callbacks.correction``
+            spec, e.g. ``"token_truncate:2.0"`` or ``"sequence_mask:3.0"``); ``None``: Loops'
+            unclipped importance ratio.
 
     The sampler is a registered submodule without gradients: it moves with the module, is saved in
     checkpoints with its own (possibly stale) weights, and the checkpoint records when it was last
@@ -135,6 +143,7 @@ class RLPolicyModule(LightningModule):
         logprob_shift: int = 0,
         sampler_prompt: Literal["same", "pad_as_bos", "no_bos"] = "same",
         faults_from_step: int = 0,
+        correction: str | None = None,
     ) -> None:
         super().__init__()
         check_int("RLPolicyModule group_size (advantages are relative to the group)", group_size, least=2)
@@ -145,6 +154,7 @@ class RLPolicyModule(LightningModule):
             raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
         self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)
         self.faults_from_step = faults_from_step
+        self.correction = parse_correction(correction) if correction is not None else None
         self.save_hyperparameters()
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer
@@ -287,9 +297,7 @@ class RLPolicyModule(LightningModule):
 
         sampler_logprobs = self.sampler_logprobs(input_ids, target_tokens) * mask
         training_logprobs = token_logprobs(self(input_ids), target_tokens)
-        # Loops' importance_sampling loss: -(p_trainer / p_sampler) * advantage, per action token.
-        ratio = torch.exp(torch.where(mask > 0, training_logprobs - sampler_logprobs, 0.0))
-        loss = -(ratio * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = self._policy_gradient_loss(training_logprobs, sampler_logprobs, mask, advantages)
 
         self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=num_prompts)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=num_prompts)
@@ -302,6 +310,22 @@ class RLPolicyModule(LightningModule):
             "input_ids": input_ids,
             "target_tokens": target_tokens,
         }
+
+    def _policy_gradient_loss(
+        self, training_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
+    ) -> torch.Tensor:
+        """Mean over action tokens of ``-weight * advantage``, the weight carrying the gradient.
+
+        Without a correction: Loops' ``importance_sampling`` loss, weight ``p_trainer / p_sampler``.
+        With one: the correction's detached weight times ``exp(lp - sg(lp))`` (value 1, gradient of
+        ``lp``), as TRL's GRPO and verl multiply their importance-sampling weights into the loss.
+        """
+        if self.correction is None:
+            weight = torch.exp(torch.where(mask > 0, training_logprobs - sampler_logprobs, 0.0))
+        else:
+            corrected = apply_correction(self.correction, training_logprobs, sampler_logprobs, mask, advantages)
+            weight = corrected.weights * torch.exp(training_logprobs - training_logprobs.detach())
+        return -(weight * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
