@@ -8,7 +8,15 @@ import re
 import pytest
 import torch
 
-from loops_callbacks.correction import METHODS, Correction, Segments, apply_correction, correct_flat, parse_correction
+from loops_callbacks.correction import (
+    METHODS,
+    Correction,
+    CorrectionInput,
+    Segments,
+    apply_correction,
+    correct_flat,
+    parse_correction,
+)
 
 NEEDS_BOUND = {"token_k1": "2.0", "token_k2": "0.1", "token_k3": "0.05", "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "1.0",
                "seq_sum_k3": "0.5", "seq_mean_k1": "0.9_1.1", "seq_mean_k2": "0.01", "seq_mean_k3": "0.01",
@@ -101,8 +109,8 @@ def test_the_flat_form_of_ragged_rows_equals_the_padded_form(spec: str) -> None:
     keep_positions = inputs["mask"] > 0
     log_ratio = (inputs["trainer"].double() - inputs["sampler"].double())[keep_positions]
     rows = Segments.of_lengths(lengths, total=int(lengths.sum()))
-    flat = correct_flat(correction, log_ratio, torch.ones_like(log_ratio, dtype=torch.bool), rows,
-                        inputs["advantages"].double())
+    x = CorrectionInput(log_ratio, torch.ones_like(log_ratio, dtype=torch.bool), rows, inputs["advantages"].double())
+    flat = correct_flat(correction, x)
     torch.testing.assert_close(flat.weights.float(), padded.weights[keep_positions], rtol=0, atol=0)
     assert torch.equal(flat.keep, padded.keep[keep_positions])
     assert torch.equal(flat.clipped, padded.clipped[keep_positions])

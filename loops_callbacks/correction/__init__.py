@@ -2,8 +2,9 @@
 
 - ``spec``: ``Correction`` (a method and its parameters, with the framework's defaults) and
   ``parse_correction`` (``"sequence_mask:3.0"``, ``"token_truncate(clip_max=2.0)"``);
-- ``compute``: ``apply_correction`` (padded ``[B, T]`` in, ``CorrectionResult`` out) and
-  ``correct_flat`` (the same on concatenated positions, for the monitor's shadow statistics).
+- ``compute``: ``apply_correction`` (padded ``[B, T]`` in, ``CorrectionResult`` out), and
+  ``correct_flat`` / ``correct_rows`` (the same on a ``CorrectionInput`` of concatenated positions,
+  per position / per sequence, for the monitor's shadow statistics).
 
 Example:
     >>> import torch
@@ -15,22 +16,28 @@ Example:
 """
 
 from loops_callbacks.correction.compute import (
+    CorrectionInput,
     CorrectionResult,
     FlatCorrection,
+    RowCorrection,
     Segments,
     apply_correction,
     correct_flat,
+    correct_rows,
 )
 from loops_callbacks.correction.spec import METHODS, Correction, Method, parse_correction
 
 __all__ = [
     "METHODS",
     "Correction",
+    "CorrectionInput",
     "CorrectionResult",
     "FlatCorrection",
     "Method",
+    "RowCorrection",
     "Segments",
     "apply_correction",
     "correct_flat",
+    "correct_rows",
     "parse_correction",
 ]

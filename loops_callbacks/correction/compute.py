@@ -5,7 +5,8 @@
 multiply into the per-token loss (already 0 wherever a token is masked or is not an action
 token), ``keep`` (the action tokens the correction keeps), ``clipped`` (the action tokens whose
 weight a truncation changed) and the raw ``log_ratio``. ``correct_flat`` is the same on the
-concatenated positions of a batch (``[L]`` with a row per position), which the monitor's shadow
+concatenated positions of a batch (a ``CorrectionInput``: ``[L]`` positions in rows of any
+lengths), and ``correct_rows`` a sequence-level correction per row, which the monitor's shadow
 statistics use: one implementation of every formula.
 
 Each method computes what its framework computes (``spec`` names the code; the golden tests
@@ -41,12 +42,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from loops_callbacks.correction.spec import Correction, parse_correction
 
-__all__ = ["CorrectionResult", "FlatCorrection", "Segments", "apply_correction", "correct_flat"]
+__all__ = [
+    "CorrectionInput",
+    "CorrectionResult",
+    "FlatCorrection",
+    "RowCorrection",
+    "Segments",
+    "apply_correction",
+    "correct_flat",
+    "correct_rows",
+]
 
 VERL_SAFETY_BOUND = 20.0
 """verl's ``SAFETY_BOUND``: log ratios are clamped to ±20 before ``exp`` (rollout_corr_helper.py)."""
@@ -56,7 +67,7 @@ VERL_MEAN_EPSILON = 1e-8
 
 @dataclass(frozen=True)
 class Segments:
-    """Which row each of ``L`` concatenated positions belongs to, and sums / maxima per row.
+    """Rows of given lengths over ``L`` concatenated positions: sums, maxima and spreading per row.
 
     Example:
         >>> rows = Segments.of_lengths(torch.tensor([2, 1]), total=3)
@@ -64,31 +75,90 @@ class Segments:
         [3.0, 5.0]
     """
 
-    index: torch.Tensor  # int64 [L], the row of each position
-    n_rows: int
+    lengths: torch.Tensor  # int64 [B], on the positions' device
+    total: int  # L = lengths.sum(), known on the host (the caller's promise: it is not checked)
 
     @classmethod
     def of_lengths(cls, row_lengths: torch.Tensor, *, total: int) -> Segments:
         """Rows of the given lengths (on their device), ``total`` = their sum, known on the host."""
-        rows = torch.arange(row_lengths.numel(), device=row_lengths.device)
-        return cls(torch.repeat_interleave(rows, row_lengths, output_size=total), int(row_lengths.numel()))
+        return cls(row_lengths.to(torch.int64), total)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.lengths.numel())
+
+    @cached_property
+    def index(self) -> torch.Tensor:
+        """Int64 [L]: the row of each position."""
+        rows = torch.arange(self.n_rows, device=self.lengths.device)
+        return torch.repeat_interleave(rows, self.lengths, output_size=self.total)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(self.n_rows).index_add_(0, self.index, values)
+        """Per-row sum (0 for an empty row)."""
+        return self._reduce(values, "sum", 0.0)
 
     def max(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-row maximum; -inf for a row without positions."""
-        empty = values.new_full((self.n_rows,), -math.inf)
-        return empty.scatter_reduce_(0, self.index, values, "amax", include_self=True)
+        """Per-row maximum; -inf for an empty row, NaN for a row with a NaN."""
+        return self._reduce(values, "max", -math.inf)
+
+    def _reduce(self, values: torch.Tensor, how: str, initial: float) -> torch.Tensor:
+        if not self.n_rows:  # segment_reduce needs a row
+            return values.new_zeros(0)
+        # unsafe: the lengths sum to ``total`` by construction, and its checks would read them on the host
+        return torch.segment_reduce(values, how, lengths=self.lengths, unsafe=True, initial=initial)
 
     def spread(self, per_row: torch.Tensor) -> torch.Tensor:
         """Each row's value at each of its positions."""
         return per_row.index_select(0, self.index)
 
 
+class CorrectionInput:
+    """The positions corrections read, and what they share, computed once on first use.
+
+    ``log_ratio`` is float64 [L] ``trainer - sampler`` (NaN where a logprob is missing), ``mask``
+    bool [L] the action tokens, ``rows`` the rows the positions form, ``advantages`` float64 [B]
+    (only ``off_policy_mask`` reads it). Several corrections of one batch read one input.
+    """
+
+    def __init__(
+        self, log_ratio: torch.Tensor, mask: torch.Tensor, rows: Segments, advantages: torch.Tensor | None = None
+    ) -> None:
+        self.log_ratio, self.mask, self.rows, self.advantages = log_ratio, mask, rows, advantages
+
+    @cached_property
+    def zeroed(self) -> torch.Tensor:
+        """The log ratio on action tokens, 0 off the mask and where NaN (TRL's ``nan_to_num((t - s) * mask)``).
+
+        ±inf stays; an inf off the mask times 0 is NaN, then 0.
+        """
+        return torch.nan_to_num(self.log_ratio * self.mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
+
+    @cached_property
+    def row_count(self) -> torch.Tensor:
+        """Float64 [B]: action tokens per row."""
+        return self.rows.sum(self.mask.to(torch.float64))
+
+    @cached_property
+    def row_log_ratio(self) -> torch.Tensor:
+        """Float64 [B]: each row's summed log ratio (``zeroed``): the log of its sequence ratio."""
+        return self.rows.sum(self.zeroed)
+
+
+@dataclass(frozen=True)
+class RowCorrection:
+    """A sequence-level correction per row: float64 ``weight``, bool ``keep`` and ``clipped``, all [B].
+
+    Rows are whole sequences: every action token of a row has the row's weight and fate.
+    """
+
+    weight: torch.Tensor
+    keep: torch.Tensor
+    clipped: torch.Tensor
+
+
 @dataclass(frozen=True)
 class FlatCorrection:
-    """A correction on concatenated positions: float64 ``weights``, bool ``keep`` and ``clipped``, all ``[L]``."""
+    """A correction at every position: float64 ``weights``, bool ``keep`` and ``clipped``, all [L]."""
 
     weights: torch.Tensor
     keep: torch.Tensor
@@ -110,71 +180,90 @@ class CorrectionResult:
 
 
 @torch.no_grad()
-def correct_flat(
-    correction: Correction,
-    log_ratio: torch.Tensor,
-    mask: torch.Tensor,
-    rows: Segments,
-    advantages: torch.Tensor | None = None,
-) -> FlatCorrection:
-    """``correction`` on float64 ``log_ratio`` [L] (trainer - sampler), bool ``mask`` [L], per-row ``advantages`` [B].
+def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
+    """A sequence-level ``correction`` (``correction.spec.level == "sequence"``) per row of ``x``.
 
     Example:
-        >>> rows = Segments.of_lengths(torch.tensor([2]), total=2)
-        >>> out = correct_flat(parse_correction("sequence_truncate:2.0"), torch.tensor([0.5, 0.5], dtype=torch.float64),
-        ...                    torch.tensor([True, True]), rows)
-        >>> out.weights.tolist(), out.clipped.tolist()
-        ([2.0, 2.0], [True, True])
+        >>> x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
+        ...                     Segments.of_lengths(torch.tensor([2, 1]), total=3))
+        >>> rows = correct_rows(parse_correction("sequence_truncate:2.0"), x)
+        >>> [round(w, 4) for w in rows.weight.tolist()], rows.clipped.tolist()
+        ([2.0, 1.1052], [True, False])
     """
     spec = correction.spec
-    known = mask & ~torch.isnan(log_ratio)
-    d = torch.where(known, log_ratio, 0.0)  # off the mask and NaN: 0 (TRL's nan_to_num((t - s) * mask))
-    clipped = torch.zeros_like(mask)
+    if spec.level != "sequence":
+        raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
+    never = torch.zeros_like(x.row_log_ratio, dtype=torch.bool)
     if spec.family == "trl":
-        ratio = torch.exp(d if spec.level == "token" else rows.spread(rows.sum(d)))
-        low, high = correction.params["clip_min"], correction.params["clip_max"]
-        outside = _outside(ratio, low, high)
-        if spec.formula.endswith("truncate"):
-            weights = ratio if low is None and high is None else ratio.clamp(min=low, max=high)
-            keep, clipped = mask, mask & outside
-        else:
-            weights = ratio.masked_fill(outside, 0.0)
-            keep = mask & ~outside
+        return _trl_weights(correction, torch.exp(x.row_log_ratio), ~never)
+    if spec.family == "verl_is":
+        return _verl_is_weights(correction, x.row_log_ratio, ~never)
+    if spec.family == "verl_rs":
+        keep = _verl_rejection_keep(correction, x)
+        return RowCorrection(keep.to(torch.float64), keep, never)
+    if x.advantages is None:
+        raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
+    mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
+    keep = (x.advantages >= 0) | (mean_kl <= correction.params["threshold"])
+    return RowCorrection(keep.to(torch.float64), keep, never)
+
+
+@torch.no_grad()
+def correct_flat(correction: Correction, x: CorrectionInput) -> FlatCorrection:
+    """``correction`` at every position of ``x``: weights 0 and keep False off the mask.
+
+    Example:
+        >>> x = CorrectionInput(torch.tensor([0.5, 2.0], dtype=torch.float64), torch.tensor([True, True]),
+        ...                     Segments.of_lengths(torch.tensor([2]), total=2))
+        >>> out = correct_flat(parse_correction("token_truncate:2.0"), x)
+        >>> [round(w, 4) for w in out.weights.tolist()], out.clipped.tolist()
+        ([1.6487, 2.0], [False, True])
+    """
+    spec = correction.spec
+    if spec.level == "sequence":
+        rows = correct_rows(correction, x)
+        keep = x.mask & x.rows.spread(rows.keep)
+        weights = torch.where(x.mask, x.rows.spread(rows.weight), 0.0)  # a row's weight may be inf: no inf * 0
+        return FlatCorrection(weights, keep, x.mask & x.rows.spread(rows.clipped))
+    if spec.family == "trl":
+        result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
     elif spec.family == "verl_is":
-        summed = d if spec.level == "token" else rows.spread(rows.sum(d))
-        ratio = torch.exp(summed.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
-        threshold = correction.params["threshold"]
-        weights, keep, clipped = ratio.clamp(max=threshold), mask, mask & (ratio > threshold)
-    elif spec.family == "verl_rs":
-        keep = mask & _verl_rejection_keep(correction, torch.where(mask, log_ratio, 0.0), mask, rows)
-        weights = keep.to(torch.float64)
-    else:  # off_policy
-        if advantages is None:
-            raise ValueError(
-                f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages="
-            )
-        count = rows.sum(mask.to(torch.float64)).clamp(min=1.0)
-        mean_kl = rows.sum(-d) / count  # the sampler's minus the trainer's logprob, as TRL's kl_div
-        keep = mask & rows.spread((advantages >= 0) | (mean_kl <= correction.params["threshold"]))
-        weights = keep.to(torch.float64)
-    return FlatCorrection(torch.where(mask, weights, 0.0), keep, clipped)
+        result = _verl_is_weights(correction, x.zeroed, x.mask)
+    else:
+        keep = x.mask & _verl_rejection_keep(correction, x)
+        result = RowCorrection(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    return FlatCorrection(result.weight * x.mask, result.keep, result.clipped)  # off the mask the ratio is 1
 
 
-def _outside(ratio: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
-    outside = torch.zeros_like(ratio, dtype=torch.bool)
+def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> RowCorrection:
+    """TRL's truncate (clamp into [clip_min, clip_max]) or mask (0 outside it) of ``ratio``."""
+    low, high = correction.params["clip_min"], correction.params["clip_max"]
+    outside = torch.zeros_like(mask)
     if low is not None:
         outside |= ratio < low
     if high is not None:
         outside |= ratio > high
-    return outside
+    if correction.spec.formula.endswith("truncate"):
+        weight = ratio if low is None and high is None else ratio.clamp(min=low, max=high)
+        return RowCorrection(weight, mask, mask & outside)
+    return RowCorrection(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
 
 
-def _verl_rejection_keep(
-    correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor, rows: Segments
-) -> torch.Tensor:
-    """verl's per-option keep (``compute_rollout_rejection_mask``) at every position; NaN log ratios fail."""
+def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor) -> RowCorrection:
+    """verl's truncated IS: ``exp`` of the log ratio clamped to ±20, capped at ``threshold``."""
+    ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+    threshold = correction.params["threshold"]
+    return RowCorrection(ratio.clamp(max=threshold), mask, mask & (ratio > threshold))
+
+
+def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:
+    """verl's keep (``compute_rollout_rejection_mask``): per position for token options, per row for sequence options.
+
+    The statistic is read from the log ratio on the mask with NaN kept: a NaN fails every bound,
+    so verl rejects the token, or (sequence options) its whole row.
+    """
     option = correction.spec.formula
-    safe = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    safe = x.log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)  # NaN stays NaN; off the mask is never read
     kind = option[-2:]
     if kind == "k1":
         stat = -safe
@@ -182,15 +271,13 @@ def _verl_rejection_keep(
         stat = 0.5 * safe**2
     else:
         stat = torch.exp(safe) - 1.0 - safe
-    if option.startswith("seq_sum") or option.startswith("seq_mean"):
-        total = rows.sum(torch.where(mask, stat, 0.0))
+    if option.startswith("seq_max"):
+        peak = x.rows.max(stat.masked_fill(~x.mask, -math.inf))  # verl: masked -inf, an empty row's max is 0
+        stat = torch.where(peak == -math.inf, 0.0, peak)
+    elif option.startswith("seq_"):
+        stat = x.rows.sum(stat.masked_fill(~x.mask, 0.0))
         if option.startswith("seq_mean"):
-            total = total / (rows.sum(mask.to(torch.float64)) + VERL_MEAN_EPSILON)
-        stat = rows.spread(total)
-    elif option.startswith("seq_max"):
-        peak = rows.max(torch.where(mask, stat, -math.inf))
-        # a NaN token makes its sequence's max NaN in verl (torch.max propagates NaN); amax does too
-        stat = rows.spread(torch.where(peak == -math.inf, 0.0, peak))
+            stat = stat / (x.row_count + VERL_MEAN_EPSILON)
     upper = correction.params["upper"]
     if kind == "k1":
         return (stat >= math.log(correction.params["lower"])) & (stat <= math.log(upper))
@@ -249,7 +336,7 @@ def apply_correction(
     log_ratio = trainer.to(torch.float64) - sampler_logprobs.detach().to(device=device, dtype=torch.float64)
     active = mask.detach().to(device) > 0
     rows = Segments.of_lengths(torch.full((batch,), width, dtype=torch.int64, device=device), total=batch * width)
-    flat = correct_flat(correction, log_ratio.reshape(-1), active.reshape(-1), rows, per_row)
+    flat = correct_flat(correction, CorrectionInput(log_ratio.reshape(-1), active.reshape(-1), rows, per_row))
     return CorrectionResult(
         weights=flat.weights.reshape(batch, width).to(trainer.dtype),
         keep=flat.keep.reshape(batch, width),

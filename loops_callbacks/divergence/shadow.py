@@ -20,7 +20,8 @@ the logged scalars:
 The action tokens are the batch's ``counted`` positions (mask > 0, advantage != 0). A token whose
 log ratio is NaN (a logprob missing) is handled as ``correct_flat`` handles it: ratio 1 for TRL's
 and verl's IS, rejected by verl's rejection; the raw extremes skip it. Each correction is computed
-by ``correct_flat``, the function ``apply_correction`` uses: what is logged is what applying it would do.
+by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
+its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
 Example:
     >>> import torch
@@ -42,7 +43,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from loops_callbacks.correction import Correction, Segments, correct_flat, parse_correction
+from loops_callbacks.correction import (
+    Correction,
+    CorrectionInput,
+    FlatCorrection,
+    RowCorrection,
+    Segments,
+    correct_flat,
+    correct_rows,
+    parse_correction,
+)
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.layout import Statistic
 
@@ -118,32 +128,66 @@ def shadow_values(
                 f"'advantages' has shape {tuple(advantages.shape)}; expected ({rows.n_rows},), one per datum"
             )
         advantages = advantages.detach().to(device=diff.device, dtype=torch.float64)
-    tokens_per_row = rows.sum(mask.to(torch.float64))
-    scored = tokens_per_row > 0
+    x = CorrectionInput(diff, mask, rows, advantages)
+    count = x.row_count
+    scored = count > 0
     values: dict[str, torch.Tensor] = {
-        _key(None, "n_tokens"): tokens_per_row.sum(),
+        _key(None, "n_tokens"): count.sum(),
         _key(None, "n_sequences"): scored.sum().to(torch.float64),
     }
-    known = mask & ~torch.isnan(diff)
-    values.update(_extrema("token_log_ratio", diff, known))
-    seq_sum = rows.sum(torch.where(known, diff, 0.0))
-    values.update(_extrema("seq_log_ratio", seq_sum, scored))
-    values.update(_extrema("seq_mean_log_ratio", seq_sum / tokens_per_row.clamp(min=1.0), scored))
+    values.update(_extrema("token_log_ratio", diff, mask & ~torch.isnan(diff)))
+    values.update(_extrema("seq_log_ratio", x.row_log_ratio, scored))
+    values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), scored))
     for correction in parsed:
-        result = correct_flat(correction, diff, mask, rows, advantages)
-        masked, clipped = mask & ~result.keep, result.clipped
-        seq_weight = rows.sum(result.weights) / tokens_per_row.clamp(min=1.0)  # 0 for a row without action tokens
-        values.update({
-            _key(correction, "n_tokens_masked"): masked.sum().to(torch.float64),
-            _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64),
-            _key(correction, "n_seqs_masked"): (rows.sum(masked.to(torch.float64)) > 0).sum().to(torch.float64),
-            _key(correction, "n_seqs_clipped"): (rows.sum(clipped.to(torch.float64)) > 0).sum().to(torch.float64),
-            _key(correction, "sum_weight"): result.weights.sum(),
-            _key(correction, "sum_weight2"): result.weights.square().sum(),
-            _key(correction, "sum_seq_weight"): seq_weight.sum(),
-            _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
-        })
+        if correction.spec.level == "sequence":
+            values.update(_sequence_level(correction, correct_rows(correction, x), count, scored))
+        else:
+            values.update(_token_level(correction, correct_flat(correction, x), x))
     return values
+
+
+def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Tensor, scored: torch.Tensor
+                    ) -> dict[str, torch.Tensor]:
+    """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
+    dropped, clipped = scored & ~rows.keep, scored & rows.clipped
+    weight = rows.weight * scored  # a row without action tokens is no sequence; its weight never applies
+    return {
+        _key(correction, "n_tokens_masked"): (count * dropped).sum(),
+        _key(correction, "n_tokens_clipped"): (count * clipped).sum(),
+        _key(correction, "n_seqs_masked"): dropped.sum().to(torch.float64),
+        _key(correction, "n_seqs_clipped"): clipped.sum().to(torch.float64),
+        _key(correction, "sum_weight"): (count * weight).sum(),
+        _key(correction, "sum_weight2"): (count * weight.square()).sum(),
+        _key(correction, "sum_seq_weight"): weight.sum(),
+        _key(correction, "sum_seq_weight2"): weight.square().sum(),
+    }
+
+
+def _token_level(correction: Correction, result: FlatCorrection, x: CorrectionInput) -> dict[str, torch.Tensor]:
+    """The statistics of a token-level correction; a sequence's weight is the mean of its tokens' weights."""
+    seq_weight = x.rows.sum(result.weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
+    zero = result.weights.new_zeros(())
+    can_drop, can_clip = _can_drop(correction), not _can_drop(correction)
+    dropped = x.mask & ~result.keep if can_drop else None
+    return {
+        _key(correction, "n_tokens_masked"): dropped.sum().to(torch.float64) if can_drop else zero,
+        _key(correction, "n_tokens_clipped"): result.clipped.sum().to(torch.float64) if can_clip else zero,
+        _key(correction, "n_seqs_masked"): _rows_with_any(dropped, x) if can_drop else zero,
+        _key(correction, "n_seqs_clipped"): _rows_with_any(result.clipped, x) if can_clip else zero,
+        _key(correction, "sum_weight"): result.weights.sum(),
+        _key(correction, "sum_weight2"): result.weights.square().sum(),
+        _key(correction, "sum_seq_weight"): seq_weight.sum(),
+        _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
+    }
+
+
+def _can_drop(correction: Correction) -> bool:
+    """Masks and rejections drop tokens and never clip; truncations clip and never drop."""
+    return not (correction.spec.family == "verl_is" or correction.spec.formula.endswith("truncate"))
+
+
+def _rows_with_any(flags: torch.Tensor, x: CorrectionInput) -> torch.Tensor:
+    return (x.rows.sum(flags.to(torch.float64)) > 0).sum().to(torch.float64)
 
 
 def _extrema(name: str, values: torch.Tensor, where: torch.Tensor) -> dict[str, torch.Tensor]:
