@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -86,10 +86,11 @@ def main() -> None:
     print(f"Batch: {args.datums} datums x {args.length} positions, median of {args.repeats} runs")
 
     def reference() -> object:
-        return DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        return DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, generator=generator)
 
     base = median_seconds(reference, args.repeats)
-    print(f"| statistics | ms | ratio to DivergenceStats.from_batch |\n|---|---:|---:|")
+    print("| statistics | ms | ratio to DivergenceStats.from_batch |\n|---|---:|---:|")
     print(f"| DivergenceStats.from_batch (monitor, logged step) | {base * 1e3:.2f} | 1.00 |")
     specs = [f"{m}:{BOUNDS[m]}" if m in BOUNDS else m for m in METHODS]
     for label, corrections in [*((s, [s]) for s in specs), (" + ".join(THREE), THREE)]:

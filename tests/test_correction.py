@@ -75,7 +75,7 @@ def test_bad_specs_say_what_is_wrong(spec: object, error: type, words: str) -> N
 
 
 def test_a_dataclass_with_a_wrong_value_is_refused() -> None:
-    with pytest.raises(ValueError, match="'clip_max' must be a number or None, got '3'"):
+    with pytest.raises(TypeError, match="'clip_max' must be a number or None, got '3'"):
         Correction("token_mask", {"clip_max": "3"})
     with pytest.raises(TypeError, match="params must be a mapping"):
         Correction("token_mask", [("clip_max", 3.0)])  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -63,11 +64,11 @@ def test_parts_of_a_batch_merge_into_the_whole(seed: int, cuts: list[int]) -> No
     whole = shadow_values(flatten_datums(data, trainers), CORRECTIONS, advantages)
     bounds = sorted({0, len(data), *cuts})
     parts = [shadow_values(flatten_datums(data[a:b], trainers[a:b]), CORRECTIONS, advantages[a:b])
-             for a, b in zip(bounds, bounds[1:])]
+             for a, b in itertools.pairwise(bounds)]
     got = merged(parts)
     assert got.keys() == whole.keys()
     for name, value in whole.items():
-        if ":n_" in name or name.startswith("correction::max") or name.startswith("correction::neg_min"):
+        if ":n_" in name or name.startswith(("correction::max", "correction::neg_min")):
             assert got[name].item() == value.item(), name  # counts and extrema: exact
         else:
             assert got[name].item() == pytest.approx(value.item(), rel=1e-12, abs=1e-12), name

@@ -173,7 +173,7 @@ class Correction:
 
 def _number(method: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"correction {method!r}: {name!r} must be a number or None, got {value!r}")
+        raise TypeError(f"correction {method!r}: {name!r} must be a number or None, got {value!r}")
     number = float(value)
     if math.isnan(number):
         raise ValueError(f"correction {method!r}: {name!r} is NaN")
