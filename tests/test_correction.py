@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import re
 
 import pytest
@@ -48,6 +50,14 @@ def test_string_forms_and_the_dataclass_are_one_correction() -> None:
     assert len({parse_correction("sequence_mask"), Correction("sequence_mask", {"clip_max": 3})}) == 1
     with pytest.raises(TypeError):
         correction.params["clip_max"] = 1.0  # type: ignore[index]
+
+
+def test_a_correction_pickles_and_copies_as_itself() -> None:
+    """ddp_spawn pickles the callbacks, and with them their corrections."""
+    correction = parse_correction("token_mask:0.5_2.0")
+    assert pickle.loads(pickle.dumps(correction)) == correction
+    assert copy.deepcopy(correction) == correction
+    assert repr(correction) == "Correction('token_mask', {'clip_min': 0.5, 'clip_max': 2.0})"
 
 
 def test_names_show_only_what_differs_from_the_framework_default() -> None:

@@ -155,6 +155,13 @@ class Correction:
     def __hash__(self) -> int:
         return hash((self.method, tuple(self.params.items())))
 
+    def __reduce__(self) -> tuple[type[Correction], tuple[str, dict[str, float | None]]]:
+        """Pickled as its method and a plain dict (a read-only mapping cannot be; ``ddp_spawn`` pickles callbacks)."""
+        return Correction, (self.method, dict(self.params))
+
+    def __repr__(self) -> str:
+        return f"Correction({self.method!r}, {dict(self.params)!r})"
+
     @property
     def spec(self) -> Method:
         return METHODS[self.method]
