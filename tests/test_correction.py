@@ -6,6 +6,7 @@ import copy
 import math
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,3 +203,19 @@ def test_the_off_policy_mask_needs_advantages() -> None:
     kept = apply_correction("off_policy_mask:0.1", torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3),
                             advantages=torch.tensor([[1.0], [-1.0]]))
     assert kept.keep.tolist() == [[True] * 3, [False] * 3]  # mean KL 1 > 0.1, dropped only with A < 0
+
+
+def test_the_readme_block_runs_as_written() -> None:
+    """README's "Rollout corrections as functions" example, executed on a small batch."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "apply_correction(" in b]
+    assert len(blocks) == 1
+    inputs = batch(seed=2)
+    trainer = inputs["trainer"].clone().requires_grad_(True)
+    namespace = {"trainer_logprobs": trainer, "sampler_logprobs": inputs["sampler"], "mask": inputs["mask"],
+                 "advantages": inputs["advantages"]}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    namespace["loss"].backward()
+    assert torch.isfinite(trainer.grad).all() and trainer.grad[inputs["mask"] == 0].eq(0).all()
+    dropped = (inputs["mask"] > 0) & ~namespace["result"].keep
+    assert dropped.any() and trainer.grad[dropped].eq(0).all()  # some sequences are above TRL's cap of 3.0
