@@ -1,5 +1,6 @@
-"""The monitor logs the divergence by stratum of every optimizer step's window (all its micro-batches,
-every rank), with lags from the datums' policy versions, as the statistics of the whole window give it."""
+"""The monitor logs the divergence by stratum and the shadow metrics of its corrections for every
+optimizer step's window (all its micro-batches, every rank), with lags from the datums' policy
+versions, as the statistics of the whole window give them."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.shadow import shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.strata import Strata, stratum_scalars
 from tests.helpers import CleanDistributedExit, RecordingLogger, TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
 MAX_GROUPS = 2
+CORRECTIONS = ["sequence_mask:1.05", "token_truncate:1.1", "geo:0.98_1.02"]
 
 
 class VersionedPolicy(TinyPolicy):
@@ -44,22 +47,31 @@ class VersionedPolicy(TinyPolicy):
             torch.save(self.recorded, os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
 
 
-def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """The strata scalars of the window's micro-batches concatenated, computed in one piece."""
+def window_flat(window: list[dict[str, Any]], step: int) -> Any:
     cat = {key: torch.cat([record[key] for record in window]) for key in window[0] if key != "step"}
     flat = flatten_padded(
         sampler_logprobs=cat["sampler"], training_logprobs=cat["trainer"], mask=cat["mask"],
         advantages=cat["advantages"],
     )
-    flat = dataclasses.replace(flat, lags=step - cat["versions"], groups=cat["groups"])
-    host = DivergenceStats.from_batch(flat, strata=Strata(MAX_GROUPS)).to_host()
+    return dataclasses.replace(flat, lags=step - cat["versions"], groups=cat["groups"])
+
+
+def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The strata scalars of the window's micro-batches concatenated, computed in one piece."""
+    host = DivergenceStats.from_batch(window_flat(window, step), strata=Strata(MAX_GROUPS)).to_host()
     return {PREFIX + name: value for name, value in stratum_scalars(host.strata).items()}
+
+
+def expected_shadow(window: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The corrections' shadow scalars of the window's micro-batches concatenated, in one piece."""
+    values = shadow_values(window_flat(window, step), CORRECTIONS)
+    return {PREFIX + name: value for name, value in shadow_scalars(values, values, CORRECTIONS).items()}
 
 
 def assert_close(got: dict[str, float], want: dict[str, float]) -> None:
     assert got.keys() == want.keys()
     for key, value in want.items():
-        if key.endswith("/n_tokens"):
+        if key.endswith("/n_tokens") or "/frac_" in key or "/raw/" in key:  # counts and extrema: exact
             assert got[key] == value, key
         else:
             assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
@@ -91,9 +103,37 @@ def test_strata_off_logs_nothing_more() -> None:
     assert logger.calls and not any("/stratum/" in key for _, metrics in logger.calls for key in metrics)
 
 
-def test_two_ranks_log_the_strata_of_the_global_window(tmp_path: Any) -> None:
+def test_shadow_metrics_of_each_accumulation_window_and_nothing_else_changes() -> None:
+    runs = {}
+    for corrections in ([], CORRECTIONS):
+        torch.manual_seed(0)  # the same policy in both runs
+        model, logger = VersionedPolicy(), RecordingLogger()
+        monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_histogram=False, corrections=corrections)
+        quiet_trainer(max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[monitor]).fit(model)
+        runs[len(corrections)] = model, logger.calls
+    model, calls = runs[len(CORRECTIONS)]
+    shadowed = [(step, m) for step, m in calls if PREFIX + "correction/geo(lower=0.98, upper=1.02)/ess_tokens" in m]
+    assert [step for step, _ in shadowed] == [0, 1, 2]
+    for step, metrics in shadowed:
+        want = expected_shadow([r for r in model.recorded if r["step"] == step], step)
+        assert want[PREFIX + "correction/sequence_mask(clip_max=1.05)/frac_seqs_masked"] > 0
+        assert_close({key: value for key, value in metrics.items() if "/correction/" in key}, want)
+    without = [(step, {k: v for k, v in m.items() if "/correction/" not in k}) for step, m in calls]
+    assert without == runs[0][1]  # everything else logged is the same, bit for bit
+
+
+def test_a_correction_the_monitor_cannot_shadow_is_named_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"corrections \['off_policy_mask\(threshold=0.1\)'\] need one advantage"):
+        KLSampleTrainMonitor(corrections=["off_policy_mask:0.1"])
+    with pytest.raises(ValueError, match="unknown method 'tis'"):
+        KLSampleTrainMonitor(corrections=["tis"])
+    with pytest.raises(TypeError, match="must be a list of specs"):
+        KLSampleTrainMonitor(corrections="geo")  # type: ignore[arg-type]
+
+
+def test_two_ranks_log_the_strata_and_shadow_metrics_of_the_global_window(tmp_path: Any) -> None:
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS, corrections=CORRECTIONS)
     trainer = quiet_trainer(
         strategy="ddp_spawn", devices=2, max_steps=2, accumulate_grad_batches=2, logger=logger,
         callbacks=[monitor, CleanDistributedExit()],
@@ -106,6 +146,7 @@ def test_two_ranks_log_the_strata_of_the_global_window(tmp_path: Any) -> None:
     for row in logged:
         step = int(row["step"])
         window = [r for rank in ranks for r in rank if r["step"] == step]  # rank 0's micro-batches first
-        want = expected_strata(window, step)
+        want = {**expected_strata(window, step), **expected_shadow(window, step)}
         assert want[PREFIX + "stratum/pos_q1/n_tokens"] > 0
-        assert_close({key: float(row[key]) for key in row if row[key] and "/stratum/" in key}, want)
+        got = {key: float(row[key]) for key in row if row[key] and ("/stratum/" in key or "/correction/" in key)}
+        assert_close(got, want)

@@ -8,6 +8,10 @@ sample's allocation) or only their sum (the diagnosis' sums). A new statistic is
 here plus its formula in ``statistics.DivergenceStats.from_batch``; merging, the reduction
 across ranks and the host transfer follow from the declaration.
 
+A monitor may declare more statistics of its own (``ExtraStatistics``: the shadow statistics of
+its corrections, ``shadow.shadow_statistics``); they are packed by name the same way, their sums
+carried in the reduction's summed body and their extrema in the per-rank header.
+
 ``Packing`` lays named parts end to end in one float64 vector and reads them back by name: the
 host transfer and both collectives of the reduction use it, so nothing is found by position.
 
@@ -24,12 +28,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE
 
 __all__ = [
     "EXTREMA",
+    "ExtraStatistics",
     "PER_RANK_TOTALS",
     "ROW",
     "STATISTICS",
@@ -157,6 +163,45 @@ def pack_named(names: tuple[str, ...], values: Mapping[str, torch.Tensor]) -> to
     if missing:
         raise KeyError(f"statistics {missing} are declared in layout.STATISTICS but have no formula")
     return torch.stack([values[name].to(torch.float64) for name in names])
+
+
+@dataclass(frozen=True)
+class ExtraStatistics:
+    """Statistics one monitor declares beside ``STATISTICS``, packed by name like them.
+
+    Example:
+        >>> extra = ExtraStatistics((Statistic("n_kept", "sum"), Statistic("max_w", "max")))
+        >>> totals, extrema = extra.pack({"n_kept": torch.tensor(3), "max_w": torch.tensor(2.5)})
+        >>> extra.unpack(totals.numpy(), extrema.numpy())
+        ({'n_kept': 3.0}, {'max_w': 2.5})
+    """
+
+    statistics: tuple[Statistic, ...] = ()
+
+    @property
+    def totals(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.statistics if s.reduction == "sum")
+
+    @property
+    def extrema(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.statistics if s.reduction == "max")
+
+    def pack(self, values: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float64 ``(totals, extrema)`` vectors of ``values`` (one 0-d tensor per declared name, no other)."""
+        extra = sorted(set(values) - set(self.totals) - set(self.extrema))
+        if extra:
+            raise KeyError(f"statistics {extra} are computed but not declared")
+        return self._stack(self.totals, values), self._stack(self.extrema, values)
+
+    def unpack(self, totals: np.ndarray, extrema: np.ndarray) -> tuple[dict[str, float], dict[str, float]]:
+        """The host vectors back by name."""
+        return dict(zip(self.totals, totals.tolist())), dict(zip(self.extrema, extrema.tolist()))
+
+    @staticmethod
+    def _stack(names: tuple[str, ...], values: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if not names:
+            return torch.zeros(0, dtype=torch.float64, device=next(iter(values.values()), torch.zeros(0)).device)
+        return pack_named(names, {name: values[name] for name in names if name in values})
 
 
 class Packing:

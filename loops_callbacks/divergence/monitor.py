@@ -20,7 +20,7 @@ A logged step, top to bottom (``on_train_batch_end``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
+from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
@@ -37,6 +38,7 @@ from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, step_report
 from loops_callbacks.divergence.run_history import RunHistory, Verdict
+from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS, Strata
@@ -218,6 +220,7 @@ class KLSampleTrainMonitor(Callback):
         calibration_steps: int = 5,
         log_strata: bool = True,
         max_groups: int = DEFAULT_MAX_GROUPS,
+        corrections: Sequence[str | Correction] = (),
     ) -> None:
         super().__init__()
         if interval not in ("optimizer_step", "forward_backward"):
@@ -236,6 +239,7 @@ class KLSampleTrainMonitor(Callback):
         check_bool("diagnose", diagnose)
         check_bool("log_strata", log_strata)
         self.strata = Strata(max_groups) if log_strata else None  # checks max_groups
+        self.corrections = _shadowed(corrections)
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -307,6 +311,7 @@ class KLSampleTrainMonitor(Callback):
             generator=self._generator(flat.device, trainer.global_rank),
             signatures=self.diagnosing,
             strata=self.strata,
+            corrections=self.corrections,
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
@@ -329,7 +334,8 @@ class KLSampleTrainMonitor(Callback):
             evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
             by_lag=host.by_lag or None,
         )
-        self._deliver(trainer, report, step)
+        shadow = shadow_scalars(host.extra_totals, host.extra_extrema, self.corrections) if self.corrections else {}
+        self._deliver(trainer, report, shadow, step)
         self._remember(report, step)
         self._warn_about_inputs(report, step)
         self._warn_about_groups(host, step)
@@ -392,13 +398,22 @@ class KLSampleTrainMonitor(Callback):
             self._generators[device] = torch.Generator(device=device).manual_seed(rank)
         return self._generators[device]
 
-    def _deliver(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
-        """The report's scalars into ``callback_metrics`` (every rank); everything to the loggers (rank 0)."""
+    def _deliver(self, trainer: pl.Trainer, report: StepReport, breakdown: dict[str, float], step: int) -> None:
+        """The report's scalars into ``callback_metrics`` (every rank); everything to the loggers (rank 0),
+        ``breakdown`` (the corrections' shadow metrics) in the second record with the strata."""
         logged = report.logged(self.prefix)
         trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
         if not trainer.is_global_zero:
             return
-        deliver(trainer.loggers, report, step=step, prefix=self.prefix, warnings=self.warnings, scalars=logged)
+        deliver(
+            trainer.loggers,
+            report,
+            step=step,
+            prefix=self.prefix,
+            warnings=self.warnings,
+            scalars=logged,
+            breakdown=breakdown,
+        )
         if report.diagnosis is not None:
             key = self.prefix + DIAGNOSIS_TEXT_KEY
             deliver_text(trainer.loggers, key, report.diagnosis.message, step=step, warnings=self.warnings)
@@ -490,6 +505,18 @@ class KLSampleTrainMonitor(Callback):
         if self.on_exceed == "raise":
             raise SampleTrainDivergenceError(message)
         self.warnings.warn(f"exceeded:{step}", message)
+
+
+def _shadowed(corrections: Sequence[str | Correction]) -> tuple[Correction, ...]:
+    """The corrections to shadow, parsed (``ValueError`` / ``TypeError`` naming a bad spec)."""
+    parsed = parse_corrections(corrections)
+    needing = [c.name for c in parsed if c.spec.needs_advantages]
+    if needing:
+        raise ValueError(
+            f"corrections {needing} need one advantage per sequence, which the monitor does not read yet; "
+            "shadow them with loops_callbacks.divergence.shadow.shadow_values(flat, corrections, advantages)"
+        )
+    return parsed
 
 
 def _advice(report: StepReport) -> str:

@@ -190,20 +190,25 @@ def as_collectives(collectives: Collectives | Any) -> Collectives:
     return _StrategyCollectives(strategy)
 
 
-def header_packing(top_n: int) -> Packing:
-    """A rank's header: its per-rank totals, extrema, its worst rows' |d| and one random number."""
-    return Packing(totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), worst_abs=top_n, draw=1)
+def header_packing(top_n: int, extra_extrema: int = 0) -> Packing:
+    """A rank's header: its per-rank totals, extrema, the ``extra_extrema`` extrema the monitor declares
+    (``layout.ExtraStatistics``), its worst rows' |d| and one random number."""
+    return Packing(
+        totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), extra_extrema=extra_extrema, worst_abs=top_n, draw=1
+    )
 
 
-def body_packing(top_n: int, capacity: int, strata: int = 0) -> Packing:
+def body_packing(top_n: int, capacity: int, strata: int = 0, extra_totals: int = 0) -> Packing:
     """The summed body: the worst rows, the summed totals, the per-token-id sums, the ``strata``
-    stratum sums (``strata.Strata``; a fixed number per monitor), the sample and one slot that takes
-    every unchosen diff."""
+    stratum sums (``strata.Strata``) and the ``extra_totals`` sums the monitor declares
+    (``layout.ExtraStatistics``), a fixed number per monitor each, the sample and one slot that
+    takes every unchosen diff."""
     return Packing(
         worst=top_n * ROW.WIDTH,
         totals=len(SUMMED_TOTALS),
         token_sums=3 * TOKEN_BUCKETS,
         strata=strata,
+        extra_totals=extra_totals,
         sample=capacity,
         unchosen=1,
     )
@@ -253,10 +258,12 @@ def reduce_across_ranks(
     device = stats.totals.device
     top_n = stats.worst.shape[0]
     per_rank, summed = _total_indices(device)
-    header = header_packing(top_n)
+    extra_totals, extra_extrema = stats.extras_or_empty()
+    header = header_packing(top_n, extra_extrema.numel())
     mine = header.pack(
         totals=stats.totals.index_select(0, per_rank),
         extrema=stats.extrema,
+        extra_extrema=extra_extrema,
         worst_abs=stats.worst[:, ROW.ABS],
         draw=torch.rand(1, dtype=torch.float64, device=device, generator=generator),
     )
@@ -271,7 +278,7 @@ def reduce_across_ranks(
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
     strata = stats.strata if stats.strata is not None else stats.totals.new_zeros(0)
-    body = body_packing(top_n, capacity, strata.numel())
+    body = body_packing(top_n, capacity, strata.numel(), extra_totals.numel())
     sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
     _add_sample(sample, stats, share[rank], start[rank])
     reduced = body.unpack(
@@ -281,6 +288,7 @@ def reduce_across_ranks(
                 totals=stats.totals.index_select(0, summed),
                 token_sums=stats.token_sums_or_zeros(),
                 strata=strata,
+                extra_totals=extra_totals,
                 sample=sample[:capacity],
                 unchosen=sample[capacity:],
             )
@@ -303,6 +311,8 @@ def reduce_across_ranks(
         sample_keys=keys,
         token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
         strata=None if stats.strata is None else reduced["strata"].reshape(stats.strata.shape),
+        extra_totals=None if stats.extra_totals is None else reduced["extra_totals"],
+        extra_extrema=None if stats.extra_extrema is None else ranks["extra_extrema"].amax(0),
     )
 
 

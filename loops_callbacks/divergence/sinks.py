@@ -6,10 +6,10 @@
   (the histogram's values and the table's rows are the report's, built once for every logger);
 * any other logger (CSV, MLflow, ...): scalars.
 
-The strata view (``media.StrataView``: ``stratum/<name>/<metric>`` scalars and their table) goes
-in a second ``log_metrics`` call at the same step, so the step's own metrics stay one record:
-W&B gets its scalars and a ``wandb.Table``, TensorBoard its scalars and a Markdown table, other
-loggers its scalars.
+The breakdown of the step goes in a second ``log_metrics`` call at the same step, so the step's
+own metrics stay one record: the strata view (``media.StrataView``: ``stratum/<name>/<metric>``
+scalars and their table; W&B gets a ``wandb.Table``, TensorBoard a Markdown table) and the
+shadow metrics of the monitor's corrections (``correction/...`` scalars, ``shadow``).
 
 ``deliver_text`` writes one text entry (e.g. why the guard rail stopped the run) to each logger
 that can show text: TensorBoard's text panel (``add_text``, Markdown) and W&B (an HTML panel).
@@ -59,11 +59,13 @@ def deliver(
     prefix: str,
     warnings: RunWarnings | None = None,
     scalars: dict[str, float] | None = None,
+    breakdown: dict[str, float] | None = None,
 ) -> None:
     """Log ``report``'s scalars (and its media where the logger can show it) at ``step`` to each logger.
 
     Every key gets ``prefix``; ``scalars`` is ``report.logged(prefix)`` when the caller has it
-    (built once per step, whatever the loggers). A failing logger is a warning, through
+    (built once per step, whatever the loggers); ``breakdown`` more scalars (bare names) for the
+    second record, beside the strata view. A failing logger is a warning, through
     ``warnings`` (once per run and logger) when given.
     """
     if scalars is None:
@@ -71,6 +73,7 @@ def deliver(
     for logger in loggers:
         try:
             _deliver_one(logger, report, scalars, step, prefix)
+            _deliver_breakdown(logger, report, breakdown or {}, step, prefix)
         except Exception as error:  # a full disk, a closed W&B run, a network error
             _warn(
                 warnings,
@@ -125,7 +128,6 @@ def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
 def _deliver_one(logger: Any, report: StepReport, scalars: dict[str, float], step: int, prefix: str) -> None:
     if isinstance(logger, WandbLogger):
         logger.log_metrics({**scalars, **wandb_media(report.media, prefix=prefix)}, step=step)
-        _deliver_strata(logger, report, step, prefix)
         return
     logger.log_metrics(scalars, step=step)
     if isinstance(logger, TensorBoardLogger):
@@ -134,16 +136,21 @@ def _deliver_one(logger: Any, report: StepReport, scalars: dict[str, float], ste
             writer.add_histogram(prefix + HISTOGRAM_KEY, report.media.histogram, step)
         if report.media.worst_rows is not None:
             writer.add_text(prefix + TABLE_KEY, worst_tokens_markdown(report.media.worst_rows), step)
-    _deliver_strata(logger, report, step, prefix)
 
 
-def _deliver_strata(logger: Any, report: StepReport, step: int, prefix: str) -> None:
+def _deliver_breakdown(logger: Any, report: StepReport, breakdown: dict[str, float], step: int, prefix: str) -> None:
+    """The second record: the strata view and ``breakdown``'s scalars; nothing when both are empty."""
     view = report.media.strata
-    if view is None or not view.rows:
+    if view is not None and not view.rows:
+        view = None
+    if view is None and not breakdown:
         return
+    scalars = {prefix + name: value for name, value in breakdown.items()}
     if isinstance(logger, WandbLogger):
-        logger.log_metrics(wandb_strata(view, prefix=prefix), step=step)
+        logger.log_metrics({**scalars, **(wandb_strata(view, prefix=prefix) if view is not None else {})}, step=step)
         return
-    logger.log_metrics({prefix + name: value for name, value in view.scalars.items()}, step=step)
-    if isinstance(logger, TensorBoardLogger):
+    if view is not None:
+        scalars.update({prefix + name: value for name, value in view.scalars.items()})
+    logger.log_metrics(scalars, step=step)
+    if isinstance(logger, TensorBoardLogger) and view is not None:
         logger.experiment.add_text(prefix + STRATA_TABLE_KEY, strata_markdown(view), step)

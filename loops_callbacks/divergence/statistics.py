@@ -32,16 +32,27 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.layout import EXTREMA, ROW, TOKEN_BUCKETS, TOTAL_INDEX, TOTALS, Packing, pack_named
+from loops_callbacks.divergence.layout import (
+    EXTREMA,
+    ROW,
+    TOKEN_BUCKETS,
+    TOTAL_INDEX,
+    TOTALS,
+    ExtraStatistics,
+    Packing,
+    pack_named,
+)
 from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
+from loops_callbacks.divergence.shadow import shadow_statistics, shadow_values
 from loops_callbacks.divergence.strata import COLUMNS, Strata, StratumSums, by_lag
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
@@ -84,6 +95,8 @@ class HostDivergence:
     diffs: np.ndarray  # float64, the sampled diffs in batch order
     token_sums: np.ndarray | None = None  # float64 [3, TOKEN_BUCKETS]: count, sum d, sum d² per bucket
     strata: dict[str, StratumSums] | None = None  # by stratum name (``strata``); None: not kept
+    extra_totals: dict[str, float] = field(default_factory=dict)  # the shadow statistics' sums, by name
+    extra_extrema: dict[str, float] = field(default_factory=dict)  # and their extrema
 
     @property
     def by_lag(self) -> dict[str, StratumSums]:
@@ -113,6 +126,9 @@ class DivergenceStats:
     token_sums: torch.Tensor | None = None  # float64 [3, TOKEN_BUCKETS]; None reads as zeros
     strata: torch.Tensor | None = None  # float64 [len(strata.COLUMNS), Strata.width]; None: not kept
     stratification: Strata | None = None  # which strata ``strata`` holds
+    extra_totals: torch.Tensor | None = None  # float64 [len(extra.totals)]: the corrections' shadow sums
+    extra_extrema: torch.Tensor | None = None  # float64 [len(extra.extrema)]: their maxima
+    extra: ExtraStatistics | None = None  # the names of those two
 
     @classmethod
     @torch.no_grad()
@@ -125,11 +141,13 @@ class DivergenceStats:
         generator: torch.Generator | None = None,
         signatures: bool = True,
         strata: Strata | None = None,
+        corrections: Sequence[Correction] = (),
     ) -> DivergenceStats:
         """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set.
 
         ``strata`` keeps the divergence by stratum (module ``strata``; lags and groups from
-        ``flat.lags`` / ``flat.groups``); ``None`` keeps none.
+        ``flat.lags`` / ``flat.groups``); ``None`` keeps none. ``corrections`` (parsed, module
+        ``loops_callbacks.correction``) adds their shadow statistics (``shadow.shadow_values``).
 
         ``signatures=False`` skips the diagnosis' sums (they stay zero): the plain SDK functions,
         which report no diagnosis, do not pay for them. On the CPU a batch of more than
@@ -141,7 +159,10 @@ class DivergenceStats:
             check_int("sample_size", sample_size, least=1, what=" or None")
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if _on_host(flat.device) else [flat]
         return cls.concatenated(
-            [cls._from_chunk(chunk, top_n, sample_size, generator, signatures, strata) for chunk in chunks]
+            [
+                cls._from_chunk(chunk, top_n, sample_size, generator, signatures, strata, tuple(corrections))
+                for chunk in chunks
+            ]
         )
 
     @classmethod
@@ -153,6 +174,7 @@ class DivergenceStats:
         generator: torch.Generator | None,
         signatures: bool,
         strata: Strata | None,
+        corrections: tuple[Correction, ...],
     ) -> DivergenceStats:
         # On the CPU, select the action tokens (fewer, cheaper passes); on accelerators keep
         # fixed shapes and mask instead, so that nothing waits for the device.
@@ -239,7 +261,12 @@ class DivergenceStats:
         if valid is not None:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
         token_sums = _token_sums(flat, d, valid, compact) if signatures else None
-        return cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata)._capped()
+        stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata)
+        if corrections:
+            extra = ExtraStatistics(shadow_statistics(corrections))
+            extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections))
+            stats = dataclasses.replace(stats, extra_totals=extra_totals, extra_extrema=extra_extrema, extra=extra)
+        return stats._capped()
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
         """Statistics of this batch followed by ``later`` (datum indices of ``later`` shift)."""
@@ -271,6 +298,9 @@ class DivergenceStats:
             token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
             strata=functools.reduce(_add_or_none, [part.strata for part in parts]),
             stratification=first.stratification,
+            extra_totals=functools.reduce(_add_or_none, [part.extra_totals for part in parts]),
+            extra_extrema=functools.reduce(_max_or_none, [part.extra_extrema for part in parts]),
+            extra=first.extra,
         )._capped()
 
     def reduce_across_ranks(
@@ -289,12 +319,15 @@ class DivergenceStats:
         """Everything on the host, in one device-to-host transfer."""
         token_sums = self.token_sums_or_zeros()
         strata = self.strata if self.strata is not None else self.totals.new_zeros(0)
+        extra_totals, extra_extrema = self.extras_or_empty()
         keys = self.sample_keys if self.sample_keys is not None else self.sample_values.new_zeros(0)
         transfer = Packing(
             totals=len(TOTALS),
             extrema=len(EXTREMA),
             token_sums=token_sums.numel(),
             strata=strata.numel(),
+            extra_totals=extra_totals.numel(),
+            extra_extrema=extra_extrema.numel(),
             worst=self.worst.numel(),
             values=self.sample_values.numel(),
             keys=keys.numel(),
@@ -304,12 +337,15 @@ class DivergenceStats:
             extrema=self.extrema,
             token_sums=token_sums,
             strata=strata,
+            extra_totals=extra_totals,
+            extra_extrema=extra_extrema,
             worst=self.worst,
             values=self.sample_values,
             keys=keys,
         )
         part = {name: value.numpy() for name, value in transfer.unpack(packed.cpu()).items()}
         worst = part["worst"].reshape(-1, ROW.WIDTH)
+        named_totals, named_extrema = (self.extra or ExtraStatistics()).unpack(part["extra_totals"], part["extra_extrema"])
         return HostDivergence(
             totals=dict(zip(TOTALS, part["totals"].tolist())),
             extrema=dict(zip(EXTREMA, part["extrema"].tolist())),
@@ -317,6 +353,16 @@ class DivergenceStats:
             diffs=part["values"][part["keys"] < np.inf] if self.sample_keys is not None else part["values"],
             token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
             strata=None if self.stratification is None else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
+            extra_totals=named_totals,
+            extra_extrema=named_extrema,
+        )
+
+    def extras_or_empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shadow sums and extrema; empty vectors when none are kept."""
+        empty = self.totals.new_zeros(0)
+        return (
+            self.extra_totals if self.extra_totals is not None else empty,
+            self.extra_extrema if self.extra_extrema is not None else empty,
         )
 
     def token_sums_or_zeros(self) -> torch.Tensor:
@@ -421,6 +467,12 @@ def _add_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor
     if a is None or b is None:
         return b if a is None else a
     return a + b
+
+
+def _max_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return torch.maximum(a, b)
 
 
 def _on_host(device: torch.device) -> bool:

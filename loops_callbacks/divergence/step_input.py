@@ -96,8 +96,8 @@ def read_step(
     diagnosis groups by (datums only; padded tensors always carry theirs). ``optimizer_step``
     turns the datums' policy versions into lags (``FlatBatch.lags``); groups are read either way.
     """
-    flat, data = _read_positions(outputs, batch, keys, with_tokens, with_token_ids)
     step = _Step(outputs, batch, keys)
+    flat, data = _read_positions(step, with_tokens, with_token_ids)
     groups = _per_datum_ints(step, "group", data, flat.n_datums)
     versions = _per_datum_ints(step, "policy_version", data, flat.n_datums) if optimizer_step is not None else None
     if groups is None and versions is None:
@@ -119,11 +119,9 @@ def read_step(
     )
 
 
-def _read_positions(
-    outputs: Any, batch: Any, keys: Mapping[str, str], with_tokens: bool, with_token_ids: bool
-) -> tuple[FlatBatch, Sequence[Any] | None]:
+def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tuple[FlatBatch, Sequence[Any] | None]:
     """The ``FlatBatch`` of the step's positions, and its datums when the step is in the datum form."""
-    step = _Step(outputs, batch, keys)
+    outputs, batch, keys = step.outputs, step.batch, step.keys
     data = step.get("data")
     if data is None and _is_datum_list(batch):
         data = batch
