@@ -44,6 +44,8 @@ def test_string_forms_and_the_dataclass_are_one_correction() -> None:
     assert parse_correction("token_truncate(clip_max=2.0)") == Correction("token_truncate", {"clip_max": 2.0})
     assert parse_correction("token_mask:0.5_2") == Correction("token_mask", {"clip_min": 0.5, "clip_max": 2.0})
     assert parse_correction("token_mask(clip_max=None)").params == {"clip_min": None, "clip_max": None}
+    assert parse_correction("token_mask:0_2").params == {"clip_min": 0.0, "clip_max": 2.0}  # TRL allows clip_min 0
+    assert parse_correction("off_policy_mask:-0.1").params == {"threshold": -0.1}  # δ bounds a mean KL estimate
     assert parse_correction(" geo ") == Correction("geo")
     assert dict(Correction("geo").params) == {"lower": 0.999, "upper": 1.001}
     correction = Correction("icepop")
@@ -77,6 +79,9 @@ def test_names_show_only_what_differs_from_the_framework_default() -> None:
     ("token_mask:3_1", ValueError, "lower bound 3.0 is above the upper bound 1.0"),
     ("token_tis:-2", ValueError, "'threshold' must be positive"),
     ("token_k2:1_2", ValueError, "takes upper; got 2 values"),
+    ("token_k1(upper=None)", ValueError, "'upper' must be a number (only TRL's clips can be None)"),
+    ("seq_sum_k3:0", ValueError, "'upper' must be positive, got 0.0"),
+    ("token_k1:0.5", ValueError, "lower bound 2.0 is above the upper bound 0.5"),
     ("token mask", ValueError, "cannot read correction"),
     (3.0, TypeError, "got float"),
 ])

@@ -140,16 +140,22 @@ class Correction:
         filled: dict[str, float | None] = {}
         for name, default in spec.defaults.items():
             value = self.params.get(name, default)
-            if value is REQUIRED and name == "lower" and spec.params == ("lower", "upper"):
-                upper = self.params.get("upper")
-                value = None if upper is None else 1.0 / _number(self.method, "upper", upper)  # verl: lower = 1/upper
+            if value is REQUIRED and name == "lower":
+                continue  # verl's k1 default, 1 / upper, once upper is read
             if value is REQUIRED:
                 raise ValueError(
                     f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
-                    f"e.g. '{self.method}(upper=...)' or '{self.method}:<value>'"
+                    f"e.g. '{self.method}({name}=...)' or '{self.method}:<value>'"
+                )
+            if value is None and spec.family != "trl":
+                raise ValueError(
+                    f"correction {self.method!r}: {name!r} must be a number (only TRL's clips can be None)"
                 )
             filled[name] = None if value is None else _number(self.method, name, value)
         _check_bounds(spec, filled)
+        if "lower" in spec.defaults and "lower" not in filled:
+            filled = {"lower": 1.0 / filled["upper"], **filled}  # type: ignore[operator]  # upper > 0: checked
+            _check_bounds(spec, filled)  # an upper bound below 1 leaves nothing between 1 / upper and upper
         object.__setattr__(self, "params", MappingProxyType(filled))
 
     def __hash__(self) -> int:
@@ -189,7 +195,9 @@ def _number(method: str, name: str, value: object) -> float:
 
 def _check_bounds(spec: Method, params: Mapping[str, float | None]) -> None:
     for name, value in params.items():
-        if value is not None and not value > 0 and not (spec.family == "off_policy"):
+        if value is None or spec.family == "off_policy":  # δ bounds a mean KL estimate, which may be negative
+            continue
+        if value < 0 or (value == 0 and name != "clip_min"):
             raise ValueError(f"correction {spec.name!r}: {name!r} must be positive, got {value}")
     low = params.get("clip_min", params.get("lower"))
     high = params.get("clip_max", params.get("upper"))
