@@ -14,6 +14,17 @@ comparable.
     python benchmarks/bench_diagnosis.py                     # 3 seeds x 12 faults x 20 steps
     python benchmarks/bench_diagnosis.py --seeds 0 --steps 8  # quick look
     python benchmarks/bench_diagnosis.py --signatures         # also print the mean signature per fault
+    python benchmarks/bench_diagnosis.py --tables             # the tuning table and the held-out table
+    python benchmarks/bench_diagnosis.py --tables --quick     # both, tiny (a smoke run, ~2 minutes)
+
+``--tables`` prints two confusion tables (rows: the true cause, columns: the named cause, per-cause
+recall, and per named cause its precision): the tuning one above (these faults, seeds 0-2), and the
+held-out one from ``heldout_faults.py``, a generator that shares no code with the demo (a Hugging
+Face GPT-2, flat and peaked, sampled by ``generate``; see its docstring). Each held-out fault is
+replayed through a tiny Lightning run with ``KLSampleTrainMonitor``, so every held-out step goes
+through the monitor as it is (its calibration, and whatever it reads from the batch and the
+module: the per-datum ``policy_version``, the trainer model's dropout modules in train mode). The
+held-out steps are cached in ``--cache-dir`` (default: a folder in the system's temp dir).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import collections
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +48,9 @@ from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from loops_callbacks.divergence.diagnosis import CAUSES  # noqa: E402
 from loops_callbacks.divergence.signatures import SIGNATURES, signature_numbers  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import heldout_faults  # noqa: E402
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "float32, synced": ("none", {}),
@@ -72,20 +87,22 @@ OTHER_FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 class Recorder:
     """While open, keeps each logged step's named cause, signatures, and whether the sampler had
     just been synced (then a stale run has, truly, no mismatch): it wraps the monitor's one
-    report function, ``step_report``, which sees the step's host statistics."""
+    report function, ``step_report``, which sees the step's host statistics. ``fresh`` says
+    whether the sampler was just synced (``None``: never)."""
 
-    def __init__(self, module: RLPolicyModule) -> None:
+    def __init__(self, fresh: Callable[[], bool] | None = None) -> None:
         self.steps: list[tuple[str, dict[str, float], bool]] = []
-        self.module = module
+        self.fresh = fresh
+        self.inputs: set[str] = set()  # step_report's keyword inputs that some step set (not None)
 
     def __enter__(self) -> Recorder:
         self.original = monitor_module.step_report
 
         def report_and_keep(host: Any, **options: Any) -> Any:
             report = self.original(host, **options)
+            self.inputs.update(name for name, value in options.items() if value is not None)
             if report.diagnosis is not None:
-                module = self.module
-                fresh = module.sampler_synced_at_step == module.trainer.global_step - 1  # after its optimizer step
+                fresh = self.fresh() if self.fresh is not None else False
                 self.steps.append((report.diagnosis.cause, signature_numbers(host), fresh))
             return report
 
@@ -117,9 +134,150 @@ def run_fault(
     module = RLPolicyModule(**options)
     module.policy.load_state_dict(base)
     monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
-    with Recorder(module) as recorder:
+    def fresh() -> bool:  # synced after the last optimizer step
+        return module.sampler_synced_at_step == module.trainer.global_step - 1
+
+    with Recorder(fresh) as recorder:
         _trainer(steps, [monitor]).fit(module, PromptDataModule(seed=seed))
     return recorder.steps
+
+
+ACCEPTED: dict[str, tuple[str, ...]] = {
+    "shift": ("shift", "offset"),
+    "unrelated": ("unrelated", "template"),
+    "template": ("template", "unrelated"),
+    "template, slight": ("template", "unrelated"),
+}
+"""Named causes that are right for a true cause, besides the cause itself (the template checks are
+named "unrelated" today; an offset of any size is a shift)."""
+HELDOUT_ACCEPTED = {**ACCEPTED, "none": ("none", "precision")}
+"""On the held-out set "none" is Hugging Face generate at fp32: its KV-cached decoding differs from
+the trainer's full forward by float rounding on some tokens, so "precision" is right there too."""
+
+
+BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "precision_max_k3"}
+"""``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
+
+
+def accepted(truth: str, table: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    return table.get(truth, (truth,))
+
+
+def tuning_counts(
+    base_steps: int, steps: int, skip: int, seeds: list[int], faults: dict[str, tuple[str, dict[str, Any]]]
+) -> tuple[dict[str, collections.Counter[str]], dict[str, collections.Counter[str]], dict[str, list[dict[str, float]]]]:
+    """The tuning generator's counts: by true cause, by fault setting, and each step's signatures by fault."""
+    base = train_base(base_steps, seed=12345)
+    table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    per_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    by_fault: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    for name, (cause, options) in faults.items():
+        for seed in seeds:
+            for named, signatures, fresh in run_fault(base, options, steps + skip, seed)[skip:]:
+                truth = "none" if fresh and cause == "stale" else cause  # just synced: no mismatch
+                table[truth][named] += 1
+                per_fault[name][named] += 1
+                by_fault[name].append(signatures)
+    return table, per_fault, by_fault
+
+
+class ReplayModule(pl.LightningModule):
+    """Replays one held-out fault's cached steps through the monitor: each batch is one step's
+    tensors, ``training_step`` returns the trainer's logprobs. ``policy`` is the trainer's model
+    (the held-out GPT-2, in train mode on the steps whose trainer had dropout on), so whatever the
+    monitor reads from the module sees what it would have seen."""
+
+    def __init__(self, steps: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.steps = steps
+        self.policy = heldout_faults.new_model()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.steps, batch_size=None, shuffle=False)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        self.policy.train(bool(batch["trainer_training"]))
+        return {"loss": self.anchor * 0.0, "training_logprobs": batch["training_logprobs"]}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([self.anchor], lr=0.0)
+
+
+def heldout_counts(
+    steps: int, batch: int, pretrain_steps: int, cache_dir: str | None
+) -> tuple[dict[str, collections.Counter[str]], dict[str, collections.Counter[str]], set[str]]:
+    """The held-out generator's counts, by true cause and by variant and fault setting, and the
+    inputs the monitor gave ``step_report`` that were set on some step (``Recorder.inputs``)."""
+    inputs: set[str] = set()
+    table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    per_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for variant in heldout_faults.VARIANTS:
+        data = heldout_faults.cached_fault_steps(
+            variant, steps=steps, batch=batch, pretrain_steps=pretrain_steps, cache_dir=cache_dir
+        )
+        for fault in heldout_faults.FAULTS:
+            monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+            with Recorder() as recorder:
+                _trainer(len(data[fault.name]), [monitor]).fit(ReplayModule(data[fault.name]))
+            truths = [step["truth"] for step in data[fault.name]]
+            if len(recorder.steps) != len(truths):
+                raise RuntimeError(
+                    f"{variant}: {fault.name}: {len(truths)} steps replayed, {len(recorder.steps)} diagnosed"
+                )
+            inputs |= recorder.inputs
+            for (named, _, _), truth in zip(recorder.steps, truths):
+                table[truth][named] += 1
+                per_fault[f"{variant}: {fault.name}"][named] += 1
+    return table, per_fault, inputs
+
+
+def print_confusion(
+    table: dict[str, collections.Counter[str]], right: dict[str, tuple[str, ...]], truths: list[str], label: str
+) -> None:
+    """Rows: true causes (recall: share named a right cause); then each named cause's precision."""
+    shown = list(CAUSES) + sorted({c for row in table.values() for c in row} - set(CAUSES))
+    print(f"| {label} | " + " | ".join(shown) + " | right |")
+    print("|---|" + "---|" * (len(shown) + 1))
+    for truth in [*truths, *sorted(set(table) - set(truths))]:
+        if truth not in table:
+            continue
+        row = table[truth]
+        good = sum(row[c] for c in accepted(truth, right))
+        print(f"| {truth} | " + " | ".join(str(row[c]) for c in shown) + f" | {good / sum(row.values()):.0%} |")
+    named_total = named_right = 0
+    parts = []
+    for cause in shown:
+        total = sum(row[cause] for row in table.values())
+        if not total or cause == "unclear":
+            continue
+        good = sum(row[cause] for truth, row in table.items() if cause in accepted(truth, right))
+        named_total, named_right = named_total + total, named_right + good
+        parts.append(f"{cause} {good}/{total} ({good / total:.0%})")
+    print("\nPrecision when a cause is named (right / named): " + ", ".join(parts))
+    if named_total:
+        unclear, steps = sum(row["unclear"] for row in table.values()), sum(sum(r.values()) for r in table.values())
+        print(f"All named causes (not unclear): {named_right}/{named_total} ({named_right / named_total:.0%}) right; "
+              f"unclear on {unclear} of {steps} steps")
+
+
+def print_per_fault(per_fault: dict[str, collections.Counter[str]]) -> None:
+    print("\nPer fault setting (named cause: steps):")
+    for name, counts in per_fault.items():
+        print(f"  {name}: " + ", ".join(f"{cause} {count}" for cause, count in counts.most_common()))
+
+
+def cpu_name() -> str:
+    """The CPU's model name and, where the kernel lists it, whether it has bf16 instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        import platform
+
+        return platform.processor() or "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{model}{', avx512_bf16' if 'avx512_bf16' in info else ''}, {os.cpu_count()} cores"
 
 
 def main() -> None:
@@ -130,42 +288,43 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--signatures", action="store_true")
     parser.add_argument("--other", action="store_true", help="the other fault settings (OTHER_FAULTS)")
+    parser.add_argument("--tables", action="store_true", help="the tuning table, then the held-out table")
+    parser.add_argument("--quick", action="store_true", help="with --tables: tiny settings (a smoke run)")
+    parser.add_argument("--heldout-steps", type=int, default=12, help="monitor steps per held-out fault")
+    parser.add_argument("--heldout-batch", type=int, default=128, help="sequences per held-out monitor step")
+    parser.add_argument("--heldout-pretrain", type=int, default=300, help="steps of the held-out checkpoint")
+    parser.add_argument("--cache-dir", default=None, help="where the held-out steps are cached (default: temp dir)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    base = train_base(args.base_steps, seed=12345)
-    table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    by_fault: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    if args.quick:
+        args.base_steps, args.steps, args.skip, args.seeds = 20, 3, 1, [0]
+        args.heldout_steps, args.heldout_batch, args.heldout_pretrain = 3, 32, 20
     faults = OTHER_FAULTS if args.other else FAULTS
-    per_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for name, (cause, options) in faults.items():
-        for seed in args.seeds:
-            for named, signatures, fresh in run_fault(base, options, args.steps + args.skip, seed)[args.skip :]:
-                truth = "none" if fresh and cause == "stale" else cause  # just synced: no mismatch
-                table[truth][named] += 1
-                per_fault[name][named] += 1
-                by_fault[name].append(signatures)
-    print(f"Base policy: {args.base_steps} fault-free steps; per fault {len(args.seeds)} seed(s) x {args.steps} "
-          f"monitor steps (seeds {args.seeds}).\n")
-    shown = list(CAUSES)
-    print("| seeded cause | " + " | ".join(shown) + " | right |")
-    print("|---|" + "---|" * (len(shown) + 1))
-    for cause in [*CAUSES, "template, slight"]:
-        if cause not in table:
-            continue
-        row = table[cause]
-        total = sum(row.values())
-        right = f"{row[cause] / total:.0%}" if cause in CAUSES else "(known confusion)"
-        print(f"| {cause} | " + " | ".join(str(row[c]) for c in shown) + f" | {right} |")
-    print("\nPer fault setting (named cause: steps):")
-    for name, counts in per_fault.items():
-        print(f"  {name}: " + ", ".join(f"{cause} {count}" for cause, count in counts.most_common()))
+    print(f"CPU: {cpu_name()}")
+    table, per_fault, by_fault = tuning_counts(args.base_steps, args.steps, args.skip, args.seeds, faults)
+    print(f"Tuning set: the RL demo, base policy {args.base_steps} fault-free steps; per fault {len(args.seeds)} "
+          f"seed(s) x {args.steps} monitor steps (seeds {args.seeds}).\n")
+    print_confusion(table, ACCEPTED, [*CAUSES, "template, slight"], "seeded cause")
+    print_per_fault(per_fault)
     if args.signatures:
         print("\nMean signature per fault (median over steps):")
         print("| fault | " + " | ".join(SIGNATURES) + " |")
         for name, rows in by_fault.items():
             medians = [np.nanmedian([r[s] for r in rows]) for s in SIGNATURES]
             print(f"| {name} | " + " | ".join(f"{m:.3g}" for m in medians) + " |")
+    if not args.tables:
+        return
+    heldout, heldout_per_fault, heldout_inputs = heldout_counts(
+        args.heldout_steps, args.heldout_batch, args.heldout_pretrain, args.cache_dir
+    )
+    print(f"\nHeld-out set (benchmarks/heldout_faults.py): Hugging Face GPT-2, flat and peaked, "
+          f"{args.heldout_pretrain} checkpoint steps; per fault and variant {args.heldout_steps} monitor steps of "
+          f"{args.heldout_batch} sequences x {heldout_faults.COMPLETION} sampled tokens. The monitor gave step_report: "
+          f"{', '.join(sorted(heldout_inputs - BASE_INPUTS)) or 'nothing'} besides the statistics and options.\n")
+    truths = [*CAUSES, *(c for c in ("template", "dropout") if c not in CAUSES)]
+    print_confusion(heldout, HELDOUT_ACCEPTED, truths, "true cause")
+    print_per_fault(heldout_per_fault)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,23 @@ def test_bench_diagnosis_runs_and_prints_its_confusion_table(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| seeded cause | impossible_inputs | none |" in done.stdout, done.stdout[-3000:]
     assert "Per fault setting (named cause: steps):" in done.stdout
+
+
+def test_bench_diagnosis_tables_prints_the_tuning_and_the_held_out_table(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_diagnosis.py"), "--tables", "--quick",
+         "--cache-dir", str(cache)],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.startswith("CPU: "), out[:300]
+    tuning, heldout = out.split("Held-out set (benchmarks/heldout_faults.py)")
+    for table, cause in ((tuning, "seeded cause"), (heldout, "true cause")):
+        assert f"| {cause} | impossible_inputs | none |" in table, table[-3000:]
+        assert "Precision when a cause is named (right / named):" in table
+    for row in ("| temperature |", "| stale |", "| shift |", "| template |", "| dropout |"):
+        assert row in heldout, heldout[-3000:]
+    assert "peaked: stale prefix KV cache (4 steps):" in heldout and "flat: completion-only, left-aligned:" in heldout
+    assert [p.suffix for p in cache.iterdir()] == [".pt", ".pt"]  # one file per variant, in the given folder
