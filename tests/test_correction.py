@@ -213,7 +213,7 @@ def test_the_off_policy_mask_needs_advantages() -> None:
 def test_the_readme_block_runs_as_written() -> None:
     """README's "Rollout corrections as functions" example, executed on a small batch."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "apply_correction(" in b]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if "apply_correction(" in b]
     assert len(blocks) == 1
     inputs = batch(seed=2)
     trainer = inputs["trainer"].clone().requires_grad_(True)
@@ -224,3 +224,10 @@ def test_the_readme_block_runs_as_written() -> None:
     assert torch.isfinite(trainer.grad).all() and trainer.grad[inputs["mask"] == 0].eq(0).all()
     dropped = (inputs["mask"] > 0) & ~namespace["result"].keep
     assert dropped.any() and trainer.grad[dropped].eq(0).all()  # some sequences are above TRL's cap of 3.0
+
+
+def test_row_lengths_that_do_not_cover_the_positions_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"row lengths \[2, 2\] \(sum 4\) do not cover 5 positions"):
+        Segments.of_lengths(torch.tensor([2, 2]), total=5)
+    with pytest.raises(ValueError, match="do not cover 1 positions"):
+        Segments.of_lengths(torch.tensor([2, -1]), total=1)

@@ -14,7 +14,7 @@ def test_bench_corrections_runs_and_prints_a_row_per_correction(tmp_path: Path) 
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_corrections.py"), "--datums", "4", "--length", "32",
          "--repeats", "1"],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

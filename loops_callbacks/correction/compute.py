@@ -76,12 +76,22 @@ class Segments:
     """
 
     lengths: torch.Tensor  # int64 [B], on the positions' device
-    total: int  # L = lengths.sum(), known on the host (the caller's promise: it is not checked)
+    total: int  # L = lengths.sum(), known on the host
 
     @classmethod
     def of_lengths(cls, row_lengths: torch.Tensor, *, total: int) -> Segments:
-        """Rows of the given lengths (on their device), ``total`` = their sum, known on the host."""
-        return cls(row_lengths.to(torch.int64), total)
+        """Rows of the given lengths (on their device), ``total`` = their sum, known on the host.
+
+        On the CPU the lengths are checked (a ``ValueError`` when they do not sum to ``total`` or
+        one is negative); on an accelerator that would synchronize, so they are the caller's promise.
+        """
+        lengths = row_lengths.to(torch.int64)
+        on_host = lengths.device.type == "cpu" and lengths.numel() > 0
+        if on_host and (int(lengths.sum()) != total or int(lengths.min()) < 0):
+            raise ValueError(
+                f"row lengths {lengths.tolist()[:10]} (sum {int(lengths.sum())}) do not cover {total} positions"
+            )
+        return cls(lengths, total)
 
     @property
     def n_rows(self) -> int:
