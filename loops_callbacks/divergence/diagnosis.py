@@ -6,15 +6,32 @@ Each common cause leaves its own signature in the numbers the monitor already ha
 =================  =========================================================  ======================
 cause              signature (the rule, checked in this order)                 confidence grows with
 =================  =========================================================  ======================
+``dropout``        observed: dropout with p > 0 live in the LightningModule   (1: an observation)
+                   (``evidence``), unless d = 0 on half the tokens
+``unclear``        fewer than 64 action tokens                                (0)
 ``none``           d = 0 exactly on at least half the tokens                  share of d = 0
-``shift``          shift_ratio < 0.1: s one position over matches t           how far below 0.1
+``shift``          with ``alignment`` offsets: most rows vote for one offset  how far below 0.1
+                   o != 0 and its gap ratio is < 0.1 (any size), or the
+                   left-aligned test's ratio is < 0.1; else shift_ratio < 0.1
+``stale``          per-lag numbers (``by_lag``): mean |d| grows with the      the growth
+                   policy lag (>= 1.5x from the lowest to the highest lag)
 ``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
-``truncation``     under 2% of tokens with d > 0 and mean e^d < 1 − 3 SE      how few d > 0
-``temperature``    sign_split >= 0.9 (d of one sign on p > 0.5, the other     sign_split
-                   on p < 0.1); the slope of t on s estimates T
+``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
+                   the slope of t on s >= 0.95 (T < 1 has a slope of T)
+``temperature``    Pearson >= 0.97 and |slope of t on s − 1| >= 0.15 (the     |slope − 1|, sign_split
+                   slope estimates T, on flat distributions too), or
+                   sign_split >= 0.9 (d of one sign on p > 0.5, the other on
+                   p < 0.1)
 ``precision``      k3 below the precision bound                               how far below the bound
-``stale``          token identity explains d: token_eta2 >= 0.05              token_eta2
-``unclear``        none of the above, or fewer than 64 action tokens          (0)
+``stale``          the run's history (``trend``): since k3 was last at the    the growth
+                   floor, it has grown step after step (Spearman >= 0.5 over
+                   >= 3 steps, the latest third >= 2x the earliest)
+``stale``          token identity explains d: token_eta2 >= 0.05, unless a    token_eta2
+                   mild temperature could explain it too (Pearson >= 0.95,
+                   the slope 0.05 or more from 1: training sharpens a policy
+                   as a temperature would) or per-lag numbers are present
+                   (they did not show the gap growing with the lag)
+``unclear``        none of the above                                          (0)
 =================  =========================================================  ======================
 
 Before any of these, the monitor checks the inputs themselves (``guard_rail.impossible_inputs``):
@@ -28,9 +45,10 @@ a step whose gap is well above the engine's own noise floor is not called precis
 thresholds are ratios or correlations that do not depend on the engine's noise.
 
 A diagnosis is a hint with its evidence, not a certainty: the message names the numbers that
-triggered it. Known confusions (``benchmarks/bench_diagnosis.py``): a slight template change can
-look like precision or staleness, and weights far out of date like a template error (both make
-t and s unrelated).
+triggered it; ``unclear`` with its numbers is the answer when no signature fits cleanly (e.g.
+token identity explains d but the slope says a temperature could too). Known confusions
+(``benchmarks/bench_diagnosis.py``): a slight template change can look like precision, and
+weights far out of date like a template error (both make t and s unrelated).
 
 Example:
     >>> sig = {"frac_d_zero": 0.0, "shift_ratio": 3e-8, "shift_direction": 1.0, "pearson": 0.1}
@@ -43,10 +61,12 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from loops_callbacks.divergence.evidence import DirectEvidence
 from loops_callbacks.divergence.metrics import SCALAR_METRICS
@@ -67,6 +87,17 @@ UNRELATED_PEARSON = 0.3
 TRUNCATION_POSITIVE_SHARE = 0.02
 TRUNCATION_SE = 3.0
 SIGN_SPLIT = 0.9
+TEMPERATURE_PEARSON = 0.97
+TEMPERATURE_SLOPE = 0.15
+AMBIGUOUS_SLOPE = 0.05
+TRUNCATION_MIN_SLOPE = 0.95
+OFFSET_SHARE = 0.5
+LAG_MIN_TOKENS = 32
+LAG_GROWTH = 1.5
+TREND_MIN_STEPS = 3
+TREND_SPEARMAN = 0.5
+TREND_GROWTH = 2.0
+TREND_STEPS = 32
 STALE_ETA2 = 0.05
 PRECISION_MAX_K3 = 1e-3
 CALIBRATION_FACTOR = 20.0
@@ -75,7 +106,6 @@ _WHAT = {
     IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
     "none": "no mismatch",
     DROPOUT: "observed: the trainer's logprobs include dropout noise",
-    "shift": "sampler logprobs are shifted by one position",
     "unrelated": "sampler and trainer score unrelated distributions",
     "truncation": "the sampler truncates (top-k / top-p) and reports renormalized logprobs",
     "temperature": "a temperature is applied on one side only",
@@ -89,8 +119,6 @@ _CHECK = {
     "none": "",
     DROPOUT: "compute the trainer's logprobs without dropout (model.eval() for the scoring forward, or dropout 0 "
     "in the model's config, as TRL does for RL); the sampler never applies dropout",
-    "shift": "check the alignment of logprobs with target tokens (position k must hold the logprob of the "
-    "token predicted at k; here the trainer's value at k matches the sampler's at k{sign}1)",
     "unrelated": "check the chat template, BOS and special tokens and the tokenizer on both sides, and that the "
     "sampler loaded the trainer's weights at all",
     "truncation": "check that the sampler reports logprobs of the full distribution (not of the top-k / top-p "
@@ -140,21 +168,22 @@ class Diagnosis:
             return f"no mismatch ({_format(self.evidence)})"
         if self.cause == IMPOSSIBLE_INPUTS:
             return f"likely cause: {_WHAT[self.cause]}: {'; '.join(self.problems)}; {_CHECK[self.cause]}"
-        what = _WHAT[self.cause]
+        what, check = _shift_texts(self.evidence) if self.cause == "shift" else (_WHAT[self.cause], _CHECK[self.cause])
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
         if self.observed:
             what += f": {self.observed}"
-        check = _CHECK[self.cause].format(sign="+" if self.evidence.get("shift_direction", 1.0) > 0 else "−")
         return f"likely cause: {what} ({_format(self.evidence)}); {check}"
 
 
 @dataclass
 class Calibration:
-    """The precision bound, learned from the first healthy logged steps of a run (module docstring)."""
+    """The precision bound, learned from the first healthy logged steps of a run (module docstring),
+    and the run's recent k3 (``trend``, oldest first) for the history rule of ``stale``."""
 
     calibration_steps: int = 5
     healthy_k3: list[float] = field(default_factory=list)
+    recent_k3: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=TREND_STEPS))
 
     @property
     def precision_max_k3(self) -> float:
@@ -163,8 +192,15 @@ class Calibration:
         floor = statistics.median(self.healthy_k3)
         return min(PRECISION_MAX_K3, max(CALIBRATION_FACTOR * floor, 1e-9))
 
+    @property
+    def trend(self) -> tuple[float, ...]:
+        """k3 of the last ``TREND_STEPS`` logged steps with a diagnosis, oldest first (``diagnose(trend=)``)."""
+        return tuple(self.recent_k3)
+
     def observe(self, diagnosis: Diagnosis, k3: float) -> None:
-        """Learn from a step while calibrating: only steps that look healthy count."""
+        """Learn from a step: its k3 joins the trend; while calibrating, healthy steps set the floor."""
+        if math.isfinite(k3):
+            self.recent_k3.append(max(k3, 0.0))
         if len(self.healthy_k3) < self.calibration_steps and diagnosis.cause in ("none", "precision") and math.isfinite(k3):
             self.healthy_k3.append(max(k3, 0.0))
 
@@ -175,12 +211,16 @@ def diagnose(
     n_tokens: float,
     precision_max_k3: float = PRECISION_MAX_K3,
     evidence: DirectEvidence | None = None,
+    by_lag: Mapping[str, Any] | None = None,
+    trend: Sequence[float] = (),
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
     ``evidence`` is what was seen directly about the trainer (``evidence.observe_training``): live
     dropout is named before any statistical cause, with confidence 1, unless d = 0 on most tokens
-    (then the dropout does not reach the logprobs).
+    (then the dropout does not reach the logprobs). ``by_lag`` is the step's divergence by policy
+    lag (``HostDivergence.by_lag``: label -> sums with ``n_tokens`` and ``abs_d_mean``); ``trend``
+    the k3 of the run's previous logged steps, oldest first (``Calibration.trend``).
     """
     sig = dict(signatures)
 
@@ -198,24 +238,134 @@ def diagnose(
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     if get("frac_d_zero") >= ZERO_SHARE:
         return found("none", (get("frac_d_zero") - ZERO_SHARE) / 0.4, "frac_d_zero")
-    if get("shift_ratio") < SHIFT_RATIO:
-        return found("shift", math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2, "shift_ratio", "shift_direction")
+    offset = _offset(sig)
+    if offset is not None:
+        return offset
+    lags = _lag_growth(by_lag)
+    if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
+        return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
-    if get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE and get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se"):
+    slope = get("temperature")
+    if (
+        get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE
+        and get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se")
+        and not slope < TRUNCATION_MIN_SLOPE
+    ):
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
-        return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se")
+        return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
+    pearson, off_one = get("pearson"), abs(slope - 1.0)
+    if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE:
+        margin = (off_one - TEMPERATURE_SLOPE) / TEMPERATURE_SLOPE
+        return found("temperature", margin, "temperature", "pearson", "sd_ratio")
     if get("sign_split") >= SIGN_SPLIT:
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
     k3 = get("kl_sample_train_k3")
     if k3 < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(k3, 1e-300))
-        evidence = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
-        return Diagnosis("precision", _confidence(margin), evidence)
-    if get("token_eta2") >= STALE_ETA2:
-        evidence = {"token_eta2": get("token_eta2"), "k3": k3}
-        return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence)
-    return Diagnosis("unclear", 0.0, {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson")})
+        evidence_numbers = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
+        return Diagnosis("precision", _confidence(margin), evidence_numbers)
+    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
+    if growing is not None:
+        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
+    unclear = {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson"), "temperature": slope}
+    if lags is not None:  # versions are known and the gap does not grow with the lag: not stale
+        return Diagnosis("unclear", 0.0, unclear | lags)
+    # a slope off 1 with t and s tightly related: a mild temperature, or weights a few steps old
+    # (training sharpens the policy as a temperature would); the numbers cannot tell them apart
+    temperature_like = pearson >= 0.95 and off_one >= AMBIGUOUS_SLOPE
+    if get("token_eta2") >= STALE_ETA2 and not temperature_like:
+        evidence_numbers = {"token_eta2": get("token_eta2"), "k3": k3}
+        return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence_numbers)
+    return Diagnosis("unclear", 0.0, unclear)
+
+
+def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
+    """``shift`` from the alignment offsets when measured, else from the one-position shift ratio; None: aligned."""
+    get = lambda name: sig.get(name, math.nan)  # noqa: E731
+    left, share = get("left_aligned_ratio"), get("left_aligned_share")
+    if left < SHIFT_RATIO and share >= OFFSET_SHARE:
+        margin = math.log10(SHIFT_RATIO / max(left, 1e-300)) / 2
+        return Diagnosis("shift", _confidence(margin), {"left_aligned_ratio": left, "left_aligned_share": share})
+    if not math.isnan(get("offset")):
+        ratio, offset = get("offset_ratio"), get("offset")
+        if offset != 0 and get("offset_share") >= OFFSET_SHARE and ratio < SHIFT_RATIO:
+            margin = math.log10(SHIFT_RATIO / max(ratio, 1e-300)) / 2
+            return Diagnosis("shift", _confidence(margin), {"offset": offset, "offset_share": get("offset_share"), "offset_ratio": ratio})
+        return None
+    if get("shift_ratio") < SHIFT_RATIO:
+        margin = math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2
+        return Diagnosis("shift", _confidence(margin), {"shift_ratio": get("shift_ratio"), "shift_direction": get("shift_direction")})
+    return None
+
+
+_LAG_VALUES = {"0": 0.0, "1": 1.0, "2": 2.0, "3": 3.0, "4-7": 5.5, "8+": 8.0}
+
+
+def _lag_growth(by_lag: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """Mean |d| per lag bucket with enough tokens, and its growth from the lowest to the highest lag.
+
+    None when fewer than two buckets have ``LAG_MIN_TOKENS`` tokens (nothing to compare).
+    """
+    if not by_lag:
+        return None
+    kept = [(label, stratum) for label, stratum in by_lag.items() if stratum.n_tokens >= LAG_MIN_TOKENS]
+    if len(kept) < 2:
+        return None
+    means = [stratum.abs_d_mean for _, stratum in kept]
+    growth = means[-1] / means[0] if means[0] > 0 else (math.inf if means[-1] > 0 else 1.0)
+    rising = all(later >= 0.9 * earlier for earlier, later in zip(means, means[1:]))
+    numbers = {f"abs_d_lag_{label}": mean for (label, _), mean in zip(kept, means)}
+    numbers["lag_growth"] = growth if rising else min(growth, 1.0)
+    return numbers
+
+
+def _trend_growth(series: Sequence[float], *, floor: float) -> dict[str, float] | None:
+    """Evidence that k3 has grown step after step since it was last at ``floor`` (the last value is now)."""
+    at_floor = [i for i, value in enumerate(series) if value <= floor]
+    if not at_floor or at_floor[-1] == len(series) - 1:
+        return None  # never in sync in the window, or in sync now
+    since = list(series[at_floor[-1] + 1 :])
+    if len(since) < TREND_MIN_STEPS:
+        return None
+    third = max(1, len(since) // 3)
+    early, late = statistics.fmean(since[:third]), statistics.fmean(since[-third:])
+    growth = late / early if early > 0 else math.inf
+    rho = _spearman(since)
+    if growth < TREND_GROWTH or rho < TREND_SPEARMAN:
+        return None
+    return {"k3": since[-1], "k3_steps_since_floor": float(len(since)), "k3_growth": growth, "k3_spearman": rho}
+
+
+def _spearman(values: Sequence[float]) -> float:
+    """Spearman's rank correlation of ``values`` with their order (ties ranked by position)."""
+    n = len(values)
+    ranks = [0.0] * n
+    for rank, index in enumerate(sorted(range(n), key=lambda i: values[i])):
+        ranks[index] = float(rank)
+    mean = (n - 1) / 2
+    spread = sum((i - mean) ** 2 for i in range(n))
+    return sum((i - mean) * (r - mean) for i, r in enumerate(ranks)) / spread if spread else 0.0
+
+
+def _shift_texts(evidence: Mapping[str, float]) -> tuple[str, str]:
+    """What a shift is and what to check, with its size and direction."""
+    if "left_aligned_ratio" in evidence:
+        return (
+            "completion-only sampler logprobs are left-aligned at position 0 instead of at the completion",
+            "place the sampler's logprobs at the completion's positions (position k must hold the logprob of the "
+            "token predicted at k; here the trainer's value at k matches the sampler's at k − the row's first "
+            "action position)",
+        )
+    offset = int(round(evidence.get("offset", evidence.get("shift_direction", 1.0))))
+    size = abs(offset)
+    what = f"sampler logprobs are shifted by {'one position' if size == 1 else f'{size} positions'}"
+    sign = "+" if offset > 0 else "−"
+    check = (
+        "check the alignment of logprobs with target tokens (position k must hold the logprob of the token "
+        f"predicted at k; here the trainer's value at k matches the sampler's at k{sign}{size})"
+    )
+    return what, check
 
 
 def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, prefix: str) -> dict[str, float]:
@@ -244,5 +394,5 @@ def _confidence(margin: float) -> float:
 
 
 def _format(evidence: Mapping[str, float]) -> str:
-    shown = {name: value for name, value in evidence.items() if name != "shift_direction"}
+    shown = {name: value for name, value in evidence.items() if name not in ("shift_direction", "offset")}
     return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in shown.items())

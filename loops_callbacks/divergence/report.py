@@ -21,8 +21,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -68,23 +69,34 @@ def step_report(
     diagnosing: bool,
     precision_max_k3: float = PRECISION_MAX_K3,
     evidence: DirectEvidence | None = None,
-    by_lag: np.ndarray | None = None,
+    by_lag: Mapping[str, Any] | None = None,
     offsets: np.ndarray | None = None,
+    trend: Sequence[float] = (),
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
     ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read
     them as something else); ``precision_max_k3`` is the calibrated precision bound; ``evidence``
     what was seen directly about the trainer (``evidence.observe_training``); ``by_lag`` the
-    host per-lag numbers and ``offsets`` the host ``alignment.offset_sums`` of the step (``None``:
-    not measured).
+    step's divergence by policy lag (``HostDivergence.by_lag``; ``None`` reads ``host.by_lag``
+    when the statistics have it), ``offsets`` the host ``alignment.offset_sums`` vector (``None``
+    reads ``host.offset_sums`` when present; else not measured) and ``trend`` the k3 of the run's
+    previous logged steps, oldest first (``Calibration.trend``).
     """
     scalars = scalar_metrics(host, prefix="")
     problems = impossible_inputs(host)
     diagnosis, diagnosis_scalars = None, {}
     if diagnosing and host.totals["n_action_tokens"] > 0:
-        signatures = signature_numbers(host)
-        diagnosis = _likely_cause(signatures, problems, host.totals["n_action_tokens"], precision_max_k3, evidence)
+        signatures = signature_numbers(host, offsets)
+        diagnosis = _likely_cause(
+            signatures,
+            problems,
+            host.totals["n_action_tokens"],
+            precision_max_k3=precision_max_k3,
+            evidence=evidence,
+            by_lag=by_lag if by_lag is not None else getattr(host, "by_lag", None),
+            trend=trend,
+        )
         diagnosis_scalars = diagnosis_metrics(diagnosis, signatures, prefix="")
     return StepReport(
         scalars=scalars,
@@ -98,12 +110,8 @@ def step_report(
 
 
 def _likely_cause(
-    signatures: Mapping[str, float],
-    problems: Mapping[str, str],
-    n_tokens: float,
-    precision_max_k3: float,
-    evidence: DirectEvidence | None,
+    signatures: Mapping[str, float], problems: Mapping[str, str], n_tokens: float, **context: Any
 ) -> Diagnosis:
     if problems:
         return Diagnosis.impossible_inputs(problems.values())
-    return diagnose(signatures, n_tokens=n_tokens, precision_max_k3=precision_max_k3, evidence=evidence)
+    return diagnose(signatures, n_tokens=n_tokens, **context)

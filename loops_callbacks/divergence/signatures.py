@@ -9,6 +9,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
 ``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
+``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
 ``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
 ``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
 ``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
@@ -17,7 +18,15 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
 ``rms_d``               sqrt(mean d²)
 ``kl_sample_train_k3``  mean(e^d − 1 − d)
+``offset``              the offset most rows vote for (``alignment``; o > 0: t[k] matches s[k + o]), 0 when aligned
+``offset_share``        the share of rows voting for it
+``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
+``left_aligned_ratio``  capped mean |t[k] − s[k − first]| over mean |t[k] − s[k]|: completion-only logprobs left at 0
+``left_aligned_share``  share of rows (first action position > 0) whose vote is −first
 ======================  ============================================================================
+
+The last five need the step's ``alignment.offset_sums`` (``offsets=``, or ``host.offset_sums``);
+they are NaN without them.
 
 ``is_ratio_mean`` and ``kl_sample_train_k3`` are the scalar metrics of those names (one formula,
 ``metrics``); they are logged once, as scalars, not again as signatures.
@@ -41,6 +50,7 @@ import math
 
 import numpy as np
 
+from loops_callbacks.divergence.alignment import read_offsets
 from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3
 from loops_callbacks.divergence.statistics import HostDivergence
 
@@ -61,13 +71,25 @@ SIGNATURES = (
     "low_high_abs_ratio",
     "rms_d",
     "kl_sample_train_k3",
+    "sd_ratio",
+    "offset",
+    "offset_share",
+    "offset_ratio",
+    "left_aligned_ratio",
+    "left_aligned_share",
 )
 
 _NAN = float("nan")
 
 
-def signature_numbers(host: HostDivergence) -> dict[str, float]:
-    """The numbers of the module docstring (all NaN without action tokens)."""
+def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -> dict[str, float]:
+    """The numbers of the module docstring (all NaN without action tokens).
+
+    ``offsets`` is the step's host ``alignment.offset_sums`` vector; ``None`` reads
+    ``host.offset_sums`` when the statistics carry it.
+    """
+    if offsets is None:
+        offsets = getattr(host, "offset_sums", None)
     t = host.totals
     n = t["n_action_tokens"]
     if n == 0:
@@ -101,6 +123,21 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
         "rms_d": math.sqrt(t["sum_d2"] / n),
         "kl_sample_train_k3": kl_sample_train_k3(t),
+        "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
+        **_offset_numbers(offsets),
+    }
+
+
+def _offset_numbers(offsets: np.ndarray | None) -> dict[str, float]:
+    if offsets is None:
+        return dict.fromkeys(("offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share"), _NAN)
+    found = read_offsets(offsets)
+    return {
+        "offset": found.offset,
+        "offset_share": found.share,
+        "offset_ratio": found.ratio,
+        "left_aligned_ratio": found.left_ratio,
+        "left_aligned_share": found.left_share,
     }
 
 
