@@ -10,8 +10,9 @@ token_mask           clip_max (3.0)             mode is ``sequence_mask``), ``vl
 sequence_truncate                               / ``_clip_max``: truncate clamps the ratio into [min, max],
 sequence_mask                                   mask zeroes it outside; sequence modes use the product of the
                                                 sequence's token ratios
-icepop               clip_min (0.5),            IcePop (Ring-1T / Ling team; slime, ROLL): the two-sided token
-                     clip_max (5.0)             mask, the formula of ``token_mask``
+icepop               clip_min (0.5),            IcePop (Ring-1T / Ling team): the two-sided token mask, the
+                     clip_max (5.0)             formula of ``token_mask``, with the report's α = 0.5, β = 5 (no
+                                                golden: no peer's code of it was at hand)
 token_tis            threshold (2.0)            verl ``rollout_is="token"`` / ``"sequence"``,
 sequence_tis                                    ``rollout_is_threshold``: truncated IS, log ratio clamped to
                                                 ±20 before ``exp``
@@ -92,7 +93,7 @@ METHODS: Mapping[str, Method] = MappingProxyType({
         _trl("token_mask"),
         _trl("sequence_truncate"),
         _trl("sequence_mask"),
-        _trl("token_mask", "icepop", 0.5, 5.0, source="IcePop (Ring-1T): two-sided token mask, the token_mask formula"),
+        _trl("token_mask", "icepop", 0.5, 5.0, source="IcePop (Ring-1T report, alpha 0.5, beta 5): the token_mask formula"),
         Method("token_tis", "verl_is", "token", {"threshold": 2.0}, "verl rollout_is='token', rollout_is_threshold",
                "token"),
         Method("sequence_tis", "verl_is", "sequence", {"threshold": 2.0},
