@@ -110,6 +110,11 @@ class KLSampleTrainMonitor(Callback):
             datum's action tokens, by policy lag and by group.
         max_groups: groups kept apart in the strata (ids ``0`` to ``max_groups - 1``); datums with
             a larger id are pooled in ``group_other``, with one warning per run.
+        corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
+            ``"sequence_mask:3.0"``, ``"token_truncate:2.0"``, ``"geo:0.999_1.001"`` (YAML-friendly)
+            or ``Correction`` objects. Each logged step logs what each would do, without applying
+            anything (``loops_callbacks.divergence.shadow``). ``off_policy_mask`` needs per-sequence
+            advantages the monitor does not read: a ``ValueError``.
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
@@ -187,6 +192,11 @@ class KLSampleTrainMonitor(Callback):
       ``p_ge_0.9`` (the sampler's probability), ``pos_q1`` … ``pos_q4``, ``lag_0`` … ``lag_3``,
       ``lag_4_7``, ``lag_8_plus``, ``group_<id>``, ``group_other``; and the table ``strata``
       with them side by side (W&B table, TensorBoard text)
+    * with ``corrections``, in that second record: ``correction/<name>/frac_tokens_masked``,
+      ``frac_seqs_masked``, ``frac_tokens_clipped``, ``frac_seqs_clipped``, ``ess_tokens``,
+      ``ess_seqs``, ``mean_weight`` per correction, and the raw ratio extremes before any
+      truncation ``correction/raw/token_ratio_max`` / ``_min``, ``seq_ratio_max`` / ``_min``,
+      ``seq_geo_ratio_max`` / ``_min``
 
     A step without action tokens logs only ``n_action_tokens = 0`` and the two counts. The
     scalars are also put in ``trainer.callback_metrics``, so ``EarlyStopping`` and

@@ -14,7 +14,10 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
    everywhere else. The sum is the assembled result, exactly: each place receives one value and
    zeros. The body also carries the diagnosis' sums, summed as they are (S = the 18
    ``SUMMED_TOTALS`` + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
-   summation order is the collective's (exact for counts, and for any sum on 2 ranks).
+   summation order is the collective's (exact for counts, and for any sum on 2 ranks). A monitor's
+   own declarations ride along at a size fixed by its options: the stratum sums (4 x (16 +
+   max_groups) values, ``strata``) and its corrections' shadow sums in the body, their extrema
+   (6 values) in the header.
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
