@@ -1,0 +1,109 @@
+"""The rules that keep the diagnosis from being confidently wrong: temperature read from the slope
+(flat distributions, T < 1 against truncation), staleness from per-lag numbers and from the run's trend."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
+from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.statistics import DivergenceStats
+from tests.test_diagnosis import case, host_of
+
+
+def flat_temperature(temperature: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A flat-ish LM over 1,000 tokens (some tokens frequent everywhere), sampled at ``temperature``,
+    the sampler reporting the processed logprobs (as HF's compute_transition_scores(normalize_logits=True))."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width, vocab = 128, 16, 1000
+    logits = 0.5 * torch.randn(rows, width, vocab, generator=g) + 1.5 * torch.randn(vocab, generator=g)
+    processed = torch.log_softmax(logits / temperature, -1)
+    tokens = torch.multinomial(processed.exp().reshape(-1, vocab), 1, generator=g).reshape(rows, width)
+    return {
+        "sampler_logprobs": processed.gather(-1, tokens[..., None]).squeeze(-1),
+        "training_logprobs": torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1),
+        "mask": torch.ones(rows, width),
+        "target_tokens": tokens,
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_a_one_sided_temperature_on_flat_distributions_is_temperature_not_stale(temperature: float) -> None:
+    host = host_of(flat_temperature(temperature))
+    sig = signature_numbers(host)
+    assert math.isnan(sig["sign_split"]) and sig["token_eta2"] > 0.5  # no token with p > 0.5; token id explains d
+    found = diagnose(sig, n_tokens=host.totals["n_action_tokens"])
+    assert found.cause == "temperature" and abs(sig["temperature"] - temperature) < 0.03
+    assert f"slope of trainer on sampler logprobs {temperature:.2f}" in found.message
+
+
+def test_temperature_below_one_is_not_truncation_the_slope_separates_them() -> None:
+    """Few d > 0 and mean e^d below 1 fit both; truncation keeps the slope of t on s at 1 or above, T < 1 has slope T."""
+    sig = {"frac_d_zero": 0.0, "pearson": 0.99, "frac_d_pos": 0.01, "is_ratio_mean": 0.9, "is_ratio_se": 0.01,
+           "sign_split": float("nan"), "kl_sample_train_k3": 0.05, "token_eta2": 0.0}
+    assert diagnose(sig | {"temperature": 0.8}, n_tokens=1000).cause == "temperature"
+    assert diagnose(sig | {"temperature": 1.02}, n_tokens=1000).cause == "truncation"
+    truncated = signature_numbers(host_of(case("truncation")))
+    assert truncated["temperature"] >= 0.95 and diagnose(truncated, n_tokens=1024).cause == "truncation"
+
+
+@dataclass(frozen=True)
+class Lag:
+    n_tokens: float
+    abs_d_mean: float
+
+
+def test_a_gap_that_grows_with_the_policy_lag_is_stale_with_the_per_lag_numbers() -> None:
+    sig = signature_numbers(host_of(case("unrelated")))  # what weights far out of date look like
+    by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3), "2": Lag(200, 0.7), "3": Lag(0, float("nan")), "4-7": Lag(90, 1.4)}
+    found = diagnose(sig, n_tokens=1024, by_lag=by_lag)
+    assert found.cause == "stale" and found.evidence["lag_growth"] == pytest.approx(70.0)
+    assert "abs d lag 0 0.02" in found.message and "abs d lag 4-7 1.4" in found.message
+    assert "abs_d_lag_3" not in found.evidence  # no tokens there
+
+
+def test_versions_that_show_no_growth_with_the_lag_rule_stale_out() -> None:
+    host = host_of(case("stale"))
+    sig = signature_numbers(host)
+    assert diagnose(sig, n_tokens=1024).cause == "stale"  # token identity alone says stale
+    flat = {"0": Lag(500, 0.3), "1": Lag(500, 0.31), "2": Lag(24, 5.0)}  # lag 2: too few tokens to count
+    found = diagnose(sig, n_tokens=1024, by_lag=flat)
+    assert found.cause == "unclear" and found.evidence["lag_growth"] == pytest.approx(0.31 / 0.3)
+
+
+def test_a_gap_that_grows_step_after_step_since_the_last_sync_is_stale() -> None:
+    sig = signature_numbers(host_of(case("stale"))) | {"token_eta2": 0.0}  # token identity says nothing here
+    k3 = sig["kl_sample_train_k3"]
+    assert diagnose(sig, n_tokens=1024).cause == "unclear"
+    growing = (1e-6, 0.1 * k3, 0.3 * k3, 0.6 * k3)  # in sync, then further apart each step
+    found = diagnose(sig, n_tokens=1024, trend=growing)
+    assert found.cause == "stale" and found.evidence["k3_steps_since_floor"] == 4.0
+    assert "k3 growth" in found.message
+    assert diagnose(sig, n_tokens=1024, trend=(1e-6, k3, 0.9 * k3, 1.1 * k3)).cause == "unclear"  # a jump, no growth
+    assert diagnose(sig, n_tokens=1024, trend=(0.1 * k3, 0.3 * k3, 0.6 * k3)).cause == "unclear"  # never in sync
+
+
+def test_calibration_keeps_the_recent_k3_for_the_trend() -> None:
+    calibration = Calibration(calibration_steps=1)
+    for k3 in (0.0, 0.01, float("nan"), 0.02):
+        calibration.observe(Diagnosis("stale", 0.6), k3)
+    assert calibration.trend == (0.0, 0.01, 0.02)
+
+
+def test_per_lag_numbers_and_offsets_merge_through_the_report_defaults() -> None:
+    """step_report reads host.by_lag / host.offset_sums when the statistics carry them and nothing is passed."""
+    from loops_callbacks.divergence.guard_rail import GuardRail
+    from loops_callbacks.divergence.media import MediaOptions
+    from loops_callbacks.divergence.report import step_report
+
+    batch = case("unrelated")
+    host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
+    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnosing=True)
+    by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3)}
+    assert step_report(host, **options).diagnosis.cause == "unrelated"
+    assert step_report(host, **options, by_lag=by_lag).diagnosis.cause == "stale"
