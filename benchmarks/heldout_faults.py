@@ -172,7 +172,8 @@ def chain_sequences(probs: torch.Tensor, batch: int, length: int, gen: torch.Gen
 def train(
     model: Any, probs: torch.Tensor, steps: int, gen: torch.Generator, lr: float
 ) -> list[dict[str, torch.Tensor]]:
-    """``steps`` Adam steps of next-token loss on the chain (dropout off); the weights after each step."""
+    """``steps`` Adam steps of next-token loss on the chain (``model`` in train mode, so with GPT-2's
+    dropout, as a user trains it); the weights after each step, and ``model`` left in eval mode."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     history = []
     for _ in range(steps):
