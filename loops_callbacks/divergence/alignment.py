@@ -74,8 +74,9 @@ LOGPROB_FLOOR = -1e4
 FREQUENCIES = (2.0, 3.2)
 """ω of the bounded pair gap 1 − mean cos(ω δ) (two, so that no single δ = 2π/ω aliases to a match)."""
 GAP_CAP = 10.0
-MIN_OVERLAP = 4
-"""A row votes when it has at least this many action tokens in its window."""
+MIN_OVERLAP = 8
+"""A row votes when it has at least this many action tokens in its window: in shorter rows of a
+peaked policy (values all near 0), a neighbour's value can match as well as the aligned one."""
 ROW_GROUP = 1024
 """Rows transformed at a time (bounds the FFTs' memory; a Python loop over groups, no sync)."""
 _BIG = 1 << 62

@@ -18,14 +18,15 @@ cause              signature (the rule, checked in this order)                 c
 ``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
 ``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
                    the slope of t on s >= 0.95 (T < 1 has a slope of T)
+``stale``          the run's history (``trend``): since k3 was last at the    the growth
+                   floor, it has grown step after step (Spearman >= 0.5 over
+                   >= 3 steps, the latest third >= 2x the earliest); before
+                   the slope, as weights a few steps old look like a mild T
 ``temperature``    Pearson >= 0.97 and |slope of t on s − 1| >= 0.15 (the     |slope − 1|, sign_split
                    slope estimates T, on flat distributions too), or
                    sign_split >= 0.9 (d of one sign on p > 0.5, the other on
                    p < 0.1)
 ``precision``      k3 below the precision bound                               how far below the bound
-``stale``          the run's history (``trend``): since k3 was last at the    the growth
-                   floor, it has grown step after step (Spearman >= 0.5 over
-                   >= 3 steps, the latest third >= 2x the earliest)
 ``stale``          token identity explains d: token_eta2 >= 0.05, unless a    token_eta2
                    mild temperature could explain it too (Pearson >= 0.95,
                    the slope 0.05 or more from 1: training sharpens a policy
@@ -254,20 +255,20 @@ def diagnose(
     ):
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
+    k3 = get("kl_sample_train_k3")
+    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
+    if growing is not None:  # before the slope: weights a few steps old look like a mild temperature
+        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE:
         margin = (off_one - TEMPERATURE_SLOPE) / TEMPERATURE_SLOPE
         return found("temperature", margin, "temperature", "pearson", "sd_ratio")
     if get("sign_split") >= SIGN_SPLIT:
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
-    k3 = get("kl_sample_train_k3")
     if k3 < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(k3, 1e-300))
         evidence_numbers = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
         return Diagnosis("precision", _confidence(margin), evidence_numbers)
-    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
-    if growing is not None:
-        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     unclear = {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson"), "temperature": slope}
     if lags is not None:  # versions are known and the gap does not grow with the lag: not stale
         return Diagnosis("unclear", 0.0, unclear | lags)
