@@ -27,6 +27,7 @@ from loops_callbacks.data import (
     DPODataModule,
     DPOPairDataset,
     ReferenceCacheWarning,
+    ReferenceConfig,
     ReferenceLogprobsMixin,
     collate_dpo_pairs,
     compute_reference_logprobs,
@@ -746,7 +747,7 @@ def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatc
     client = CountingClient()
     data = pair_datums(make_pairs(4))
     with pytest.raises(RuntimeError, match="failed on another rank \\(rank 0: RuntimeError: out of memory\\)"):
-        compute_reference_logprobs(data, client, cache_path=tmp_path / "c", progress=False)
+        compute_reference_logprobs(data, client, ReferenceConfig(progress=False), cache_path=tmp_path / "c")
     lengths = np.array([d.model_input.length for d in data])
     bounds = across_ranks._shard_bounds(lengths, 2, 2)
     assert 0 < client.scored == bounds[2] - bounds[1] < len(data)  # rank 1 scored its own block only
@@ -819,7 +820,7 @@ def test_yaml_configs_parse() -> None:
     )
     assert config.data.reference == "path/to.ckpt" and config.data.scoring_dtype == "bfloat16"
     module = parser.instantiate(config).data
-    assert isinstance(module, DPODataModule) and module._reference_config.reference == "path/to.ckpt"
+    assert isinstance(module, DPODataModule) and module.reference_config.reference == "path/to.ckpt"
     config = parser.parse_string("data:\n  data: [{chosen: [1, 2, 3], rejected: [1, 2, 4], prompt_length: 2}]\n")
     assert config.data.reference is None
     assert parser.instantiate(config).data.dpo_data()[1].model_input.to_ints() == [1, 2, 4]

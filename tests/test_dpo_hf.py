@@ -26,7 +26,7 @@ datasets = pytest.importorskip("datasets")
 
 from loops_callbacks.cli import run_cli  # noqa: E402
 from loops_callbacks.data import DPODataModule, ReferenceCacheWarning  # noqa: E402
-from loops_callbacks.data.preference import HF_EXTRA_HINT, import_optional  # noqa: E402
+from loops_callbacks.optional import HF_EXTRA_HINT, import_optional  # noqa: E402
 from loops_callbacks.data.tokenization import PreferenceDataWarning  # noqa: E402
 from loops_callbacks.demo import dpo as demo_dpo  # noqa: E402
 from loops_callbacks.models import DPOModule, HFDPOModule, dpo_loss  # noqa: E402

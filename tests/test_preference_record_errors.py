@@ -18,7 +18,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from loops_callbacks.data import read_dpo_jsonl  # noqa: E402
-from loops_callbacks.data.preference import HF_EXTRA_HINT, import_optional, read_preference_records  # noqa: E402
+from loops_callbacks.data.preference import read_preference_records  # noqa: E402
+from loops_callbacks.optional import HF_EXTRA_HINT, import_optional  # noqa: E402
 from loops_callbacks.data.tokenization import PreferenceDataWarning, load_tokenizer, preference_datums  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +305,7 @@ def test_an_uncached_hub_name_without_a_network_fails_at_once_with_the_fix(monke
 def test_the_hf_extra_hint_outside_a_checkout_names_the_extras_packages() -> None:
     import tomllib
 
-    from loops_callbacks.data.preference import HF_EXTRA_PACKAGES, _hf_extra_hint
+    from loops_callbacks.optional import HF_EXTRA_PACKAGES, _hf_extra_hint
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
     assert list(HF_EXTRA_PACKAGES) == extra  # one list, kept equal to the extra

@@ -20,7 +20,13 @@ import pytest
 import torch
 from typing_extensions import override
 
-from loops_callbacks.data import DPODataModule, ReferenceLogprobsMixin, compute_reference_logprobs, dpo_pair_datums
+from loops_callbacks.data import (
+    DPODataModule,
+    ReferenceConfig,
+    ReferenceLogprobsMixin,
+    compute_reference_logprobs,
+    dpo_pair_datums,
+)
 from tests.helpers import CleanDistributedExit, ToyDPO, free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +141,7 @@ class FlatClient:
 def _case_generic(rank: int, out_dir: Path) -> dict[str, Any]:
     records = token_records(6, changed=4 if rank == 1 else None)
     data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=r["prompt_length"])]
-    compute_reference_logprobs(data, FlatClient(), cache_path=out_dir / "cache" / "ref.cache", progress=False)
+    compute_reference_logprobs(data, FlatClient(), ReferenceConfig(progress=False), cache_path=out_dir / "cache" / "ref.cache")
     return {}
 
 

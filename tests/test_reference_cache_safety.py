@@ -205,7 +205,7 @@ def test_a_resume_without_its_cache_names_the_caches_present_and_why_none_matche
     with pytest.warns(ReferenceCacheWarning, match="no reference-logprob cache matches this run"):
         score(base, -0.25, "reference-b")
         score(base, -0.25, "reference-a", OTHER_TOKENS)
-        score(base, -0.25, "reference-a", scoring_dtype="bfloat16")
+        score(base, -0.25, "reference-a", cache_tag="bfloat16")
     os.remove(mine.cache_path)
     with pytest.raises(ReferenceCacheError) as error:
         resume(base, "reference-a")

@@ -41,6 +41,7 @@ def sleepy_policy(sleep: float) -> Any:
     """The policy itself as the reference (lock-step forwards), sleeping ``sleep`` seconds in its first forward."""
     import torch
 
+    from loops_callbacks.reference.config import ReferenceConfig
     from loops_callbacks.reference.policy import PolicyReference
 
     class SleepyLM(torch.nn.Module):
@@ -55,7 +56,7 @@ def sleepy_policy(sleep: float) -> Any:
             return self.out(self.embed(input_ids))
 
     torch.manual_seed(0)
-    return PolicyReference(SleepyLM(), device="cpu", max_tokens_per_batch=3, output_head=False)
+    return PolicyReference(SleepyLM(), device="cpu", config=ReferenceConfig(max_tokens_per_batch=3), output_head=False)
 
 
 def main() -> None:

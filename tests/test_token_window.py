@@ -262,3 +262,17 @@ def test_a_window_is_cut_between_words_never_inside_a_long_one(kind: str) -> Non
             got = window_token_ids(tokenizer, shared, tails, max_length=max_length, max_prompt_length=max_prompt_length)
             for part, full in zip(got, whole):
                 assert any(full[k : k + len(part)] == part for k in range(len(full) - len(part) + 1)), (length, part)
+
+
+def test_a_window_of_a_tokenizer_without_a_pre_tokenizer_is_refused_not_silently_whole() -> None:
+    class Backend:
+        pre_tokenizer = None
+
+    class WholeText:
+        backend_tokenizer = Backend()
+
+        def __call__(self, text: Any, **kwargs: Any) -> Any:
+            raise AssertionError("window_token_ids must not tokenize for a tokenizer it cannot cut")
+
+    with pytest.raises(ValueError, match="needs a tokenizer with a pre-tokenizer, not WholeText"):
+        window_token_ids(WholeText(), "a" * 100, ["", "b", "c"], max_length=8)

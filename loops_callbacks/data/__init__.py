@@ -34,13 +34,12 @@ from loops_callbacks.data.dpo import (
     collate_dpo_pairs,
     dpo_pair_datums,
     dpo_records_to_datums,
-    read_dpo_jsonl,
     validate_dpo_pairs,
 )
 from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
-from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums
+from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums, read_dpo_jsonl
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
 from loops_callbacks.reference.collectives import RankStalledError
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError

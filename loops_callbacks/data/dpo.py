@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +33,6 @@ from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
 from loops_callbacks.data.labels import datum_label, pair_label
-from loops_callbacks.data.preference import _check_regular_file, _json_lines, _read_utf8
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
@@ -51,7 +49,6 @@ __all__ = [
     "collate_dpo_pairs",
     "dpo_pair_datums",
     "dpo_records_to_datums",
-    "read_dpo_jsonl",
     "validate_dpo_pairs",
 ]
 
@@ -203,20 +200,6 @@ def _record_pair(record: Any, label: str) -> tuple[Datum, Datum]:
         )
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from None
-
-
-def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
-    """Interleaved datums from a JSONL file of ``dpo_records_to_datums`` records (blank lines skipped).
-
-    Errors (a ``ValueError``, also for text that is not UTF-8) name the pair index and the line of
-    the file.
-    """
-    path = os.fspath(path)
-    data: list[Datum] = []
-    _check_regular_file(path)
-    for pair, item in enumerate(_json_lines(_read_utf8(path), path)):
-        data.extend(_record_pair(item.record, pair_label(pair, item.where)))
-    return data
 
 
 def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:

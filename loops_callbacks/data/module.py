@@ -20,8 +20,8 @@ from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
 from loops_callbacks.data.tokenization import TokenizationReport
-from loops_callbacks.reference.across_ranks import DEFAULT_SCORING_TIMEOUT
-from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
+from loops_callbacks.reference.across_ranks import DEFAULT_SCORING_TIMEOUT, ReferenceLogprobsReport
+from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.clients import SamplingClient
 from loops_callbacks.validation import check_int
 
@@ -59,9 +59,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     In ``setup("fit")`` the data are then checked; their reference logprobs are loaded from the
     cache or scored (see ``ReferenceLogprobsMixin``) then for an explicit reference, and for the
-    default one, the LightningModule itself (the initial policy, no copy), when the trainer first
-    asks for a dataloader: after the strategy has set the module up, before the first optimizer
-    step. Its ``forward(input_ids)`` must return logits. A resumed run takes them from the cache.
+    default one, the LightningModule itself (the initial policy, no copy), in ``on_fit_start``:
+    after the strategy has set the module up, before any dataloader and the first optimizer step. Its ``forward(input_ids)`` must return logits. A resumed run takes them from the cache.
     Batches (``collate_dpo_pairs``) hold ``batch_size`` pairs as ``[2P, T]`` tensors
     ``input_ids``, ``target_tokens``, ``weights``, ``ref_logprobs``, ``attention_mask``, rows
     interleaved (2i chosen, 2i + 1 rejected) and right-padded with 0 / False. The dataset's items
@@ -200,6 +199,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         self.val_fraction = float(val_fraction)
         self.tokenization_report: TokenizationReport | None = None
         self._datums: list[Any] | None = None
+        self._pair_where: list[str] | None = None  # where each pair's record was read (file line, row, item)
         self._pairs: DPOPairDataset | None = None
         self._train: list[int] | None = None
         self._val: list[int] | None = None
@@ -227,29 +227,24 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
                 )
         source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-        failure, records = None, []
-        try:
+        guard = StallGuard(Group(), self.reference_config.scoring_timeout)
+        with fail_together(guard, "reading the preference records", then="the end of reading the preference records"):
             records = read_preference_records(source)
-        except Exception as error:  # noqa: BLE001 - a rank that cannot read must not leave the others waiting
-            failure = error
-        group = Group()
-        StallGuard(group, self._reference_config.scoring_timeout).arrive("the end of reading the preference records")
-        raise_together(group, failure, "reading the preference records")
         data, self.tokenization_report = tokenize_across_ranks(
             records,
             self._tokenizer_source(),
             max_length=self.max_length,
             max_prompt_length=self.max_prompt_length,
-            progress=self._reference_config.progress,
-            timeout=self._reference_config.scoring_timeout,
+            progress=self.reference_config.progress,
+            timeout=self.reference_config.scoring_timeout,
         )
         self._pair_where = [records[index].where for index in self.tokenization_report.record_indices]
         return data
 
-    @property
-    def scored_data(self) -> list[Any]:
+    @override
+    def score_reference(self) -> ReferenceLogprobsReport:
         with self._errors_name_the_file_line():
-            return super().scored_data
+            return super().score_reference()
 
     @contextmanager
     def _errors_name_the_file_line(self) -> Iterator[None]:
@@ -257,7 +252,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         try:
             yield
         except OutOfVocabularyError as error:
-            where = getattr(self, "_pair_where", None)
+            where = self._pair_where
             prefix = f"pair {error.pair}"
             if not where or error.pair >= len(where) or not str(error).startswith(prefix + ":"):
                 raise
@@ -283,7 +278,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             super().setup(stage)
         if stage != "fit":
             return
-        # only the split here: the reference logprobs come with the first dataloader (``_loader``)
+        # the split; with the default reference the logprobs come in on_fit_start (ReferenceLogprobsMixin)
         num_pairs = self.num_dpo_pairs
         order = np.arange(num_pairs)
         num_val = 0
@@ -326,8 +321,6 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         it is kept (Lightning refuses a rank without a batch).
         """
         if self._pairs is None:
-            # With the default reference the policy is scored here, on the first dataloader the
-            # trainer asks for: after the strategy has set it up, before the first optimizer step.
             self._pairs = DPOPairDataset(self.scored_data)
         subset = Subset(self._pairs, indices)
         trainer = getattr(self, "trainer", None)

@@ -34,22 +34,19 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import shlex
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from loops_callbacks.data.labels import file_line, pair_label
+from loops_callbacks.optional import import_optional
 
 __all__ = [
-    "HF_EXTRA_HINT",
     "USUAL_ROLES",
     "LocatedRecord",
     "PreferenceExample",
     "PreferenceFormat",
-    "import_optional",
     "parse_preference",
     "read_preference_records",
     "unusual_turns",
@@ -58,42 +55,7 @@ __all__ = [
 PreferenceFormat = Literal["standard", "conversational", "implicit_standard", "implicit_conversational", "token_ids"]
 
 
-HF_EXTRA_PACKAGES = ("transformers>=4.56", "datasets>=3.0", "pyarrow>=15")
-"""The 'hf' extra of pyproject.toml, for a package installed from a wheel (no checkout to install from)."""
-
-
-def _hf_extra_hint(checkout: Path = Path(__file__).resolve().parents[2]) -> str:
-    """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout this runs from, else its packages.
-
-    Example:
-        >>> _hf_extra_hint(Path("/nowhere"))
-        'pip install "transformers>=4.56" "datasets>=3.0" "pyarrow>=15"'
-    """
-    if (checkout / "pyproject.toml").is_file():
-        return f'cd {shlex.quote(str(checkout))} && pip install -e ".[hf]"'
-    return "pip install " + " ".join(f'"{requirement}"' for requirement in HF_EXTRA_PACKAGES)
-
-
-HF_EXTRA_HINT = _hf_extra_hint()
-
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
-
-
-def import_optional(module: str, feature: str) -> Any:
-    """Import ``module`` (``transformers``, ``datasets``, ``pyarrow``), or an ImportError naming the extra.
-
-    Example:
-        >>> import_optional("json", "reading JSON").__name__
-        'json'
-    """
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"{feature} needs the {module.split('.')[0]!r} package, part of the 'hf' extra: {HF_EXTRA_HINT}"
-        ) from error
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from loops_callbacks.data.tokenization import (
     load_tokenizer,
     preference_datums,
 )
-from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
+from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
 __all__ = ["record_digests", "tokenize_across_ranks", "tokenizer_digests"]
@@ -141,15 +141,9 @@ def tokenize_across_ranks(
         settings={"max_length": str(max_length), "max_prompt_length": str(max_prompt_length)},
         guard=guard,
     )
-    failure: BaseException | None = None
-    loaded, digests = None, {}
-    try:
+    with fail_together(guard, "loading the tokenizer", then="loading the tokenizer"):
         loaded = _tokenizer_for(records, tokenizer)
         digests = {} if loaded is None else tokenizer_digests(loaded)
-    except Exception as error:  # noqa: BLE001 - every rank must reach the next collective
-        failure = error
-    guard.arrive("loading the tokenizer")
-    raise_together(group, failure, "loading the tokenizer")
     check_ranks_agree(
         group,
         what="preference records",
@@ -161,16 +155,11 @@ def tokenize_across_ranks(
     )
     bounds = [len(records) * rank // group.world_size for rank in range(group.world_size + 1)]
     first, last = bounds[group.rank], bounds[group.rank + 1]
-    share: tuple[list[Any], TokenizationReport] | None = None
     guard.note(f"tokenizing its share of the preference records ({first} to {last - 1} of {len(records)})")
-    try:
+    with fail_together(guard, "tokenizing the preference records", then="gathering the tokenized preference pairs"):
         share = _tokenize_share(
             list(records[first:last]), loaded, max_length, max_prompt_length, progress and group.rank == 0
         )
-    except Exception as error:  # noqa: BLE001 - every rank must reach the next collective
-        failure = error
-    guard.arrive("gathering the tokenized preference pairs")
-    raise_together(group, failure, "tokenizing the preference records")
     with _collection_paused():  # unpickling the datums with the collector on costs ten times as much
         shares = group.all_gather_objects(share)
     datums = [datum for data, _ in shares for datum in data]

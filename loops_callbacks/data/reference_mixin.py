@@ -6,9 +6,9 @@ prompts, field lengths; then token ids inside the reference's vocabulary, each `
 naming the pair before anything is scored) and hands the datums to
 ``loops_callbacks.reference.across_ranks.score_across_ranks`` (cache, shards, gather).
 
-The default reference is the policy itself (``PolicyReference``), scored in place when the
-trainer first asks for data: after the strategy has set the LightningModule up and before the
-first optimizer step, so no copy of its weights ever exists. A resumed run (``fit(ckpt_path=...)``)
+The default reference is the policy itself (``PolicyReference``), scored in place in the
+``on_fit_start`` hook: after the strategy has set the LightningModule up and before the first
+optimizer step, so no copy of its weights ever exists. A resumed run (``fit(ckpt_path=...)``)
 holds trained weights: it takes the initial policy's values from the cache, never from the module.
 """
 
@@ -16,45 +16,46 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import check_vocabulary, validate_dpo_pairs
 from loops_callbacks.data.labels import datum_label
 from loops_callbacks.reference.across_ranks import (
-    DEFAULT_SCORING_TIMEOUT,
     ReferenceCacheWarning,
     ReferenceLogprobsReport,
     score_across_ranks,
 )
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
-from loops_callbacks.reference.collectives import Group, StallGuard, raise_together
+from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ReferenceConfig, ScoringDtype
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
-from loops_callbacks.validation import check_dtype, check_int
 
-__all__ = ["ReferenceConfig", "ReferenceLogprobsMixin", "ScoringDtype", "compute_reference_logprobs"]
-
-ScoringDtype = Literal["float32", "bfloat16", "float16"]
-SCORING_DTYPES: tuple[str, ...] = get_args(ScoringDtype)
-"""The ``scoring_dtype`` choices (the names of ``ScoringDtype``)."""
-
+__all__ = [
+    "ReferenceConfig",
+    "ReferenceLogprobsMixin",
+    "ReferenceScoring",
+    "ScoringDtype",
+    "Stage",
+    "compute_reference_logprobs",
+]
 
 def compute_reference_logprobs(
     data: Sequence[Any],
     reference: Any,
+    config: ReferenceConfig | None = None,
     *,
     cache_path: str | os.PathLike[str] | None = None,
-    reference_fingerprint: str | None = None,
-    scoring_dtype: str | None = None,
-    progress: bool = True,
-    check_prompts: bool = True,
+    cache_tag: str | None = None,
     validated_tokens: list[list[int]] | None = None,
     cached_only: str | None = None,
-    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
 ) -> tuple[list[Any], ReferenceLogprobsReport]:
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
@@ -69,20 +70,17 @@ def compute_reference_logprobs(
         data: interleaved DPO datums (chosen at even indices, rejected at odd).
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
             ranks is given rank 0's weights first (as DDP does to the policy).
+        config: the scoring settings (``ReferenceConfig``; its ``reference_fingerprint`` is the
+            reference's identity when ``reference`` has no ``fingerprint()``, e.g. the checkpoint
+            path a remote sampler serves; ``progress``, ``check_prompts``, ``scoring_timeout``).
         cache_path: the cache's base path: each key's file lies beside it (``cache_file``; found and
             written by rank 0, read into memory by every rank).
-        reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
-            (e.g. the checkpoint path a remote sampler serves).
-        scoring_dtype: part of the cache key (``None`` means the model's own dtype).
-        progress: a progress bar on rank 0 while scoring.
-        check_prompts: check that the chosen and rejected prompts of a pair match (see
-            ``validate_dpo_pairs``).
+        cache_tag: the cache key's tag, what the values depend on besides the weights and the data
+            (default ``config.cache_tag()``: the scoring dtype, or ``"model"``).
         validated_tokens: what ``validate_dpo_pairs(data)`` returned, when the caller has checked
             ``data`` already (it is not checked again).
         cached_only: the values must come from the cache (nothing is scored; ``reference`` may be
             ``None``); the text ends the ``ReferenceCacheError`` of a miss (see ``score_across_ranks``).
-        scoring_timeout: seconds a rank waits for the others at each step before naming the
-            ranks that stalled (``RankStalledError``); ``None``: no limit.
 
     Ranks whose datums differ stop with a ``RanksDisagreeError`` naming the first differing pair,
     before anything is scored or cached.
@@ -96,59 +94,85 @@ def compute_reference_logprobs(
         ...     def compute_logprobs(self, prompt):
         ...         return [None] + [-0.5] * (prompt.length - 1)
         >>> data = list(dpo_pair_datums([1, 5, 6], [1, 5, 7], prompt_length=2))
-        >>> scored, report = compute_reference_logprobs(data, Flat(), progress=False)
+        >>> scored, report = compute_reference_logprobs(data, Flat(), ReferenceConfig(progress=False))
         >>> scored[1].loss_fn_inputs["ref_logprobs"].tolist(), report.cache_status
         ([-0.5, -0.5, 0.0], 'off')
     """
+    config = config if config is not None else ReferenceConfig()
     data = list(data)
-    tokens = validated_tokens if validated_tokens is not None else validate_dpo_pairs(data, check_prompts=check_prompts)
+    tokens = validated_tokens if validated_tokens is not None else validate_dpo_pairs(data, check_prompts=config.check_prompts)
     check_vocabulary(tokens, getattr(reference, "vocab_size", None))
     return score_across_ranks(
         data,
         reference,
         tokens,
         cache_path=cache_path,
-        reference_fingerprint=reference_fingerprint,
-        scoring_dtype=scoring_dtype,
-        progress=progress,
+        reference_fingerprint=config.reference_fingerprint,
+        cache_tag=cache_tag if cache_tag is not None else config.cache_tag(),
+        progress=config.progress,
         shard_unit=2,  # a pair's two sequences on one rank
         cached_only=cached_only,
-        scoring_timeout=scoring_timeout,
+        scoring_timeout=config.scoring_timeout,
         datum_name=datum_label,
     )
 
 
+class Stage(Enum):
+    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches the values (``SCORED``)."""
+
+    NOT_SET_UP = "not set up"
+    PENDING = "pending"
+    SCORED = "scored"
+
+
 @dataclass
-class ReferenceConfig:
-    """Settings of reference-logprob scoring for a DataModule; see ``ReferenceLogprobsMixin.configure_reference``."""
+class ReferenceScoring:
+    """A ``ReferenceLogprobsMixin``'s whole state: its settings, its stage, and what each stage made.
 
-    reference: Any = None
-    cache_dir: str | None = None
-    use_cache: bool = True
-    scoring_dtype: str | None = None
-    max_tokens_per_batch: int | None = None
-    reference_fingerprint: str | None = None
-    progress: bool = True
-    check_prompts: bool = True
-    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT
+    ``data`` and ``tokens`` are the checked pairs while ``PENDING``; ``scored`` and ``report`` are
+    set when ``SCORED``; ``saved`` is what checkpoints record (the initial policy's fingerprint) and
+    ``restored`` what a checkpoint gave back (``load_state_dict``).
+    """
 
-    def __post_init__(self) -> None:
-        if self.scoring_dtype is not None:
-            check_dtype("scoring_dtype", self.scoring_dtype, SCORING_DTYPES)
-        if self.max_tokens_per_batch is not None:
-            check_int("max_tokens_per_batch", self.max_tokens_per_batch, least=1)
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
-            raise ValueError(f"cache_dir={self.cache_dir!r} must be a path or None")
-        if self.reference_fingerprint is not None and not isinstance(self.reference_fingerprint, str):
-            raise ValueError(f"reference_fingerprint={self.reference_fingerprint!r} must be a string or None")
-        timeout = self.scoring_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            raise TypeError(f"scoring_timeout={timeout!r} must be a number of seconds, or None for no limit")
-        if timeout is not None and not timeout > 0:  # NaN too
-            raise ValueError(f"scoring_timeout={timeout!r} must be more than 0 seconds, or None for no limit")
-        for name in ("use_cache", "progress", "check_prompts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+    config: ReferenceConfig = field(default_factory=ReferenceConfig)
+    stage: Stage = Stage.NOT_SET_UP
+    data: list[Any] | None = None
+    tokens: list[list[int]] | None = None
+    num_pairs: int | None = None
+    scored: list[Any] | None = None
+    report: ReferenceLogprobsReport | None = None
+    saved: dict[str, Any] | None = None
+    restored: dict[str, Any] | None = None
+
+
+class _ScoreReferenceAfterStrategySetup(Callback):
+    """Scores a ``ReferenceLogprobsMixin``'s default reference (the policy) once the strategy has set it up.
+
+    ``on_fit_start`` runs after ``strategy.setup`` (device, DDP, FSDP sharding, ``configure_model``),
+    before the sanity check and before any dataloader is asked for; a checkpoint's state is restored
+    before it, except under a strategy that restores after its setup (FSDP, model parallel,
+    DeepSpeed): a resumed run there is scored in ``on_load_checkpoint``, once the DataModule's
+    state is back.
+    """
+
+    def __init__(self, datamodule: ReferenceLogprobsMixin) -> None:
+        self.datamodule = datamodule
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"{type(self).__qualname__}[{type(self.datamodule).__qualname__}]"
+
+    @override
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.ckpt_path is not None and trainer.strategy.restore_checkpoint_after_setup:
+            return  # its state comes back after this hook: on_load_checkpoint
+        self.datamodule.score_reference()
+
+    @override
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if trainer.strategy.restore_checkpoint_after_setup and self.datamodule.reference_stage is Stage.PENDING:
+            self.datamodule.score_reference()
 
 
 class ReferenceLogprobsMixin:
@@ -157,24 +181,31 @@ class ReferenceLogprobsMixin:
     Put it before ``LightningDataModule`` in the bases, call ``configure_reference`` in
     ``__init__`` (declare its arguments in your ``__init__`` to set them from YAML), return the
     interleaved datums (chosen at even indices, rejected at odd) from ``dpo_data``, and read
-    ``self.scored_data`` in ``train_dataloader`` / ``val_dataloader``. In ``setup("fit")`` the
-    mixin checks the data; the reference logprobs are loaded from the cache or scored (each rank
-    its share of the pairs, see ``compute_reference_logprobs``) in ``setup("fit")`` for an explicit
-    reference, and on the first read of ``scored_data`` for the default one. Call
+    ``self.scored_data`` in ``train_dataloader`` / ``val_dataloader``. Call ``super().__init__()``,
     ``super().setup(stage)`` if you override ``setup`` (after loading what ``dpo_data`` returns),
     and ``super()`` in ``state_dict`` / ``load_state_dict`` if you override them.
 
-    The default reference (``reference=None``) is the LightningModule itself, used in place once
-    the strategy has set it up (device, DDP, FSDP / FSDP2 sharding, ``configure_model``) and before
-    the first optimizer step: when the trainer first asks for data (``train_dataloader``, or
-    ``val_dataloader`` for the sanity check), the initial policy, with no copy of its weights. Its
-    ``forward(input_ids)`` must return logits ``[B, T, V]`` (or an object with ``.logits``); a
-    Hugging Face model inside it is scored from its output head (no full logits). Read
-    ``scored_data`` in a dataloader hook, not in ``setup``: before the strategy's setup it is an
-    error. Every checkpoint records the initial policy's fingerprint (``state_dict``); a resumed
-    run (``fit(ckpt_path=...)``), whose module holds trained weights, takes the values from the
-    cache that matches it, and a missing or mismatching cache is a ``ReferenceCacheError`` that
-    names the fix (the cache file, or an explicit ``reference=`` checkpoint of the initial policy).
+    Its state is one ``ReferenceScoring``: ``setup("fit")`` checks the data (stage ``PENDING``),
+    then ``score_reference()`` loads the reference logprobs from the cache or scores them (each
+    rank its share of the pairs, see ``compute_reference_logprobs``; stage ``SCORED``). It runs:
+
+    - for an explicit reference, in ``setup("fit")`` (a checkpoint is loaded into a copy of the
+      LightningModule before the strategy moves, wraps or shards it);
+    - for the default reference (``reference=None``), the LightningModule itself, in the
+      ``on_fit_start`` hook (a callback the mixin adds to the trainer in ``setup("fit")``): after
+      the strategy has set the module up (device, DDP, FSDP / FSDP2 sharding, ``configure_model``),
+      before the sanity check, any dataloader and the first optimizer step, so the initial policy
+      is scored in place with no copy of its weights. Its ``forward(input_ids)`` must return logits
+      ``[B, T, V]`` (or an object with ``.logits``); a Hugging Face model inside it is scored from
+      its output head (no full logits);
+    - without a trainer (``setup("fit")`` called by hand), in ``setup("fit")``.
+
+    ``scored_data`` only reads: before scoring it is a ``RuntimeError``. Every checkpoint records
+    the initial policy's fingerprint (``state_dict``); a resumed run (``fit(ckpt_path=...)``),
+    whose module holds trained weights, takes the values from the cache that matches it, and a
+    missing or mismatching cache is a ``ReferenceCacheError`` that names the fix (the cache file,
+    or an explicit ``reference=`` checkpoint of the initial policy). ``validate`` / ``test`` after
+    ``fit`` keep the scored data.
 
     The cache lives in ``cache_dir`` (default ``<trainer.default_root_dir>/reference_logprobs``),
     one file per reference, data and scoring dtype, so runs may share it; see and prune the caches
@@ -193,6 +224,10 @@ class ReferenceLogprobsMixin:
             def train_dataloader(self):
                 return DataLoader(DPOPairDataset(self.scored_data), batch_size=8, collate_fn=collate_dpo_pairs)
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reference = ReferenceScoring()
 
     def configure_reference(
         self,
@@ -229,7 +264,7 @@ class ReferenceLogprobsMixin:
         """
         if reference is not None and isinstance(reference, str) and not reference:
             raise ValueError("reference='' is not a path; use None for the LightningModule itself")
-        self._reference_config = ReferenceConfig(
+        self._reference.config = ReferenceConfig(
             reference=reference,
             cache_dir=os.fspath(cache_dir) if isinstance(cache_dir, os.PathLike) else cache_dir,
             use_cache=use_cache,
@@ -241,6 +276,16 @@ class ReferenceLogprobsMixin:
             scoring_timeout=scoring_timeout,
         )
 
+    @property
+    def reference_config(self) -> ReferenceConfig:
+        """The settings ``configure_reference`` made (the defaults when it was not called)."""
+        return self._reference.config
+
+    @property
+    def reference_stage(self) -> Stage:
+        """``NOT_SET_UP``, ``PENDING`` (checked, not scored yet) or ``SCORED``."""
+        return self._reference.stage
+
     def dpo_data(self) -> Sequence[Any]:
         """The interleaved DPO datums to score (override this)."""
         raise NotImplementedError(f"{type(self).__name__} must define dpo_data() returning the interleaved datums")
@@ -249,162 +294,150 @@ class ReferenceLogprobsMixin:
     def scored_data(self) -> list[Any]:
         """``dpo_data()`` with ``ref_logprobs`` attached (float32 arrays, one buffer for all datums).
 
-        Available after ``setup("fit")``; with the default reference, the first read (from a
-        dataloader hook) scores the policy or loads its cached values.
+        Available once scored (see the class docstring): read it in a dataloader hook.
         """
-        if getattr(self, "_scored_data", None) is None and getattr(self, "_pending_policy", None) is not None:
-            self._scored_data, self._reference_report = self.compute_scored_data()
-            self._pending_policy = None
-        scored = getattr(self, "_scored_data", None)
-        if scored is None:
+        state = self._reference
+        if state.stage is Stage.SCORED:
+            assert state.scored is not None
+            return state.scored
+        if state.stage is Stage.PENDING:
             raise RuntimeError(
-                f"{type(self).__name__}.scored_data is computed in setup('fit'); run trainer.fit, or call setup('fit')"
+                f"{type(self).__name__}.scored_data was read before the strategy set the LightningModule up: with the "
+                "default reference (the policy itself) it is scored in on_fit_start; read it in train_dataloader / "
+                "val_dataloader, not in setup (a run resumed under a strategy that restores checkpoints after its "
+                "setup needs a checkpoint with the callbacks' state)"
             )
-        return scored
+        raise RuntimeError(
+            f"{type(self).__name__}.scored_data is computed in setup('fit'); run trainer.fit, or call setup('fit')"
+        )
 
     @property
     def num_dpo_pairs(self) -> int:
         """How many pairs ``setup("fit")`` checked (known before the reference logprobs are)."""
-        count = getattr(self, "_num_dpo_pairs", None)
-        if count is None:
+        if self._reference.num_pairs is None:
             raise RuntimeError(f"{type(self).__name__}.num_dpo_pairs is known after setup('fit')")
-        return count
+        return self._reference.num_pairs
 
     @property
     def reference_report(self) -> ReferenceLogprobsReport | None:
         """What the last scoring did (loaded or scored, how many datums here, how long)."""
-        return getattr(self, "_reference_report", None)
+        return self._reference.report
 
     def setup(self, stage: str) -> None:
         super().setup(stage)  # type: ignore[misc]
         if stage != "fit":
             return
-        config = self._config()
-        trainer = getattr(self, "trainer", None)
-        self._scored_data, self._reference_report = None, None
-        self._pending_policy = None
-        if config.reference is None and trainer is not None:
-            self._pending_policy = self._checked_data(config)  # scored on the first read of scored_data
-            self._optimizers_at_setup = trainer.strategy.optimizers  # the strategy's setup replaces this list
+        state = self._reference
+        state.stage, state.scored, state.report, state.saved = Stage.NOT_SET_UP, None, None, None
+        state.data, state.tokens = self._checked_data(state.config)
+        state.stage = Stage.PENDING
+        trainer = self._attached_trainer()
+        if trainer is None or state.config.reference is not None:
+            self.score_reference()
             return
-        self._scored_data, self._reference_report = self.compute_scored_data()
+        if not any(isinstance(c, _ScoreReferenceAfterStrategySetup) and c.datamodule is self for c in trainer.callbacks):
+            trainer.callbacks.append(_ScoreReferenceAfterStrategySetup(self))
 
-    def compute_scored_data(self) -> tuple[list[Any], ReferenceLogprobsReport]:
-        """Check ``dpo_data()``, then load or score the reference logprobs (for the default reference:
-        of the policy itself, which the strategy must have set up)."""
-        config = self._config()
-        if config.reference is None and getattr(self, "trainer", None) is not None:
-            pending = getattr(self, "_pending_policy", None)
-            return self._score_policy(*(pending if pending is not None else self._checked_data(config)))
-        data, tokens = self._checked_data(config)
-        return self._score_explicit(data, tokens, config)
+    def score_reference(self) -> ReferenceLogprobsReport:
+        """Load or score the reference logprobs of the pairs ``setup("fit")`` checked (on every rank at once).
+
+        Called for you (see the class docstring); with the default reference, the strategy must
+        have set the LightningModule up. A second call returns the first one's report.
+        """
+        state = self._reference
+        if state.stage is Stage.NOT_SET_UP:
+            raise RuntimeError(f"{type(self).__name__}.score_reference needs setup('fit') first")
+        if state.stage is Stage.PENDING:
+            assert state.data is not None and state.tokens is not None
+            trainer = self._attached_trainer()
+            if state.config.reference is None and trainer is not None:
+                scored, report = self._score_policy(trainer, state.data, state.tokens, state.config)
+            else:
+                scored, report = self._score_explicit(trainer, state.data, state.tokens, state.config)
+            state.stage, state.scored, state.report, state.data, state.tokens = Stage.SCORED, scored, report, None, None
+        assert state.report is not None
+        return state.report
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning saves this in checkpoints: with the default reference, the initial policy's fingerprint."""
         state = dict(super().state_dict())  # type: ignore[misc]
-        reference_state = getattr(self, "_reference_state", None)
-        if reference_state:
-            state["reference_logprobs"] = dict(reference_state)
+        if self._reference.saved:
+            state["reference_logprobs"] = dict(self._reference.saved)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning restores this before the first dataloader is asked for (``fit(ckpt_path=...)``)."""
+        """Lightning restores this before ``on_fit_start`` (after it under FSDP / model parallel / DeepSpeed)."""
         super().load_state_dict(state_dict)  # type: ignore[misc]
         restored = state_dict.get("reference_logprobs")
-        self._restored_reference_state = dict(restored) if isinstance(restored, dict) else None
+        self._reference.restored = dict(restored) if isinstance(restored, dict) else None
 
-    def _config(self) -> ReferenceConfig:
-        return getattr(self, "_reference_config", None) or ReferenceConfig()
+    def _attached_trainer(self) -> Any:
+        return getattr(self, "trainer", None)
 
     def _checked_data(self, config: ReferenceConfig) -> tuple[list[Any], list[list[int]]]:
         """``dpo_data()`` and its checked token ids; an error on any rank is raised on every rank."""
-        failure: BaseException | None = None
-        data: list[Any] = []
-        tokens: list[list[int]] = []
-        try:
+        guard = StallGuard(Group(), config.scoring_timeout)
+        with fail_together(guard, "checking the DPO pairs", then="the end of checking the DPO pairs"):
             data = list(self.dpo_data())
             tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
-        except Exception as error:  # noqa: BLE001 - a rank whose data fail must not leave the others waiting
-            failure = error
-        group = Group()
-        StallGuard(group, config.scoring_timeout).arrive("the end of checking the DPO pairs")
-        raise_together(group, failure, "checking the DPO pairs")
-        self._num_dpo_pairs = len(data) // 2
+        self._reference.num_pairs = len(data) // 2
         return data, tokens
 
-    def _cache_path(self, config: ReferenceConfig) -> str | None:
+    def _cache_path(self, trainer: Any, config: ReferenceConfig) -> str | None:
         if not config.use_cache:
             return None
-        trainer = getattr(self, "trainer", None)
         root = trainer.default_root_dir if trainer is not None else os.getcwd()
         return os.path.join(config.cache_dir or os.path.join(root, "reference_logprobs"), CACHE_FILE_NAME)
 
     def _score_explicit(
-        self, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
+        self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
     ) -> tuple[list[Any], ReferenceLogprobsReport]:
         """A reference other than the policy: resolved (a copy, a client, a callable) and scored now."""
-        trainer = getattr(self, "trainer", None)
         client = resolve_reference(
             config.reference,
+            config=config,
             lightning_module=trainer.lightning_module if trainer is not None else None,
-            dtype=config.scoring_dtype,
             device=trainer.strategy.root_device if trainer is not None else None,
-            max_tokens_per_batch=config.max_tokens_per_batch,
         )
         try:
             return compute_reference_logprobs(
-                data,
-                client,
-                cache_path=self._cache_path(config),
-                reference_fingerprint=config.reference_fingerprint,
-                scoring_dtype=config.scoring_dtype,
-                progress=config.progress,
-                check_prompts=config.check_prompts,
-                validated_tokens=tokens,
-                scoring_timeout=config.scoring_timeout,
+                data, client, config, cache_path=self._cache_path(trainer, config), validated_tokens=tokens
             )
         finally:
             del client
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    def _score_policy(self, data: list[Any], tokens: list[list[int]]) -> tuple[list[Any], ReferenceLogprobsReport]:
+    def _score_policy(
+        self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
+    ) -> tuple[list[Any], ReferenceLogprobsReport]:
         """The default reference: the policy as the strategy has set it up, or, on a resumed run, the cache."""
-        config = self._config()
-        trainer = self.trainer  # type: ignore[attr-defined]
-        if trainer.strategy.optimizers is getattr(self, "_optimizers_at_setup", None):
-            raise RuntimeError(
-                f"{type(self).__name__}.scored_data was read before the strategy set the LightningModule up: with "
-                "the default reference (the policy itself) read it in train_dataloader / val_dataloader, not in setup"
-            )
-        cache_path = self._cache_path(config)
+        cache_path = self._cache_path(trainer, config)
         tag = policy_tag(trainer, config.scoring_dtype)
         with torch.inference_mode(False):
             if trainer.ckpt_path is not None:
-                result = self._load_initial_policy(data, tokens, config, cache_path, tag)
+                result = self._load_initial_policy(trainer, data, tokens, config, cache_path, tag)
             else:
-                policy = PolicyReference.from_trainer(
-                    trainer, scoring_dtype=config.scoring_dtype, max_tokens_per_batch=config.max_tokens_per_batch
-                )
+                # the policy's weights are fingerprinted: a reference_fingerprint names a client's
+                policy_config = replace(config, reference_fingerprint=None)
+                policy = PolicyReference.from_trainer(trainer, policy_config)
                 result = compute_reference_logprobs(
-                    data,
-                    policy,
-                    cache_path=cache_path,
-                    scoring_dtype=tag,
-                    progress=config.progress,
-                    validated_tokens=tokens,
-                    scoring_timeout=config.scoring_timeout,
+                    data, policy, policy_config, cache_path=cache_path, cache_tag=tag, validated_tokens=tokens
                 )
-        self._reference_state = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
+        self._reference.saved = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
         return result
 
     def _load_initial_policy(
-        self, data: list[Any], tokens: list[list[int]], config: ReferenceConfig, cache_path: str | None, tag: str
+        self,
+        trainer: Any,
+        data: list[Any],
+        tokens: list[list[int]],
+        config: ReferenceConfig,
+        cache_path: str | None,
+        tag: str,
     ) -> tuple[list[Any], ReferenceLogprobsReport]:
         """A resumed run: the module holds trained weights, so the initial policy's values come from the cache."""
-        trainer = self.trainer  # type: ignore[attr-defined]
-        restored = getattr(self, "_restored_reference_state", None) or {}
-        expected = restored.get("reference_fingerprint")
+        expected = (self._reference.restored or {}).get("reference_fingerprint")
         if expected is None:
             run_warnings.warn(
                 f"the checkpoint {trainer.ckpt_path!r} does not record which initial policy the reference logprobs "
@@ -429,11 +462,9 @@ class ReferenceLogprobsMixin:
         return compute_reference_logprobs(
             data,
             None,
+            replace(config, reference_fingerprint=expected),  # the initial policy's, as the checkpoint recorded
             cache_path=cache_path,
-            reference_fingerprint=expected,
-            scoring_dtype=tag,
-            progress=config.progress,
+            cache_tag=tag,
             validated_tokens=tokens,
             cached_only=fix,
-            scoring_timeout=config.scoring_timeout,
         )

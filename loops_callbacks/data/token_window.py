@@ -36,12 +36,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["common_prefix_length", "shared_start", "window_token_ids", "worth_a_window"]
+__all__ = ["common_prefix_length", "cuts_between_words", "shared_start", "window_token_ids", "worth_a_window"]
 
 _MARGIN = 16  # tokens next to a cut that are never used
 _REACH = 256  # characters either side of a cut searched for a word boundary
 _EDGE = 32  # word boundaries this close to the searched text's own ends are not trusted
 _CHARS_PER_TOKEN = 8  # a first guess of the characters a window needs per token; windows double from there
+
+
+def cuts_between_words(tokenizer: Any) -> bool:
+    """Whether a window of a text may be tokenized for ``tokenizer``: a fast one with a pre-tokenizer.
+
+    Example:
+        >>> cuts_between_words(object())  # a slow tokenizer (no backend_tokenizer)
+        False
+    """
+    return getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is not None
 
 
 def worth_a_window(length: int, max_length: int | None, max_prompt_length: int | None, tokenizer: Any = None) -> bool:
@@ -56,7 +66,7 @@ def worth_a_window(length: int, max_length: int | None, max_prompt_length: int |
     """
     if max_length is None and max_prompt_length is None:
         return False
-    if tokenizer is not None and getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
+    if tokenizer is not None and not cuts_between_words(tokenizer):
         return False
     budget = (max_length or 0) + (max_prompt_length or 0) + 4 * _MARGIN
     return length > 4 * _CHARS_PER_TOKEN * budget
@@ -82,8 +92,11 @@ def window_token_ids(
         raise ValueError("window_token_ids needs max_length or max_prompt_length: without limits every token is kept")
     before = _CHARS_PER_TOKEN * ((max_prompt_length or 0) + 2 * _MARGIN + 2)
     after = _CHARS_PER_TOKEN * ((max_length or 0) + 2 * _MARGIN + 2)
-    if getattr(getattr(tokenizer, "backend_tokenizer", None), "pre_tokenizer", None) is None:
-        return [list(tokenizer(shared + tail, add_special_tokens=add_special_tokens)["input_ids"]) for tail in tails]
+    if not cuts_between_words(tokenizer):
+        raise ValueError(
+            f"window_token_ids needs a tokenizer with a pre-tokenizer, not {type(tokenizer).__name__}: a cut may change "
+            "its tokens far away (worth_a_window says False for it; tokenize the whole text)"
+        )
     previous: list[list[int]] | None = None
     while True:
         lo = max(0, len(shared) - before) if max_prompt_length is not None else 0

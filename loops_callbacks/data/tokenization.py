@@ -57,12 +57,13 @@ from loops_callbacks.data.preference import (
     USUAL_ROLES,
     LocatedRecord,
     PreferenceExample,
-    import_optional,
     parse_preference,
     read_preference_records,
     unusual_turns,
 )
 from loops_callbacks.data.token_window import common_prefix_length, shared_start, window_token_ids, worth_a_window
+from loops_callbacks.optional import import_optional
+from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import Datum
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "common_prefix_length",
     "load_tokenizer",
     "preference_datums",
+    "read_dpo_jsonl",
     "tokenize_preferences",
 ]
 
@@ -341,8 +343,7 @@ def tokenize_preferences(
             check_chat_template_kwargs(example, tokenizer)
             checked_keys.add(keys)
     results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
-    bar = _progress_bar(len(examples), progress)
-    try:
+    with ProgressBar(progress and bool(examples), len(examples), desc="tokenizing preference pairs", unit="pair") as bar:
         for start in range(0, len(examples), _CHUNK):
             groups: dict[str, list[int]] = {}
             for index in range(start, min(start + _CHUNK, len(examples))):
@@ -354,11 +355,7 @@ def tokenize_preferences(
             for indices in groups.values():
                 for index, ids in zip(indices, _tokenize_group([examples[i] for i in indices], tokenizer)):
                     results[index] = ids
-            if bar is not None:
-                bar.update(min(_CHUNK, len(examples) - start))
-    finally:
-        if bar is not None:
-            bar.close()
+            bar.advance(min(_CHUNK, len(examples) - start))
     return results
 
 
@@ -467,14 +464,6 @@ def _name_the_failing_record(
 
 def _with_eos(text: str, eos: str | None) -> str:
     return text if eos is None or text.endswith(eos) else text + eos
-
-
-def _progress_bar(total: int, progress: bool) -> Any:
-    if not progress or total == 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="tokenizing preference pairs", unit="pair")
 
 
 def apply_length_limits(
@@ -616,6 +605,18 @@ def preference_datums(
         run_warnings.warn(message, PreferenceDataWarning)
     log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
     return data, report
+
+
+def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
+    """Interleaved datums from a JSONL file of token-id records, as ``DPODataModule(path=...)`` reads it.
+
+    The records are ``{"chosen", "rejected", "prompt_length"}`` (or the two weights), blank lines
+    skipped; they go through the DataModule's own reader (``read_preference_records``, then
+    ``preference_datums``), so the errors are the same: a ``ValueError`` naming the pair and the
+    line of the file (also for text that is not UTF-8).
+    """
+    data, _ = preference_datums(os.fspath(path), progress=False)
+    return data
 
 
 def _note_prompt_split(

@@ -143,7 +143,7 @@ def build_chat_tokenizer(corpus: list[dict[str, Any]] | None = None) -> Any:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from loops_callbacks.data.preference import import_optional
+    from loops_callbacks.optional import import_optional
 
     transformers = import_optional("transformers", "building the demo chat tokenizer")
     records = corpus if corpus is not None else make_chat_preferences(2048, seed=1)

@@ -39,7 +39,7 @@ from jsonargparse.typing import PositiveFloat
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
-from loops_callbacks.data.preference import import_optional
+from loops_callbacks.optional import import_optional
 from loops_callbacks.logprobs import token_logprobs
 
 __all__ = ["DPOModule", "HFDPOModule", "dpo_loss"]

@@ -35,8 +35,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,12 +44,14 @@ import torch
 from torch import nn
 
 from loops_callbacks import run_warnings
+from loops_callbacks.progress import ProgressBar
 from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
 from loops_callbacks.reference.attach import attach_reference_logprobs, attach_reference_values
 from loops_callbacks.reference.cache import CACHE_TOOL, CacheKey, data_fingerprint, find_cache, read_cache, write_cache
 from loops_callbacks.reference.clients import TorchSamplingClient, check_token_ids
 from loops_callbacks.reference.collectives import Group as _Group
-from loops_callbacks.reference.collectives import StallGuard, raise_together
+from loops_callbacks.reference.collectives import StallGuard, fail_together
+from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
@@ -61,9 +62,6 @@ __all__ = [
     "ReferenceLogprobsReport",
     "score_across_ranks",
 ]
-
-DEFAULT_SCORING_TIMEOUT = 600.0
-"""Seconds a rank waits for the others at each step of reference scoring before naming the ones that stalled."""
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +103,7 @@ def score_across_ranks(
     *,
     cache_path: str | os.PathLike[str] | None = None,
     reference_fingerprint: str | None = None,
-    scoring_dtype: str | None = None,
+    cache_tag: str = "model",
     progress: bool = True,
     shard_unit: int = 1,
     cached_only: str | None = None,
@@ -132,7 +130,9 @@ def score_across_ranks(
         reference_fingerprint: the reference's identity when ``reference`` has no ``fingerprint()``
             (e.g. the checkpoint path a remote sampler serves); with ``cached_only``, the identity
             the cached values must have (``None``: any reference, for these data and dtype).
-        scoring_dtype: part of the cache key (``None`` means the model's own dtype).
+        cache_tag: the cache key's tag: what the values depend on besides the reference's
+            weights and the data (``ReferenceConfig.cache_tag``: the scoring dtype, ``"model"`` for
+            the model's own, or ``policy_tag`` for the policy under the training precision).
         progress: a progress bar (tokens) on rank 0 while scoring.
         shard_unit: datums that stay together on one rank (2 keeps a DPO pair's two sequences
             together); ``len(data)`` must be a multiple of it.
@@ -191,7 +191,7 @@ def score_across_ranks(
             ReferenceCacheWarning,
         )
     elif path is not None:
-        key = CacheKey(reference=fingerprint, data=digest(), dtype=scoring_dtype or "model")
+        key = CacheKey(reference=fingerprint, data=digest(), dtype=cache_tag)
     values, status, reason, stored_reference, file = _load(path, key, packed.lengths, group, warn=cached_only is None)
     if values is None and cached_only is not None:
         raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
@@ -201,16 +201,10 @@ def score_across_ranks(
     if values is None:
         bounds = _shard_bounds(packed.lengths, shard_unit, group.world_size)
         first, last = bounds[group.rank], bounds[group.rank + 1]
-        failure: BaseException | None = None
-        local = torch.zeros(0, dtype=torch.float32)
         guard.note(f"scoring its block (datums {first} to {last - 1} of {len(data)})")
-        try:
+        with fail_together(guard, "scoring the reference logprobs", then="gathering the scored values"):
             block = packed.slice(first, last)
             local = _score_block(data[first:last], reference, block, progress and group.rank == 0, guard)
-        except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
-            failure = error
-        guard.arrive("gathering the scored values")
-        raise_together(group, failure, "scoring the reference logprobs")
         scored_here = last - first
         value_bounds = [int(packed.offsets[b]) for b in bounds]
         values = group.gather_blocks(local, value_bounds).cpu().numpy()
@@ -298,20 +292,6 @@ def _shard_bounds(lengths: np.ndarray, unit: int, world_size: int) -> list[int]:
     return [int(c) * unit for c in cuts]
 
 
-@contextmanager
-def _token_progress(enabled: bool, total: int) -> Iterator[Callable[[int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc="reference logprobs", unit="tok", unit_scale=True)
-    try:
-        yield bar.update
-    finally:
-        bar.close()
-
-
 def _score_block(
     data: list[Any], reference: Any, packed: PackedTokens, progress: bool, guard: StallGuard
 ) -> torch.Tensor:
@@ -323,8 +303,8 @@ def _score_block(
     score_packed = getattr(reference, "score_packed", None)
     if callable(score_packed):
         lockstep = {"lockstep": guard} if getattr(reference, "scores_in_lockstep", False) else {}
-        with _token_progress(progress, packed.num_tokens) as report:
-            return score_packed(packed, progress=report, **lockstep).to(torch.float32)
+        with ProgressBar(progress, packed.num_tokens, desc="reference logprobs", unit="tok", unit_scale=True) as bar:
+            return score_packed(packed, progress=bar.advance if progress else None, **lockstep).to(torch.float32)
     scored = attach_reference_logprobs(data, reference, progress=progress)
     parts = [_ref_values(datum, first_index) for first_index, datum in enumerate(scored)]
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.float32)

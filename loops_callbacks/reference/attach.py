@@ -34,6 +34,7 @@ from loops_callbacks.conventions import (
     weighted_last_positions,
 )
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
+from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
 
 __all__ = ["attach_reference_logprobs", "attach_reference_values"]
@@ -123,7 +124,8 @@ def attach_reference_logprobs(
     if tinker:
         run_warnings.warn(tinker_convention_message(describe_indices(tinker, len(data))), TinkerConventionWarning)
 
-    with _Progress(progress, len(data)) as report:
+    with ProgressBar(progress, len(data), desc="reference logprobs", unit="datum") as bar:
+        report = bar.reach
         if callable(batch):
             logprobs = _score_batched(batch, model_inputs, batch_size, report)
         elif callable(async_fn) and getattr(async_fn, "__deprecated__", None) is None:
@@ -299,31 +301,3 @@ def _attribute(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
     except Exception:  # noqa: BLE001 - a lazy import of an unrelated package must not break scoring
         return None
-
-
-class _Progress:
-    """Progress reporting: nothing, a tqdm bar, or a callable ``progress(done, total)``."""
-
-    def __init__(self, progress: bool | Progress, total: int) -> None:
-        self.total = total
-        self.callback: Progress | None = None
-        self.bar: Any = None
-        if progress is True:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc="reference logprobs", unit="datum")
-        elif callable(progress):
-            self.callback = progress
-
-    def __enter__(self) -> Progress:
-        return self.report
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def report(self, done: int) -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-        if self.callback is not None:
-            self.callback(done, self.total)

@@ -21,7 +21,8 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from loops_callbacks import run_warnings
 
-__all__ = ["Group", "RankStalledError", "StallGuard", "raise_together"]
+__all__ = ["Group", "RankStalledError", "StallGuard", "fail_together", "raise_together"]
 
 
 class Group:
@@ -145,6 +146,28 @@ def raise_together(group: Group, failure: BaseException | None, what: str) -> No
         category = ValueError if kinds == {"ValueError"} else TypeError
     listed = "; ".join(f"rank {rank}: {kind}: {text}" for rank, kind, text in failed)
     raise category(f"{what} failed on another rank ({listed})")
+
+
+@contextmanager
+def fail_together(guard: StallGuard, what: str, *, then: str) -> Iterator[None]:
+    """Run the block on every rank, meet before ``then`` (``guard.arrive``), and fail on all if it failed on any.
+
+    An exception in the block is held until every rank has come (so none is left waiting in the
+    next collective), then raised on every rank by ``raise_together`` (what failed, and where).
+
+    Example:
+        >>> with fail_together(StallGuard(Group(), timeout=None), "tokenizing", then="gathering the pairs"):
+        ...     pairs = [1, 2]
+        >>> pairs
+        [1, 2]
+    """
+    failure: BaseException | None = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - every rank must reach the next collective, or the others wait
+        failure = error
+    guard.arrive(then)
+    raise_together(guard.group, failure, what)
 
 
 class RankStalledError(RuntimeError):

@@ -38,6 +38,7 @@ from torch import nn
 
 from loops_callbacks.reference.clients import ScorerClient, _find_vocab_size, _module_device, check_token_ids
 from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
@@ -49,7 +50,7 @@ _AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
 def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
-    """What the policy's values depend on besides its weights: the autocast dtype asked for, or the precision.
+    """The policy's cache tag: what its values depend on besides its weights, the autocast dtype asked for or the precision.
 
     Example:
         >>> class Trainer:
@@ -71,11 +72,12 @@ class PolicyReference(ScorerClient):
         module: the policy (a LightningModule, or any causal LM ``module(input_ids) -> logits``).
         forward_module: what to call instead of ``module`` (the FSDP (1) root that wraps it).
         device: where batches are built (default: where the module's weights are).
-        scoring_dtype: ``"bfloat16"`` / ``"float16"``: autocast to that dtype; ``"float32"``: no
-            autocast (the weights must be float32); ``None``: ``autocast`` (the training precision).
+        config: the scoring settings; of them the policy reads ``scoring_dtype`` (``"bfloat16"`` /
+            ``"float16"``: autocast to that dtype; ``"float32"``: no autocast, the weights must be
+            float32; ``None``: ``autocast``, the training precision) and ``max_tokens_per_batch``
+            (padded tokens per forward; ``None``: the scorer's default).
         autocast: context manager factory of the training precision (used when ``scoring_dtype`` is None).
         tag: what else the values depend on (the precision), part of the fingerprint.
-        max_tokens_per_batch: padded tokens per forward (default: the scorer's).
         output_head: score from the output head when the module exposes one.
     """
 
@@ -87,12 +89,12 @@ class PolicyReference(ScorerClient):
         *,
         forward_module: nn.Module | None = None,
         device: str | torch.device | None = None,
-        scoring_dtype: str | None = None,
+        config: ReferenceConfig | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         tag: str = "policy",
-        max_tokens_per_batch: int | None = None,
         output_head: bool = True,
     ) -> None:
+        config = config if config is not None else ReferenceConfig()
         self.module = module
         self.forward_module = forward_module if forward_module is not None else module
         self.device = torch.device(device) if device is not None else _module_device(module)
@@ -102,10 +104,10 @@ class PolicyReference(ScorerClient):
             self.forward_module,
             model=module,
             device=self.device,
-            max_tokens_per_batch=max_tokens_per_batch,
+            max_tokens_per_batch=config.max_tokens_per_batch,
             output_head=output_head,
             vocab_size=self.vocab_size,
-            autocast=self._autocast(scoring_dtype, autocast),
+            autocast=self._autocast(config.scoring_dtype, autocast),
             grad_mode="no_grad",
         )
 
@@ -129,13 +131,7 @@ class PolicyReference(ScorerClient):
         raise ValueError(f"scoring_dtype={scoring_dtype!r} is not one of ['float32', 'bfloat16', 'float16'] or None")
 
     @classmethod
-    def from_trainer(
-        cls,
-        trainer: Any,
-        *,
-        scoring_dtype: str | None = None,
-        max_tokens_per_batch: int | None = None,
-    ) -> PolicyReference:
+    def from_trainer(cls, trainer: Any, config: ReferenceConfig | None = None) -> PolicyReference:
         """The trainer's LightningModule as the strategy has set it up, on the strategy's root device."""
         strategy = trainer.strategy
         module = trainer.lightning_module
@@ -147,10 +143,9 @@ class PolicyReference(ScorerClient):
             module,
             forward_module=forward_module,
             device=strategy.root_device,
-            scoring_dtype=scoring_dtype,
+            config=config,
             autocast=trainer.precision_plugin.forward_context,
-            tag=policy_tag(trainer, scoring_dtype),
-            max_tokens_per_batch=max_tokens_per_batch,
+            tag=policy_tag(trainer, config.scoring_dtype if config is not None else None),
         )
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.policy import PolicyReference
 
 __all__ = ["load_reference_checkpoint", "resolve_reference"]
@@ -37,33 +38,32 @@ __all__ = ["load_reference_checkpoint", "resolve_reference"]
 def resolve_reference(
     reference: Any,
     *,
+    config: ReferenceConfig | None = None,
     lightning_module: nn.Module | None = None,
-    dtype: str | None = None,
     device: str | torch.device | None = None,
-    max_tokens_per_batch: int | None = None,
 ) -> Any:
     """The ``SamplingClient`` that ``reference`` stands for (see the module docstring).
 
-    ``dtype``, ``device`` and ``max_tokens_per_batch`` apply to the local (torch) ways; a
-    client given as it is keeps its own settings. A plain callable cannot be cast (``dtype``).
+    ``device`` and the ``config``'s ``scoring_dtype`` and ``max_tokens_per_batch`` apply to the
+    local (torch) ways; a client given as it is keeps its own settings. A plain callable cannot be
+    cast (``scoring_dtype``).
 
     Example:
         >>> import torch
         >>> type(resolve_reference(lambda ids: torch.zeros(*ids.shape, 5))).__name__
         'TorchSamplingClient'
     """
-    options = {"dtype": dtype, "device": device, "max_tokens_per_batch": max_tokens_per_batch}
+    config = config if config is not None else ReferenceConfig()
+    options = {"dtype": config.scoring_dtype, "device": device, "max_tokens_per_batch": config.max_tokens_per_batch}
     if reference is None:
         if lightning_module is None:
             raise ValueError(
                 "reference=None means the LightningModule itself, but there is none (no trainer attached); "
                 "pass a SamplingClient, an nn.Module, a callable or a checkpoint path"
             )
-        return PolicyReference(
-            lightning_module, device=device, scoring_dtype=dtype, max_tokens_per_batch=max_tokens_per_batch
-        )
+        return PolicyReference(lightning_module, device=device, config=config)
     if isinstance(reference, (str, os.PathLike)):
-        return load_reference_checkpoint(reference, lightning_module, **options)
+        return load_reference_checkpoint(reference, lightning_module, config=config, device=device)
     if isinstance(reference, nn.Module):
         return TorchSamplingClient.snapshot(reference, **options)
     if isinstance(reference, SamplingClient) or callable(getattr(reference, "compute_logprobs_batch", None)):
@@ -80,9 +80,8 @@ def load_reference_checkpoint(
     path: str | os.PathLike[str],
     lightning_module: nn.Module | None,
     *,
-    dtype: str | None = None,
+    config: ReferenceConfig | None = None,
     device: str | torch.device | None = None,
-    max_tokens_per_batch: int | None = None,
 ) -> TorchSamplingClient:
     """A client over a frozen copy of ``lightning_module`` holding the weights saved at ``path``.
 
@@ -111,8 +110,9 @@ def load_reference_checkpoint(
             f"reference checkpoint {path!r} is neither a Lightning checkpoint (with 'state_dict') nor a state dict "
             f"of tensors (got {type(state_dict).__name__})"
         )
+    config = config if config is not None else ReferenceConfig()
     client = TorchSamplingClient.snapshot(
-        lightning_module, dtype=dtype, device=device, max_tokens_per_batch=max_tokens_per_batch
+        lightning_module, dtype=config.scoring_dtype, device=device, max_tokens_per_batch=config.max_tokens_per_batch
     )
     expected = set(client.model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
