@@ -158,6 +158,7 @@ def part_costs(repeats: int = 30) -> list[tuple[str, float]]:
 
     base = median_seconds(flat)
     costs = [("statistics without strata or corrections", base)]
+    costs.append(("  of which the diagnosis (signatures, offset votes)", base - median_seconds(flat, signatures=False)))
     costs.append(("strata: sampler probability and quartile", median_seconds(flat, strata=Strata()) - base))
     with_two = median_seconds(flat, strata=Strata())
     costs.append(("strata: policy lag", median_seconds(versioned, strata=Strata()) - with_two))

@@ -1,6 +1,7 @@
 """Divergence by stratum (sampler probability, place in the completion, policy lag, group) and the
 per-datum keys it reads: per-token sums as a plain loop computes them, exact under merging and
-across ranks, the same on the accelerator's fixed-shape path."""
+across ranks, the same on the accelerator's fixed-shape path. The diagnosis' offset votes
+(``alignment.offset_sums``) merge the same way."""
 
 from __future__ import annotations
 
@@ -124,14 +125,17 @@ def test_merged_micro_batches_and_ranks_equal_the_whole(case: Any, cuts: list[in
     bounds = sorted({min(c, len(batch)) for c in cuts} | {0, len(batch)})
     parts = [batch[a:b] for a, b in zip(bounds, bounds[1:])] or [[]]
     whole = loop_oracle(flat_of(batch))
+    offsets = stats_of(batch).to_host().offset_sums
     merged = stats_of(parts[0])
     for part in parts[1:]:
         merged = merged.merge(stats_of(part))
     assert_strata_equal(merged.to_host().strata, whole)
+    np.testing.assert_allclose(merged.to_host().offset_sums, offsets, rtol=1e-12, atol=1e-12)
     if len(parts) == 1:
         parts.append([])  # a rank with nothing at all
     for result in reduce_in_threads([stats_of(part, sample_size=1000) for part in parts]):
         assert_strata_equal(result.to_host().strata, whole)
+        np.testing.assert_allclose(result.to_host().offset_sums, offsets, rtol=1e-12, atol=1e-12)
 
 
 def test_per_datum_keys_are_read_from_the_batch_and_checked() -> None:

@@ -343,6 +343,7 @@ class KLSampleTrainMonitor(Callback):
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
             evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
             by_lag=host.by_lag or None,
+            offsets=host.offset_sums,
         )
         shadow = shadow_scalars(host.extra_totals, host.extra_extrema, self.corrections) if self.corrections else {}
         self._deliver(trainer, report, shadow, step)

@@ -17,7 +17,8 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
    summation order is the collective's (exact for counts, and for any sum on 2 ranks). A monitor's
    own declarations ride along at a size fixed by its options: the stratum sums (4 x (16 +
    max_groups) values, ``strata``) and its corrections' shadow sums in the body, their extrema
-   (6 values) in the header.
+   (6 values) in the header. With the diagnosis on, the offset votes (``alignment.offset_sums``,
+   a fixed few hundred values) ride in the body too.
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
@@ -201,15 +202,17 @@ def header_packing(top_n: int, extra_extrema: int = 0) -> Packing:
     )
 
 
-def body_packing(top_n: int, capacity: int, strata: int = 0, extra_totals: int = 0) -> Packing:
-    """The summed body: the worst rows, the summed totals, the per-token-id sums, the ``strata``
-    stratum sums (``strata.Strata``) and the ``extra_totals`` sums the monitor declares
+def body_packing(top_n: int, capacity: int, strata: int = 0, extra_totals: int = 0, offsets: int = 0) -> Packing:
+    """The summed body: the worst rows, the summed totals, the per-token-id sums, the ``offsets``
+    offset votes (``alignment.offset_sums``, with the diagnosis' sums), the ``strata`` stratum
+    sums (``strata.Strata``) and the ``extra_totals`` sums the monitor declares
     (``layout.ExtraStatistics``), a fixed number per monitor each, the sample and one slot that
     takes every unchosen diff."""
     return Packing(
         worst=top_n * ROW.WIDTH,
         totals=len(SUMMED_TOTALS),
         token_sums=3 * TOKEN_BUCKETS,
+        offsets=offsets,
         strata=strata,
         extra_totals=extra_totals,
         sample=capacity,
@@ -281,7 +284,8 @@ def reduce_across_ranks(
     if capacity is None:  # every diff is kept: the body is as long as the union
         capacity = int(counts.sum())
     strata = stats.strata if stats.strata is not None else stats.totals.new_zeros(0)
-    body = body_packing(top_n, capacity, strata.numel(), extra_totals.numel())
+    offsets = stats.offset_sums if stats.offset_sums is not None else stats.totals.new_zeros(0)
+    body = body_packing(top_n, capacity, strata.numel(), extra_totals.numel(), offsets.numel())
     sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
     _add_sample(sample, stats, share[rank], start[rank])
     reduced = body.unpack(
@@ -290,6 +294,7 @@ def reduce_across_ranks(
                 worst=_chosen_rows(stats.worst, ranks["worst_abs"], datum_offsets[rank], rank),
                 totals=stats.totals.index_select(0, summed),
                 token_sums=stats.token_sums_or_zeros(),
+                offsets=offsets,
                 strata=strata,
                 extra_totals=extra_totals,
                 sample=sample[:capacity],
@@ -314,6 +319,7 @@ def reduce_across_ranks(
         sample_keys=keys,
         token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
         strata=None if stats.strata is None else reduced["strata"].reshape(stats.strata.shape),
+        offset_sums=None if stats.offset_sums is None else reduced["offsets"],
         extra_totals=None if stats.extra_totals is None else reduced["extra_totals"],
         extra_extrema=None if stats.extra_extrema is None else ranks["extra_extrema"].amax(0),
     )

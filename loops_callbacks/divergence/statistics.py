@@ -40,6 +40,7 @@ import torch
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.layout import (
     EXTREMA,
     ROW,
@@ -79,6 +80,9 @@ LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
 CHUNK_POSITIONS = 1 << 18
 """On the CPU, ``from_batch`` reads at most about this many positions at a time (whole datums)."""
+OFFSET_CHUNK_POSITIONS = 1 << 15
+"""On the CPU, the offset votes (``alignment.offset_sums``: FFTs over whole rows, about 450 bytes
+per position at their peak) are read at most about this many positions at a time."""
 P_HIGH = float(np.log(0.5))
 """Sampler logprob above which a token is "likely" (p > 0.5) for the sign-split signature."""
 P_LOW = float(np.log(0.1))
@@ -95,6 +99,7 @@ class HostDivergence:
     diffs: np.ndarray  # float64, the sampled diffs in batch order
     token_sums: np.ndarray | None = None  # float64 [3, TOKEN_BUCKETS]: count, sum d, sum d² per bucket
     strata: dict[str, StratumSums] | None = None  # by stratum name (``strata``); None: not kept
+    offset_sums: np.ndarray | None = None  # float64 [alignment.OFFSET_SIZE], the diagnosis' offset votes; None: not kept
     extra_totals: dict[str, float] = field(default_factory=dict)  # the shadow statistics' sums, by name
     extra_extrema: dict[str, float] = field(default_factory=dict)  # and their extrema
 
@@ -126,6 +131,7 @@ class DivergenceStats:
     token_sums: torch.Tensor | None = None  # float64 [3, TOKEN_BUCKETS]; None reads as zeros
     strata: torch.Tensor | None = None  # float64 [len(strata.COLUMNS), Strata.width]; None: not kept
     stratification: Strata | None = None  # which strata ``strata`` holds
+    offset_sums: torch.Tensor | None = None  # float64 [alignment.OFFSET_SIZE] with the signatures; None: not kept
     extra_totals: torch.Tensor | None = None  # float64 [len(extra.totals)]: the corrections' shadow sums
     extra_extrema: torch.Tensor | None = None  # float64 [len(extra.extrema)]: their maxima
     extra: ExtraStatistics | None = None  # the names of those two
@@ -261,7 +267,8 @@ class DivergenceStats:
         if valid is not None:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
         token_sums = _token_sums(flat, d, valid, compact) if signatures else None
-        stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata)
+        offsets = _offset_sums(flat, compact) if signatures else None
+        stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata, offsets)
         if corrections:
             extra = ExtraStatistics(shadow_statistics(corrections))
             extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections))
@@ -298,6 +305,7 @@ class DivergenceStats:
             token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
             strata=functools.reduce(_add_or_none, [part.strata for part in parts]),
             stratification=first.stratification,
+            offset_sums=functools.reduce(_add_or_none, [part.offset_sums for part in parts]),
             extra_totals=functools.reduce(_add_or_none, [part.extra_totals for part in parts]),
             extra_extrema=functools.reduce(_max_or_none, [part.extra_extrema for part in parts]),
             extra=first.extra,
@@ -320,12 +328,14 @@ class DivergenceStats:
         token_sums = self.token_sums_or_zeros()
         strata = self.strata if self.strata is not None else self.totals.new_zeros(0)
         extra_totals, extra_extrema = self.extras_or_empty()
+        offsets = self.offset_sums if self.offset_sums is not None else self.totals.new_zeros(0)
         keys = self.sample_keys if self.sample_keys is not None else self.sample_values.new_zeros(0)
         transfer = Packing(
             totals=len(TOTALS),
             extrema=len(EXTREMA),
             token_sums=token_sums.numel(),
             strata=strata.numel(),
+            offsets=offsets.numel(),
             extra_totals=extra_totals.numel(),
             extra_extrema=extra_extrema.numel(),
             worst=self.worst.numel(),
@@ -337,6 +347,7 @@ class DivergenceStats:
             extrema=self.extrema,
             token_sums=token_sums,
             strata=strata,
+            offsets=offsets,
             extra_totals=extra_totals,
             extra_extrema=extra_extrema,
             worst=self.worst,
@@ -353,6 +364,7 @@ class DivergenceStats:
             diffs=part["values"][part["keys"] < np.inf] if self.sample_keys is not None else part["values"],
             token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
             strata=None if self.stratification is None else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
+            offset_sums=part["offsets"] if self.offset_sums is not None else None,
             extra_totals=named_totals,
             extra_extrema=named_extrema,
         )
@@ -461,6 +473,13 @@ def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, co
     values = torch.stack([torch.ones_like(d), d, d * d])
     buckets.index_add_(1, index, values)
     return buckets[:, :TOKEN_BUCKETS]
+
+
+def _offset_sums(flat: FlatBatch, compact: bool) -> torch.Tensor:
+    """``alignment.offset_sums`` of ``flat``; on the CPU summed over ``OFFSET_CHUNK_POSITIONS`` chunks (votes add up)."""
+    if not compact:
+        return offset_sums(flat)
+    return functools.reduce(operator.add, [offset_sums(chunk) for chunk in flat.datum_chunks(OFFSET_CHUNK_POSITIONS)])
 
 
 def _add_or_none(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
