@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,8 @@ def moved(batch: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor
 
 def diagnosed(batch: dict[str, torch.Tensor], *, with_offsets: bool = True) -> tuple[Diagnosis, dict[str, float]]:
     host = host_of(batch)
+    if not with_offsets and getattr(host, "offset_sums", None) is not None:  # the statistics without the votes
+        host = dataclasses.replace(host, offset_sums=None)
     offsets = offset_sums(flatten_padded(**batch)).numpy() if with_offsets else None
     sig = signature_numbers(host, offsets)
     return diagnose(sig, n_tokens=host.totals["n_action_tokens"]), sig

@@ -292,7 +292,9 @@ def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
         ratio, offset = get("offset_ratio"), get("offset")
         if offset != 0 and get("offset_share") >= OFFSET_SHARE and ratio < SHIFT_RATIO:
             margin = math.log10(SHIFT_RATIO / max(ratio, 1e-300)) / 2
-            return Diagnosis("shift", _confidence(margin), {"offset": offset, "offset_share": get("offset_share"), "offset_ratio": ratio})
+            numbers = {"shift_ratio": get("shift_ratio")} if abs(offset) == 1 else {}  # the one-position number
+            numbers |= {"offset": offset, "offset_share": get("offset_share"), "offset_ratio": ratio}
+            return Diagnosis("shift", _confidence(margin), numbers)
         return None
     if get("shift_ratio") < SHIFT_RATIO:
         margin = math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2
