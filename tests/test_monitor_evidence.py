@@ -1,11 +1,16 @@
-"""The monitor reads what it can see directly about the trainer (live dropout) on each logged step."""
+"""The monitor reads what it can see directly about the trainer (live dropout) on each logged step, and
+gives each report the run's context (per-lag numbers, offset votes, the k3 trend)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from loops_callbacks import KLSampleTrainMonitor
 from tests.helpers import TinyPolicy, quiet_trainer
+from tests.oracle import PREFIX
 
 
 class DropoutPolicy(TinyPolicy):
@@ -27,3 +32,26 @@ def test_without_dropout_the_statistical_cause_stays() -> None:
     monitor = KLSampleTrainMonitor(log_worst_tokens=False)
     quiet_trainer(max_steps=2, callbacks=[monitor]).fit(TinyPolicy(offset=0.3))
     assert monitor.last_diagnosis.cause != "dropout"
+
+
+def test_each_report_gets_the_lags_offsets_and_the_k3_of_the_previous_logged_steps(monkeypatch: Any) -> None:
+    from loops_callbacks.divergence import monitor as monitor_module
+
+    seen: list[dict[str, Any]] = []
+    real = monitor_module.step_report
+
+    def spy(host: Any, **options: Any) -> Any:
+        seen.append(options)
+        return real(host, **options)
+
+    monkeypatch.setattr(monitor_module, "step_report", spy)
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    history = []
+
+    class K3(Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            history.append(monitor.last_metrics[PREFIX + "kl_sample_train_k3"])
+
+    quiet_trainer(max_steps=3, callbacks=[monitor, K3()]).fit(TinyPolicy(offset=0.3))
+    assert [tuple(options["trend"]) for options in seen] == [(), tuple(history[:1]), tuple(history[:2])]
+    assert all(options["offsets"] is not None and options["evidence"] is not None for options in seen)

@@ -344,6 +344,7 @@ class KLSampleTrainMonitor(Callback):
             evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
             by_lag=host.by_lag or None,
             offsets=host.offset_sums,
+            trend=self.calibration.trend,  # the k3 of the run's previous logged steps
         )
         shadow = shadow_scalars(host.extra_totals, host.extra_extrema, self.corrections) if self.corrections else {}
         self._deliver(trainer, report, shadow, step)
