@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
-from loops_callbacks.data import DPODataModule
+from loops_callbacks.data import DPODataModule, ReferenceCacheWarning
 from tests.helpers import ToyDPO
-from tests.test_data import fit, make_pairs, pair_datums, ref_values, toy_model
+from tests.test_data import fit, make_pairs, pair_datums, ref_values, toy_model, watched_model
 
 
 class RecordingData(DPODataModule):
@@ -65,3 +68,35 @@ def test_scored_data_is_kept_for_validate_after_fit(tmp_path: Any) -> None:
 def test_scored_data_before_setup_names_setup() -> None:
     with pytest.raises(RuntimeError, match=r"setup\('fit'\)"):
         _ = DPODataModule(pair_datums(make_pairs(2)), progress=False).scored_data
+
+
+class LateRestoreStrategy(SingleDeviceStrategy):
+    """Restores checkpoints after its setup, as FSDP, model parallel and DeepSpeed do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def test_a_run_resumed_under_a_strategy_that_restores_after_its_setup_uses_the_recorded_policy(tmp_path: Any) -> None:
+    data = pair_datums(make_pairs(6))
+    first = DPODataModule(data, batch_size=2, progress=False)
+    trainer = fit(watched_model(3), first, tmp_path, max_steps=2)
+    ckpt = tmp_path / "trained.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed_model = watched_model(4)
+    resumed = DPODataModule(data, batch_size=2, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceCacheWarning)  # the checkpoint's fingerprint is known in time
+        fit(resumed_model, resumed, tmp_path, max_steps=3, ckpt_path=str(ckpt),
+            strategy=LateRestoreStrategy(device=torch.device("cpu")))
+    assert resumed_model.scoring_calls == [] and resumed.reference_report.source == "cache"
+    assert resumed.reference_report.reference_fingerprint == first.reference_report.reference_fingerprint
+    assert ref_values(resumed.scored_data) == ref_values(first.scored_data)
+
+
+def test_a_fresh_run_under_a_strategy_that_restores_after_its_setup_scores_the_policy(tmp_path: Any) -> None:
+    data = DPODataModule(pair_datums(make_pairs(4)), batch_size=2, progress=False, use_cache=False)
+    model = watched_model(3)
+    fit(model, data, tmp_path, max_steps=1, strategy=LateRestoreStrategy(device=torch.device("cpu")))
+    assert data.reference_report.source == "scored" and model.scoring_calls

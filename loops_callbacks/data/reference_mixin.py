@@ -118,10 +118,16 @@ def compute_reference_logprobs(
 
 
 class Stage(Enum):
-    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches the values (``SCORED``)."""
+    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches the values (``SCORED``).
+
+    ``AFTER_RESTORE``: checked, under a strategy that restores checkpoints after ``on_fit_start``
+    (FSDP, model parallel, DeepSpeed), where that hook cannot know whether a checkpoint follows:
+    scored in ``on_load_checkpoint`` when the run resumes, else on the first read of ``scored_data``.
+    """
 
     NOT_SET_UP = "not set up"
     PENDING = "pending"
+    AFTER_RESTORE = "after the strategy's restore"
     SCORED = "scored"
 
 
@@ -151,8 +157,8 @@ class _ScoreReferenceAfterStrategySetup(Callback):
     ``on_fit_start`` runs after ``strategy.setup`` (device, DDP, FSDP sharding, ``configure_model``),
     before the sanity check and before any dataloader is asked for; a checkpoint's state is restored
     before it, except under a strategy that restores after its setup (FSDP, model parallel,
-    DeepSpeed): a resumed run there is scored in ``on_load_checkpoint``, once the DataModule's
-    state is back.
+    DeepSpeed), where ``on_fit_start`` cannot know whether a checkpoint follows (``Stage.AFTER_RESTORE``):
+    a resumed run there is scored in ``on_load_checkpoint``, once the DataModule's state is back.
     """
 
     def __init__(self, datamodule: ReferenceLogprobsMixin) -> None:
@@ -165,13 +171,14 @@ class _ScoreReferenceAfterStrategySetup(Callback):
 
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.ckpt_path is not None and trainer.strategy.restore_checkpoint_after_setup:
-            return  # its state comes back after this hook: on_load_checkpoint
+        if trainer.strategy.restore_checkpoint_after_setup:
+            self.datamodule._reference.stage = Stage.AFTER_RESTORE  # a checkpoint may still come
+            return
         self.datamodule.score_reference()
 
     @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if trainer.strategy.restore_checkpoint_after_setup and self.datamodule.reference_stage is Stage.PENDING:
+        if self.datamodule.reference_stage is Stage.AFTER_RESTORE:
             self.datamodule.score_reference()
 
 
@@ -294,9 +301,13 @@ class ReferenceLogprobsMixin:
     def scored_data(self) -> list[Any]:
         """``dpo_data()`` with ``ref_logprobs`` attached (float32 arrays, one buffer for all datums).
 
-        Available once scored (see the class docstring): read it in a dataloader hook.
+        Available once scored (see the class docstring): read it in a dataloader hook. Under a
+        strategy that restores checkpoints after its setup (FSDP, ...) and without a checkpoint,
+        the first read scores the policy (no hook comes between that restore and the dataloaders).
         """
         state = self._reference
+        if state.stage is Stage.AFTER_RESTORE:  # no checkpoint came: the strategy's restore is over
+            self.score_reference()
         if state.stage is Stage.SCORED:
             assert state.scored is not None
             return state.scored
@@ -304,8 +315,7 @@ class ReferenceLogprobsMixin:
             raise RuntimeError(
                 f"{type(self).__name__}.scored_data was read before the strategy set the LightningModule up: with the "
                 "default reference (the policy itself) it is scored in on_fit_start; read it in train_dataloader / "
-                "val_dataloader, not in setup (a run resumed under a strategy that restores checkpoints after its "
-                "setup needs a checkpoint with the callbacks' state)"
+                "val_dataloader, not in setup"
             )
         raise RuntimeError(
             f"{type(self).__name__}.scored_data is computed in setup('fit'); run trainer.fit, or call setup('fit')"
@@ -347,7 +357,7 @@ class ReferenceLogprobsMixin:
         state = self._reference
         if state.stage is Stage.NOT_SET_UP:
             raise RuntimeError(f"{type(self).__name__}.score_reference needs setup('fit') first")
-        if state.stage is Stage.PENDING:
+        if state.stage in (Stage.PENDING, Stage.AFTER_RESTORE):
             assert state.data is not None and state.tokens is not None
             trainer = self._attached_trainer()
             if state.config.reference is None and trainer is not None:
