@@ -15,13 +15,14 @@ cause              signature (the rule, checked in this order)                 c
                    left-aligned test's ratio is < 0.1; else shift_ratio < 0.1
 ``stale``          per-lag numbers (``by_lag``): mean |d| grows with the      the growth
                    policy lag (>= 1.5x from the lowest to the highest lag)
+``stale``          the run's history (``trend``): since k3 was last at the    the growth
+                   floor, it has grown step after step (Spearman >= 0.5 over
+                   >= 3 steps, the latest third >= 2x the earliest): weights
+                   a few steps old look like a mild T, far out of date like
+                   unrelated distributions
 ``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
 ``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
                    the slope of t on s >= 0.95 (T < 1 has a slope of T)
-``stale``          the run's history (``trend``): since k3 was last at the    the growth
-                   floor, it has grown step after step (Spearman >= 0.5 over
-                   >= 3 steps, the latest third >= 2x the earliest); before
-                   the slope, as weights a few steps old look like a mild T
 ``temperature``    Pearson >= 0.97 and |slope of t on s − 1| >= 0.15 (the     |slope − 1|, sign_split
                    slope estimates T, on flat distributions too), or
                    sign_split >= 0.9 (d of one sign on p > 0.5, the other on
@@ -245,6 +246,10 @@ def diagnose(
     lags = _lag_growth(by_lag)
     if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
         return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
+    k3 = get("kl_sample_train_k3")
+    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
+    if growing is not None:  # weights a few steps old look like a mild temperature, far out of date like unrelated
+        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
     slope = get("temperature")
@@ -255,10 +260,6 @@ def diagnose(
     ):
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
-    k3 = get("kl_sample_train_k3")
-    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
-    if growing is not None:  # before the slope: weights a few steps old look like a mild temperature
-        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE:
         margin = (off_one - TEMPERATURE_SLOPE) / TEMPERATURE_SLOPE
