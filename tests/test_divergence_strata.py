@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loops_callbacks.divergence import statistics as statistics_module
+from loops_callbacks.divergence import strata as strata_module
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.step_input import data_keys, read_step
@@ -95,8 +96,9 @@ def test_stratum_sums_equal_a_token_by_token_loop(case: Any, masked: bool) -> No
     batch = labelled(*case)
     flat = flat_of(batch)
     with pytest.MonkeyPatch.context() as patch:
-        if masked:  # the accelerator's fixed-shape path, run on the CPU
+        if masked:  # the accelerator's fixed-shape path (index_add_, no bincount), run on the CPU
             patch.setattr(statistics_module, "_on_host", lambda device: False)
+            patch.setattr(strata_module, "_bincount_here", lambda device: False)
         host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
     assert_strata_equal(host.strata, loop_oracle(flat))
     assert [label for label in host.by_lag] == (list(LAG_LABELS) if host.strata["pos_q1"].n_tokens else [])

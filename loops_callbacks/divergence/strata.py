@@ -143,7 +143,8 @@ class Strata:
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
         ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum.
         Places that are not action tokens go to a last column that is dropped. Each family is one
-        index per token and four weighted ``bincount``s, so the temporaries are a few 1-D arrays.
+        index per token; on the CPU its sums are four weighted ``bincount``s (the temporaries stay a
+        few 1-D arrays), elsewhere one ``index_add_`` (``bincount`` would read its size on the host).
         """
         device = d.device
         trash = self.width
@@ -165,9 +166,14 @@ class Strata:
             weights = tuple(weight.masked_fill(~valid, 0.0) for weight in weights)
         out = torch.zeros(len(COLUMNS), trash + 1, dtype=torch.float64, device=device)
 
+        stacked = None if _bincount_here(device) else torch.stack([torch.ones_like(d), *weights])
+
         def add(index: torch.Tensor) -> None:
             if valid is not None:
                 index.masked_fill_(~valid, trash)
+            if stacked is not None:
+                out.index_add_(1, index, stacked)
+                return
             out[0] += torch.bincount(index, minlength=trash + 1)
             for row, weight in enumerate(weights, start=1):
                 out[row] += torch.bincount(index, weights=weight, minlength=trash + 1)
@@ -186,6 +192,11 @@ class Strata:
     def host(self, sums: np.ndarray) -> dict[str, StratumSums]:
         """Each stratum's sums by name, from the array ``sums``."""
         return {name: StratumSums(*map(float, sums[:, i])) for i, name in enumerate(self.names)}
+
+
+def _bincount_here(device: torch.device) -> bool:
+    """Whether ``bincount`` is free of host synchronization here (the CPU)."""
+    return device.type == "cpu"
 
 
 def by_lag(strata: Mapping[str, StratumSums]) -> dict[str, StratumSums]:
