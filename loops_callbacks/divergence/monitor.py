@@ -167,8 +167,9 @@ class KLSampleTrainMonitor(Callback):
 
     * Optional, either form: ``policy_version`` (``[B]`` ints: the version of the sampler's
       weights that generated each datum, counted in the trainer's optimizer steps, 0 for the
-      initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id); in the
-      datum form also a one-value field of each datum's ``loss_fn_inputs``. A datum's policy lag
+      initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id), as lists or
+      CPU tensors (read on the host, with ``log_strata`` only); in the datum form also a one-value
+      field of each datum's ``loss_fn_inputs``. A datum's policy lag
       is the optimizer step being trained minus its version (``step_input`` says why the
       trainer's step is the reference); a version ahead of the trainer is a ``ValueError``.
 

@@ -93,13 +93,17 @@ def read_step(
 
     ``keys`` maps every name of ``DATA_KEYS`` to its key (``data_keys``); ``with_tokens`` keeps
     the token look-up for the worst-tokens table, ``with_token_ids`` the predicted ids the
-    diagnosis groups by (datums only; padded tensors always carry theirs). ``optimizer_step``
-    turns the datums' policy versions into lags (``FlatBatch.lags``); groups are read either way.
+    diagnosis groups by (datums only; padded tensors always carry theirs). With ``optimizer_step``
+    (the caller keeps strata) the per-datum keys are read: policy versions become lags
+    (``FlatBatch.lags``), groups ``FlatBatch.groups``; they are read on the host (a transfer when
+    they sit on an accelerator: keep them on the CPU).
     """
     step = _Step(outputs, batch, keys)
     flat, data = _read_positions(step, with_tokens, with_token_ids)
+    if optimizer_step is None:
+        return flat
     groups = _per_datum_ints(step, "group", data, flat.n_datums)
-    versions = _per_datum_ints(step, "policy_version", data, flat.n_datums) if optimizer_step is not None else None
+    versions = _per_datum_ints(step, "policy_version", data, flat.n_datums)
     if groups is None and versions is None:
         return flat
     lags = None
