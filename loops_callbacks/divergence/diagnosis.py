@@ -30,7 +30,7 @@ cause              signature (the rule, checked in this order)                 c
 ``precision``      k3 below the precision bound                               how far below the bound
 ``stale``          token identity explains d: token_eta2 >= 0.05, unless a    token_eta2
                    mild temperature could explain it too (Pearson >= 0.95,
-                   the slope 0.05 or more from 1: training sharpens a policy
+                   the slope 0.1 or more from 1: training sharpens a policy
                    as a temperature would) or per-lag numbers are present
                    (they did not show the gap growing with the lag)
 ``unclear``        none of the above                                          (0)
@@ -91,7 +91,7 @@ TRUNCATION_SE = 3.0
 SIGN_SPLIT = 0.9
 TEMPERATURE_PEARSON = 0.97
 TEMPERATURE_SLOPE = 0.15
-AMBIGUOUS_SLOPE = 0.05
+AMBIGUOUS_SLOPE = 0.1
 TRUNCATION_MIN_SLOPE = 0.95
 OFFSET_SHARE = 0.5
 LAG_MIN_TOKENS = 32
