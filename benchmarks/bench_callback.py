@@ -130,8 +130,12 @@ def run(steps: int, monitor: KLSampleTrainMonitor | None, accelerator: str = "cp
     return total, [b - a for a, b in zip(timer.starts, timer.starts[1:])]
 
 
-def part_costs(repeats: int = 30) -> list[tuple[str, float]]:
-    """Seconds ``from_batch`` spends on each stratum family and each correction, for one step's batch."""
+def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
+    """Seconds ``from_batch`` spends on each stratum family and each correction, for one step's batch.
+
+    Every configuration is timed once per round, round after round, and each takes its median:
+    a load that changes during the measurement moves them all alike.
+    """
     import dataclasses
 
     from loops_callbacks.divergence.action_tokens import flatten_padded
@@ -148,23 +152,31 @@ def part_costs(repeats: int = 30) -> list[tuple[str, float]]:
     versioned = dataclasses.replace(flat, lags=rows % 3)
     grouped = dataclasses.replace(versioned, groups=rows % 4)
 
-    def median_seconds(flat: Any, **options: Any) -> float:
-        times = []
-        for _ in range(repeats):
+    configurations: dict[str, tuple[Any, dict[str, Any]]] = {
+        "base": (flat, {}),
+        "no diagnosis": (flat, {"signatures": False}),
+        "p, pos": (flat, {"strata": Strata()}),
+        "p, pos, lag": (versioned, {"strata": Strata()}),
+        "all strata": (grouped, {"strata": Strata()}),
+        **{c.name: (flat, {"corrections": [c]}) for c in parse_corrections(CORRECTIONS)},
+    }
+    times: dict[str, list[float]] = {name: [] for name in configurations}
+    for _ in range(repeats):
+        for name, (batch_flat, options) in configurations.items():
             start = time.perf_counter()
-            DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, **options)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    base = median_seconds(flat)
-    costs = [("statistics without strata or corrections", base)]
-    costs.append(("  of which the diagnosis (signatures, offset votes)", base - median_seconds(flat, signatures=False)))
-    costs.append(("strata: sampler probability and quartile", median_seconds(flat, strata=Strata()) - base))
-    with_two = median_seconds(flat, strata=Strata())
-    costs.append(("strata: policy lag", median_seconds(versioned, strata=Strata()) - with_two))
-    costs.append(("strata: group", median_seconds(grouped, strata=Strata()) - median_seconds(versioned, strata=Strata())))
+            DivergenceStats.from_batch(batch_flat, top_n=20, sample_size=100_000, **options)
+            times[name].append(time.perf_counter() - start)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    base = median["base"]
+    costs = [
+        ("statistics without strata or corrections", base),
+        ("  of which the diagnosis (signatures, offset votes)", base - median["no diagnosis"]),
+        ("strata: sampler probability and quartile", median["p, pos"] - base),
+        ("strata: policy lag", median["p, pos, lag"] - median["p, pos"]),
+        ("strata: group", median["all strata"] - median["p, pos, lag"]),
+    ]
     for correction in parse_corrections(CORRECTIONS):
-        costs.append((f"correction {correction.name}", median_seconds(flat, corrections=[correction]) - base))
+        costs.append((f"correction {correction.name}", median[correction.name] - base))
     return costs
 
 
