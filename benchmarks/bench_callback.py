@@ -197,7 +197,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
-    parser.add_argument("--all-on", action="store_true", help="also every stratum and three corrections, and each part's cost")
+    parser.add_argument(
+        "--all-on", action="store_true", help="also every stratum and three corrections, and each part's cost"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 60, 1

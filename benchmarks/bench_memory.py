@@ -2,9 +2,10 @@
 
 One logged step is what the monitor runs on a step it logs: ``read_step`` (the batch into a
 ``FlatBatch``), ``DivergenceStats.from_batch`` (signatures, worst tokens and the percentile sample
-on, as by default; every stratum, with a policy version and a group per row), ``to_host`` and ``step_report`` (scalars, diagnosis, histogram values,
-worst-token rows, the guard rail's judgement). The batch is padded ``[B, T]`` float32 logprobs, a float32 mask and
-int64 target tokens, every position an action token; the inputs themselves are not counted.
+on, as by default; every stratum, with a policy version and a group per row), ``to_host`` and
+``step_report`` (scalars, diagnosis, histogram values, worst-token rows, the guard rail's
+judgement). The batch is padded ``[B, T]`` float32 logprobs, a float32 mask and int64 target
+tokens, every position an action token; the inputs themselves are not counted.
 
 Each size runs in a fresh process whose large allocations all go through ``mmap``
 (``MALLOC_MMAP_THRESHOLD_``), so the resident set is the live memory and its high-water mark
@@ -92,7 +93,11 @@ def main() -> None:
     worst = 0.0
     for tokens in args.tokens:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(tokens), *(["--no-strata"] if args.no_strata else [])], env=env, capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--child", str(tokens), *(["--no-strata"] if args.no_strata else [])],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         worst = max(worst, result["copies"])

@@ -99,7 +99,7 @@ class HostDivergence:
     diffs: np.ndarray  # float64, the sampled diffs in batch order
     token_sums: np.ndarray | None = None  # float64 [3, TOKEN_BUCKETS]: count, sum d, sum d² per bucket
     strata: dict[str, StratumSums] | None = None  # by stratum name (``strata``); None: not kept
-    offset_sums: np.ndarray | None = None  # float64 [alignment.OFFSET_SIZE], the diagnosis' offset votes; None: not kept
+    offset_sums: np.ndarray | None = None  # float64 [alignment.OFFSET_SIZE]: the offset votes; None: not kept
     extra_totals: dict[str, float] = field(default_factory=dict)  # the shadow statistics' sums, by name
     extra_extrema: dict[str, float] = field(default_factory=dict)  # and their extrema
 
@@ -356,14 +356,17 @@ class DivergenceStats:
         )
         part = {name: value.numpy() for name, value in transfer.unpack(packed.cpu()).items()}
         worst = part["worst"].reshape(-1, ROW.WIDTH)
-        named_totals, named_extrema = (self.extra or ExtraStatistics()).unpack(part["extra_totals"], part["extra_extrema"])
+        extra = self.extra or ExtraStatistics()
+        named_totals, named_extrema = extra.unpack(part["extra_totals"], part["extra_extrema"])
         return HostDivergence(
             totals=dict(zip(TOTALS, part["totals"].tolist())),
             extrema=dict(zip(EXTREMA, part["extrema"].tolist())),
             worst=worst[worst[:, ROW.ABS] > float("-inf")],
             diffs=part["values"][part["keys"] < np.inf] if self.sample_keys is not None else part["values"],
             token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
-            strata=None if self.stratification is None else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
+            strata=None
+            if self.stratification is None
+            else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
             offset_sums=part["offsets"] if self.offset_sums is not None else None,
             extra_totals=named_totals,
             extra_extrema=named_extrema,
@@ -476,7 +479,7 @@ def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, co
 
 
 def _offset_sums(flat: FlatBatch, compact: bool) -> torch.Tensor:
-    """``alignment.offset_sums`` of ``flat``; on the CPU summed over ``OFFSET_CHUNK_POSITIONS`` chunks (votes add up)."""
+    """``alignment.offset_sums`` of ``flat``; on the CPU summed over ``OFFSET_CHUNK_POSITIONS`` chunks."""
     if not compact:
         return offset_sums(flat)
     return functools.reduce(operator.add, [offset_sums(chunk) for chunk in flat.datum_chunks(OFFSET_CHUNK_POSITIONS)])

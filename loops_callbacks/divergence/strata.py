@@ -215,8 +215,9 @@ def stratum_scalars(strata: Mapping[str, StratumSums]) -> dict[str, float]:
     """``stratum/<name>/<metric>`` (``STRATUM_METRICS``) for every stratum with tokens, without prefix.
 
     Example:
-        >>> stratum_scalars({"pos_q1": StratumSums(2.0, 0.1, 1.0, 2.0), "pos_q2": StratumSums(0.0, 0.0, 0.0, 0.0)})
-        {'stratum/pos_q1/k3': 0.05, 'stratum/pos_q1/abs_d_mean': 0.5, 'stratum/pos_q1/is_ratio_mean': 1.0, 'stratum/pos_q1/n_tokens': 2.0}
+        >>> scalars = stratum_scalars({"pos_q1": StratumSums(2.0, 0.1, 1.0, 2.0), "pos_q2": StratumSums(0, 0, 0, 0)})
+        >>> list(scalars), scalars["stratum/pos_q1/k3"]
+        (['stratum/pos_q1/k3', 'stratum/pos_q1/abs_d_mean', 'stratum/pos_q1/is_ratio_mean', 'stratum/pos_q1/n_tokens'], 0.05)
     """
     scalars = {}
     for name, stratum in strata.items():
