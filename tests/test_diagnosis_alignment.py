@@ -57,7 +57,8 @@ def test_an_offset_of_any_size_is_named_with_its_size_and_direction(offset: int,
     assert found.cause == "shift" and found.confidence > 0.9
     size = "one position" if abs(offset) == 1 else f"{abs(offset)} positions"
     assert f"sampler logprobs are shifted by {size}" in found.message
-    assert f"the trainer's value at k matches the sampler's at k{'+' if offset > 0 else '−'}{abs(offset)})" in found.message
+    sign = "+" if offset > 0 else "−"
+    assert f"the trainer's value at k matches the sampler's at k{sign}{abs(offset)})" in found.message
 
 
 def test_offsets_beyond_one_were_not_named_by_the_one_position_rule() -> None:
@@ -95,7 +96,8 @@ def test_offset_sums_merge_by_sum_and_have_a_fixed_shape() -> None:
     parts = [offset_sums(flatten_padded(**{k: v[i::3] for k, v in batch.items()})) for i in range(3)]
     assert whole.shape == (OFFSET_SIZE,) and whole.dtype == torch.float64
     assert torch.allclose(parts[0] + parts[1] + parts[2], whole, rtol=1e-12, atol=1e-9)
-    empty = flatten_padded(sampler_logprobs=torch.zeros(0, 4), training_logprobs=torch.zeros(0, 4), mask=torch.zeros(0, 4))
+    nothing = torch.zeros(0, 4)
+    empty = flatten_padded(sampler_logprobs=nothing, training_logprobs=nothing, mask=nothing)
     assert offset_sums(empty).shape == (OFFSET_SIZE,) and not offset_sums(empty).any()
     assert np.isnan(read_offsets(np.zeros(OFFSET_SIZE)).offset)
     with pytest.raises(ValueError, match=f"offset sums must have shape \\({OFFSET_SIZE},\\)"):

@@ -43,7 +43,7 @@ def test_a_one_sided_temperature_on_flat_distributions_is_temperature_not_stale(
 
 
 def test_temperature_below_one_is_not_truncation_the_slope_separates_them() -> None:
-    """Few d > 0 and mean e^d below 1 fit both; truncation keeps the slope of t on s at 1 or above, T < 1 has slope T."""
+    """Few d > 0 and mean e^d below 1 fit both; truncation keeps the slope of t on s at 1 or more, T < 1 has slope T."""
     sig = {"frac_d_zero": 0.0, "pearson": 0.99, "frac_d_pos": 0.01, "is_ratio_mean": 0.9, "is_ratio_se": 0.01,
            "sign_split": float("nan"), "kl_sample_train_k3": 0.05, "token_eta2": 0.0}
     assert diagnose(sig | {"temperature": 0.8}, n_tokens=1000).cause == "temperature"
@@ -60,7 +60,9 @@ class Lag:
 
 def test_a_gap_that_grows_with_the_policy_lag_is_stale_with_the_per_lag_numbers() -> None:
     sig = signature_numbers(host_of(case("unrelated")))  # what weights far out of date look like
-    by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3), "2": Lag(200, 0.7), "3": Lag(0, float("nan")), "4-7": Lag(90, 1.4)}
+    by_lag = {
+        "0": Lag(400, 0.02), "1": Lag(300, 0.3), "2": Lag(200, 0.7), "3": Lag(0, float("nan")), "4-7": Lag(90, 1.4)
+    }
     found = diagnose(sig, n_tokens=1024, by_lag=by_lag)
     assert found.cause == "stale" and found.evidence["lag_growth"] == pytest.approx(70.0)
     assert "abs d lag 0 0.02" in found.message and "abs d lag 4-7 1.4" in found.message

@@ -143,7 +143,10 @@ def read_offsets(sums: np.ndarray) -> Offsets:
         offset = float(total[best] / n)
         share = float(n / rows)
         spread = float(math.sqrt(max(squares[best] / n - offset**2, 0.0)))
-        ratio = float(gap_voted[best] / gap_aligned[best]) if gap_aligned[best] > 0 else (0.0 if best == _ALIGNED_BIN else nan)
+        if gap_aligned[best] > 0:
+            ratio = float(gap_voted[best] / gap_aligned[best])
+        else:
+            ratio = 0.0 if best == _ALIGNED_BIN else nan
     left_ratio = float(left_gap / left_gap_aligned) if left_pairs and left_gap_aligned > 0 else nan
     left_share = float(left_vote_rows / left_rows) if left_rows else nan
     return Offsets(rows, offset + 0.0, share, spread, ratio, float(left_rows), left_ratio, left_share)

@@ -86,7 +86,9 @@ IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
 DROPOUT = "dropout"
 """The cause named when dropout is seen live in the trainer (``evidence``): an observation, not a guess."""
-CAUSES = (IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear")
+CAUSES = (
+    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear"
+)
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
 MIN_TOKENS = 64
@@ -306,7 +308,8 @@ def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
         return None
     if get("shift_ratio") < SHIFT_RATIO:
         margin = math.log10(SHIFT_RATIO / max(get("shift_ratio"), 1e-300)) / 2
-        return Diagnosis("shift", _confidence(margin), {"shift_ratio": get("shift_ratio"), "shift_direction": get("shift_direction")})
+        numbers = {"shift_ratio": get("shift_ratio"), "shift_direction": get("shift_direction")}
+        return Diagnosis("shift", _confidence(margin), numbers)
     return None
 
 

@@ -79,7 +79,7 @@ class DirectEvidence:
 
     @property
     def reduced_precision(self) -> bool:
-        """Whether the trainer computes in 16-bit (``16``/``bf16`` in its precision), so its own logprobs carry rounding."""
+        """Whether the trainer computes in 16-bit (``16``/``bf16`` in its precision): its logprobs carry rounding."""
         return self.precision is not None and "16" in self.precision
 
     @property
@@ -111,7 +111,8 @@ def observe_modules(module: torch.nn.Module, *, precision: str | None) -> Direct
             value = getattr(child, attribute, None)
             if isinstance(value, float) and 0.0 < value <= 1.0:
                 counts[f"{type(child).__name__}.{attribute}", value] += 1
-    seen = tuple(DropoutSeen(kind, p, count) for (kind, p), count in sorted(counts.items(), key=lambda i: (-i[1], i[0])))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))  # most modules first
+    seen = tuple(DropoutSeen(kind, p, count) for (kind, p), count in ranked)
     return DirectEvidence(dropout=seen, precision=precision)
 
 

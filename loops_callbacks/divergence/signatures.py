@@ -21,7 +21,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``offset``              the offset most rows vote for (``alignment``; o > 0: t[k] matches s[k + o]), 0 when aligned
 ``offset_share``        the share of rows voting for it
 ``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
-``left_aligned_ratio``  capped mean |t[k] − s[k − first]| over mean |t[k] − s[k]|: completion-only logprobs left at 0
+``left_aligned_ratio``  capped mean |t[k] − s[k − first]| / mean |t[k] − s[k]| (completion-only logprobs at 0)
 ``left_aligned_share``  share of rows (first action position > 0) whose vote is −first
 ======================  ============================================================================
 
@@ -130,7 +130,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
 
 def _offset_numbers(offsets: np.ndarray | None) -> dict[str, float]:
     if offsets is None:
-        return dict.fromkeys(("offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share"), _NAN)
+        return dict.fromkeys(SIGNATURES[SIGNATURES.index("offset") :], _NAN)
     found = read_offsets(offsets)
     return {
         "offset": found.offset,
