@@ -22,7 +22,7 @@ from tests.helpers import CleanDistributedExit, RecordingLogger, TinyPolicy, qui
 from tests.oracle import PREFIX
 
 MAX_GROUPS = 2
-CORRECTIONS = ["sequence_mask:1.05", "token_truncate:1.1", "geo:0.98_1.02"]
+CORRECTIONS = ["sequence_mask:1.05", "token_truncate:1.1", "geo:0.98_1.02", "off_policy_mask:0.001"]
 
 
 class VersionedPolicy(TinyPolicy):
@@ -64,7 +64,8 @@ def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]
 
 def expected_shadow(window: list[dict[str, Any]], step: int) -> dict[str, float]:
     """The corrections' shadow scalars of the window's micro-batches concatenated, in one piece."""
-    values = shadow_values(window_flat(window, step), CORRECTIONS)
+    advantages = torch.cat([record["advantages"] for record in window]).double()  # one per datum
+    values = shadow_values(window_flat(window, step), CORRECTIONS, advantages)
     return {PREFIX + name: value for name, value in shadow_scalars(values, values, CORRECTIONS).items()}
 
 
@@ -117,14 +118,24 @@ def test_shadow_metrics_of_each_accumulation_window_and_nothing_else_changes() -
     for step, metrics in shadowed:
         want = expected_shadow([r for r in model.recorded if r["step"] == step], step)
         assert want[PREFIX + "correction/sequence_mask(clip_max=1.05)/frac_seqs_masked"] > 0
+        assert 0 < want[PREFIX + "correction/off_policy_mask(threshold=0.001)/frac_seqs_masked"] < 1
         assert_close({key: value for key, value in metrics.items() if "/correction/" in key}, want)
     without = [(step, {k: v for k, v in m.items() if "/correction/" not in k}) for step, m in calls]
     assert without == runs[0][1]  # everything else logged is the same, bit for bit
 
 
-def test_a_correction_the_monitor_cannot_shadow_is_named_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"corrections \['off_policy_mask\(threshold=0.1\)'\] need one advantage"):
-        KLSampleTrainMonitor(corrections=["off_policy_mask:0.1"])
+def test_bad_corrections_are_named_at_construction_and_missing_advantages_at_the_first_step() -> None:
+    class NoAdvantages(VersionedPolicy):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+            return super().training_step({k: v for k, v in batch.items() if k != "advantages"} | {
+                "advantages": torch.ones(batch["input_ids"].shape[0])}, batch_idx)
+
+        def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            batch.pop("advantages")  # the monitor reads the batch: it has none
+
+    monitor = KLSampleTrainMonitor(corrections=["off_policy_mask:0.1"])
+    with pytest.raises(ValueError, match="a correction listed needs one advantage per datum under 'advantages'"):
+        quiet_trainer(max_steps=1, callbacks=[monitor]).fit(NoAdvantages())
     with pytest.raises(ValueError, match="unknown method 'tis'"):
         KLSampleTrainMonitor(corrections=["tis"])
     with pytest.raises(TypeError, match="must be a list of specs"):

@@ -67,6 +67,7 @@ class FlatBatch:
     token_ids: torch.Tensor | None = None  # int64 [L], the token predicted at each position; < 0 unknown
     lags: torch.Tensor | None = None  # int64 [B], each datum's policy lag (``step_input``); None: no versions
     groups: torch.Tensor | None = None  # int64 [B], each datum's group id (>= 0); None: no groups
+    datum_advantages: torch.Tensor | None = None  # float64 [B], one advantage per datum; None: not read
 
     @property
     def n_datums(self) -> int:
@@ -114,6 +115,7 @@ class FlatBatch:
             None if self.token_ids is None else self.token_ids[start:stop],
             None if self.lags is None else self.lags[first:end],
             None if self.groups is None else self.groups[first:end],
+            None if self.datum_advantages is None else self.datum_advantages[first:end],
         )
 
 

@@ -113,8 +113,9 @@ class KLSampleTrainMonitor(Callback):
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"token_truncate:2.0"``, ``"geo:0.999_1.001"`` (YAML-friendly)
             or ``Correction`` objects. Each logged step logs what each would do, without applying
-            anything (``loops_callbacks.divergence.shadow``). ``off_policy_mask`` needs per-sequence
-            advantages the monitor does not read: a ``ValueError``.
+            anything (``loops_callbacks.divergence.shadow``). ``off_policy_mask`` reads one
+            advantage per datum (``advantages`` ``[B]`` or ``[B, 1]``, or a one-value field of
+            each datum); without them the first logged step is a ``ValueError``.
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
@@ -250,7 +251,7 @@ class KLSampleTrainMonitor(Callback):
         check_bool("diagnose", diagnose)
         check_bool("log_strata", log_strata)
         self.strata = Strata(max_groups) if log_strata else None  # checks max_groups
-        self.corrections = _shadowed(corrections)
+        self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
         self.interval = interval
@@ -311,6 +312,7 @@ class KLSampleTrainMonitor(Callback):
             with_tokens=self.top_n > 0,
             with_token_ids=self.diagnosing,
             optimizer_step=step if self.strata is not None else None,
+            datum_advantages=any(c.spec.needs_advantages for c in self.corrections),
         )
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
@@ -518,18 +520,6 @@ class KLSampleTrainMonitor(Callback):
         if self.on_exceed == "raise":
             raise SampleTrainDivergenceError(message)
         self.warnings.warn(f"exceeded:{step}", message)
-
-
-def _shadowed(corrections: Sequence[str | Correction]) -> tuple[Correction, ...]:
-    """The corrections to shadow, parsed (``ValueError`` / ``TypeError`` naming a bad spec)."""
-    parsed = parse_corrections(corrections)
-    needing = [c.name for c in parsed if c.spec.needs_advantages]
-    if needing:
-        raise ValueError(
-            f"corrections {needing} need one advantage per sequence, which the monitor does not read yet; "
-            "shadow them with loops_callbacks.divergence.shadow.shadow_values(flat, corrections, advantages)"
-        )
-    return parsed
 
 
 def _advice(report: StepReport) -> str:

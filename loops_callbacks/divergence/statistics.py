@@ -271,7 +271,7 @@ class DivergenceStats:
         stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata, offsets)
         if corrections:
             extra = ExtraStatistics(shadow_statistics(corrections))
-            extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections))
+            extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections, flat.datum_advantages))
             stats = dataclasses.replace(stats, extra_totals=extra_totals, extra_extrema=extra_extrema, extra=extra)
         return stats._capped()
 

@@ -88,6 +88,7 @@ def read_step(
     with_tokens: bool = False,
     with_token_ids: bool = True,
     optimizer_step: int | None = None,
+    datum_advantages: bool = False,
 ) -> FlatBatch:
     """The step's positions, in either contract form (module docstring).
 
@@ -96,10 +97,14 @@ def read_step(
     diagnosis groups by (datums only; padded tensors always carry theirs). With ``optimizer_step``
     (the caller keeps strata) the per-datum keys are read: policy versions become lags
     (``FlatBatch.lags``), groups ``FlatBatch.groups``; they are read on the host (a transfer when
-    they sit on an accelerator: keep them on the CPU).
+    they sit on an accelerator: keep them on the CPU). ``datum_advantages`` reads one advantage per
+    datum (``FlatBatch.datum_advantages``, for a correction that needs them): ``[B]`` or ``[B, 1]``,
+    or a one-value ``advantages`` field of each datum.
     """
     step = _Step(outputs, batch, keys)
     flat, data = _read_positions(step, with_tokens, with_token_ids)
+    if datum_advantages:
+        flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat))
     if optimizer_step is None:
         return flat
     groups = _per_datum_ints(step, "group", data, flat.n_datums)
@@ -155,14 +160,57 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
     return flat, None
 
 
+def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch) -> torch.Tensor:
+    """Float64 ``[B]`` advantages, one per datum, on the batch's device; ``ValueError`` when there are none."""
+    key = step.keys["advantages"]
+    value = step.get("advantages")
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        if value.shape[1] != 1:
+            raise ValueError(
+                f"KLSampleTrainMonitor: a correction listed needs one advantage per datum, but {key!r} has shape "
+                f"{tuple(value.shape)}; give [B] or [B, 1] advantages"
+            )
+        value = value.reshape(-1)
+    values = _per_datum_values(step, "advantages", data, flat.n_datums, value=value)
+    if values is None:
+        raise ValueError(
+            f"KLSampleTrainMonitor: a correction listed needs one advantage per datum under {key!r} "
+            "(in the batch, the step's output, or each datum's loss_fn_inputs); none was found"
+        )
+    return values.to(device=flat.device, dtype=torch.float64)
+
+
 def _per_datum_ints(step: _Step, name: str, data: Sequence[Any] | None, n_datums: int) -> torch.Tensor | None:
     """Int64 ``[B]`` CPU tensor of the per-datum key ``name`` (module docstring); ``None`` when absent.
 
     ``ValueError`` naming the key and the lengths for a wrong count, a non-integer or a negative
     value, or a key only some datums have; ``TypeError`` for a value that is not numbers.
     """
+    values = _per_datum_values(step, name, data, n_datums)
+    if values is None:
+        return None
+    where = f"KLSampleTrainMonitor: {step.keys[name]!r}"
+    if values.is_floating_point():
+        if not bool(torch.isfinite(values).all()) or not bool((values == values.round()).all()):
+            raise ValueError(f"{where} must hold integers, got {values.tolist()}")
+    elif values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{where} must hold integers, got dtype {values.dtype}")
+    values = values.to(torch.int64)
+    if bool((values < 0).any()):
+        raise ValueError(f"{where} must be >= 0, got {values.tolist()}")
+    return values
+
+
+def _per_datum_values(
+    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, *, value: Any = None
+) -> torch.Tensor | None:
+    """``[B]`` CPU tensor of the per-datum key ``name`` (``value`` when the caller read it); ``None`` when absent.
+
+    ``ValueError`` for a wrong count or a key only some datums have.
+    """
     key = step.keys[name]
-    value = step.get(name)
+    if value is None:
+        value = step.get(name)
     where = f"KLSampleTrainMonitor: {key!r}"
     if value is None and data is not None:
         has = [key in datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
@@ -184,14 +232,6 @@ def _per_datum_ints(step: _Step, name: str, data: Sequence[Any] | None, n_datums
     values = field_to_tensor(_as_row(value), where=where).detach().cpu()
     if values.numel() != n_datums:
         raise ValueError(f"{where} has {values.numel()} values for {n_datums} datums; give one per datum")
-    if values.is_floating_point():
-        if not bool(torch.isfinite(values).all()) or not bool((values == values.round()).all()):
-            raise ValueError(f"{where} must hold integers, got {values.tolist()}")
-    elif values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where} must hold integers, got dtype {values.dtype}")
-    values = values.to(torch.int64)
-    if bool((values < 0).any()):
-        raise ValueError(f"{where} must be >= 0, got {values.tolist()}")
     return values
 
 
