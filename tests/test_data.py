@@ -278,7 +278,7 @@ def test_values_are_one_float32_buffer_and_a_cache_hit_is_read_into_memory(tmp_p
         assert sum(f.nbytes for f in fields) == 4 * num_tokens  # 4 bytes a token, in one buffer
         assert all(np.shares_memory(f, fields[0].base if fields[0].base is not None else fields[0]) for f in fields)
         # the batches are cut from that buffer: the dataset's rows are views of it, not copies
-        row = module._pairs.pairs[0][0]["ref_logprobs"]
+        row = module._pairs[0][0]["ref_logprobs"]
         assert np.shares_memory(row.numpy(), fields[0])
     # a hit is read into memory (not a map of the file, which another run could change or truncate)
     assert _memmap_of(second.scored_data[0].loss_fn_inputs["ref_logprobs"]) is None

@@ -32,12 +32,12 @@ import torch
 from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
-from loops_callbacks.data.labels import datum_label, pair_label
+from loops_callbacks.data.labels import datum_label
+from loops_callbacks.data.packed_pairs import BATCH_KEYS, PackedPairs
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
     field_to_tensor,
-    model_input_length,
     model_input_tokens,
 )
 from loops_callbacks.types import Datum, ModelInput, TensorData
@@ -311,16 +311,15 @@ def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) ->
             )
 
 
-_BATCH_KEYS = ("input_ids", "target_tokens", "weights", "ref_logprobs")
-
-
 class DPOPairDataset(Dataset):
-    """Preference pairs of scored DPO datums, one item per pair (so samplers never split a pair).
+    """Preference pairs of scored DPO sequences, one item per pair (so samplers never split a pair).
 
-    Each item is ``(chosen, rejected)``, each a dict of 1-D tensors ``input_ids``,
-    ``target_tokens``, ``weights`` and ``ref_logprobs``, converted once here. Missing
-    ``target_tokens`` are taken from ``model_input`` (``tokens[k + 1]``, last 0); ``weights`` and
-    ``ref_logprobs`` are required.
+    It holds one ``PackedPairs`` (flat arrays and offsets): given one, as it is; given scored
+    datums, read once (``PackedPairs.from_datums``: missing ``target_tokens`` are taken from
+    ``model_input``, ``tokens[k + 1]`` and last 0; ``weights`` and ``ref_logprobs`` are required;
+    values attached by ``attach_reference_logprobs`` stay the one buffer they are). Each item is
+    ``(chosen, rejected)``, each a dict of 1-D tensors ``input_ids``, ``target_tokens``,
+    ``weights`` and ``ref_logprobs``, views of those arrays.
 
     Example:
         >>> from loops_callbacks.helpers.datum import attach_reference_logprobs
@@ -332,41 +331,19 @@ class DPOPairDataset(Dataset):
         (1, [-1.0, 0.0])
     """
 
-    def __init__(self, data: Sequence[Any]) -> None:
+    def __init__(self, data: Sequence[Any] | PackedPairs) -> None:
         if len(data) % 2:
             raise ValueError(f"DPOPairDataset needs interleaved pairs; got an odd number of datums ({len(data)})")
-        rows = [_row_tensors(datum, index) for index, datum in enumerate(data)]
-        self.pairs: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = list(zip(rows[0::2], rows[1::2]))
+        self.packed = data if isinstance(data, PackedPairs) else PackedPairs.from_datums(data)
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.packed) // 2
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        return self.pairs[index]
-
-
-def _row_tensors(datum: Any, index: int) -> dict[str, torch.Tensor]:
-    label = datum_label(index)
-    model_input = datum_model_input(datum)
-    if model_input is None:
-        raise ValueError(f"{label} has no model_input")
-    input_ids = torch.tensor(model_input_tokens(model_input), dtype=torch.long)
-    length = model_input_length(model_input)
-    inputs = datum_loss_fn_inputs(datum, index=index)
-    row = {"input_ids": input_ids}
-    if "target_tokens" in inputs:
-        row["target_tokens"] = field_to_tensor(inputs["target_tokens"], where=f"{label}, key 'target_tokens'").long()
-    else:
-        row["target_tokens"] = torch.cat([input_ids[1:], input_ids.new_zeros(1)])
-    for key in ("weights", "ref_logprobs"):
-        if key not in inputs:
-            hint = " (attach them first, e.g. with attach_reference_logprobs)" if key == "ref_logprobs" else ""
-            raise ValueError(f"{label} has no {key!r}{hint}")
-        row[key] = field_to_tensor(inputs[key], where=f"{label}, key {key!r}").float()
-    for key, values in row.items():
-        if values.numel() != length:
-            raise ValueError(f"{label}: {key!r} has {values.numel()} values for a model_input of {length} tokens")
-    return {key: row[key].cpu() for key in _BATCH_KEYS}
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"pair {index} of {len(self)}")
+        index %= len(self)
+        return self.packed.row(2 * index), self.packed.row(2 * index + 1)
 
 
 def collate_dpo_pairs(
@@ -388,7 +365,7 @@ def collate_dpo_pairs(
     }
     for index, row in enumerate(rows):
         length = row["input_ids"].numel()
-        for key in _BATCH_KEYS:
+        for key in BATCH_KEYS:
             batch[key][index, :length] = row[key]
         batch["attention_mask"][index, :length] = True
     return batch

@@ -1,0 +1,116 @@
+"""``PackedPairs``: interleaved DPO sequences back to back in flat arrays, the form batches are cut from.
+
+Sequence i (pair i // 2; chosen at even i, rejected at odd) is ``[offsets[i], offsets[i + 1])`` of
+``input_ids`` and ``target_tokens`` (int64), ``weights`` and ``ref_logprobs`` (float32). A list of
+datums is read once (``from_datums``: each field checked, with the datum named); reference values
+that are views of one buffer (as ``attach_reference_values`` makes them) are kept as that buffer,
+not copied. ``row(i)`` gives sequence i's tensors as views.
+
+Example:
+    >>> from loops_callbacks.data.dpo import dpo_pair_datums
+    >>> chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4], prompt_length=1)
+    >>> for datum in (chosen, rejected):
+    ...     datum.loss_fn_inputs["ref_logprobs"] = [-0.5] * (datum.model_input.length - 1) + [0.0]
+    >>> packed = PackedPairs.from_datums([chosen, rejected])
+    >>> packed.offsets.tolist(), packed.row(1)["target_tokens"].tolist(), packed.row(0)["ref_logprobs"].tolist()
+    ([0, 3, 5], [4, 0], [-0.5, -0.5, 0.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from loops_callbacks.data.labels import datum_label
+from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
+
+__all__ = ["BATCH_KEYS", "PackedPairs"]
+
+BATCH_KEYS = ("input_ids", "target_tokens", "weights", "ref_logprobs")
+
+
+@dataclass(frozen=True)
+class PackedPairs:
+    """Interleaved DPO sequences back to back (see the module docstring)."""
+
+    input_ids: np.ndarray
+    target_tokens: np.ndarray
+    weights: np.ndarray
+    ref_logprobs: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, index: int) -> dict[str, torch.Tensor]:
+        """Sequence ``index``'s ``BATCH_KEYS`` tensors (views of the flat arrays)."""
+        start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
+        return {key: torch.from_numpy(getattr(self, key)[start:stop]) for key in BATCH_KEYS}
+
+    @classmethod
+    def from_datums(cls, data: Sequence[Any]) -> PackedPairs:
+        """Read each datum's ``model_input``, ``target_tokens`` (default: the next tokens), ``weights``
+        and ``ref_logprobs`` once; a missing or mis-sized field is a ``ValueError`` naming the datum."""
+        rows = [_row_arrays(datum, index) for index, datum in enumerate(data)]
+        lengths = np.fromiter((len(row["input_ids"]) for row in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        columns = {key: _joined([row[key] for row in rows], key) for key in BATCH_KEYS}
+        return cls(offsets=offsets, **columns)
+
+
+_DTYPES = {"input_ids": np.int64, "target_tokens": np.int64, "weights": np.float32, "ref_logprobs": np.float32}
+
+
+def _row_arrays(datum: Any, index: int) -> dict[str, np.ndarray]:
+    label = datum_label(index)
+    model_input = datum_model_input(datum)
+    if model_input is None:
+        raise ValueError(f"{label} has no model_input")
+    input_ids = np.asarray(model_input_tokens(model_input), dtype=np.int64)
+    inputs = datum_loss_fn_inputs(datum, index=index)
+    row = {"input_ids": input_ids}
+    if "target_tokens" in inputs:
+        row["target_tokens"] = _field(inputs["target_tokens"], f"{label}, key 'target_tokens'", np.int64)
+    else:
+        row["target_tokens"] = np.concatenate([input_ids[1:], np.zeros(1, np.int64)])
+    for key in ("weights", "ref_logprobs"):
+        if key not in inputs:
+            hint = " (attach them first, e.g. with attach_reference_logprobs)" if key == "ref_logprobs" else ""
+            raise ValueError(f"{label} has no {key!r}{hint}")
+        row[key] = _field(inputs[key], f"{label}, key {key!r}", np.float32)
+    for key, values in row.items():
+        if len(values) != len(input_ids):
+            raise ValueError(f"{label}: {key!r} has {len(values)} values for a model_input of {len(input_ids)} tokens")
+    return row
+
+
+def _field(field: Any, where: str, dtype: type) -> np.ndarray:
+    """A field as a 1-D numpy array of ``dtype``: a float32 / int64 numpy field as it is (no copy)."""
+    if isinstance(field, np.ndarray) and field.dtype == dtype and field.ndim == 1:
+        return field
+    return field_to_tensor(field, where=where).cpu().numpy().astype(dtype, copy=False).reshape(-1)
+
+
+def _joined(parts: list[np.ndarray], key: str) -> np.ndarray:
+    """The parts back to back: a view of the buffer they already lie back to back in, else a copy."""
+    dtype = _DTYPES[key]
+    if not parts:
+        return np.zeros(0, dtype)
+    first = parts[0]
+    if first.base is not None and all(p.dtype == dtype and p.flags.c_contiguous and p.base is first.base for p in parts):
+        address = first.__array_interface__["data"][0]
+        for part in parts:
+            if part.__array_interface__["data"][0] != address:
+                break
+            address += part.nbytes
+        else:  # one buffer (its owner kept alive by the view): no copy
+            total = sum(len(part) for part in parts)
+            return np.lib.stride_tricks.as_strided(
+                first, shape=(total,), strides=(first.itemsize,), writeable=first.flags.writeable
+            )
+    return np.concatenate(parts).astype(dtype, copy=False)
