@@ -1,6 +1,7 @@
 """DPO data for Lightning: the Loops pair convention and DataModules that attach reference logprobs.
 
 - ``dpo``: the Loops DPO datum convention (``dpo_pair_datums``), JSONL records, checks, batches;
+- ``packed_pairs``: ``PackedPairs``, the pairs back to back in flat arrays, which batches are cut from;
 - ``preference``: preference records from files, data sets and memory, in TRL's formats;
 - ``tokenization``: text and chat records to datums as TRL's ``DPOTrainer`` tokenizes them
   (``preference_datums``), within ``max_length`` / ``max_prompt_length``;
@@ -37,6 +38,7 @@ from loops_callbacks.data.dpo import (
     validate_dpo_pairs,
 )
 from loops_callbacks.data.module import DPODataModule
+from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
 from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums, read_dpo_jsonl
@@ -50,6 +52,7 @@ __all__ = [
     "CacheKey",
     "DPODataModule",
     "DPOPairDataset",
+    "PackedPairs",
     "PreferenceDataWarning",
     "RankStalledError",
     "RanksDisagreeError",
