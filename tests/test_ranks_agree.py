@@ -141,7 +141,8 @@ class FlatClient:
 def _case_generic(rank: int, out_dir: Path) -> dict[str, Any]:
     records = token_records(6, changed=4 if rank == 1 else None)
     data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=r["prompt_length"])]
-    compute_reference_logprobs(data, FlatClient(), ReferenceConfig(progress=False), cache_path=out_dir / "cache" / "ref.cache")
+    config = ReferenceConfig(progress=False)
+    compute_reference_logprobs(data, FlatClient(), config, cache_path=out_dir / "cache" / "ref.cache")
     return {}
 
 

@@ -1,4 +1,4 @@
-"""When the default reference (the policy) is scored: in ``on_fit_start``, after the strategy's setup, before any dataloader."""
+"""When the default reference (the policy) is scored: in ``on_fit_start``, after the strategy's setup, before data."""
 
 from __future__ import annotations
 

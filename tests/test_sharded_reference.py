@@ -81,7 +81,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             use_orig_params=True,
             device_id=torch.device("cpu"),
         )
-        reference = PolicyReference(inner, forward_module=root, device="cpu", config=ReferenceConfig(max_tokens_per_batch=BUDGET))
+        config = ReferenceConfig(max_tokens_per_batch=BUDGET)
+        reference = PolicyReference(inner, forward_module=root, device="cpu", config=config)
         results["fsdp1"] = score(reference, SEQUENCES)
         results["fsdp1_path"] = reference.path
         full = sum(p.numel() for p in tiny_llama().parameters())

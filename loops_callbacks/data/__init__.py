@@ -41,7 +41,12 @@ from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
-from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_datums, read_dpo_jsonl
+from loops_callbacks.data.tokenization import (
+    PreferenceDataWarning,
+    TokenizationReport,
+    preference_datums,
+    read_dpo_jsonl,
+)
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
 from loops_callbacks.reference.collectives import RankStalledError
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError

@@ -102,7 +102,8 @@ def _joined(parts: list[np.ndarray], key: str) -> np.ndarray:
     if not parts:
         return np.zeros(0, dtype)
     first = parts[0]
-    if first.base is not None and all(p.dtype == dtype and p.flags.c_contiguous and p.base is first.base for p in parts):
+    same_buffer = all(p.dtype == dtype and p.flags.c_contiguous and p.base is first.base for p in parts)
+    if first.base is not None and same_buffer:
         address = first.__array_interface__["data"][0]
         for part in parts:
             if part.__array_interface__["data"][0] != address:

@@ -100,7 +100,9 @@ def compute_reference_logprobs(
     """
     config = config if config is not None else ReferenceConfig()
     data = list(data)
-    tokens = validated_tokens if validated_tokens is not None else validate_dpo_pairs(data, check_prompts=config.check_prompts)
+    tokens = validated_tokens
+    if tokens is None:
+        tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)
     check_vocabulary(tokens, getattr(reference, "vocab_size", None))
     return score_across_ranks(
         data,
@@ -118,7 +120,8 @@ def compute_reference_logprobs(
 
 
 class Stage(Enum):
-    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches the values (``SCORED``).
+    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches
+    the values (``SCORED``).
 
     ``AFTER_RESTORE``: checked, under a strategy that restores checkpoints after ``on_fit_start``
     (FSDP, model parallel, DeepSpeed), where that hook cannot know whether a checkpoint follows:
@@ -345,8 +348,9 @@ class ReferenceLogprobsMixin:
         if trainer is None or state.config.reference is not None:
             self.score_reference()
             return
-        if not any(isinstance(c, _ScoreReferenceAfterStrategySetup) and c.datamodule is self for c in trainer.callbacks):
-            trainer.callbacks.append(_ScoreReferenceAfterStrategySetup(self))
+        hook = _ScoreReferenceAfterStrategySetup
+        if not any(isinstance(c, hook) and c.datamodule is self for c in trainer.callbacks):
+            trainer.callbacks.append(hook(self))
 
     def score_reference(self) -> ReferenceLogprobsReport:
         """Load or score the reference logprobs of the pairs ``setup("fit")`` checked (on every rank at once).

@@ -94,8 +94,8 @@ def window_token_ids(
     after = _CHARS_PER_TOKEN * ((max_length or 0) + 2 * _MARGIN + 2)
     if not cuts_between_words(tokenizer):
         raise ValueError(
-            f"window_token_ids needs a tokenizer with a pre-tokenizer, not {type(tokenizer).__name__}: a cut may change "
-            "its tokens far away (worth_a_window says False for it; tokenize the whole text)"
+            f"window_token_ids needs a tokenizer with a pre-tokenizer, not {type(tokenizer).__name__}: a cut may "
+            "change its tokens far away (worth_a_window says False for it; tokenize the whole text)"
         )
     previous: list[list[int]] | None = None
     while True:

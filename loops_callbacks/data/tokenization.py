@@ -343,7 +343,8 @@ def tokenize_preferences(
             check_chat_template_kwargs(example, tokenizer)
             checked_keys.add(keys)
     results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
-    with ProgressBar(progress and bool(examples), len(examples), desc="tokenizing preference pairs", unit="pair") as bar:
+    shown = progress and bool(examples)
+    with ProgressBar(shown, len(examples), desc="tokenizing preference pairs", unit="pair") as bar:
         for start in range(0, len(examples), _CHUNK):
             groups: dict[str, list[int]] = {}
             for index in range(start, min(start + _CHUNK, len(examples))):

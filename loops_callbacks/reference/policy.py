@@ -50,7 +50,7 @@ _AUTOCAST_DTYPES = ("bfloat16", "float16")
 
 
 def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
-    """The policy's cache tag: what its values depend on besides its weights, the autocast dtype asked for or the precision.
+    """The policy's cache tag: what its values depend on besides its weights (the autocast dtype, or the precision).
 
     Example:
         >>> class Trainer:
