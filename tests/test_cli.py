@@ -70,7 +70,10 @@ def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(config: st
     assert K3 in monitor.last_metrics
     run = wandb_run_dir(f"runs/{config.removesuffix('.yaml')}")
     tables = glob.glob(os.path.join(run, "files", "media", "table", "**", "*.table.json"), recursive=True)
-    assert len(tables) == 2  # steps 1 and 3
+    # steps 1 and 3: the worst-tokens table, and the strata table beside it
+    assert len([t for t in tables if os.path.basename(t).startswith("worst_tokens_")]) == 2, tables
+    assert len([t for t in tables if os.path.basename(t).startswith("strata_")]) == 2, tables
+    assert len(tables) == 4, tables
     out = capsys.readouterr().out
     assert "wandb sync" in out and "metrics.csv" in out and "kl_sample_train_k3" in out
     log_dir = tensorboard_command(out)
