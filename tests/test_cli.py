@@ -62,29 +62,32 @@ def text_at(events: Any, tag: str) -> dict[int, str]:
     return {event.step: event.tensor_proto.string_val[0].decode() for event in events.Tensors(tag)}
 
 
-@pytest.mark.parametrize("config", ["rl_tiny.yaml", "rl_stale_sampler.yaml"])
-def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(config: str, capsys: Any) -> None:
+# the monitor logs with the trainer (every 2 steps here), rl_stale_sampler's judges every step
+@pytest.mark.parametrize("config, monitored", [("rl_tiny.yaml", [1, 3]), ("rl_stale_sampler.yaml", [0, 1, 2, 3])])
+def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(
+    config: str, monitored: list[int], capsys: Any
+) -> None:
     cli = fit(config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
     monitor = next(c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor))
     assert isinstance(monitor.media.tokenizer, CharTokenizer)
     assert K3 in monitor.last_metrics
     run = wandb_run_dir(f"runs/{config.removesuffix('.yaml')}")
     tables = glob.glob(os.path.join(run, "files", "media", "table", "**", "*.table.json"), recursive=True)
-    # steps 1 and 3: the worst-tokens table, and the strata table beside it
-    assert len([t for t in tables if os.path.basename(t).startswith("worst_tokens_")]) == 2, tables
-    assert len([t for t in tables if os.path.basename(t).startswith("strata_")]) == 2, tables
-    assert len(tables) == 4, tables
+    # each monitored step: the worst-tokens table, and the strata table beside it
+    assert len([t for t in tables if os.path.basename(t).startswith("worst_tokens_")]) == len(monitored), tables
+    assert len([t for t in tables if os.path.basename(t).startswith("strata_")]) == len(monitored), tables
+    assert len(tables) == 2 * len(monitored), tables
     out = capsys.readouterr().out
     assert "wandb sync" in out and "metrics.csv" in out and "kl_sample_train_k3" in out
     log_dir = tensorboard_command(out)
     assert log_dir == f"runs/{config.removesuffix('.yaml')}/tensorboard/version_0"
     # what that command shows: the scalars over steps, the diff histogram and the worst-tokens table
     events = tensorboard_events(log_dir)
-    assert [event.step for event in events.Scalars(K3)] == [1, 3]
+    assert [event.step for event in events.Scalars(K3)] == monitored
     assert [event.step for event in events.Scalars("train/reward")] == [1, 3]
-    assert [event.step for event in events.Histograms(P + "per_token_diff_hist")] == [1, 3]
+    assert [event.step for event in events.Histograms(P + "per_token_diff_hist")] == monitored
     tables = text_at(events, P + "worst_tokens/text_summary")
-    assert sorted(tables) == [1, 3]
+    assert sorted(tables) == monitored
     header, _, *rows = tables[3].splitlines()
     assert header.split(" | ")[3] == "token" and len(rows) == 20
     texts = {f"`{CharTokenizer().decode([i])}`" for i in range(CharTokenizer().vocab_size)} | {"`<end>`"}
