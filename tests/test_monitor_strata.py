@@ -124,6 +124,20 @@ def test_shadow_metrics_of_each_accumulation_window_and_nothing_else_changes() -
     assert without == runs[0][1]  # everything else logged is the same, bit for bit
 
 
+def test_strata_and_shadow_scalars_are_in_callback_metrics_for_early_stopping() -> None:
+    """What the loggers get in the second record is also in ``trainer.callback_metrics`` (every rank)."""
+    logger = RecordingLogger()
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, corrections=CORRECTIONS[:2])
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[monitor])
+    trainer.fit(VersionedPolicy())
+    last = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m][-1]
+    assert PREFIX + "correction/token_truncate(clip_max=1.1)/ess_tokens" in last
+    scalars = {key: value for key, value in last.items() if isinstance(value, float)}
+    assert len(scalars) > 20
+    for key, value in scalars.items():
+        assert float(trainer.callback_metrics[key]) == pytest.approx(value, rel=1e-6), key
+
+
 def test_bad_corrections_are_named_at_construction_and_missing_advantages_at_the_first_step() -> None:
     class NoAdvantages(VersionedPolicy):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:

@@ -415,9 +415,14 @@ class KLSampleTrainMonitor(Callback):
 
     def _deliver(self, trainer: pl.Trainer, report: StepReport, breakdown: dict[str, float], step: int) -> None:
         """The report's scalars into ``callback_metrics`` (every rank); everything to the loggers (rank 0),
-        ``breakdown`` (the corrections' shadow metrics) in the second record with the strata."""
+        ``breakdown`` (the corrections' shadow metrics) in the second record with the strata.
+
+        The strata and shadow scalars go into ``callback_metrics`` too, so ``EarlyStopping`` and
+        ``ModelCheckpoint`` can watch any logged number."""
         logged = report.logged(self.prefix)
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in logged.items()})
+        strata = report.media.strata.scalars if report.media.strata is not None else {}
+        every = {**logged, **{self.prefix + name: value for name, value in {**strata, **breakdown}.items()}}
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in every.items()})
         if not trainer.is_global_zero:
             return
         deliver(
