@@ -40,6 +40,7 @@ from loops_callbacks.fields import (
     field_to_tensor,
     model_input_tokens,
 )
+from loops_callbacks.reference.packing import OutOfVocabularyError, PackedTokens, check_token_ids
 from loops_callbacks.types import Datum, ModelInput, TensorData
 
 __all__ = [
@@ -283,32 +284,22 @@ def _check_same_prompt(
     raise ValueError(f"{where} at token {position}: {chosen[position]} vs {rejected[position]}")
 
 
-class OutOfVocabularyError(ValueError):
-    """A token id outside the reference's vocabulary: ``pair``, datum ``index``, ``position``, ``token``."""
-
-    def __init__(self, message: str, *, pair: int, index: int, position: int, token: int) -> None:
-        super().__init__(message)
-        self.pair, self.index, self.position, self.token = pair, index, position, token
-
-
-def check_vocabulary(tokens: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+def check_vocabulary(tokens: Sequence[Sequence[int]] | PackedTokens, vocab_size: int | None) -> None:
     """``OutOfVocabularyError`` (a ``ValueError``) naming the pair, datum and position of the first
-    token id outside ``[0, vocab_size)``.
+    token id outside ``[0, vocab_size)``; negative ids are always rejected, with ``vocab_size=None`` only they are.
 
-    Negative ids are always rejected; with ``vocab_size=None`` only they are.
+    The check ``compute_reference_logprobs`` runs (once, inside ``score_across_ranks``), for data
+    checked before a reference is at hand.
+
+    Example:
+        >>> try:
+        ...     check_vocabulary([[1, 2], [1, 3], [1, 40], [1, 3]], 16)
+        ... except OutOfVocabularyError as error:
+        ...     print(error.pair, error.index, error.position, error.token)
+        1 2 1 40
     """
-    high = math.inf if vocab_size is None else vocab_size
-    for index, ids in enumerate(tokens):
-        if ids and (min(ids) < 0 or max(ids) >= high):
-            position = next(i for i, token in enumerate(ids) if token < 0 or token >= high)
-            vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-            raise OutOfVocabularyError(
-                f"{datum_label(index)} has token id {ids[position]} at position {position}, outside {vocabulary}",
-                pair=index // 2,
-                index=index,
-                position=position,
-                token=int(ids[position]),
-            )
+    packed = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
+    check_token_ids(packed, vocab_size, datum_name=datum_label)
 
 
 class DPOPairDataset(Dataset):

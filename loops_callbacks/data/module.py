@@ -258,7 +258,6 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                 raise
             raise OutOfVocabularyError(
                 f"{prefix} ({where[error.pair]}){str(error).removeprefix(prefix)}",
-                pair=error.pair,
                 index=error.index,
                 position=error.position,
                 token=error.token,

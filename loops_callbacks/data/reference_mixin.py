@@ -2,9 +2,9 @@
 
 ``compute_reference_logprobs`` is the same for any process group, outside Lightning: it checks the
 pairs (``validate_dpo_pairs``: an even number of datums, no empty sequence, matching chosen/rejected
-prompts, field lengths; then token ids inside the reference's vocabulary, each ``ValueError``
-naming the pair before anything is scored) and hands the datums to
-``loops_callbacks.reference.across_ranks.score_across_ranks`` (cache, shards, gather).
+prompts, field lengths, each ``ValueError`` naming the pair) and hands the datums to
+``loops_callbacks.reference.across_ranks.score_across_ranks`` (the token ids checked once against the
+reference's vocabulary, naming the pair, before anything is scored; cache, shards, gather).
 
 The default reference is the policy itself (``PolicyReference``), scored in place in the
 ``on_fit_start`` hook: after the strategy has set the LightningModule up and before the first
@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import check_vocabulary, validate_dpo_pairs
+from loops_callbacks.data.dpo import validate_dpo_pairs
 from loops_callbacks.data.labels import datum_label
 from loops_callbacks.reference.across_ranks import (
     ReferenceCacheWarning,
@@ -60,11 +60,11 @@ def compute_reference_logprobs(
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
     Call it on every rank of an initialized ``torch.distributed`` group (or in a single process)
-    with the same ``data``; the pairs are checked (``validate_dpo_pairs``, ``check_vocabulary``),
-    then scored by ``score_across_ranks``: each rank scores one contiguous block of pairs with about
-    1/world_size of the tokens, and all get every result. Without a ``cache_path``, or without a
-    fingerprint for ``reference`` (a client with no ``fingerprint()`` method and no
-    ``reference_fingerprint`` given), nothing is cached.
+    with the same ``data``; the pairs are checked (``validate_dpo_pairs``), then scored by
+    ``score_across_ranks``, which checks the token ids against the reference's vocabulary once:
+    each rank scores one contiguous block of pairs with about 1/world_size of the tokens, and all
+    get every result. Without a ``cache_path``, or without a fingerprint for ``reference`` (a
+    client with no ``fingerprint()`` method and no ``reference_fingerprint`` given), nothing is cached.
 
     Args:
         data: interleaved DPO datums (chosen at even indices, rejected at odd).
@@ -103,8 +103,7 @@ def compute_reference_logprobs(
     tokens = validated_tokens
     if tokens is None:
         tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)
-    check_vocabulary(tokens, getattr(reference, "vocab_size", None))
-    return score_across_ranks(
+    return score_across_ranks(  # which checks the token ids, once, naming the pair (OutOfVocabularyError)
         data,
         reference,
         tokens,

@@ -6,8 +6,11 @@ It knows datums and token ids, not what the data mean (DPO pairs are checked by 
 1. the token ids are packed once into flat arrays (``PackedTokens``), and the ranks compare them
    (a count and one digest each, ``check_ranks_agree``): ranks that hold different datums raise
    ``RanksDisagreeError`` on every rank, naming the first that differs, before anything is scored
-   or cached. The cache key is made: the reference's fingerprint (its weights, or the ``reference_fingerprint`` you give for a
-   client whose weights cannot be read here), the token data and the scoring dtype;
+   or cached; then every id is checked, once (``check_token_ids``: an ``OutOfVocabularyError``
+   naming the datum and position of the first outside the reference's vocabulary; the scorers take
+   the checked form and do not read the ids again). The cache key is made: the reference's
+   fingerprint (its weights, or the ``reference_fingerprint`` you give for a client whose weights
+   cannot be read here), the token data and the scoring dtype;
 2. rank 0 finds this key's cache file (``find_cache``: one file per key beside ``cache_path``) and
    checks it whole; then nothing is scored: every rank reads it into its own memory and checks
    that what it read has rank 0's checksum (so a file changed under the job changes nothing), or,
@@ -48,11 +51,11 @@ from loops_callbacks.progress import ProgressBar
 from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
 from loops_callbacks.reference.attach import attach_reference_logprobs, attach_reference_values
 from loops_callbacks.reference.cache import CACHE_TOOL, CacheKey, data_fingerprint, find_cache, read_cache, write_cache
-from loops_callbacks.reference.clients import TorchSamplingClient, check_token_ids
+from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.collectives import Group as _Group
 from loops_callbacks.reference.collectives import StallGuard, fail_together
 from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT
-from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
 __all__ = [
@@ -143,7 +146,9 @@ def score_across_ranks(
         datum_name: how an error names datum ``i`` (default ``datum i``), e.g. ``datum_label``.
 
     Before anything else the ranks compare their token ids (a count and one digest each): ranks
-    that hold different data raise ``RanksDisagreeError`` naming the first datum that differs.
+    that hold different data raise ``RanksDisagreeError`` naming the first datum that differs. Then
+    each id is checked once against the reference's ``vocab_size`` (negative ids only, without one):
+    an ``OutOfVocabularyError`` names the datum (``datum_name``) and the position.
 
     Returns:
         The new datums (in ``data``'s order), each ``ref_logprobs`` a float32 view of one array
@@ -171,15 +176,17 @@ def score_across_ranks(
     guard = StallGuard(group, scoring_timeout)
     # the token data's digest, computed once: compared across ranks, and part of the cache key
     digest = functools.cache(functools.partial(data_fingerprint, packed))
-    _check_same_tokens(packed, digest, group, guard, datum_name or (lambda index: f"datum {index}"))
+    name = datum_name or (lambda index: f"datum {index}")
+    _check_same_tokens(packed, digest, group, guard, name)
+    # the one check of the ids, on every rank (a bad id fails all ranks alike), before any forward;
+    # the scorers take the checked form and do not read the ids again
+    packed = check_token_ids(packed, getattr(reference, "vocab_size", None), datum_name=name)
     path = os.fspath(cache_path) if cache_path is not None else None
     if cached_only is not None:
         if path is None:
             raise ReferenceCacheError(f"there is no reference-logprob cache to read (the cache is off): {cached_only}")
         fingerprint = reference_fingerprint
     else:
-        # every rank checks every id, so that a bad one fails all ranks alike, before any forward
-        check_token_ids(packed, getattr(reference, "vocab_size", None), label="datum")
         guard.arrive("the reference's fingerprint")
         fingerprint = _reference_fingerprint(reference, reference_fingerprint, group)
 

@@ -22,14 +22,13 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import nn
 
 from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import weights_fingerprint
-from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
 from loops_callbacks.types import ModelInput
 from loops_callbacks.validation import check_dtype, check_int
@@ -338,35 +337,13 @@ class TorchSamplingClient(ScorerClient):
 
         Example:
             >>> import torch
-            >>> from loops_callbacks.reference.packing import PackedTokens
+            >>> from loops_callbacks.reference.packing import PackedTokens, check_token_ids
             >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
             >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
             torch.Size([3])
         """
         check_token_ids(packed, self.vocab_size)
         return self.scorer.score(packed, progress=progress, lockstep=lockstep)
-
-
-def check_token_ids(packed: PackedTokens, vocab_size: int | None, *, label: str = "prompt") -> None:
-    """``ValueError`` naming the first sequence (``label`` and index) holding an id outside ``[0, vocab_size)``.
-
-    Example:
-        >>> check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 9]]), 9)
-        Traceback (most recent call last):
-        ...
-        ValueError: prompt 1: token id 9 is outside the model's vocabulary [0, 9)
-    """
-    if packed.num_tokens == 0:
-        return
-    bad = packed.ids < 0
-    if vocab_size is not None:
-        bad |= packed.ids >= vocab_size
-    if not bad.any():
-        return
-    position = int(np.argmax(bad))
-    index = int(np.searchsorted(packed.offsets, position, side="right")) - 1
-    vocabulary = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-    raise ValueError(f"{label} {index}: token id {int(packed.ids[position])} is outside {vocabulary}")
 
 
 def _find_vocab_size(model: nn.Module) -> int | None:

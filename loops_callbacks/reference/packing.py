@@ -24,13 +24,21 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-__all__ = ["DeviceBatches", "PackedTokens", "plan_batches", "to_device"]
+__all__ = [
+    "CheckedTokens",
+    "DeviceBatches",
+    "OutOfVocabularyError",
+    "PackedTokens",
+    "check_token_ids",
+    "plan_batches",
+    "to_device",
+]
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,92 @@ class PackedTokens:
             [2, 3, 4]
         """
         offsets = self.offsets[start : stop + 1]
-        return PackedTokens(self.ids[offsets[0] : offsets[-1]], offsets - offsets[0])
+        return replace(self, ids=self.ids[offsets[0] : offsets[-1]], offsets=offsets - offsets[0])
+
+
+@dataclass(frozen=True)
+class CheckedTokens(PackedTokens):
+    """``PackedTokens`` whose ids ``check_token_ids`` found inside ``[0, vocab_size)`` (``None``: only
+    that none is negative); its slices stay checked, so a scorer does not read the ids again."""
+
+    vocab_size: int | None = None
+
+    def covers(self, vocab_size: int | None) -> bool:
+        """Whether the ids are known to lie inside ``[0, vocab_size)``.
+
+        Example:
+            >>> checked = CheckedTokens(np.array([1, 2]), np.array([0, 2]), vocab_size=8)
+            >>> checked.covers(8), checked.covers(16), checked.covers(None), checked.covers(4)
+            (True, True, True, False)
+        """
+        return vocab_size is None or (self.vocab_size is not None and self.vocab_size <= vocab_size)
+
+
+class OutOfVocabularyError(ValueError):
+    """A token id outside the vocabulary: sequence ``index``, ``position`` in it, the ``token``.
+
+    ``pair`` is ``index // 2``: the pair of interleaved DPO data (chosen at even indices, rejected at odd).
+    """
+
+    def __init__(self, message: str, *, index: int, position: int, token: int) -> None:
+        super().__init__(message)
+        self.index, self.position, self.token = index, position, token
+
+    @property
+    def pair(self) -> int:
+        return self.index // 2
+
+
+def check_token_ids(
+    packed: PackedTokens,
+    vocab_size: int | None,
+    *,
+    label: str = "prompt",
+    datum_name: Callable[[int], str] | None = None,
+) -> CheckedTokens:
+    """``packed`` as ``CheckedTokens``, or an ``OutOfVocabularyError`` naming the first sequence holding
+    an id outside ``[0, vocab_size)`` (with ``vocab_size=None`` only negative ids are rejected).
+
+    The one token-id check: vectorized over the flat ids, and skipped for ``CheckedTokens`` already
+    checked against this vocabulary (``score_across_ranks`` checks once; the scorers then do not).
+    The sequence is named ``f"{label} {index}"``, or ``datum_name(index)`` with the id's position.
+
+    Example:
+        >>> checked = check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 8]]), 9)
+        >>> check_token_ids(checked, 9) is checked
+        True
+        >>> bad = PackedTokens.from_sequences([[1, 2], [3, 9]])
+        >>> for name in (None, lambda index: f"datum {index}"):
+        ...     try:
+        ...         check_token_ids(bad, 9, datum_name=name)
+        ...     except OutOfVocabularyError as error:
+        ...         print(error, (error.index, error.position, error.token))
+        prompt 1: token id 9 is outside the model's vocabulary [0, 9) (1, 1, 9)
+        datum 1 has token id 9 at position 1, outside the reference's vocabulary [0, 9) (1, 1, 9)
+    """
+    if isinstance(packed, CheckedTokens) and packed.covers(vocab_size):
+        return packed
+    bad = _outside_vocabulary(packed.ids[packed.offsets[0] : packed.offsets[-1]], vocab_size)
+    if bad.any():
+        flat = int(np.argmax(bad)) + int(packed.offsets[0])
+        index = int(np.searchsorted(packed.offsets, flat, side="right")) - 1
+        position, token = flat - int(packed.offsets[index]), int(packed.ids[flat])
+        if datum_name is None:
+            vocabulary = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
+            message = f"{label} {index}: token id {token} is outside {vocabulary}"
+        else:
+            vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
+            message = f"{datum_name(index)} has token id {token} at position {position}, outside {vocabulary}"
+        raise OutOfVocabularyError(message, index=index, position=position, token=token)
+    return CheckedTokens(packed.ids, packed.offsets, vocab_size=vocab_size)
+
+
+def _outside_vocabulary(ids: np.ndarray, vocab_size: int | None) -> np.ndarray:
+    """Which ids lie outside ``[0, vocab_size)`` (the one pass over the ids that checks them)."""
+    bad = ids < 0
+    if vocab_size is not None:
+        bad |= ids >= vocab_size
+    return bad
 
 
 def plan_batches(lengths: np.ndarray, max_tokens_per_batch: int) -> tuple[np.ndarray, list[tuple[int, int]]]:

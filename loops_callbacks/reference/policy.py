@@ -18,7 +18,7 @@ DataModule for data (``ReferenceLogprobsMixin``). No copy of the weights exists 
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.reference.packing import PackedTokens
+    >>> from loops_callbacks.reference.packing import PackedTokens, check_token_ids
     >>> policy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     >>> reference = PolicyReference(policy)
     >>> reference.score_packed(PackedTokens.from_sequences([[1, 2, 3]])).shape, len(reference.fingerprint())
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from loops_callbacks.reference.clients import ScorerClient, _find_vocab_size, _module_device, check_token_ids
+from loops_callbacks.reference.clients import ScorerClient, _find_vocab_size, _module_device
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
-from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.validation import FLOAT_DTYPES
 
