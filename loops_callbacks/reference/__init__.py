@@ -16,7 +16,8 @@ In data-flow order:
 - ``attach``: ``attach_reference_logprobs``, the Loops SDK helper (batched, async or one by one);
 - ``cache``: the fingerprinted, checksummed on-disk cache of the values, read into memory;
 - ``collectives``: the process-group operations, values as tensors;
-- ``across_ranks``: ``score_across_ranks``, each rank scoring its share, cached and gathered.
+- ``across_ranks``: ``score_packed_across_ranks``, each rank scoring its share of packed token ids,
+  cached and gathered into one float32 array; ``score_across_ranks``, the same for datums.
 
 DPO pairs are checked before they reach this package, in ``loops_callbacks.data``.
 
@@ -31,6 +32,7 @@ from loops_callbacks.reference.across_ranks import (
     ReferenceCacheWarning,
     ReferenceLogprobsReport,
     score_across_ranks,
+    score_packed_across_ranks,
 )
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
@@ -54,4 +56,5 @@ __all__ = [
     "load_reference_checkpoint",
     "resolve_reference",
     "score_across_ranks",
+    "score_packed_across_ranks",
 ]

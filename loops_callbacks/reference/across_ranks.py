@@ -22,8 +22,10 @@ It knows datums and token ids, not what the data mean (DPO pairs are checked by 
    lock-step), else with ``attach_reference_logprobs`` (remote clients). The blocks are gathered
    as one float32 tensor on every rank (one broadcast per rank, in place), and rank 0 writes the
    cache (temporary file + ``os.replace``);
-4. every rank gets the same new datums, their ``ref_logprobs`` float32 views of that one array
-   (``attach_reference_values``): 4 bytes a token, and no Python float per token.
+4. every rank gets that one float32 array, in the tokens' packed layout (``score_packed_across_ranks``
+   stops here: token ids in, values out, no datum); ``score_across_ranks``, the datum boundary,
+   returns new datums whose ``ref_logprobs`` are float32 views of it (``attach_reference_values``):
+   4 bytes a token, and no Python float per token.
 
 With ``cached_only`` nothing is scored: the values must come from the cache (a resumed run whose
 reference was the initial policy), and a missing or mismatching file is a ``ReferenceCacheError``.
@@ -64,6 +66,7 @@ __all__ = [
     "ReferenceCacheWarning",
     "ReferenceLogprobsReport",
     "score_across_ranks",
+    "score_packed_across_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -165,13 +168,63 @@ def score_across_ranks(
         >>> scored[0].loss_fn_inputs["ref_logprobs"].tolist(), report.source
         ([-0.5, -0.5, 0.0], 'scored')
     """
-    start = time.perf_counter()
     data = list(data)
-    if len(data) % shard_unit:
-        raise ValueError(f"score_across_ranks: {len(data)} datums are not a whole number of units of {shard_unit}")
     packed = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
     if len(packed) != len(data):
         raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
+    values, report = score_packed_across_ranks(
+        packed,
+        reference,
+        datums=data,
+        cache_path=cache_path,
+        reference_fingerprint=reference_fingerprint,
+        cache_tag=cache_tag,
+        progress=progress,
+        shard_unit=shard_unit,
+        cached_only=cached_only,
+        scoring_timeout=scoring_timeout,
+        datum_name=datum_name,
+    )
+    return attach_reference_values(data, values, packed.offsets), report
+
+
+def score_packed_across_ranks(
+    packed: PackedTokens,
+    reference: Any,
+    *,
+    datums: Sequence[Any] | None = None,
+    cache_path: str | os.PathLike[str] | None = None,
+    reference_fingerprint: str | None = None,
+    cache_tag: str = "model",
+    progress: bool = True,
+    shard_unit: int = 1,
+    cached_only: str | None = None,
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
+    datum_name: Callable[[int], str] | None = None,
+) -> tuple[np.ndarray, ReferenceLogprobsReport]:
+    """``score_across_ranks`` on the packed form: token ids in, one float32 buffer of values out, no datum.
+
+    Sequence i's values (the ``ref_logprobs`` layout: value k is log p(token k + 1), the last 0)
+    are ``values[packed.offsets[i]:packed.offsets[i + 1]]``. The arguments are
+    ``score_across_ranks``'s; ``datums`` (``packed``'s sequences as datums) are read only by a
+    reference without ``score_packed`` (a remote client scores each datum's ``model_input``,
+    through ``attach_reference_logprobs``).
+
+    Example:
+        >>> import torch
+        >>> from loops_callbacks.reference.clients import TorchSamplingClient
+        >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(8, 8)))
+        >>> packed = PackedTokens.from_sequences([[1, 2], [3]])
+        >>> values, report = score_packed_across_ranks(packed, client, progress=False)
+        >>> values.dtype, values.shape, values[1:].tolist(), report.num_datums
+        (dtype('float32'), (3,), [0.0, 0.0], 2)
+    """
+    start = time.perf_counter()
+    count = len(packed)
+    if count % shard_unit:
+        raise ValueError(f"score_across_ranks: {count} datums are not a whole number of units of {shard_unit}")
+    if datums is not None and len(datums) != count:
+        raise ValueError(f"score_across_ranks: {count} token sequences for {len(datums)} datums")
     group = _Group()
     guard = StallGuard(group, scoring_timeout)
     # the token data's digest, computed once: compared across ranks, and part of the cache key
@@ -208,10 +261,11 @@ def score_across_ranks(
     if values is None:
         bounds = _shard_bounds(packed.lengths, shard_unit, group.world_size)
         first, last = bounds[group.rank], bounds[group.rank + 1]
-        guard.note(f"scoring its block (datums {first} to {last - 1} of {len(data)})")
+        guard.note(f"scoring its block (datums {first} to {last - 1} of {count})")
         with fail_together(guard, "scoring the reference logprobs", then="gathering the scored values"):
             block = packed.slice(first, last)
-            local = _score_block(data[first:last], reference, block, progress and group.rank == 0, guard)
+            block_datums = list(datums[first:last]) if datums is not None else None
+            local = _score_block(block_datums, reference, block, progress and group.rank == 0, guard)
         scored_here = last - first
         value_bounds = [int(packed.offsets[b]) for b in bounds]
         values = group.gather_blocks(local, value_bounds).cpu().numpy()
@@ -222,10 +276,9 @@ def score_across_ranks(
             except OSError as error:
                 group.warn_once(f"could not write the reference-logprob cache {file!r}: {error}", ReferenceCacheWarning)
 
-    result = attach_reference_values(data, values, packed.offsets)
     report = ReferenceLogprobsReport(
         source="cache" if status == "hit" else "scored",
-        num_datums=len(data),
+        num_datums=count,
         scored_here=scored_here,
         seconds=time.perf_counter() - start,
         cache_path=file,
@@ -237,18 +290,18 @@ def score_across_ranks(
     if group.rank == 0 and status == "hit":
         from lightning.pytorch.utilities.rank_zero import rank_zero_info  # shown by Lightning's console logger
 
-        rank_zero_info(f"Reference logprobs of {len(data):,} datums loaded from the cache {file} (nothing scored)")
+        rank_zero_info(f"Reference logprobs of {count:,} datums loaded from the cache {file} (nothing scored)")
     elif group.rank == 0:
         log.info(
             "reference logprobs of %d datums (%d tokens): %s in %.1f s (cache %s: %s)",
-            len(data),
+            count,
             packed.num_tokens,
             "loaded" if status == "hit" else f"scored on {group.world_size} rank(s)",
             report.seconds,
             file,
             status,
         )
-    return result, report
+    return values, report
 
 
 def _check_same_tokens(
@@ -300,7 +353,7 @@ def _shard_bounds(lengths: np.ndarray, unit: int, world_size: int) -> list[int]:
 
 
 def _score_block(
-    data: list[Any], reference: Any, packed: PackedTokens, progress: bool, guard: StallGuard
+    data: list[Any] | None, reference: Any, packed: PackedTokens, progress: bool, guard: StallGuard
 ) -> torch.Tensor:
     """This rank's values, flat float32: from ``score_packed`` when the reference has it, else via the SDK helper.
 
@@ -312,6 +365,11 @@ def _score_block(
         lockstep = {"lockstep": guard} if getattr(reference, "scores_in_lockstep", False) else {}
         with ProgressBar(progress, packed.num_tokens, desc="reference logprobs", unit="tok", unit_scale=True) as bar:
             return score_packed(packed, progress=bar.advance if progress else None, **lockstep).to(torch.float32)
+    if data is None:
+        raise TypeError(
+            f"the reference ({type(reference).__name__}) has no score_packed: it scores datums' model_input "
+            "(attach_reference_logprobs), so give the datums (score_across_ranks, or datums=)"
+        )
     scored = attach_reference_logprobs(data, reference, progress=progress)
     parts = [_ref_values(datum, first_index) for first_index, datum in enumerate(scored)]
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.float32)
