@@ -7,9 +7,14 @@ about 640 action tokens per monitor step), on seeds the rule's thresholds were n
 (``--seeds``; the thresholds were set looking at seeds 100-101). Each logged step's diagnosis is
 one entry of the confusion table (rows: the seeded cause, columns: the named cause).
 
-The first ``--skip`` steps of every run are left out: in the stale run the sampler is then
-at most that many optimizer steps behind (a gap below precision noise), and it keeps runs
-comparable.
+Protocol (both generators, as in a user's run): the monitor sees ``HEALTHY_STEPS`` healthy
+logged steps of the same engine (the same sampler dtype, synced, full-distribution logprobs at
+temperature 1, aligned; the monitor's ``calibration_steps``) before the fault appears, and they
+are left out of the tables; a template change has none (a template bug is there from the first
+step). Here the seeded sampler faults start after ``--skip`` steps (``faults_from_step``); the
+sampler's dtype is the engine's from the start, and a stale sampler starts in sync and drifts.
+The first ``--skip`` steps are left out of every run: in the stale run the sampler is then at
+most that many optimizer steps behind (a gap below precision noise).
 
     python benchmarks/bench_diagnosis.py                     # 3 seeds x 12 faults x 20 steps
     python benchmarks/bench_diagnosis.py --seeds 0 --steps 8  # quick look
@@ -127,11 +132,19 @@ def train_base(steps: int, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in module.policy.state_dict().items()}
 
 
+def with_healthy_start(options: dict[str, Any], skip: int) -> dict[str, Any]:
+    """``options`` with the seeded sampler faults starting after ``skip`` healthy optimizer steps,
+    except a template change (``sampler_prompt``), there from the first step (module docstring)."""
+    return options if "sampler_prompt" in options else {"faults_from_step": skip, **options}
+
+
 def run_fault(
-    base: dict[str, torch.Tensor], options: dict[str, Any], steps: int, seed: int
+    base: dict[str, torch.Tensor], options: dict[str, Any], steps: int, seed: int, skip: int = 0
 ) -> list[tuple[str, dict[str, float], bool]]:
+    """Each logged step's named cause, signatures and freshness; the seeded sampler faults start
+    after ``skip`` optimizer steps (healthy ones before), a template change from the first step."""
     pl.seed_everything(seed, verbose=False)
-    module = RLPolicyModule(**options)
+    module = RLPolicyModule(**with_healthy_start(options, skip))
     module.policy.load_state_dict(base)
     monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
     def fresh() -> bool:  # synced after the last optimizer step
@@ -155,6 +168,20 @@ HELDOUT_ACCEPTED = {**ACCEPTED, "none": ("none", "precision")}
 the trainer's full forward by float rounding on some tokens, so "precision" is right there too."""
 
 
+HEALTHY_STEPS = 5
+"""Healthy logged steps of the same engine the monitor sees before a fault (module docstring)."""
+HEALTHY_ENGINE = {"float32": "fp32 generate, raw", "bfloat16": "bf16 sampler, raw"}
+"""The held-out fault whose steps are a healthy engine of that sampler dtype."""
+
+
+def healthy_prefix(data: dict[str, list[dict[str, Any]]], fault: heldout_faults.Fault) -> list[dict[str, Any]]:
+    """The healthy steps the monitor sees before ``fault`` (module docstring): the first
+    ``HEALTHY_STEPS`` of the same sampler dtype's healthy setting, none before a template change."""
+    if fault.cause == "template":
+        return []
+    return data[HEALTHY_ENGINE[fault.sampler_dtype]][:HEALTHY_STEPS]
+
+
 BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "precision_max_k3"}
 """``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
 
@@ -173,7 +200,7 @@ def tuning_counts(
     by_fault: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
     for name, (cause, options) in faults.items():
         for seed in seeds:
-            for named, signatures, fresh in run_fault(base, options, steps + skip, seed)[skip:]:
+            for named, signatures, fresh in run_fault(base, options, steps + skip, seed, skip)[skip:]:
                 truth = "none" if fresh and cause == "stale" else cause  # just synced: no mismatch
                 table[truth][named] += 1
                 per_fault[name][named] += 1
@@ -218,15 +245,17 @@ def heldout_counts(
         )
         for fault in heldout_faults.FAULTS:
             monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+            prefix = healthy_prefix(data, fault)
+            replayed = [*prefix, *data[fault.name]]
             with Recorder() as recorder:
-                _trainer(len(data[fault.name]), [monitor]).fit(ReplayModule(data[fault.name]))
+                _trainer(len(replayed), [monitor]).fit(ReplayModule(replayed))
             truths = [step["truth"] for step in data[fault.name]]
-            if len(recorder.steps) != len(truths):
+            if len(recorder.steps) != len(replayed):
                 raise RuntimeError(
-                    f"{variant}: {fault.name}: {len(truths)} steps replayed, {len(recorder.steps)} diagnosed"
+                    f"{variant}: {fault.name}: {len(replayed)} steps replayed, {len(recorder.steps)} diagnosed"
                 )
             inputs |= recorder.inputs
-            for (named, _, _), truth in zip(recorder.steps, truths):
+            for (named, _, _), truth in zip(recorder.steps[len(prefix):], truths):
                 table[truth][named] += 1
                 per_fault[f"{variant}: {fault.name}"][named] += 1
     return table, per_fault, inputs
@@ -284,7 +313,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-steps", type=int, default=150)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--skip", type=int, default=4)
+    parser.add_argument("--skip", type=int, default=HEALTHY_STEPS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--signatures", action="store_true")
     parser.add_argument("--other", action="store_true", help="the other fault settings (OTHER_FAULTS)")

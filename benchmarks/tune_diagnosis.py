@@ -35,10 +35,13 @@ from loops_callbacks.divergence import diagnosis  # noqa: E402
 from loops_callbacks.divergence.signatures import signature_numbers  # noqa: E402
 
 
-def record(base: dict[str, torch.Tensor], options: dict[str, Any], steps: int, seed: int) -> list[dict[str, Any]]:
-    """Each logged step's signatures, token count, precision bound and whether the sampler was just synced."""
+def record(
+    base: dict[str, torch.Tensor], options: dict[str, Any], steps: int, seed: int, skip: int = 0
+) -> list[dict[str, Any]]:
+    """Each logged step's signatures, token count, precision bound and whether the sampler was just synced;
+    the faults start after ``skip`` healthy steps (``bench_diagnosis.with_healthy_start``)."""
     pl.seed_everything(seed, verbose=False)
-    module = RLPolicyModule(**options)
+    module = RLPolicyModule(**bench_diagnosis.with_healthy_start(options, skip))
     module.policy.load_state_dict(base)
     kept: list[dict[str, Any]] = []
     original = monitor_module.step_report
@@ -85,7 +88,7 @@ def named(steps: list[dict[str, Any]], *, trend: bool, token_identity: bool) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--skip", type=int, default=4)
+    parser.add_argument("--skip", type=int, default=bench_diagnosis.HEALTHY_STEPS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--other", action="store_true")
     args = parser.parse_args()
@@ -101,7 +104,7 @@ def main() -> None:
     tables = {name: collections.defaultdict(collections.Counter) for name in variants}
     for fault, (cause, options) in faults.items():
         for seed in args.seeds:
-            steps = record(base, options, args.steps + args.skip, seed)
+            steps = record(base, options, args.steps + args.skip, seed, args.skip)
             truths = ["none" if step["fresh"] and cause == "stale" else cause for step in steps]
             for name, (trend, token_identity) in variants.items():
                 causes = named(steps, trend=trend, token_identity=token_identity)
