@@ -6,6 +6,7 @@ across ranks, the same on the accelerator's fixed-shape path. The diagnosis' off
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import numpy as np
@@ -140,7 +141,7 @@ def test_merged_micro_batches_and_ranks_equal_the_whole(case: Any, cuts: list[in
         np.testing.assert_allclose(result.to_host().offset_sums, offsets, rtol=1e-12, atol=1e-12)
 
 
-def test_per_datum_keys_are_read_from_the_batch_and_checked() -> None:
+def test_per_datum_keys_are_read_from_the_batch() -> None:
     padded = {
         "logprobs": torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]),
         "mask": torch.ones(2, 2),
@@ -155,21 +156,54 @@ def test_per_datum_keys_are_read_from_the_batch_and_checked() -> None:
     flat = read_step(output, renamed, data_keys({"policy_version": "version"}), optimizer_step=4)
     assert flat.lags.tolist() == [1, 3]
     assert read_step(output, renamed, data_keys(None), optimizer_step=4).lags is None  # not under its default key
-    with pytest.raises(ValueError, match=r"datum 0 has 'policy_version' = 3, ahead of the trainer's optimizer step 2"):
-        read_step(output, {**padded, "policy_version": torch.tensor([3, 1])}, data_keys(None), optimizer_step=2)
-    with pytest.raises(ValueError, match=r"'policy_version' has 3 values for 2 datums"):
-        read_step(output, {**padded, "policy_version": [1, 1, 1]}, data_keys(None), optimizer_step=4)
-    with pytest.raises(ValueError, match=r"'group' must hold integers, got \[0.0, 1.5\]"):
-        read_step(output, {**padded, "group": [0.0, 1.5]}, data_keys(None), optimizer_step=4)
-    with pytest.raises(ValueError, match=r"'group' must be >= 0"):
-        read_step(output, {**padded, "group": [-1, 0]}, data_keys(None), optimizer_step=4)
-    assert torch.equal(padded["logprobs"], torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]))  # the caller's data untouched
 
 
-def test_a_version_on_only_some_datums_is_an_error() -> None:
+PADDED = {"logprobs": torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]), "mask": torch.ones(2, 2)}
+OUTPUT = {"training_logprobs": torch.tensor([[-1.5, -2.0], [-0.5, -0.25]])}
+
+
+def read_warned(extra: dict[str, Any], match: str, *, max_groups: int = MAX_GROUPS) -> FlatBatch:
+    """``read_step`` of ``PADDED`` with ``extra``: it warns ``match`` once, and never raises."""
+    with pytest.warns(UserWarning, match=match) as seen:
+        flat = read_step(OUTPUT, {**PADDED, **extra}, data_keys(None), optimizer_step=4, max_groups=max_groups)
+    assert len(seen) == 1
+    return flat
+
+
+def test_per_datum_values_the_strata_cannot_use_are_warnings_never_errors() -> None:
+    """Monitoring never stops training: each problem is one warning naming the key, a value and its datum."""
+    flat = read_warned({"group": [-1, 0]}, r"datum 0 has 'group' = -1 \(< 0\).*'group_other'")
+    assert flat.groups.tolist() == [MAX_GROUPS, 0]  # group_other's index
+    host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+    assert (host.strata["group_other"].n_tokens, host.strata["group_0"].n_tokens) == (2.0, 2.0)
+    flat = read_warned({"group": ["math", "code"]}, r"'group' holds labels \(datum 0: 'math'\).*crc32")
+    assert flat.groups.tolist() == [zlib.crc32(b"math") % MAX_GROUPS, zlib.crc32(b"code") % MAX_GROUPS]
+    flat = read_warned({"policy_version": [5, 2]}, r"datum 0 has 'policy_version' = 5, ahead of the trainer's "
+                       r"optimizer step 4 \(1 of 2 datums.*lag 0")
+    assert flat.lags.tolist() == [0, 2]
+    for extra, match in (
+        ({"policy_version": [1, 1, 1]}, r"'policy_version' has 3 values for 2 datums; the strata by policy lag are"),
+        ({"policy_version": [-1, 1]}, r"datum 0 has 'policy_version' = -1"),
+        ({"policy_version": ["v1", "v2"]}, r"'policy_version' must count optimizer steps, got labels"),
+        ({"group": [0.0, 1.5]}, r"'group' must hold integers, got 1.5 at datum 1; the strata by group are off"),
+        ({"group": ["math", 1]}, r"'group' must be one int \(or one string label\) per datum"),
+    ):
+        flat = read_warned(extra, match)
+        assert flat.lags is None and flat.groups is None, extra
+    assert torch.equal(PADDED["logprobs"], torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]))  # the caller's data untouched
+
+
+def test_a_key_on_only_some_datums_turns_its_family_off_with_a_warning() -> None:
     batch = [
-        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5]},
-        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5], "group": [1]},
+        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5],
+         "policy_version": [3]},
+        {"tokens": [1, 2], "logprobs": [None, -1.0], "mask": [0.0, 1.0], "trainer": [None, -1.5], "group": [1],
+         "policy_version": [STEP]},
     ]
-    with pytest.raises(ValueError, match=r"'group': datum 1 has it in loss_fn_inputs but datum 0 does not"):
-        flat_of(batch)
+    with pytest.warns(UserWarning, match=r"'group': datum 1 has it in loss_fn_inputs but datum 0 does not"):
+        flat = flat_of(batch)
+    assert flat.groups is None and flat.lags.tolist() == [STEP - 3, 0]
+    labels = [{**row, "group": ["code" if i else "math"]} for i, row in enumerate(batch)]
+    with pytest.warns(UserWarning, match="holds labels"):
+        assert flat_of(labels).groups.tolist() == [zlib.crc32(b"math") % 8, zlib.crc32(b"code") % 8]
+

@@ -82,7 +82,8 @@ def test_strata_of_each_accumulation_window_and_one_pooled_groups_warning() -> N
     model, logger = VersionedPolicy(), RecordingLogger()
     monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
     trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[monitor])
-    with pytest.warns(UserWarning, match=r"'group' >= max_groups = 2 are pooled in the stratum 'group_other'") as seen:
+    pooled = r"'group' >= max_groups = 2 \(or negative\) are pooled in the stratum 'group_other'"
+    with pytest.warns(UserWarning, match=pooled) as seen:
         trainer.fit(model)
     assert sum("group_other" in str(w.message) for w in seen) == 1
     logged = [(step, m) for step, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
@@ -95,6 +96,30 @@ def test_strata_of_each_accumulation_window_and_one_pooled_groups_warning() -> N
         assert_close(metrics, want)
     k3 = [m for _, m in logger.calls if PREFIX + "kl_sample_train_k3" in m]
     assert not any("/stratum/" in key for metrics in k3 for key in metrics)  # the step's own record is unchanged
+
+
+class MislabelledPolicy(TinyPolicy):
+    """Returns what users do return: a negative group id, string labels, versions ahead of the trainer."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        out = super().training_step(batch, batch_idx)
+        rows = batch["input_ids"].shape[0]
+        groups: list[Any] = [-1] + [0] * (rows - 1) if batch_idx % 2 else ["math", "code"] * (rows // 2)
+        return {**out, "group": groups, "policy_version": [self.global_step + 1] * rows}
+
+
+def test_per_datum_keys_the_strata_cannot_use_never_stop_training() -> None:
+    logger = RecordingLogger()
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    trainer = quiet_trainer(max_steps=4, logger=logger, callbacks=[monitor])
+    with pytest.warns(UserWarning) as seen:
+        trainer.fit(MislabelledPolicy())
+    messages = [str(w.message) for w in seen]
+    for said in ("'group' = -1 (< 0)", "'group' holds labels", "ahead of the trainer's optimizer step"):
+        assert sum(said in message for message in messages) == 1, said  # once per run
+    assert trainer.global_step == 4
+    logged = [m for _, m in logger.calls if PREFIX + "stratum/lag_0/n_tokens" in m]
+    assert len(logged) == 4 and all(PREFIX + "stratum/lag_1/n_tokens" not in m for m in logged)
 
 
 def test_strata_off_logs_nothing_more() -> None:

@@ -168,11 +168,17 @@ class KLSampleTrainMonitor(Callback):
 
     * Optional, either form: ``policy_version`` (``[B]`` ints: the version of the sampler's
       weights that generated each datum, counted in the trainer's optimizer steps, 0 for the
-      initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id), as lists or
-      CPU tensors (read on the host, with ``log_strata`` only); in the datum form also a one-value
-      field of each datum's ``loss_fn_inputs``. A datum's policy lag
-      is the optimizer step being trained minus its version (``step_input`` says why the
-      trainer's step is the reference); a version ahead of the trainer is a ``ValueError``.
+      initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id, or string
+      labels), as lists or CPU tensors (read on the host, with ``log_strata`` only: on an
+      accelerator they cost one small transfer per micro-batch of a logged step); in the datum form
+      also a one-value field of each datum's ``loss_fn_inputs``. A datum's policy lag is the
+      optimizer step being trained minus its version (``step_input`` says why the trainer's step is
+      the reference). These keys never stop training: a version ahead of the trainer is read as
+      lag 0, a negative group id goes to ``group_other``, string labels to the bucket
+      ``zlib.crc32(label) % max_groups`` (the same on every rank; labels sharing a bucket are
+      pooled), and anything else unusable (a key on only some datums, a wrong count, a
+      non-integer) turns that family off for the step; each is one warning per run naming the key,
+      a value and its datum.
 
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
@@ -312,7 +318,9 @@ class KLSampleTrainMonitor(Callback):
             with_tokens=self.top_n > 0,
             with_token_ids=self.diagnosing,
             optimizer_step=step if self.strata is not None else None,
+            max_groups=self.strata.max_groups if self.strata is not None else DEFAULT_MAX_GROUPS,
             datum_advantages=any(c.spec.needs_advantages for c in self.corrections),
+            warnings=self.warnings,
         )
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
@@ -470,7 +478,8 @@ class KLSampleTrainMonitor(Callback):
             self.warnings.warn(
                 "group_other",
                 f"KLSampleTrainMonitor, step {step}: datums with {self.keys['group']!r} >= max_groups = "
-                f"{self.strata.max_groups} are pooled in the stratum 'group_other'; raise max_groups to see them apart",
+                f"{self.strata.max_groups} (or negative) are pooled in the stratum 'group_other'; raise max_groups "
+                "to see them apart",
             )
 
     def _warn_watching_nothing(self) -> None:

@@ -10,12 +10,15 @@ Two optional per-datum keys: ``policy_version`` (the version of the sampler's we
 generated each datum, counted in the trainer's optimizer steps: 0 for the initial weights, n for
 the weights after n optimizer steps) and ``group`` (a task or environment id, an int >= 0). Each
 is a ``[B]`` int tensor or list in the output or the batch, or in the datum form a one-value
-field of every datum's ``loss_fn_inputs``. With ``optimizer_step`` given, a datum's policy lag is
+field of every datum's ``loss_fn_inputs``; ``group`` may also hold string labels (hashed into the
+``max_groups`` buckets). With ``optimizer_step`` given, a datum's policy lag is
 ``optimizer_step - policy_version``: how many optimizer steps the weights that sampled it are
 behind the weights being trained (0 on-policy). The trainer's step is the reference, not the
 newest version in the step, because a whole batch that is equally stale (a sampler synced late)
 would otherwise read lag 0, hiding the fault the lag is for; the cost is that versions must count
-optimizer steps (a version ahead of the trainer is a ``ValueError``: it cannot be).
+optimizer steps (a version ahead of the trainer cannot be: it is read as lag 0, with a warning).
+Monitoring never stops training over these keys: a value the strata cannot use is a warning (once
+per run and problem, naming the key, the value and the datum) and that family is off for the step.
 
 Example:
     >>> import torch
@@ -30,9 +33,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 import dataclasses
+import zlib
+
+import torch
 
 from loops_callbacks.divergence.action_tokens import (
     FlatBatch,
@@ -40,7 +44,9 @@ from loops_callbacks.divergence.action_tokens import (
     flatten_padded,
     trainer_logprobs_from_output,
 )
-from loops_callbacks.fields import datum_loss_fn_inputs, field_to_tensor
+from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS
+from loops_callbacks.fields import datum_loss_fn_inputs, field_length, field_to_tensor
+from loops_callbacks.run_warnings import RunWarnings
 
 __all__ = ["DATA_KEYS", "data_keys", "read_step"]
 
@@ -88,7 +94,9 @@ def read_step(
     with_tokens: bool = False,
     with_token_ids: bool = True,
     optimizer_step: int | None = None,
+    max_groups: int = DEFAULT_MAX_GROUPS,
     datum_advantages: bool = False,
+    warnings: RunWarnings | None = None,
 ) -> FlatBatch:
     """The step's positions, in either contract form (module docstring).
 
@@ -96,31 +104,25 @@ def read_step(
     the token look-up for the worst-tokens table, ``with_token_ids`` the predicted ids the
     diagnosis groups by (datums only; padded tensors always carry theirs). With ``optimizer_step``
     (the caller keeps strata) the per-datum keys are read: policy versions become lags
-    (``FlatBatch.lags``), groups ``FlatBatch.groups``; they are read on the host (a transfer when
-    they sit on an accelerator: keep them on the CPU). ``datum_advantages`` reads one advantage per
-    datum (``FlatBatch.datum_advantages``, for a correction that needs them): ``[B]`` or ``[B, 1]``,
-    or a one-value ``advantages`` field of each datum.
+    (``FlatBatch.lags``), groups ``FlatBatch.groups`` (``max_groups``: the index of ``group_other``,
+    where negative ids go); they are read on the host (a transfer when they sit on an accelerator:
+    keep them on the CPU). A per-datum value the strata cannot use is a warning through
+    ``warnings`` (once per run and problem), never an error (``_per_datum_groups``,
+    ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
+    (``FlatBatch.datum_advantages``, for a correction that needs them): ``[B]`` or ``[B, 1]``, or a
+    one-value ``advantages`` field of each datum.
     """
+    say = warnings if warnings is not None else RunWarnings()
     step = _Step(outputs, batch, keys)
     flat, data = _read_positions(step, with_tokens, with_token_ids)
     if datum_advantages:
-        flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat))
+        flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat, say))
     if optimizer_step is None:
         return flat
-    groups = _per_datum_ints(step, "group", data, flat.n_datums)
-    versions = _per_datum_ints(step, "policy_version", data, flat.n_datums)
-    if groups is None and versions is None:
+    groups = _per_datum_groups(step, data, flat.n_datums, max_groups, say)
+    lags = _per_datum_lags(step, data, flat.n_datums, optimizer_step, say)
+    if groups is None and lags is None:
         return flat
-    lags = None
-    if versions is not None:
-        lags = optimizer_step - versions
-        if bool((lags < 0).any()):
-            datum = int(torch.nonzero(lags < 0)[0, 0])
-            raise ValueError(
-                f"KLSampleTrainMonitor: datum {datum} has {keys['policy_version']!r} = {int(versions[datum])}, "
-                f"ahead of the trainer's optimizer step {optimizer_step}; the policy version must count the "
-                "trainer's optimizer steps the sampler's weights had received (0 for the initial weights)"
-            )
     return dataclasses.replace(
         flat,
         lags=None if lags is None else lags.to(flat.device),
@@ -160,7 +162,7 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
     return flat, None
 
 
-def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch) -> torch.Tensor:
+def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings) -> torch.Tensor:
     """Float64 ``[B]`` advantages, one per datum, on the batch's device; ``ValueError`` when there are none."""
     key = step.keys["advantages"]
     value = step.get("advantages")
@@ -180,25 +182,171 @@ def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch) 
     return values.to(device=flat.device, dtype=torch.float64)
 
 
-def _per_datum_ints(step: _Step, name: str, data: Sequence[Any] | None, n_datums: int) -> torch.Tensor | None:
-    """Int64 ``[B]`` CPU tensor of the per-datum key ``name`` (module docstring); ``None`` when absent.
+def _per_datum_groups(
+    step: _Step, data: Sequence[Any] | None, n_datums: int, max_groups: int, say: RunWarnings
+) -> torch.Tensor | None:
+    """Int64 ``[B]`` CPU group ids of the per-datum key ``group``; ``None`` when absent or unusable.
 
-    ``ValueError`` naming the key and the lengths for a wrong count, a non-integer or a negative
-    value, or a key only some datums have; ``TypeError`` for a value that is not numbers.
+    Ints >= 0 are ids (the strata pool those >= ``max_groups`` in ``group_other``); a negative id
+    goes to ``group_other`` (index ``max_groups``); string labels go to the bucket
+    ``zlib.crc32(label) % max_groups``, the same on every rank and in every run. Each is said
+    once per run, naming the key, a value and its datum; anything else turns the group family off
+    for the step, with a warning.
     """
-    values = _per_datum_values(step, name, data, n_datums)
-    if values is None:
+    key = step.keys["group"]
+    raw = _per_datum_raw(step, "group", data, n_datums, say)
+    if raw is None:
         return None
-    where = f"KLSampleTrainMonitor: {step.keys[name]!r}"
-    if values.is_floating_point():
-        if not bool(torch.isfinite(values).all()) or not bool((values == values.round()).all()):
-            raise ValueError(f"{where} must hold integers, got {values.tolist()}")
-    elif values.dtype == torch.bool or values.is_complex():
-        raise TypeError(f"{where} must hold integers, got dtype {values.dtype}")
-    values = values.to(torch.int64)
-    if bool((values < 0).any()):
-        raise ValueError(f"{where} must be >= 0, got {values.tolist()}")
+    if isinstance(raw, list):
+        ids = torch.tensor([zlib.crc32(label.encode()) % max_groups for label in raw], dtype=torch.int64)
+        seen = dict(zip(raw, ids.tolist()))
+        shown = ", ".join(f"{label!r} -> group_{bucket}" for label, bucket in list(seen.items())[:8])
+        say.warn(
+            "group:labels",
+            f"KLSampleTrainMonitor: {key!r} holds labels (datum 0: {raw[0]!r}); each label is counted in the "
+            f"stratum group_<zlib.crc32(label) % max_groups> ({shown}), the same on every rank; labels that "
+            "share a bucket are pooled (give int ids to keep each apart)",
+        )
+        return ids
+    ids = _integers(raw, "group", key, say)
+    if ids is None:
+        return None
+    negative = torch.nonzero(ids < 0)
+    if negative.numel():
+        i = int(negative[0, 0])
+        say.warn(
+            "group:negative",
+            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(ids[i])} (< 0); datums with a negative group id "
+            "are counted in the stratum 'group_other'",
+        )
+        ids = ids.masked_fill(ids < 0, max_groups)
+    return ids
+
+
+def _per_datum_lags(
+    step: _Step, data: Sequence[Any] | None, n_datums: int, optimizer_step: int, say: RunWarnings
+) -> torch.Tensor | None:
+    """Int64 ``[B]`` CPU policy lags, ``optimizer_step - policy_version``; ``None`` when absent or unusable.
+
+    A version ahead of the trainer's step cannot be (versions count optimizer steps): its datum is
+    read as lag 0, and the first is said once per run with how many datums of that micro-batch were
+    ahead. A negative or non-integer version turns the lag family off for the step, with a warning.
+    """
+    key = step.keys["policy_version"]
+    raw = _per_datum_raw(step, "policy_version", data, n_datums, say)
+    if isinstance(raw, list):
+        say.warn(
+            "policy_version:labels",
+            f"KLSampleTrainMonitor: {key!r} must count optimizer steps, got labels (datum 0: {raw[0]!r}); "
+            "the strata by policy lag are off for such steps",
+        )
+        return None
+    versions = None if raw is None else _integers(raw, "policy_version", key, say)
+    if versions is None:
+        return None
+    negative = torch.nonzero(versions < 0)
+    if negative.numel():
+        i = int(negative[0, 0])
+        say.warn(
+            "policy_version:negative",
+            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(versions[i])}; versions count the optimizer "
+            "steps the sampler's weights had received (0 for the initial weights): the strata by policy lag "
+            "are off for such steps",
+        )
+        return None
+    lags = optimizer_step - versions
+    ahead = torch.nonzero(lags < 0)
+    if ahead.numel():
+        i = int(ahead[0, 0])
+        say.warn(
+            "policy_version:ahead",
+            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(versions[i])}, ahead of the trainer's optimizer "
+            f"step {optimizer_step} ({ahead.shape[0]} of {n_datums} datums of the micro-batch); such datums are "
+            "counted at lag 0. The policy version must count the optimizer steps the sampler's weights had "
+            "received (0 for the initial weights)",
+        )
+        lags = lags.clamp(min=0)
+    return lags
+
+
+def _per_datum_raw(
+    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, say: RunWarnings
+) -> torch.Tensor | list[str] | None:
+    """The per-datum key ``name`` as given: a ``[B]`` CPU tensor of numbers, or a list of string labels.
+
+    ``None`` when absent, or, with a warning naming the key, when it cannot be one value per datum
+    (a wrong count, a key only some datums have, a kind that is not numbers or strings).
+    """
+    key = step.keys[name]
+    where = f"KLSampleTrainMonitor: {key!r}"
+    off = f"; the strata by {'group' if name == 'group' else 'policy lag'} are off for such steps"
+    value = step.get(name)
+    if value is None and data is not None:
+        inputs = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
+        has = [key in fields for fields in inputs]
+        if not any(has):
+            return None
+        if not all(has):
+            say.warn(
+                f"{name}:some_datums",
+                f"{where}: datum {has.index(True)} has it in loss_fn_inputs but datum {has.index(False)} does not"
+                + off,
+            )
+            return None
+        try:
+            value = [_one_value(fields[key]) for fields in inputs]
+        except (TypeError, ValueError) as error:
+            say.warn(f"{name}:unreadable", f"{where}: {error}" + off)
+            return None
+        longer = [i for i, item in enumerate(value) if item is None]
+        if longer:
+            say.warn(f"{name}:count", f"{where}: datum {longer[0]}'s field holds more than one value" + off)
+            return None
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and any(isinstance(item, str) for item in value):
+        if all(isinstance(item, str) for item in value) and len(value) == n_datums:
+            return list(value)
+        got = list(value)[:8]
+        say.warn(f"{name}:mixed", f"{where} must be one int (or one string label) per datum, got {got}" + off)
+        return None
+    try:
+        values = field_to_tensor(_as_row(value), where=where).detach().cpu()
+    except (TypeError, ValueError) as error:
+        say.warn(f"{name}:unreadable", f"{error}" + off)
+        return None
+    if values.numel() != n_datums:
+        say.warn(f"{name}:count", f"{where} has {values.numel()} values for {n_datums} datums" + off)
+        return None
     return values
+
+
+def _one_value(field: Any) -> Any:
+    """A datum's one-value field as a scalar (a string label as it is); ``None`` for any other length."""
+    if isinstance(field, str):
+        return field
+    if isinstance(field, (list, tuple)) and len(field) == 1 and isinstance(field[0], str):
+        return field[0]
+    row = field_to_tensor(_as_row(field), where="per-datum field")
+    return row.reshape(()).item() if row.numel() == 1 else None
+
+
+def _integers(values: torch.Tensor, name: str, key: str, say: RunWarnings) -> torch.Tensor | None:
+    """``values`` as int64 when each is an integer; ``None`` with a warning naming a datum otherwise."""
+    off = f"; the strata by {'group' if name == 'group' else 'policy lag'} are off for such steps"
+    if values.dtype == torch.bool or values.is_complex():
+        say.warn(f"{name}:dtype", f"KLSampleTrainMonitor: {key!r} must hold integers, got dtype {values.dtype}" + off)
+        return None
+    if values.is_floating_point():
+        bad = torch.nonzero(~torch.isfinite(values) | (values != values.round()))
+        if bad.numel():
+            i = int(bad[0, 0])
+            say.warn(
+                f"{name}:not_integer",
+                f"KLSampleTrainMonitor: {key!r} must hold integers, got {float(values[i])} at datum {i}" + off,
+            )
+            return None
+    return values.to(torch.int64)
 
 
 def _per_datum_values(
