@@ -207,3 +207,28 @@ def test_a_key_on_only_some_datums_turns_its_family_off_with_a_warning() -> None
     with pytest.warns(UserWarning, match="holds labels"):
         assert flat_of(labels).groups.tolist() == [zlib.crc32(b"math") % 8, zlib.crc32(b"code") % 8]
 
+
+def test_per_token_advantages_give_each_row_its_value_on_its_counted_tokens() -> None:
+    """verl keeps advantages [B, T] and Tinker datums per position: each row reads the value of its counted tokens."""
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    padded = {"logprobs": torch.full((2, 4), -1.0), "mask": mask,
+              "advantages": torch.tensor([[0.0, -0.5, -0.5, 0.0], [2.0, 2.0, 0.0, 0.0]])}
+    output = {"training_logprobs": torch.full((2, 4), -1.25)}
+    flat = read_step(output, padded, data_keys(None), datum_advantages=True)
+    assert flat.datum_advantages.tolist() == [-0.5, 2.0]
+    assert torch.equal(padded["advantages"][0], torch.tensor([0.0, -0.5, -0.5, 0.0]))  # the caller's data untouched
+    differing = {**padded, "advantages": torch.tensor([[9.0, -0.5, -1.5, 9.0], [2.0, 2.0, 0.0, 0.0]])}
+    with pytest.warns(UserWarning, match=r"datum 0's per-token 'advantages' differ on its counted tokens \(-1.5 to "
+                      r"-0.5\); the corrections read each row's mean \(-1 here\)"):
+        flat = read_step(output, differing, data_keys(None), datum_advantages=True)
+    assert flat.datum_advantages.tolist() == [-1.0, 2.0]
+    batch = [
+        {"tokens": [1, 2, 3], "logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0], "trainer": [None, -1.5, -2.0],
+         "advantages": [0.0, -0.25, -0.25]},
+        {"tokens": [1, 2], "logprobs": [None, -0.5], "mask": [0.0, 1.0], "trainer": [None, -0.25], "advantages": [3.0]},
+    ]
+    datums, trainer = as_datums(batch, "lists")
+    for datum, row in zip(datums, batch):
+        datum.loss_fn_inputs["advantages"] = row["advantages"]
+    flat = read_step({"training_logprobs": trainer, "data": datums}, None, data_keys(None), datum_advantages=True)
+    assert flat.datum_advantages.tolist() == [-0.25, 3.0]

@@ -115,7 +115,10 @@ class KLSampleTrainMonitor(Callback):
             or ``Correction`` objects. Each logged step logs what each would do, without applying
             anything (``loops_callbacks.divergence.shadow``). ``off_policy_mask`` reads one
             advantage per datum (``advantages`` ``[B]`` or ``[B, 1]``, or a one-value field of
-            each datum); without them the first logged step is a ``ValueError``.
+            each datum; per-token ``[B, T]`` advantages, as verl keeps them, or a per-position
+            field of each datum, as Tinker datums carry them, give each row the value of its
+            counted tokens, their mean with one warning where a row's differ: one host read per
+            micro-batch of a logged step); without them the first logged step is a ``ValueError``.
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its

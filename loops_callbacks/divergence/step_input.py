@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import dataclasses
+import math
 import zlib
 
 import torch
@@ -109,8 +110,7 @@ def read_step(
     keep them on the CPU). A per-datum value the strata cannot use is a warning through
     ``warnings`` (once per run and problem), never an error (``_per_datum_groups``,
     ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
-    (``FlatBatch.datum_advantages``, for a correction that needs them): ``[B]`` or ``[B, 1]``, or a
-    one-value ``advantages`` field of each datum.
+    (``FlatBatch.datum_advantages``, for a correction that needs them; ``_datum_advantages``).
     """
     say = warnings if warnings is not None else RunWarnings()
     step = _Step(outputs, batch, keys)
@@ -162,17 +162,31 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
     return flat, None
 
 
-def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings) -> torch.Tensor:
-    """Float64 ``[B]`` advantages, one per datum, on the batch's device; ``ValueError`` when there are none."""
+def _datum_advantages(
+    step: _Step, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings
+) -> torch.Tensor:
+    """Float64 ``[B]`` advantages, one per datum, on the batch's device; ``ValueError`` when there are none.
+
+    Read from ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are; from
+    per-token advantages (``[B, T]`` as verl keeps them, or a per-position field of each datum as
+    Tinker datums carry them) as each row's value on its counted tokens (``_row_values``).
+    """
     key = step.keys["advantages"]
     value = step.get("advantages")
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         if value.shape[1] != 1:
-            raise ValueError(
-                f"KLSampleTrainMonitor: a correction listed needs one advantage per datum, but {key!r} has shape "
-                f"{tuple(value.shape)}; give [B] or [B, 1] advantages"
-            )
+            if value.numel() != flat.counted.numel():
+                raise ValueError(
+                    f"KLSampleTrainMonitor: {key!r} has shape {tuple(value.shape)} but the step has "
+                    f"{flat.n_datums} rows of {flat.counted.numel() // max(flat.n_datums, 1)} positions; give "
+                    "[B], [B, 1] or [B, T] advantages"
+                )
+            return _row_values(value.detach().reshape(-1), flat, key, say)
         value = value.reshape(-1)
+    if value is None and data is not None:
+        per_token = _per_token_datum_field(step, "advantages", data)
+        if per_token is not None:
+            return _row_values(per_token, flat, key, say)
     values = _per_datum_values(step, "advantages", data, flat.n_datums, value=value)
     if values is None:
         raise ValueError(
@@ -180,6 +194,60 @@ def _datum_advantages(step: _Step, data: Sequence[Any] | None, flat: FlatBatch, 
             "(in the batch, the step's output, or each datum's loss_fn_inputs); none was found"
         )
     return values.to(device=flat.device, dtype=torch.float64)
+
+
+def _per_token_datum_field(step: _Step, name: str, data: Sequence[Any]) -> torch.Tensor | None:
+    """The datums' field ``name`` over all positions (a one-value field spread over its datum's positions)
+    when some datum has one value per position; ``None`` when every datum has one value (or none has it)."""
+    key = step.keys[name]
+    rows, lengths = [], []
+    for i, datum in enumerate(data):
+        inputs = datum_loss_fn_inputs(datum, index=i)
+        if key not in inputs:
+            return None  # _per_datum_values names the datum without it
+        rows.append(field_to_tensor(_as_row(inputs[key]), where=f"datum {i}, key {key!r}").detach())
+        lengths.append(field_length(inputs["logprobs"], where=f"datum {i}, key 'logprobs'"))
+    if all(row.numel() == 1 for row in rows):
+        return None
+    wrong = [i for i, (row, n) in enumerate(zip(rows, lengths)) if row.numel() not in (1, n)]
+    if wrong:
+        i = wrong[0]
+        raise ValueError(
+            f"KLSampleTrainMonitor: datum {i}'s {key!r} has {rows[i].numel()} values for {lengths[i]} positions; "
+            "give one value, or one per position"
+        )
+    device = rows[0].device
+    return torch.cat([row.to(device, torch.float64).expand(n) for row, n in zip(rows, lengths)])
+
+
+def _row_values(positions: torch.Tensor, flat: FlatBatch, key: str, say: RunWarnings) -> torch.Tensor:
+    """Float64 ``[B]``: each row's value of the per-position ``positions`` on its counted tokens.
+
+    The value where the row's counted tokens agree (per-token advantages repeat the sequence's
+    advantage), else their mean, with one warning per run naming the first such datum; 0 for a row
+    without counted tokens. The check is one host read, on the steps that log with per-token
+    advantages and a correction that needs them.
+    """
+    device, counted = flat.device, flat.counted
+    positions = positions.to(device=device, dtype=torch.float64)
+    n_rows = flat.n_datums
+    rows = torch.repeat_interleave(torch.arange(n_rows, device=device), flat.row_lengths, output_size=counted.numel())
+    zeros = torch.zeros(n_rows, dtype=torch.float64, device=device)
+    sums = zeros.index_add(0, rows, positions.masked_fill(~counted, 0.0))
+    counts = zeros.index_add(0, rows, counted.to(torch.float64))
+    mean = sums / counts.clamp(min=1.0)
+    high = torch.full_like(mean, -math.inf).scatter_reduce(0, rows, positions.masked_fill(~counted, -math.inf), "amax")
+    low = torch.full_like(mean, math.inf).scatter_reduce(0, rows, positions.masked_fill(~counted, math.inf), "amin")
+    differ = torch.nonzero(high > low)
+    if differ.numel():
+        i = int(differ[0, 0])
+        say.warn(
+            "advantages_differ_in_a_row",
+            f"KLSampleTrainMonitor: datum {i}'s per-token {key!r} differ on its counted tokens "
+            f"({float(low[i]):.4g} to {float(high[i]):.4g}); the corrections read each row's mean "
+            f"({float(mean[i]):.4g} here) as its advantage",
+        )
+    return mean
 
 
 def _per_datum_groups(
@@ -352,7 +420,8 @@ def _integers(values: torch.Tensor, name: str, key: str, say: RunWarnings) -> to
 def _per_datum_values(
     step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, *, value: Any = None
 ) -> torch.Tensor | None:
-    """``[B]`` CPU tensor of the per-datum key ``name`` (``value`` when the caller read it); ``None`` when absent.
+    """``[B]`` tensor of the per-datum key ``name`` (``value`` when the caller read it), on the device it
+    was given on; ``None`` when absent.
 
     ``ValueError`` for a wrong count or a key only some datums have.
     """
@@ -374,10 +443,10 @@ def _per_datum_values(
         lengths = sorted({row.numel() for row in rows})
         if lengths != [1]:
             raise ValueError(f"{where}: each datum's field must hold one value, got lengths {lengths}")
-        value = torch.cat([row.reshape(1).detach().cpu().to(torch.float64) for row in rows])
+        value = torch.cat([row.reshape(1).detach().to(rows[0].device, torch.float64) for row in rows])
     if value is None:
         return None
-    values = field_to_tensor(_as_row(value), where=where).detach().cpu()
+    values = field_to_tensor(_as_row(value), where=where).detach()
     if values.numel() != n_datums:
         raise ValueError(f"{where} has {values.numel()} values for {n_datums} datums; give one per datum")
     return values
