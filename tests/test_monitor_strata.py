@@ -163,6 +163,23 @@ def test_strata_and_shadow_scalars_are_in_callback_metrics_for_early_stopping() 
         assert float(trainer.callback_metrics[key]) == pytest.approx(value, rel=1e-6), key
 
 
+def test_a_stratum_not_logged_at_a_step_leaves_callback_metrics() -> None:
+    """EarlyStopping must not read the number of an earlier step: each step's groups are its own."""
+
+    class OneGroupPerStep(TinyPolicy):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+            return {**super().training_step(batch, batch_idx), "group": [self.global_step % 2] * len(batch["mask"])}
+
+    logger = RecordingLogger()
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    trainer.fit(OneGroupPerStep())
+    first, last = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
+    assert PREFIX + "stratum/group_0/k3" in first and PREFIX + "stratum/group_0/k3" not in last
+    assert PREFIX + "stratum/group_1/k3" in last
+    assert PREFIX + "stratum/group_0/k3" not in trainer.callback_metrics
+    assert PREFIX + "stratum/group_1/k3" in trainer.callback_metrics
+
+
 def test_bad_corrections_are_named_at_construction_and_missing_advantages_at_the_first_step() -> None:
     class NoAdvantages(VersionedPolicy):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:

@@ -211,7 +211,9 @@ class KLSampleTrainMonitor(Callback):
 
     A step without action tokens logs only ``n_action_tokens = 0`` and the two counts. The
     scalars are also put in ``trainer.callback_metrics``, so ``EarlyStopping`` and
-    ``ModelCheckpoint`` can monitor them.
+    ``ModelCheckpoint`` can monitor them; a stratum or correction key that a logged step does not
+    log (no tokens in that stratum) is removed from there until it is logged again, so watch one
+    with ``EarlyStopping(..., strict=False)``.
 
     Example::
 
@@ -302,6 +304,7 @@ class KLSampleTrainMonitor(Callback):
         self.last_diagnosis: Diagnosis | None = None
         self._window: DivergenceStats | None = None
         self._last_flat: FlatBatch | None = None
+        self._breakdown_keys: set[str] = set()  # the strata and shadow keys put in callback_metrics last
         self._contract_checked = False
         self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not (the history counts finite ones)
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -429,11 +432,15 @@ class KLSampleTrainMonitor(Callback):
         ``breakdown`` (the corrections' shadow metrics) in the second record with the strata.
 
         The strata and shadow scalars go into ``callback_metrics`` too, so ``EarlyStopping`` and
-        ``ModelCheckpoint`` can watch any logged number."""
+        ``ModelCheckpoint`` can watch any logged number; those of the previous logged step that this
+        one does not log (a stratum without tokens now) are removed, so nothing reads a stale value."""
         logged = report.logged(self.prefix)
         strata = report.media.strata.scalars if report.media.strata is not None else {}
-        every = {**logged, **{self.prefix + name: value for name, value in {**strata, **breakdown}.items()}}
-        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in every.items()})
+        extra = {self.prefix + name: value for name, value in {**strata, **breakdown}.items()}
+        for key in self._breakdown_keys - extra.keys():  # a stratum or correction without tokens now: no stale value
+            trainer.callback_metrics.pop(key, None)
+        self._breakdown_keys = set(extra)
+        trainer.callback_metrics.update({key: torch.tensor(value) for key, value in {**logged, **extra}.items()})
         if not trainer.is_global_zero:
             return
         deliver(
