@@ -48,6 +48,10 @@ def test_string_forms_and_the_dataclass_are_one_correction() -> None:
     assert parse_correction("off_policy_mask:-0.1").params == {"threshold": -0.1}  # δ bounds a mean KL estimate
     assert parse_correction(" geo ") == Correction("geo")
     assert dict(Correction("geo").params) == {"lower": 0.999, "upper": 1.001}
+    # verl reads one seq_mean_k1 threshold x as [1/x, x]; geo is seq_mean_k1 with a preset
+    assert dict(parse_correction("geo:1.01").params) == dict(parse_correction("seq_mean_k1:1.01").params)
+    assert dict(Correction("geo", {"upper": 1.01}).params) == {"lower": 1 / 1.01, "upper": 1.01}
+    assert dict(parse_correction("geo:0.99_1.01").params) == {"lower": 0.99, "upper": 1.01}
     correction = Correction("icepop")
     assert parse_correction(correction) is correction
     assert len({parse_correction("sequence_mask"), Correction("sequence_mask", {"clip_max": 3})}) == 1

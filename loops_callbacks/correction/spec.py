@@ -21,7 +21,8 @@ seq_sum_k1 ...       (required)                 where a token's (or a sequence's
 token_k2, token_k3   upper (required)           k3 leaves its bounds; k1 = log(p_sampler / p_trainer) kept in
 seq_sum_k2 ...                                  [log lower, log upper], k2 and k3 kept <= upper
 geo                  lower (0.999),             verl's geometric-mean rejection (``seq_mean_k1``, its presets'
-                     upper (1.001)              ``0.999_1.001``; DeepSeek-V3.2)
+                     upper (1.001)              ``0.999_1.001``; DeepSeek-V3.2); ``geo:x`` is [1/x, x], as verl
+                                                reads one ``seq_mean_k1`` threshold
 off_policy_mask      threshold (required)       TRL ``off_policy_mask_threshold`` (DeepSeek-V3.2's δ): drop a
                                                 sequence with a negative advantage whose mean sampler-minus-
                                                 trainer KL exceeds δ
@@ -38,6 +39,8 @@ Example:
     True
     >>> dict(parse_correction("token_k1:2.0").params)
     {'lower': 0.5, 'upper': 2.0}
+    >>> dict(parse_correction("geo:1.25").params)
+    {'lower': 0.8, 'upper': 1.25}
 """
 
 from __future__ import annotations
@@ -142,8 +145,8 @@ class Correction:
         filled: dict[str, float | None] = {}
         for name, default in spec.defaults.items():
             value = self.params.get(name, default)
-            if value is REQUIRED and name == "lower":
-                continue  # verl's k1 default, 1 / upper, once upper is read
+            if name == "lower" and name not in self.params and (value is REQUIRED or "upper" in self.params):
+                continue  # verl reads one k1 threshold as the upper bound and 1 / upper (geo's preset too)
             if value is REQUIRED:
                 raise ValueError(
                     f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
