@@ -137,11 +137,26 @@ class CorrectionInput:
 
     @cached_property
     def zeroed(self) -> torch.Tensor:
-        """The log ratio on action tokens, 0 off the mask and where NaN (TRL's ``nan_to_num((t - s) * mask)``).
+        """The log ratio on action tokens, 0 off the mask and where NaN (as TRL's ``nan_to_num((t - s) * mask)``).
 
-        ±inf stays; an inf off the mask times 0 is NaN, then 0.
+        ±inf stays, for verl's methods (TRL's read ``trl_zeroed``); an inf off the mask times 0 is NaN, then 0.
         """
         return torch.nan_to_num(self.log_ratio * self.mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
+
+    @cached_property
+    def trl_zeroed(self) -> torch.Tensor:
+        """``zeroed`` as TRL has it: ``torch.nan_to_num(..., nan=0.0)`` also maps ±inf to ±``finfo.max``.
+
+        So a row with a +inf and a -inf log ratio sums to 0 (ratio 1) in TRL's sequence modes and
+        off-policy mask, where ``zeroed`` would give NaN; token ratios are the same (``exp(±max)``
+        is inf or 0). TRL's methods read this; verl's read ``zeroed``.
+        """
+        return torch.nan_to_num(self.log_ratio * self.mask, nan=0.0)
+
+    @cached_property
+    def trl_row_log_ratio(self) -> torch.Tensor:
+        """Float64 [B]: each row's summed ``trl_zeroed``: the log of TRL's sequence ratio."""
+        return self.rows.sum(self.trl_zeroed)
 
     @cached_property
     def row_count(self) -> torch.Tensor:
@@ -203,9 +218,9 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
     spec = correction.spec
     if spec.level != "sequence":
         raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
-    never = torch.zeros_like(x.row_log_ratio, dtype=torch.bool)
+    never = torch.zeros_like(x.row_count, dtype=torch.bool)
     if spec.family == "trl":
-        return _trl_weights(correction, torch.exp(x.row_log_ratio), ~never)
+        return _trl_weights(correction, torch.exp(x.trl_row_log_ratio), ~never)
     if spec.family == "verl_is":
         return _verl_is_weights(correction, x.row_log_ratio, ~never)
     if spec.family == "verl_rs":
@@ -213,7 +228,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
         return RowCorrection(keep.to(torch.float64), keep, never)
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
-    mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
+    mean_kl = -x.trl_row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
     keep = (x.advantages >= 0) | (mean_kl <= correction.params["threshold"])
     return RowCorrection(keep.to(torch.float64), keep, never)
 
@@ -236,7 +251,7 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> FlatCorrection:
         weights = torch.where(x.mask, x.rows.spread(rows.weight), 0.0)  # a row's weight may be inf: no inf * 0
         return FlatCorrection(weights, keep, x.mask & x.rows.spread(rows.clipped))
     if spec.family == "trl":
-        result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
+        result = _trl_weights(correction, torch.exp(x.trl_zeroed), x.mask)
     elif spec.family == "verl_is":
         result = _verl_is_weights(correction, x.zeroed, x.mask)
     else:
