@@ -232,3 +232,18 @@ def test_per_token_advantages_give_each_row_its_value_on_its_counted_tokens() ->
         datum.loss_fn_inputs["advantages"] = row["advantages"]
     flat = read_step({"training_logprobs": trainer, "data": datums}, None, data_keys(None), datum_advantages=True)
     assert flat.datum_advantages.tolist() == [-0.25, 3.0]
+
+
+def test_the_strata_read_the_k3_the_statistics_computed() -> None:
+    """k3 is computed once per chunk: ``Strata.sums`` sums the k3 it is handed, it does not compute its own."""
+    d = torch.tensor([0.5, -0.25, 0.1], dtype=torch.float64)
+    is_ratio = d.exp()
+    handed = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)  # not e^d - 1 - d: only a sum of it can give 7
+    sums = STRATA.sums(
+        d=d, abs_d=d.abs(), is_ratio=is_ratio, k3=handed, sampler=torch.log(torch.tensor([0.005, 0.05, 0.95])),
+        active=torch.ones(3, dtype=torch.bool), row_lengths=torch.tensor([3]), row_counts=torch.tensor([3]),
+        lags=None, groups=None, valid=None,
+    )
+    names = STRATA.names
+    assert sums[1, names.index("p_lt_0.01")] == 1.0 and sums[1, names.index("p_ge_0.9")] == 4.0
+    assert sums[1, : len(names)].sum() == 2 * 7.0  # the probability and the position families each hold all of it

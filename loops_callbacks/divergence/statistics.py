@@ -228,16 +228,17 @@ class DivergenceStats:
         else:
             # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS)
             sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
-        stratum_sums = None
-        if strata is not None:  # before the ratio's buffer becomes k3
-            stratum_sums = strata.sums(
-                d=d, abs_d=abs_d, is_ratio=is_ratio, sampler=sampler, active=active, row_lengths=flat.row_lengths,
-                row_counts=row_counts, lags=flat.lags, groups=flat.groups, valid=valid,
-            )
-        k3 = is_ratio.sub_(1.0).sub_(d)  # every use of the ratio is above: its buffer becomes k3 = e^d - 1 - d
+        # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
+        k3 = is_ratio.sub_(1.0).sub_(d) if strata is None else (is_ratio - 1.0).sub_(d)
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
         sums["sum_k3"] = k3.sum()
+        stratum_sums = None
+        if strata is not None:
+            stratum_sums = strata.sums(
+                d=d, abs_d=abs_d, is_ratio=is_ratio, k3=k3, sampler=sampler, active=active,
+                row_lengths=flat.row_lengths, row_counts=row_counts, lags=flat.lags, groups=flat.groups, valid=valid,
+            )
         totals = pack_named(TOTALS, sums)
         inf = float("inf")
         max_d, neg_min_d = _max_and_negated_min(d, valid)

@@ -129,6 +129,7 @@ class Strata:
         d: torch.Tensor,
         abs_d: torch.Tensor,
         is_ratio: torch.Tensor,
+        k3: torch.Tensor,
         sampler: torch.Tensor,
         active: torch.Tensor,
         row_lengths: torch.Tensor,
@@ -137,9 +138,10 @@ class Strata:
         groups: torch.Tensor | None,
         valid: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Float64 ``[len(COLUMNS), width]`` of one chunk (read before ``is_ratio`` becomes k3).
+        """Float64 ``[len(COLUMNS), width]`` of one chunk.
 
-        ``d``, ``abs_d``, ``is_ratio``, ``sampler`` hold the action tokens (``valid is None``) or
+        ``d``, ``abs_d``, ``is_ratio``, ``k3`` (``e^d - 1 - d``, as the statistics computed it),
+        ``sampler`` hold the action tokens (``valid is None``) or
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
         ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum.
         Places that are not action tokens go to a last column that is dropped. Each family is one
@@ -160,7 +162,6 @@ class Strata:
             starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
             rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
         offsets = self.offsets
-        k3 = is_ratio - 1.0 - d
         weights = (k3, abs_d, is_ratio)
         if valid is not None:
             weights = tuple(weight.masked_fill(~valid, 0.0) for weight in weights)
