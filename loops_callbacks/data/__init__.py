@@ -25,7 +25,7 @@ Example (your own DataModule)::
             return [d for c, r, k in my_pairs for d in dpo_pair_datums(c, r, prompt_length=k)]
 
         def train_dataloader(self):
-            return DataLoader(DPOPairDataset(self.scored_data), batch_size=8, collate_fn=collate_dpo_pairs)
+            return DataLoader(DPOPairDataset(self.scored_pairs), batch_size=8, collate_fn=collate_dpo_pairs)
 """
 
 from loops_callbacks.conventions import from_tinker_convention

@@ -320,7 +320,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         it is kept (Lightning refuses a rank without a batch).
         """
         if self._pairs is None:
-            self._pairs = DPOPairDataset(self.scored_data)
+            self._pairs = DPOPairDataset(self.scored_pairs)  # no datum is made (scored_data would)
         subset = Subset(self._pairs, indices)
         trainer = getattr(self, "trainer", None)
         sampler = None

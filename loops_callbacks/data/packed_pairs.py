@@ -52,21 +52,41 @@ class PackedPairs:
         return {key: torch.from_numpy(getattr(self, key)[start:stop]) for key in BATCH_KEYS}
 
     @classmethod
-    def from_datums(cls, data: Sequence[Any]) -> PackedPairs:
+    def from_datums(cls, data: Sequence[Any], ref_logprobs: np.ndarray | None = None) -> PackedPairs:
         """Read each datum's ``model_input``, ``target_tokens`` (default: the next tokens), ``weights``
-        and ``ref_logprobs`` once; a missing or mis-sized field is a ``ValueError`` naming the datum."""
-        rows = [_row_arrays(datum, index) for index, datum in enumerate(data)]
+        and ``ref_logprobs`` once; a missing or mis-sized field is a ``ValueError`` naming the datum.
+
+        ``ref_logprobs``: every datum's values back to back (one float32 buffer, as
+        ``score_packed_across_ranks`` returns them), kept as they are instead of the datums' own.
+
+        Example:
+            >>> from loops_callbacks.data.dpo import dpo_pair_datums
+            >>> values = np.array([-1.0, 0.0, -2.0, 0.0], dtype=np.float32)
+            >>> packed = PackedPairs.from_datums(dpo_pair_datums([1, 2], [1, 3], 1), ref_logprobs=values)
+            >>> packed.ref_logprobs is values, packed.row(1)["ref_logprobs"].tolist()
+            (True, [-2.0, 0.0])
+        """
+        given = ref_logprobs is not None
+        rows = [_row_arrays(datum, index, with_ref_logprobs=not given) for index, datum in enumerate(data)]
         lengths = np.fromiter((len(row["input_ids"]) for row in rows), dtype=np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        columns = {key: _joined([row[key] for row in rows], key) for key in BATCH_KEYS}
+        keys = [key for key in BATCH_KEYS if not (given and key == "ref_logprobs")]
+        columns = {key: _joined([row[key] for row in rows], key) for key in keys}
+        if ref_logprobs is not None:
+            if ref_logprobs.dtype != np.float32 or ref_logprobs.shape != (int(offsets[-1]),):
+                raise ValueError(
+                    f"ref_logprobs must be {int(offsets[-1])} float32 values (one per token of the {len(rows)} "
+                    f"datums), got {ref_logprobs.dtype} of shape {ref_logprobs.shape}"
+                )
+            columns["ref_logprobs"] = ref_logprobs
         return cls(offsets=offsets, **columns)
 
 
 _DTYPES = {"input_ids": np.int64, "target_tokens": np.int64, "weights": np.float32, "ref_logprobs": np.float32}
 
 
-def _row_arrays(datum: Any, index: int) -> dict[str, np.ndarray]:
+def _row_arrays(datum: Any, index: int, *, with_ref_logprobs: bool = True) -> dict[str, np.ndarray]:
     label = datum_label(index)
     model_input = datum_model_input(datum)
     if model_input is None:
@@ -78,7 +98,7 @@ def _row_arrays(datum: Any, index: int) -> dict[str, np.ndarray]:
         row["target_tokens"] = _field(inputs["target_tokens"], f"{label}, key 'target_tokens'", np.int64)
     else:
         row["target_tokens"] = np.concatenate([input_ids[1:], np.zeros(1, np.int64)])
-    for key in ("weights", "ref_logprobs"):
+    for key in ("weights", "ref_logprobs") if with_ref_logprobs else ("weights",):
         if key not in inputs:
             hint = " (attach them first, e.g. with attach_reference_logprobs)" if key == "ref_logprobs" else ""
             raise ValueError(f"{label} has no {key!r}{hint}")

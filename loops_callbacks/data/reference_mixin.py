@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -27,14 +28,17 @@ from typing_extensions import override
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import validate_dpo_pairs
 from loops_callbacks.data.labels import datum_label
+from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.reference.across_ranks import (
     ReferenceCacheWarning,
     ReferenceLogprobsReport,
-    score_across_ranks,
+    score_packed_across_ranks,
 )
+from loops_callbacks.reference.attach import attach_reference_values
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ReferenceConfig, ScoringDtype
+from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
 
@@ -98,15 +102,38 @@ def compute_reference_logprobs(
         >>> scored[1].loss_fn_inputs["ref_logprobs"].tolist(), report.cache_status
         ([-0.5, -0.5, 0.0], 'off')
     """
-    config = config if config is not None else ReferenceConfig()
     data = list(data)
-    tokens = validated_tokens
-    if tokens is None:
-        tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)
-    return score_across_ranks(  # which checks the token ids, once, naming the pair (OutOfVocabularyError)
+    values, offsets, report = _score_pairs(
         data,
         reference,
-        tokens,
+        config,
+        cache_path=cache_path,
+        cache_tag=cache_tag,
+        tokens=validated_tokens,
+        cached_only=cached_only,
+    )
+    return attach_reference_values(data, values, offsets), report
+
+
+def _score_pairs(
+    data: list[Any],
+    reference: Any,
+    config: ReferenceConfig | None,
+    *,
+    cache_path: str | os.PathLike[str] | None,
+    cache_tag: str | None,
+    tokens: list[list[int]] | None,
+    cached_only: str | None,
+) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
+    """``compute_reference_logprobs`` before the datums: the values as one float32 buffer and its offsets."""
+    config = config if config is not None else ReferenceConfig()
+    if tokens is None:
+        tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)
+    packed = PackedTokens.from_sequences(tokens)
+    values, report = score_packed_across_ranks(  # which checks the token ids, once, naming the pair
+        packed,
+        reference,
+        datums=data,  # read by a reference without score_packed (a remote client) only
         cache_path=cache_path,
         reference_fingerprint=config.reference_fingerprint,
         cache_tag=cache_tag if cache_tag is not None else config.cache_tag(),
@@ -116,6 +143,7 @@ def compute_reference_logprobs(
         scoring_timeout=config.scoring_timeout,
         datum_name=datum_label,
     )
+    return values, packed.offsets, report
 
 
 class Stage(Enum):
@@ -137,9 +165,12 @@ class Stage(Enum):
 class ReferenceScoring:
     """A ``ReferenceLogprobsMixin``'s whole state: its settings, its stage, and what each stage made.
 
-    ``data`` and ``tokens`` are the checked pairs while ``PENDING``; ``scored`` and ``report`` are
-    set when ``SCORED``; ``saved`` is what checkpoints record (the initial policy's fingerprint) and
-    ``restored`` what a checkpoint gave back (``load_state_dict``).
+    ``data`` are the checked pairs (``tokens`` their ids, while ``PENDING``); ``values`` (one
+    float32 buffer, every datum's ``ref_logprobs`` back to back: datum i's are
+    ``values[offsets[i]:offsets[i + 1]]``) and ``report`` are set when ``SCORED``; ``scored``, the
+    datums with those values attached, is made on the first read of ``scored_data`` only; ``saved``
+    is what checkpoints record (the initial policy's fingerprint) and ``restored`` what a checkpoint
+    gave back (``load_state_dict``).
     """
 
     config: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -147,6 +178,8 @@ class ReferenceScoring:
     data: list[Any] | None = None
     tokens: list[list[int]] | None = None
     num_pairs: int | None = None
+    values: np.ndarray | None = None
+    offsets: np.ndarray | None = None
     scored: list[Any] | None = None
     report: ReferenceLogprobsReport | None = None
     saved: dict[str, Any] | None = None
@@ -190,7 +223,8 @@ class ReferenceLogprobsMixin:
     Put it before ``LightningDataModule`` in the bases, call ``configure_reference`` in
     ``__init__`` (declare its arguments in your ``__init__`` to set them from YAML), return the
     interleaved datums (chosen at even indices, rejected at odd) from ``dpo_data``, and read
-    ``self.scored_data`` in ``train_dataloader`` / ``val_dataloader``. Call ``super().__init__()``,
+    ``self.scored_pairs`` (the packed form a ``DPOPairDataset`` takes) or ``self.scored_data`` (the
+    datums, made on that read) in ``train_dataloader`` / ``val_dataloader``. Call ``super().__init__()``,
     ``super().setup(stage)`` if you override ``setup`` (after loading what ``dpo_data`` returns),
     and ``super()`` in ``state_dict`` / ``load_state_dict`` if you override them.
 
@@ -209,7 +243,7 @@ class ReferenceLogprobsMixin:
       its output head (no full logits);
     - without a trainer (``setup("fit")`` called by hand), in ``setup("fit")``.
 
-    ``scored_data`` only reads: before scoring it is a ``RuntimeError``. Every checkpoint records
+    ``scored_pairs`` and ``scored_data`` only read: before scoring they are a ``RuntimeError``. Every checkpoint records
     the initial policy's fingerprint (``state_dict``); a resumed run (``fit(ckpt_path=...)``),
     whose module holds trained weights, takes the values from the cache that matches it, and a
     missing or mismatching cache is a ``ReferenceCacheError`` that names the fix (the cache file,
@@ -231,7 +265,7 @@ class ReferenceLogprobsMixin:
                 return [*dpo_pair_datums([1, 5, 6], [1, 5, 7], prompt_length=2)]
 
             def train_dataloader(self):
-                return DataLoader(DPOPairDataset(self.scored_data), batch_size=8, collate_fn=collate_dpo_pairs)
+                return DataLoader(DPOPairDataset(self.scored_pairs), batch_size=8, collate_fn=collate_dpo_pairs)
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -303,24 +337,44 @@ class ReferenceLogprobsMixin:
     def scored_data(self) -> list[Any]:
         """``dpo_data()`` with ``ref_logprobs`` attached (float32 arrays, one buffer for all datums).
 
-        Available once scored (see the class docstring): read it in a dataloader hook. Under a
-        strategy that restores checkpoints after its setup (FSDP, ...) and without a checkpoint,
-        the first read scores the policy (no hook comes between that restore and the dataloaders).
+        Available once scored (see the class docstring): read it in a dataloader hook. The
+        datums are made on the first read (the values are kept as one buffer until then; a
+        ``DPOPairDataset`` reads ``scored_pairs`` instead, with no datum made). Under a strategy
+        that restores checkpoints after its setup (FSDP, ...) and without a checkpoint, the first
+        read scores the policy (no hook comes between that restore and the dataloaders).
         """
+        state = self._scored_state("scored_data")
+        if state.scored is None:
+            assert state.data is not None and state.values is not None and state.offsets is not None
+            state.scored = attach_reference_values(state.data, state.values, state.offsets)
+        return state.scored
+
+    @property
+    def scored_pairs(self) -> PackedPairs:
+        """The scored pairs in the packed form batches are cut from: ``DPOPairDataset(self.scored_pairs)``.
+
+        The datums' ids, targets and weights read once into flat arrays, and the reference values
+        as the one buffer they were scored into (no datum is made; see ``scored_data``).
+        """
+        state = self._scored_state("scored_pairs")
+        assert state.data is not None and state.values is not None
+        return PackedPairs.from_datums(state.data, ref_logprobs=state.values)
+
+    def _scored_state(self, name: str) -> ReferenceScoring:
+        """The state once scored, or a ``RuntimeError`` saying when ``name`` can be read."""
         state = self._reference
         if state.stage is Stage.AFTER_RESTORE:  # no checkpoint came: the strategy's restore is over
             self.score_reference()
         if state.stage is Stage.SCORED:
-            assert state.scored is not None
-            return state.scored
+            return state
         if state.stage is Stage.PENDING:
             raise RuntimeError(
-                f"{type(self).__name__}.scored_data was read before the strategy set the LightningModule up: with the "
+                f"{type(self).__name__}.{name} was read before the strategy set the LightningModule up: with the "
                 "default reference (the policy itself) it is scored in on_fit_start; read it in train_dataloader / "
                 "val_dataloader, not in setup"
             )
         raise RuntimeError(
-            f"{type(self).__name__}.scored_data is computed in setup('fit'); run trainer.fit, or call setup('fit')"
+            f"{type(self).__name__}.{name} is computed in setup('fit'); run trainer.fit, or call setup('fit')"
         )
 
     @property
@@ -341,6 +395,7 @@ class ReferenceLogprobsMixin:
             return
         state = self._reference
         state.stage, state.scored, state.report, state.saved = Stage.NOT_SET_UP, None, None, None
+        state.values = state.offsets = None
         state.data, state.tokens = self._checked_data(state.config)
         state.stage = Stage.PENDING
         trainer = self._attached_trainer()
@@ -364,10 +419,12 @@ class ReferenceLogprobsMixin:
             assert state.data is not None and state.tokens is not None
             trainer = self._attached_trainer()
             if state.config.reference is None and trainer is not None:
-                scored, report = self._score_policy(trainer, state.data, state.tokens, state.config)
+                values, offsets, report = self._score_policy(trainer, state.data, state.tokens, state.config)
             else:
-                scored, report = self._score_explicit(trainer, state.data, state.tokens, state.config)
-            state.stage, state.scored, state.report, state.data, state.tokens = Stage.SCORED, scored, report, None, None
+                values, offsets, report = self._score_explicit(trainer, state.data, state.tokens, state.config)
+            state.stage, state.values, state.offsets, state.report, state.tokens = (
+                Stage.SCORED, values, offsets, report, None
+            )
         assert state.report is not None
         return state.report
 
@@ -404,7 +461,7 @@ class ReferenceLogprobsMixin:
 
     def _score_explicit(
         self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
-    ) -> tuple[list[Any], ReferenceLogprobsReport]:
+    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
         """A reference other than the policy: resolved (a copy, a client, a callable) and scored now."""
         client = resolve_reference(
             config.reference,
@@ -413,8 +470,14 @@ class ReferenceLogprobsMixin:
             device=trainer.strategy.root_device if trainer is not None else None,
         )
         try:
-            return compute_reference_logprobs(
-                data, client, config, cache_path=self._cache_path(trainer, config), validated_tokens=tokens
+            return _score_pairs(
+                data,
+                client,
+                config,
+                cache_path=self._cache_path(trainer, config),
+                cache_tag=None,
+                tokens=tokens,
+                cached_only=None,
             )
         finally:
             del client
@@ -423,7 +486,7 @@ class ReferenceLogprobsMixin:
 
     def _score_policy(
         self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
-    ) -> tuple[list[Any], ReferenceLogprobsReport]:
+    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
         """The default reference: the policy as the strategy has set it up, or, on a resumed run, the cache."""
         cache_path = self._cache_path(trainer, config)
         tag = policy_tag(trainer, config.scoring_dtype)
@@ -434,10 +497,10 @@ class ReferenceLogprobsMixin:
                 # the policy's weights are fingerprinted: a reference_fingerprint names a client's
                 policy_config = replace(config, reference_fingerprint=None)
                 policy = PolicyReference.from_trainer(trainer, policy_config)
-                result = compute_reference_logprobs(
-                    data, policy, policy_config, cache_path=cache_path, cache_tag=tag, validated_tokens=tokens
+                result = _score_pairs(
+                    data, policy, policy_config, cache_path=cache_path, cache_tag=tag, tokens=tokens, cached_only=None
                 )
-        self._reference.saved = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
+        self._reference.saved = {"reference_fingerprint": result[2].reference_fingerprint, "scoring_dtype": tag}
         return result
 
     def _load_initial_policy(
@@ -448,7 +511,7 @@ class ReferenceLogprobsMixin:
         config: ReferenceConfig,
         cache_path: str | None,
         tag: str,
-    ) -> tuple[list[Any], ReferenceLogprobsReport]:
+    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
         """A resumed run: the module holds trained weights, so the initial policy's values come from the cache."""
         expected = (self._reference.restored or {}).get("reference_fingerprint")
         if expected is None:
@@ -472,12 +535,12 @@ class ReferenceLogprobsMixin:
             "first optimizer step> (a checkpoint is loaded into a copy of the module, so a model built in "
             "configure_model needs the cache file)"
         )
-        return compute_reference_logprobs(
+        return _score_pairs(
             data,
             None,
             replace(config, reference_fingerprint=expected),  # the initial policy's, as the checkpoint recorded
             cache_path=cache_path,
             cache_tag=tag,
-            validated_tokens=tokens,
+            tokens=tokens,
             cached_only=fix,
         )

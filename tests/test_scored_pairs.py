@@ -1,0 +1,53 @@
+"""The reference mixin keeps the scored values as one buffer: ``scored_pairs`` (the packed form batches are cut
+from) reads it as it is, and the datums of ``scored_data`` are made only when a user reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loops_callbacks.data import DPODataModule
+from loops_callbacks.data.packed_pairs import BATCH_KEYS, PackedPairs
+from tests.test_data import CountingClient, fit, make_pairs, pair_datums, ref_values, toy_model
+
+
+def scored_module(**kwargs: Any) -> DPODataModule:
+    data = DPODataModule(pair_datums(make_pairs(5)), reference=CountingClient(), use_cache=False, progress=False,
+                         batch_size=2, **kwargs)
+    data.setup("fit")
+    return data
+
+
+def test_scored_pairs_hold_the_scored_buffer_and_the_values_scored_data_shows() -> None:
+    data = scored_module()
+    pairs = data.scored_pairs
+    assert isinstance(pairs, PackedPairs) and len(pairs) == 10
+    assert pairs.ref_logprobs.dtype == np.float32 and pairs.ref_logprobs is data._reference.values
+    from_datums = PackedPairs.from_datums(data.scored_data)
+    for key in (*BATCH_KEYS, "offsets"):
+        assert np.array_equal(getattr(pairs, key), getattr(from_datums, key)), key
+    assert ref_values(data.scored_data) == [pairs.row(i)["ref_logprobs"].tolist() for i in range(len(pairs))]
+
+
+def test_no_datum_is_made_for_the_batches_and_scored_data_is_made_once_on_read() -> None:
+    data = scored_module()
+    batches = list(data.train_dataloader())
+    assert sum(batch["input_ids"].shape[0] for batch in batches) == 10
+    assert data._reference.scored is None  # the loader read scored_pairs
+    scored = data.scored_data
+    assert data.scored_data is scored and data._reference.scored is scored
+
+
+def test_a_fit_trains_on_the_same_batches(tmp_path: Any) -> None:
+    data = DPODataModule(pair_datums(make_pairs(4)), batch_size=2, progress=False, use_cache=False, shuffle=False)
+    fit(toy_model(1), data, tmp_path, max_steps=1)
+    batch = next(iter(data.train_dataloader()))
+    expected = PackedPairs.from_datums(data.scored_data)
+    assert batch["ref_logprobs"][0, : int(expected.offsets[1])].tolist() == expected.row(0)["ref_logprobs"].tolist()
+
+
+def test_scored_pairs_before_setup_names_setup() -> None:
+    with pytest.raises(RuntimeError, match=r"scored_pairs is computed in setup\('fit'\)"):
+        _ = DPODataModule(pair_datums(make_pairs(2)), progress=False).scored_pairs
