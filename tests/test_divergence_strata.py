@@ -63,7 +63,8 @@ def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
             ]
             if flat.lags is not None:
                 lag = int(flat.lags[i])
-                names.append(f"lag_{lag}" if lag < 4 else "lag_4_7" if lag < 8 else "lag_8_plus")
+                names.append(f"lag_{max(lag, 0)}" if lag < 4 else "lag_4_7" if lag < 8 else "lag_8_plus")
+                names += ["lag_ahead"] if lag < 0 else []
             if flat.groups is not None:
                 group = int(flat.groups[i])
                 names.append(f"group_{group}" if group < MAX_GROUPS else "group_other")
@@ -85,7 +86,7 @@ def assert_strata_equal(got: Any, want: dict[str, np.ndarray]) -> None:
 labelled_rows = rows(max_datums=8).flatmap(
     lambda batch: st.tuples(
         st.just(batch),
-        st.lists(st.integers(0, STEP), min_size=len(batch), max_size=len(batch)),
+        st.lists(st.integers(0, STEP + 2), min_size=len(batch), max_size=len(batch)),  # some ahead of the trainer
         st.lists(st.integers(0, 2 * MAX_GROUPS), min_size=len(batch), max_size=len(batch)),
     )
 )
@@ -180,7 +181,9 @@ def test_per_datum_values_the_strata_cannot_use_are_warnings_never_errors() -> N
     assert flat.groups.tolist() == [zlib.crc32(b"math") % MAX_GROUPS, zlib.crc32(b"code") % MAX_GROUPS]
     flat = read_warned({"policy_version": [5, 2]}, r"datum 0 has 'policy_version' = 5, ahead of the trainer's "
                        r"optimizer step 4 \(1 of 2 datums.*lag 0")
-    assert flat.lags.tolist() == [0, 2]
+    assert flat.lags.tolist() == [-1, 2]  # counted at lag 0 and in lag_ahead
+    host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+    assert [host.strata[name].n_tokens for name in ("lag_0", "lag_ahead", "lag_2")] == [2.0, 2.0, 2.0]
     for extra, match in (
         ({"policy_version": [1, 1, 1]}, r"'policy_version' has 3 values for 2 datums; the strata by policy lag are"),
         ({"policy_version": [-1, 1]}, r"datum 0 has 'policy_version' = -1"),

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
+from loops_callbacks.divergence import step_input
 from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.shadow import shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
@@ -120,6 +121,32 @@ def test_per_datum_keys_the_strata_cannot_use_never_stop_training() -> None:
     assert trainer.global_step == 4
     logged = [m for _, m in logger.calls if PREFIX + "stratum/lag_0/n_tokens" in m]
     assert len(logged) == 4 and all(PREFIX + "stratum/lag_1/n_tokens" not in m for m in logged)
+
+
+def test_on_an_accelerator_the_keys_are_used_unread_and_what_they_hide_is_said_after_the_host_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Int tensors on an accelerator are not read on the host per micro-batch: a version ahead and a
+    negative group are counted by the strata and said from the step's one host read."""
+
+    class OnDevice(TinyPolicy):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+            rows = batch["input_ids"].shape[0]
+            versions = torch.full((rows,), self.global_step + 1)  # ahead of the trainer
+            groups = torch.tensor([-1] + [0] * (rows - 1))
+            return {**super().training_step(batch, batch_idx), "policy_version": versions, "group": groups}
+
+    monkeypatch.setattr(step_input, "_on_accelerator", lambda values: True)
+    logger = RecordingLogger()
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    with pytest.warns(UserWarning) as seen:
+        trainer.fit(OnDevice())
+    messages = [str(w.message) for w in seen]
+    assert sum("ahead of the trainer's optimizer step; they are counted at lag 0" in m for m in messages) == 1
+    assert sum("(or negative) are pooled in the stratum 'group_other'" in m for m in messages) == 1
+    assert not any("datum 0 has" in m for m in messages)  # nothing was read per datum
+    last = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m][-1]
+    assert last[PREFIX + "stratum/lag_ahead/n_tokens"] == last[PREFIX + "stratum/lag_0/n_tokens"] > 0
 
 
 def test_strata_off_logs_nothing_more() -> None:

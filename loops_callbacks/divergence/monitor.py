@@ -41,7 +41,7 @@ from loops_callbacks.divergence.run_history import RunHistory, Verdict
 from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
-from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS, Strata
+from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
 from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
@@ -172,16 +172,18 @@ class KLSampleTrainMonitor(Callback):
     * Optional, either form: ``policy_version`` (``[B]`` ints: the version of the sampler's
       weights that generated each datum, counted in the trainer's optimizer steps, 0 for the
       initial weights) and ``group`` (``[B]`` ints >= 0: a task or environment id, or string
-      labels), as lists or CPU tensors (read on the host, with ``log_strata`` only: on an
-      accelerator they cost one small transfer per micro-batch of a logged step); in the datum form
+      labels), as lists or tensors (read with ``log_strata`` only; lists and CPU tensors are
+      checked on the host, int tensors on an accelerator are used there without a host read, and
+      other values on an accelerator are copied to the host: one small transfer); in the datum form
       also a one-value field of each datum's ``loss_fn_inputs``. A datum's policy lag is the
       optimizer step being trained minus its version (``step_input`` says why the trainer's step is
       the reference). These keys never stop training: a version ahead of the trainer is read as
-      lag 0, a negative group id goes to ``group_other``, string labels to the bucket
-      ``zlib.crc32(label) % max_groups`` (the same on every rank; labels sharing a bucket are
-      pooled), and anything else unusable (a key on only some datums, a wrong count, a
-      non-integer) turns that family off for the step; each is one warning per run naming the key,
-      a value and its datum.
+      lag 0 and counted in the stratum ``lag_ahead``, a negative group id goes to
+      ``group_other``, string labels to the bucket ``zlib.crc32(label) % max_groups`` (the same
+      on every rank; labels sharing a bucket are pooled), and anything else unusable (a key on
+      only some datums, a wrong count, a non-integer) turns that family off for the step; each is
+      one warning per run naming the key, a value and its datum (on an accelerator: the count,
+      after the step's host read).
 
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
@@ -201,7 +203,8 @@ class KLSampleTrainMonitor(Callback):
       ``stratum/<name>/abs_d_mean``, ``stratum/<name>/is_ratio_mean``, ``stratum/<name>/n_tokens``
       for each stratum with tokens: ``p_lt_0.01``, ``p_0.01_0.1``, ``p_0.1_0.5``, ``p_0.5_0.9``,
       ``p_ge_0.9`` (the sampler's probability), ``pos_q1`` … ``pos_q4``, ``lag_0`` … ``lag_3``,
-      ``lag_4_7``, ``lag_8_plus``, ``group_<id>``, ``group_other``; and the table ``strata``
+      ``lag_4_7``, ``lag_8_plus``, ``lag_ahead`` (versions ahead of the trainer, also in
+      ``lag_0``), ``group_<id>``, ``group_other``; and the table ``strata``
       with them side by side (W&B table, TensorBoard text)
     * with ``corrections``, in that second record: ``correction/<name>/frac_tokens_masked``,
       ``frac_seqs_masked``, ``frac_tokens_clipped``, ``frac_seqs_clipped``, ``ess_tokens``,
@@ -483,7 +486,18 @@ class KLSampleTrainMonitor(Callback):
                 )
 
     def _warn_about_groups(self, host: HostDivergence, step: int) -> None:
-        """Say once per run that group ids beyond ``max_groups`` are pooled as ``group_other``."""
+        """Say once per run that group ids beyond ``max_groups`` are pooled as ``group_other``, and that
+        versions ahead of the trainer were seen (where ``read_step`` could not say it: on an accelerator)."""
+        if host.strata is not None and host.strata[AHEAD_STRATUM].n_tokens and not self.warnings.said(
+            "policy_version:ahead"
+        ):
+            self.warnings.warn(
+                "policy_version:ahead",
+                f"KLSampleTrainMonitor, step {step}: {int(host.strata[AHEAD_STRATUM].n_tokens)} action tokens are "
+                f"of datums whose {self.keys['policy_version']!r} is ahead of the trainer's optimizer step; they are "
+                f"counted at lag 0 and in the stratum {AHEAD_STRATUM!r} (versions must count the trainer's "
+                "optimizer steps, 0 for the initial weights)",
+            )
         if host.strata is not None and host.strata["group_other"].n_tokens:
             self.warnings.warn(
                 "group_other",

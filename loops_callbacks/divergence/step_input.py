@@ -106,10 +106,10 @@ def read_step(
     diagnosis groups by (datums only; padded tensors always carry theirs). With ``optimizer_step``
     (the caller keeps strata) the per-datum keys are read: policy versions become lags
     (``FlatBatch.lags``), groups ``FlatBatch.groups`` (``max_groups``: the index of ``group_other``,
-    where negative ids go); they are read on the host (a transfer when they sit on an accelerator:
-    keep them on the CPU). A per-datum value the strata cannot use is a warning through
-    ``warnings`` (once per run and problem), never an error (``_per_datum_groups``,
-    ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
+    where negative ids go); lists and CPU tensors are checked on the host, int tensors on an
+    accelerator are used where they are, without a host read. A per-datum value the strata cannot
+    use is a warning through ``warnings`` (once per run and problem), never an error
+    (``_per_datum_groups``, ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
     (``FlatBatch.datum_advantages``, for a correction that needs them; ``_datum_advantages``).
     """
     say = warnings if warnings is not None else RunWarnings()
@@ -253,13 +253,14 @@ def _row_values(positions: torch.Tensor, flat: FlatBatch, key: str, say: RunWarn
 def _per_datum_groups(
     step: _Step, data: Sequence[Any] | None, n_datums: int, max_groups: int, say: RunWarnings
 ) -> torch.Tensor | None:
-    """Int64 ``[B]`` CPU group ids of the per-datum key ``group``; ``None`` when absent or unusable.
+    """Int64 ``[B]`` group ids of the per-datum key ``group``; ``None`` when absent or unusable.
 
     Ints >= 0 are ids (the strata pool those >= ``max_groups`` in ``group_other``); a negative id
     goes to ``group_other`` (index ``max_groups``); string labels go to the bucket
     ``zlib.crc32(label) % max_groups``, the same on every rank and in every run. Each is said
     once per run, naming the key, a value and its datum; anything else turns the group family off
-    for the step, with a warning.
+    for the step, with a warning. Int ids in a tensor on an accelerator stay there, unread (the
+    monitor says after the step's one host read that ``group_other`` has tokens).
     """
     key = step.keys["group"]
     raw = _per_datum_raw(step, "group", data, n_datums, say)
@@ -279,6 +280,8 @@ def _per_datum_groups(
     ids = _integers(raw, "group", key, say)
     if ids is None:
         return None
+    if _on_accelerator(ids):
+        return ids.masked_fill(ids < 0, max_groups)
     negative = torch.nonzero(ids < 0)
     if negative.numel():
         i = int(negative[0, 0])
@@ -294,11 +297,14 @@ def _per_datum_groups(
 def _per_datum_lags(
     step: _Step, data: Sequence[Any] | None, n_datums: int, optimizer_step: int, say: RunWarnings
 ) -> torch.Tensor | None:
-    """Int64 ``[B]`` CPU policy lags, ``optimizer_step - policy_version``; ``None`` when absent or unusable.
+    """Int64 ``[B]`` policy lags, ``optimizer_step - policy_version``; ``None`` when absent or unusable.
 
-    A version ahead of the trainer's step cannot be (versions count optimizer steps): its datum is
-    read as lag 0, and the first is said once per run with how many datums of that micro-batch were
-    ahead. A negative or non-integer version turns the lag family off for the step, with a warning.
+    A version ahead of the trainer's step cannot be (versions count optimizer steps): its lag is
+    negative, which the strata count at lag 0 and in ``lag_ahead``; on the host the first is said
+    once per run with its datum. A negative or non-integer version turns the lag family off for the
+    step, with a warning. Int versions in a tensor on an accelerator stay there, unread: a version
+    ahead is then said by the monitor after the step's one host read, and a negative version is
+    not seen (it reads as a lag past the trainer's step).
     """
     key = step.keys["policy_version"]
     raw = _per_datum_raw(step, "policy_version", data, n_datums, say)
@@ -312,6 +318,8 @@ def _per_datum_lags(
     versions = None if raw is None else _integers(raw, "policy_version", key, say)
     if versions is None:
         return None
+    if _on_accelerator(versions):
+        return optimizer_step - versions
     negative = torch.nonzero(versions < 0)
     if negative.numel():
         i = int(negative[0, 0])
@@ -330,17 +338,22 @@ def _per_datum_lags(
             "policy_version:ahead",
             f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(versions[i])}, ahead of the trainer's optimizer "
             f"step {optimizer_step} ({ahead.shape[0]} of {n_datums} datums of the micro-batch); such datums are "
-            "counted at lag 0. The policy version must count the optimizer steps the sampler's weights had "
-            "received (0 for the initial weights)",
+            "counted at lag 0 and in the stratum 'lag_ahead'. The policy version must count the optimizer steps "
+            "the sampler's weights had received (0 for the initial weights)",
         )
-        lags = lags.clamp(min=0)
     return lags
+
+
+def _on_accelerator(values: torch.Tensor) -> bool:
+    """Whether ``values`` sit on an accelerator, where reading them would synchronize the host."""
+    return values.device.type != "cpu"
 
 
 def _per_datum_raw(
     step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, say: RunWarnings
 ) -> torch.Tensor | list[str] | None:
-    """The per-datum key ``name`` as given: a ``[B]`` CPU tensor of numbers, or a list of string labels.
+    """The per-datum key ``name`` as given: a ``[B]`` tensor of numbers (on an accelerator only when it
+    holds ints), or a list of string labels.
 
     ``None`` when absent, or, with a warning naming the key, when it cannot be one value per datum
     (a wrong count, a key only some datums have, a kind that is not numbers or strings).
@@ -379,13 +392,15 @@ def _per_datum_raw(
         say.warn(f"{name}:mixed", f"{where} must be one int (or one string label) per datum, got {got}" + off)
         return None
     try:
-        values = field_to_tensor(_as_row(value), where=where).detach().cpu()
+        values = field_to_tensor(_as_row(value), where=where).detach()
     except (TypeError, ValueError) as error:
         say.warn(f"{name}:unreadable", f"{error}" + off)
         return None
     if values.numel() != n_datums:
         say.warn(f"{name}:count", f"{where} has {values.numel()} values for {n_datums} datums" + off)
         return None
+    if _on_accelerator(values) and (values.is_floating_point() or values.is_complex() or values.dtype == torch.bool):
+        values = values.cpu()  # only int ids are used unread on the device; others are checked on the host
     return values
 
 

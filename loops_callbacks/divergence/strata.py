@@ -11,7 +11,9 @@ batches' sums add up (micro-batches, ranks). The families:
   quartile ⌊4j / n⌋ + 1 (so a datum with 1 action token puts it in ``pos_q1``);
 * ``lag_0``, ``lag_1``, ``lag_2``, ``lag_3``, ``lag_4_7``, ``lag_8_plus``: the datum's policy lag
   (``FlatBatch.lags``: the trainer's optimizer step minus the policy version that sampled the
-  datum); empty when the step carries no versions;
+  datum); empty when the step carries no versions. A negative lag (a version ahead of the
+  trainer, which cannot be) is counted at lag 0 and also in ``lag_ahead``, a family of its own
+  that holds only those tokens, so they are counted without a host read;
 * ``group_0`` … ``group_{G-1}``, ``group_other``: the datum's group id (task, environment) when
   the step carries one; ids ≥ ``max_groups`` are pooled in ``group_other``.
 
@@ -39,6 +41,7 @@ import torch
 from loops_callbacks.validation import check_int
 
 __all__ = [
+    "AHEAD_STRATUM",
     "COLUMNS",
     "LAG_STRATA",
     "POSITION_STRATA",
@@ -58,6 +61,8 @@ PROBABILITY_EDGES = (0.01, 0.1, 0.5, 0.9)
 PROBABILITY_STRATA = ("p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge_0.9")
 POSITION_STRATA = ("pos_q1", "pos_q2", "pos_q3", "pos_q4")
 LAG_STRATA = ("lag_0", "lag_1", "lag_2", "lag_3", "lag_4_7", "lag_8_plus")
+AHEAD_STRATUM = "lag_ahead"
+"""The tokens of datums whose policy version is ahead of the trainer (also counted at lag 0)."""
 LAG_LABELS = ("0", "1", "2", "3", "4-7", "8+")
 """How ``HostDivergence.by_lag`` names the lag buckets, in order."""
 STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
@@ -109,7 +114,7 @@ class Strata:
     @property
     def names(self) -> tuple[str, ...]:
         groups = tuple(f"group_{i}" for i in range(self.max_groups)) + ("group_other",)
-        return PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + groups
+        return PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + (AHEAD_STRATUM,) + groups
 
     @property
     def width(self) -> int:
@@ -120,7 +125,8 @@ class Strata:
         """Where each family's first stratum sits."""
         position = len(PROBABILITY_STRATA)
         lag = position + len(POSITION_STRATA)
-        return {"p": 0, "pos": position, "lag": lag, "group": lag + len(LAG_STRATA)}
+        ahead = lag + len(LAG_STRATA)
+        return {"p": 0, "pos": position, "lag": lag, "ahead": ahead, "group": ahead + 1}
 
     @torch.no_grad()
     def sums(
@@ -143,7 +149,8 @@ class Strata:
         ``d``, ``abs_d``, ``is_ratio``, ``k3`` (``e^d - 1 - d``, as the statistics computed it),
         ``sampler`` hold the action tokens (``valid is None``) or
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
-        ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum.
+        ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum
+        (a negative lag: a version ahead of the trainer, at lag 0 and in ``lag_ahead``).
         Places that are not action tokens go to a last column that is dropped. Each family is one
         index per token; on the CPU its sums are four weighted ``bincount``s (the temporaries stay a
         few 1-D arrays), elsewhere one ``index_add_`` (``bincount`` would read its size on the host).
@@ -185,7 +192,8 @@ class Strata:
         add(quartile.clamp_(max=3).add_(offsets["pos"]))
         del quartile, rank
         if lags is not None:
-            add(lag_bucket(lags).add_(offsets["lag"]).index_select(0, datum))
+            add(lag_bucket(lags.clamp(min=0)).add_(offsets["lag"]).index_select(0, datum))
+            add(torch.full_like(lags, trash).masked_fill_(lags < 0, offsets["ahead"]).index_select(0, datum))
         if groups is not None:  # max_groups is group_other's place
             add(groups.clamp(max=self.max_groups).add_(offsets["group"]).index_select(0, datum))
         return out[:, :trash]
