@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -69,6 +71,27 @@ def test_live_dropout_is_named_as_an_observation_before_any_statistical_cause() 
             "likely cause: observed: the trainer's logprobs include dropout noise: 7 Dropout modules with p = 0.1"
         )
         assert "model.eval()" in found.message
+
+
+def test_live_dropout_does_not_hide_an_offset_or_a_gap_growing_with_the_lag() -> None:
+    """A dropout layer the logprobs never pass through (a value head) must not mask the signatures
+    nothing else leaves: an offset, or a gap that grows with the policy lag, is named and the
+    observation is added to the message."""
+    evidence = DirectEvidence(observe_modules(_gpt2().train(), precision=None).dropout)
+    sig = {"frac_d_zero": 0.0, "offset": 3.0, "offset_share": 1.0, "offset_ratio": 1e-6, "pearson": 0.1,
+           "kl_sample_train_k3": 1.5}
+    found = diagnose(sig, n_tokens=900, evidence=evidence)
+    assert found.cause == "shift" and not found.is_observation
+    assert found.message.endswith("; also seen: " + evidence.facts)
+
+    @dataclass(frozen=True)
+    class Lag:
+        n_tokens: float
+        abs_d_mean: float
+
+    by_lag = {"0": Lag(500, 0.02), "1": Lag(500, 0.4)}
+    found = diagnose(signature_numbers(host_of(case("unrelated"))), n_tokens=1024, evidence=evidence, by_lag=by_lag)
+    assert found.cause == "stale" and "also seen: 7 Dropout modules" in found.message
 
 
 def test_dropout_that_does_not_reach_the_logprobs_is_not_named() -> None:

@@ -90,6 +90,19 @@ def test_a_gap_that_grows_step_after_step_since_the_last_sync_is_stale() -> None
     assert diagnose(sig, n_tokens=1024, trend=(0.1 * k3, 0.3 * k3, 0.6 * k3)).cause == "unclear"  # never in sync
 
 
+def test_versions_outrank_the_history_a_growing_gap_at_lag_zero_is_not_stale() -> None:
+    """With per-datum versions the lag is known: a gap that grows while every datum is current
+    (a sharpening policy, MoE routing drift) is not staleness, whatever the trend says."""
+    sig = signature_numbers(host_of(case("stale"))) | {"token_eta2": 0.0}
+    k3 = sig["kl_sample_train_k3"]
+    growing = (1e-6, 0.1 * k3, 0.3 * k3, 0.6 * k3)
+    assert diagnose(sig, n_tokens=1024, trend=growing).cause == "stale"  # without versions: the history decides
+    current = {"0": Lag(1024, 0.3)}
+    assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=current).cause != "stale"
+    no_growth = {"0": Lag(500, 0.3), "1": Lag(500, 0.31)}
+    assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=no_growth).cause != "stale"
+
+
 def test_calibration_keeps_the_recent_k3_for_the_trend() -> None:
     calibration = Calibration(calibration_steps=1)
     for k3 in (0.0, 0.01, float("nan"), 0.02):

@@ -75,6 +75,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -152,7 +153,9 @@ class Diagnosis:
     """The likely cause of one logged step, how sure the rule is (0 to 1), and the numbers behind it.
 
     ``problems`` says what is impossible about the inputs (cause ``impossible_inputs`` only);
-    ``observed`` what was seen directly about the trainer (``evidence.DirectEvidence.facts``).
+    ``observed`` what was seen directly about the trainer (``evidence.DirectEvidence.facts``) when
+    it is the cause; ``also_seen`` the same facts beside another cause (live dropout that the numbers
+    do not point to).
     """
 
     cause: str
@@ -160,6 +163,7 @@ class Diagnosis:
     evidence: dict[str, float] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     observed: str = ""
+    also_seen: str = ""
 
     @classmethod
     def impossible_inputs(cls, problems: Iterable[str]) -> Diagnosis:
@@ -188,7 +192,8 @@ class Diagnosis:
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
         if self.observed:
             what += f": {self.observed}"
-        return f"likely cause: {what} ({_format(self.evidence)}); {check}"
+        also = f"; also seen: {self.also_seen}" if self.also_seen else ""
+        return f"likely cause: {what} ({_format(self.evidence)}); {check}{also}"
 
 
 @dataclass
@@ -232,8 +237,9 @@ def diagnose(
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
     ``evidence`` is what was seen directly about the trainer (``evidence.observe_training``): live
-    dropout is named before any statistical cause, with confidence 1, unless d = 0 on most tokens
-    (then the dropout does not reach the logprobs). ``by_lag`` is the step's divergence by policy
+    dropout is named, as an observation with confidence 1, before every cause but those whose
+    signature nothing else leaves (no mismatch, an offset, a gap growing with the policy lag);
+    beside those the facts are added to the message (``also seen``). ``by_lag`` is the step's divergence by policy
     lag (``HostDivergence.by_lag``: label -> sums with ``n_tokens`` and ``abs_d_mean``); ``trend``
     the k3 of the run's previous logged steps, oldest first (``Calibration.trend``).
     """
@@ -242,15 +248,44 @@ def diagnose(
     def get(name: str) -> float:
         return sig.get(name, math.nan)
 
-    def found(cause: str, margin: float, *names: str) -> Diagnosis:
-        return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
-
-    if evidence is not None and evidence.dropout_active and not get("frac_d_zero") >= ZERO_SHARE:
+    dropout = evidence is not None and evidence.dropout_active
+    seen = evidence.facts if dropout and evidence is not None else ""
+    statistical = _statistical_cause(sig, n_tokens=n_tokens, precision_max_k3=precision_max_k3, by_lag=by_lag,
+                                     trend=trend, dropout_seen=dropout)
+    if statistical.cause == DROPOUT and evidence is not None:
         numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
         numbers["k3"] = get("kl_sample_train_k3")
         return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts)
-    if n_tokens < MIN_TOKENS:
-        return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
+    return dataclasses.replace(statistical, also_seen=seen) if seen else statistical
+
+
+def _statistical_cause(
+    sig: Mapping[str, float],
+    *,
+    n_tokens: float,
+    precision_max_k3: float,
+    by_lag: Mapping[str, Any] | None,
+    trend: Sequence[float],
+    dropout_seen: bool,
+) -> Diagnosis:
+    """``diagnose``'s rules in order; ``DROPOUT`` (no numbers yet) where live dropout is the likeliest cause.
+
+    Live dropout is named after the causes whose signature nothing else leaves (no mismatch, an
+    offset, a gap that grows with the policy lag), so a dropout layer the logprobs never pass
+    through (a value head) does not hide those. Its noise can be as small as a bf16 engine's (a
+    small GPT-2 with dropout 0.1: k3 below 1e-3), so it is named whatever the gap's size: a dropout
+    layer that is live but unused while the logprobs are computed reads as dropout.
+    """
+
+    def get(name: str) -> float:
+        return sig.get(name, math.nan)
+
+    def found(cause: str, margin: float, *names: str) -> Diagnosis:
+        return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
+
+    if n_tokens < MIN_TOKENS:  # too few tokens for a statistical cause; an observation needs none
+        too_few = Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
+        return Diagnosis(DROPOUT, 1.0) if dropout_seen else too_few
     if get("frac_d_zero") >= ZERO_SHARE:
         return found("none", (get("frac_d_zero") - ZERO_SHARE) / 0.4, "frac_d_zero")
     offset = _offset(sig)
@@ -259,8 +294,10 @@ def diagnose(
     lags = _lag_growth(by_lag)
     if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
         return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
+    if dropout_seen:
+        return Diagnosis(DROPOUT, 1.0)
     k3 = get("kl_sample_train_k3")
-    growing = _trend_growth([*trend, k3], floor=precision_max_k3)
+    growing = _trend_growth([*trend, k3], floor=precision_max_k3) if not by_lag else None  # versions outrank history
     if growing is not None:  # weights a few steps old look like a mild temperature, far out of date like unrelated
         return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     if get("pearson") < UNRELATED_PEARSON:
@@ -315,9 +352,6 @@ def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
         numbers = {"shift_ratio": get("shift_ratio"), "shift_direction": get("shift_direction")}
         return Diagnosis("shift", _confidence(margin), numbers)
     return None
-
-
-_LAG_VALUES = {"0": 0.0, "1": 1.0, "2": 2.0, "3": 3.0, "4-7": 5.5, "8+": 8.0}
 
 
 def _lag_growth(by_lag: Mapping[str, Any] | None) -> dict[str, float] | None:
