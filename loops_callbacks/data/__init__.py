@@ -31,6 +31,7 @@ Example (your own DataModule)::
 from loops_callbacks.conventions import from_tinker_convention
 from loops_callbacks.data.dpo import (
     DPOPairDataset,
+    check_dpo_pairs,
     check_vocabulary,
     collate_dpo_pairs,
     dpo_pair_datums,
@@ -67,6 +68,7 @@ __all__ = [
     "ReferenceLogprobsMixin",
     "ReferenceLogprobsReport",
     "TokenizationReport",
+    "check_dpo_pairs",
     "check_vocabulary",
     "collate_dpo_pairs",
     "compute_reference_logprobs",

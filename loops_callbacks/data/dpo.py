@@ -33,11 +33,10 @@ from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
 from loops_callbacks.data.labels import datum_label
-from loops_callbacks.data.packed_pairs import BATCH_KEYS, PackedPairs
+from loops_callbacks.data.packed_pairs import BATCH_KEYS, PackedPairs, field_values
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
     datum_model_input,
-    field_to_tensor,
     model_input_tokens,
 )
 from loops_callbacks.reference.packing import OutOfVocabularyError, PackedTokens, check_token_ids
@@ -46,6 +45,7 @@ from loops_callbacks.types import Datum, ModelInput, TensorData
 __all__ = [
     "DPOPairDataset",
     "OutOfVocabularyError",
+    "check_dpo_pairs",
     "check_vocabulary",
     "collate_dpo_pairs",
     "dpo_pair_datums",
@@ -203,8 +203,8 @@ def _record_pair(record: Any, label: str) -> tuple[Datum, Datum]:
         raise ValueError(f"{label}: {error}") from None
 
 
-def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:
-    """Check interleaved DPO datums and return their token lists (``model_input`` of each datum).
+def check_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> PackedPairs:
+    """Check interleaved DPO datums and read them, in one pass, into one ``PackedPairs`` (no ``ref_logprobs`` yet).
 
     Checks, each a ``ValueError`` naming the pair (and datum) index: a non-zero, even number of datums; every
     datum has a non-empty ``model_input``; ``target_tokens`` / ``weights``, when present, have the
@@ -214,9 +214,13 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
     in the prompt/response shape (zeros, then only positive weights up to the last position),
     the two prompts (the tokens up to the first weighted prediction) are the same.
 
+    A missing ``target_tokens`` is the next tokens (last 0); a datum without ``weights`` is kept,
+    listed in ``without_weights`` (a batch refuses it, naming it). ``data`` is not modified.
+
     Example:
-        >>> validate_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1)])
-        [[1, 2], [1, 3]]
+        >>> pairs = check_dpo_pairs([*dpo_pair_datums([1, 2, 3], [1, 4], 1)])
+        >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), pairs.weights.tolist()
+        ([1, 2, 3, 1, 4], [0, 3, 5], [1.0, 1.0, 0.0, 1.0, 0.0])
     """
     if not data:
         raise ValueError("DPO data hold no datums: give at least one (chosen, rejected) pair")
@@ -225,54 +229,81 @@ def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> li
             f"DPO data hold an odd number of datums ({len(data)}): they interleave chosen (even index) and "
             f"rejected (odd index), and pair {len(data) // 2} (datum {len(data) - 1}) has no rejected datum"
         )
-    tokens: list[list[int]] = []
+    rows: list[dict[str, np.ndarray]] = []
     prompts: list[int | None] = []
+    without_weights: list[int] = []
     for index, datum in enumerate(data):
-        label = datum_label(index)
-        model_input = datum_model_input(datum)
-        if model_input is None:
-            raise ValueError(f"{label} has no model_input ({type(datum).__name__})")
-        try:
-            ids = model_input_tokens(model_input)
-            inputs = datum_loss_fn_inputs(datum, index=index)
-        except TypeError as error:
-            raise ValueError(f"{label}: {error}") from None
-        if not ids:
-            raise ValueError(f"{label} has an empty model_input: there is nothing to score")
-        prompt_length = None
-        for key in ("target_tokens", "weights"):
-            if key in inputs:
-                values = field_to_tensor(inputs[key], where=f"{label}, key {key!r}")
-                if values.numel() != len(ids):
-                    raise ValueError(
-                        f"{label}: {key!r} has {values.numel()} values for a model_input of {len(ids)} tokens"
-                    )
-                if key == "weights":
-                    if values.numel() and bool(values[-1] > 0):
-                        raise ValueError(tinker_convention_message(f"{label} carries"))
-                    prompt_length = _prompt_length(values)
-        tokens.append(ids)
+        row, prompt_length = _checked_row(datum, index)
+        if row["weights"] is None:
+            without_weights.append(index)
+            row["weights"] = np.zeros(len(row["input_ids"]), np.float32)
+        rows.append(row)
         prompts.append(prompt_length)
         if check_prompts and index % 2 and prompts[index - 1] is not None and prompt_length is not None:
-            _check_same_prompt(index // 2, tokens[index - 1], ids, prompts[index - 1], prompt_length)
-    return tokens
+            chosen, rejected = rows[index - 1]["input_ids"], row["input_ids"]
+            _check_same_prompt(index // 2, chosen, rejected, prompts[index - 1], prompt_length)
+    return PackedPairs.from_rows(rows, without_weights=tuple(without_weights))
 
 
-def _prompt_length(weights: torch.Tensor) -> int | None:
+def _checked_row(datum: Any, index: int) -> tuple[dict[str, Any], int | None]:
+    """Datum ``index``'s ``input_ids``, ``target_tokens`` and ``weights`` (``None`` when absent), checked, and
+    its prompt length by its weights (``None`` unless they are zeros then positive up to the last position)."""
+    label = datum_label(index)
+    model_input = datum_model_input(datum)
+    if model_input is None:
+        raise ValueError(f"{label} has no model_input ({type(datum).__name__})")
+    try:
+        ids = model_input_tokens(model_input)
+        inputs = datum_loss_fn_inputs(datum, index=index)
+    except TypeError as error:
+        raise ValueError(f"{label}: {error}") from None
+    if not ids:
+        raise ValueError(f"{label} has an empty model_input: there is nothing to score")
+    input_ids = np.asarray(ids, dtype=np.int64)
+    row: dict[str, Any] = {"input_ids": input_ids, "weights": None}
+    prompt_length = None
+    for key in ("target_tokens", "weights"):
+        if key not in inputs:
+            continue
+        values = field_values(inputs[key], f"{label}, key {key!r}")
+        if len(values) != len(ids):
+            raise ValueError(f"{label}: {key!r} has {len(values)} values for a model_input of {len(ids)} tokens")
+        if key == "weights":
+            if len(values) and values[-1] > 0:
+                raise ValueError(tinker_convention_message(f"{label} carries"))
+            prompt_length = _prompt_length(values)
+        row[key] = values.astype(np.int64 if key == "target_tokens" else np.float32, copy=False)
+    if "target_tokens" not in row:
+        row["target_tokens"] = np.concatenate([input_ids[1:], np.zeros(1, np.int64)])
+    return row, prompt_length
+
+
+def validate_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> list[list[int]]:
+    """``check_dpo_pairs``'s checks, returning each datum's token ids as a list (``model_input`` of each datum).
+
+    Example:
+        >>> validate_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1)])
+        [[1, 2], [1, 3]]
+    """
+    pairs = check_dpo_pairs(data, check_prompts=check_prompts)
+    return [pairs.input_ids[start:stop].tolist() for start, stop in zip(pairs.offsets[:-1], pairs.offsets[1:])]
+
+
+def _prompt_length(weights: np.ndarray) -> int | None:
     """1 + the first weighted position, when the weights are zeros then positive up to the last position."""
     positive = weights > 0
-    if not bool(positive.any()):
+    if not positive.any():
         return None
-    first = int(positive.nonzero()[0, 0])
-    if not bool(positive[first:-1].all()):
+    first = int(np.argmax(positive))
+    if not positive[first:-1].all():
         return None
     return first + 1
 
 
 def _check_same_prompt(
-    pair: int, chosen: list[int], rejected: list[int], chosen_length: int, rejected_length: int
+    pair: int, chosen: np.ndarray, rejected: np.ndarray, chosen_length: int, rejected_length: int
 ) -> None:
-    if chosen[:chosen_length] == rejected[:rejected_length]:
+    if chosen_length == rejected_length and np.array_equal(chosen[:chosen_length], rejected[:rejected_length]):
         return
     where = f"pair {pair}: the chosen (datum {2 * pair}) and rejected (datum {2 * pair + 1}) prompts differ"
     if chosen_length != rejected_length:
@@ -280,7 +311,7 @@ def _check_same_prompt(
             f"{where}: by their weights the chosen prompt has {chosen_length} tokens and the rejected "
             f"{rejected_length}; both must start with the same prompt"
         )
-    position = next(i for i in range(chosen_length) if chosen[i] != rejected[i])
+    position = int(np.argmax(chosen[:chosen_length] != rejected[:chosen_length]))
     raise ValueError(f"{where} at token {position}: {chosen[position]} vs {rejected[position]}")
 
 
@@ -326,6 +357,7 @@ class DPOPairDataset(Dataset):
         if len(data) % 2:
             raise ValueError(f"DPOPairDataset needs interleaved pairs; got an odd number of datums ({len(data)})")
         self.packed = data if isinstance(data, PackedPairs) else PackedPairs.from_datums(data)
+        self.packed.check_batchable()
 
     def __len__(self) -> int:
         return len(self.packed) // 2

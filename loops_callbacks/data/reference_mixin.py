@@ -1,10 +1,14 @@
 """``ReferenceLogprobsMixin``: a ``LightningDataModule`` whose DPO pairs get reference logprobs before training.
 
 ``compute_reference_logprobs`` is the same for any process group, outside Lightning: it checks the
-pairs (``validate_dpo_pairs``: an even number of datums, no empty sequence, matching chosen/rejected
-prompts, field lengths, each ``ValueError`` naming the pair) and hands the datums to
-``loops_callbacks.reference.across_ranks.score_across_ranks`` (the token ids checked once against the
+pairs (``check_dpo_pairs``: an even number of datums, no empty sequence, matching chosen/rejected
+prompts, field lengths, each ``ValueError`` naming the pair) and hands their packed token ids to
+``loops_callbacks.reference.across_ranks.score_packed_across_ranks`` (the ids checked once against the
 reference's vocabulary, naming the pair, before anything is scored; cache, shards, gather).
+
+The mixin reads ``dpo_data()`` once, into one ``PackedPairs`` (``check_dpo_pairs``), and keeps only
+that: the scored values join it as one buffer, batches are cut from it, and datums are made from it
+only when ``scored_data`` is read (or, while scoring, for a remote client that scores datums).
 
 The default reference is the policy itself (``PolicyReference``), scored in place in the
 ``on_fit_start`` hook: after the strategy has set the LightningModule up and before the first
@@ -26,7 +30,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import validate_dpo_pairs
+from loops_callbacks.data.dpo import check_dpo_pairs
 from loops_callbacks.data.labels import datum_label
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.reference.across_ranks import (
@@ -64,7 +68,7 @@ def compute_reference_logprobs(
     """``attach_reference_logprobs(data, reference)``, scored once across ranks and cached on disk.
 
     Call it on every rank of an initialized ``torch.distributed`` group (or in a single process)
-    with the same ``data``; the pairs are checked (``validate_dpo_pairs``), then scored by
+    with the same ``data``; the pairs are checked (``check_dpo_pairs``), then scored by
     ``score_across_ranks``, which checks the token ids against the reference's vocabulary once:
     each rank scores one contiguous block of pairs with about 1/world_size of the tokens, and all
     get every result. Without a ``cache_path``, or without a fingerprint for ``reference`` (a
@@ -103,37 +107,41 @@ def compute_reference_logprobs(
         ([-0.5, -0.5, 0.0], 'off')
     """
     data = list(data)
-    values, offsets, report = _score_pairs(
+    config = config if config is not None else ReferenceConfig()
+    if validated_tokens is not None:
+        tokens = PackedTokens.from_sequences(validated_tokens)
+    else:
+        tokens = check_dpo_pairs(data, check_prompts=config.check_prompts).tokens
+    values, report = _score_pairs(
+        tokens,
         data,
         reference,
         config,
         cache_path=cache_path,
         cache_tag=cache_tag,
-        tokens=validated_tokens,
         cached_only=cached_only,
     )
-    return attach_reference_values(data, values, offsets), report
+    return attach_reference_values(data, values, tokens.offsets), report
 
 
 def _score_pairs(
-    data: list[Any],
+    tokens: PackedTokens,
+    datums: list[Any] | None,
     reference: Any,
-    config: ReferenceConfig | None,
+    config: ReferenceConfig,
     *,
     cache_path: str | os.PathLike[str] | None,
     cache_tag: str | None,
-    tokens: list[list[int]] | None,
     cached_only: str | None,
-) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
-    """``compute_reference_logprobs`` before the datums: the values as one float32 buffer and its offsets."""
-    config = config if config is not None else ReferenceConfig()
-    if tokens is None:
-        tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)
-    packed = PackedTokens.from_sequences(tokens)
+) -> tuple[np.ndarray, ReferenceLogprobsReport]:
+    """``compute_reference_logprobs`` before the datums: the checked pairs' values as one float32 buffer.
+
+    ``datums`` (the pairs as datums) are read only by a reference without ``score_packed`` (a remote client).
+    """
     values, report = score_packed_across_ranks(  # which checks the token ids, once, naming the pair
-        packed,
+        tokens,
         reference,
-        datums=data,  # read by a reference without score_packed (a remote client) only
+        datums=datums,
         cache_path=cache_path,
         reference_fingerprint=config.reference_fingerprint,
         cache_tag=cache_tag if cache_tag is not None else config.cache_tag(),
@@ -143,7 +151,7 @@ def _score_pairs(
         scoring_timeout=config.scoring_timeout,
         datum_name=datum_label,
     )
-    return values, packed.offsets, report
+    return values, report
 
 
 class Stage(Enum):
@@ -165,25 +173,28 @@ class Stage(Enum):
 class ReferenceScoring:
     """A ``ReferenceLogprobsMixin``'s whole state: its settings, its stage, and what each stage made.
 
-    ``data`` are the checked pairs (``tokens`` their ids, while ``PENDING``); ``values`` (one
-    float32 buffer, every datum's ``ref_logprobs`` back to back: datum i's are
-    ``values[offsets[i]:offsets[i + 1]]``) and ``report`` are set when ``SCORED``; ``scored``, the
-    datums with those values attached, is made on the first read of ``scored_data`` only; ``saved``
+    ``pairs`` are the checked pairs, packed (``check_dpo_pairs``), to which scoring adds ``values``
+    (one float32 buffer, every sequence's ``ref_logprobs`` back to back) when ``SCORED``, with
+    ``report``; ``datums`` are ``dpo_data()``'s datums, kept while ``PENDING`` only for a reference
+    that scores datums (a remote client); ``scored``, the datums with the values attached, is made
+    from ``pairs`` on the first read of ``scored_data`` only; ``saved``
     is what checkpoints record (the initial policy's fingerprint) and ``restored`` what a checkpoint
     gave back (``load_state_dict``).
     """
 
     config: ReferenceConfig = field(default_factory=ReferenceConfig)
     stage: Stage = Stage.NOT_SET_UP
-    data: list[Any] | None = None
-    tokens: list[list[int]] | None = None
-    num_pairs: int | None = None
-    values: np.ndarray | None = None
-    offsets: np.ndarray | None = None
+    pairs: PackedPairs | None = None
+    datums: list[Any] | None = None
     scored: list[Any] | None = None
     report: ReferenceLogprobsReport | None = None
     saved: dict[str, Any] | None = None
     restored: dict[str, Any] | None = None
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """The scored values (``pairs.ref_logprobs``), ``None`` until ``SCORED``."""
+        return self.pairs.ref_logprobs if self.pairs is not None else None
 
 
 class _ScoreReferenceAfterStrategySetup(Callback):
@@ -345,20 +356,21 @@ class ReferenceLogprobsMixin:
         """
         state = self._scored_state("scored_data")
         if state.scored is None:
-            assert state.data is not None and state.values is not None and state.offsets is not None
-            state.scored = attach_reference_values(state.data, state.values, state.offsets)
+            assert state.pairs is not None
+            state.scored = state.pairs.datums()
         return state.scored
 
     @property
     def scored_pairs(self) -> PackedPairs:
         """The scored pairs in the packed form batches are cut from: ``DPOPairDataset(self.scored_pairs)``.
 
-        The datums' ids, targets and weights read once into flat arrays, and the reference values
-        as the one buffer they were scored into (no datum is made; see ``scored_data``).
+        The pairs ``setup("fit")`` checked and packed (ids, targets and weights in flat arrays),
+        with the reference values as the one buffer they were scored into (no datum is made; see
+        ``scored_data``).
         """
         state = self._scored_state("scored_pairs")
-        assert state.data is not None and state.values is not None
-        return PackedPairs.from_datums(state.data, ref_logprobs=state.values)
+        assert state.pairs is not None
+        return state.pairs
 
     def _scored_state(self, name: str) -> ReferenceScoring:
         """The state once scored, or a ``RuntimeError`` saying when ``name`` can be read."""
@@ -380,9 +392,9 @@ class ReferenceLogprobsMixin:
     @property
     def num_dpo_pairs(self) -> int:
         """How many pairs ``setup("fit")`` checked (known before the reference logprobs are)."""
-        if self._reference.num_pairs is None:
+        if self._reference.pairs is None:
             raise RuntimeError(f"{type(self).__name__}.num_dpo_pairs is known after setup('fit')")
-        return self._reference.num_pairs
+        return len(self._reference.pairs) // 2
 
     @property
     def reference_report(self) -> ReferenceLogprobsReport | None:
@@ -395,8 +407,8 @@ class ReferenceLogprobsMixin:
             return
         state = self._reference
         state.stage, state.scored, state.report, state.saved = Stage.NOT_SET_UP, None, None, None
-        state.values = state.offsets = None
-        state.data, state.tokens = self._checked_data(state.config)
+        state.pairs = state.datums = None
+        state.pairs, state.datums = self._checked_data(state.config)
         state.stage = Stage.PENDING
         trainer = self._attached_trainer()
         if trainer is None or state.config.reference is not None:
@@ -416,15 +428,13 @@ class ReferenceLogprobsMixin:
         if state.stage is Stage.NOT_SET_UP:
             raise RuntimeError(f"{type(self).__name__}.score_reference needs setup('fit') first")
         if state.stage in (Stage.PENDING, Stage.AFTER_RESTORE):
-            assert state.data is not None and state.tokens is not None
+            assert state.pairs is not None
             trainer = self._attached_trainer()
             if state.config.reference is None and trainer is not None:
-                values, offsets, report = self._score_policy(trainer, state.data, state.tokens, state.config)
+                values, report = self._score_policy(trainer, state.pairs.tokens, state.config)
             else:
-                values, offsets, report = self._score_explicit(trainer, state.data, state.tokens, state.config)
-            state.stage, state.values, state.offsets, state.report, state.tokens = (
-                Stage.SCORED, values, offsets, report, None
-            )
+                values, report = self._score_explicit(trainer, state.pairs, state.datums, state.config)
+            state.stage, state.pairs, state.report, state.datums = Stage.SCORED, state.pairs.scored(values), report, None
         assert state.report is not None
         return state.report
 
@@ -444,14 +454,14 @@ class ReferenceLogprobsMixin:
     def _attached_trainer(self) -> Any:
         return getattr(self, "trainer", None)
 
-    def _checked_data(self, config: ReferenceConfig) -> tuple[list[Any], list[list[int]]]:
-        """``dpo_data()`` and its checked token ids; an error on any rank is raised on every rank."""
+    def _checked_data(self, config: ReferenceConfig) -> tuple[PackedPairs, list[Any] | None]:
+        """``dpo_data()`` checked and packed in one pass, and the datums themselves when the reference
+        scores datums (a remote client); an error on any rank is raised on every rank."""
         guard = StallGuard(Group(), config.scoring_timeout)
         with fail_together(guard, "checking the DPO pairs", then="the end of checking the DPO pairs"):
             data = list(self.dpo_data())
-            tokens = validate_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
-        self._reference.num_pairs = len(data) // 2
-        return data, tokens
+            pairs = check_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
+        return pairs, data if _scores_datums(config.reference) else None
 
     def _cache_path(self, trainer: Any, config: ReferenceConfig) -> str | None:
         if not config.use_cache:
@@ -460,8 +470,8 @@ class ReferenceLogprobsMixin:
         return os.path.join(config.cache_dir or os.path.join(root, "reference_logprobs"), CACHE_FILE_NAME)
 
     def _score_explicit(
-        self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
-    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
+        self, trainer: Any, pairs: PackedPairs, datums: list[Any] | None, config: ReferenceConfig
+    ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """A reference other than the policy: resolved (a copy, a client, a callable) and scored now."""
         client = resolve_reference(
             config.reference,
@@ -469,14 +479,16 @@ class ReferenceLogprobsMixin:
             lightning_module=trainer.lightning_module if trainer is not None else None,
             device=trainer.strategy.root_device if trainer is not None else None,
         )
+        if datums is None and not callable(getattr(client, "score_packed", None)):
+            datums = pairs.datums()  # a client that scores datums' model_input
         try:
             return _score_pairs(
-                data,
+                pairs.tokens,
+                datums,
                 client,
                 config,
                 cache_path=self._cache_path(trainer, config),
                 cache_tag=None,
-                tokens=tokens,
                 cached_only=None,
             )
         finally:
@@ -485,33 +497,32 @@ class ReferenceLogprobsMixin:
                 torch.cuda.empty_cache()
 
     def _score_policy(
-        self, trainer: Any, data: list[Any], tokens: list[list[int]], config: ReferenceConfig
-    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
+        self, trainer: Any, tokens: PackedTokens, config: ReferenceConfig
+    ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """The default reference: the policy as the strategy has set it up, or, on a resumed run, the cache."""
         cache_path = self._cache_path(trainer, config)
         tag = policy_tag(trainer, config.scoring_dtype)
         with torch.inference_mode(False):
             if trainer.ckpt_path is not None:
-                result = self._load_initial_policy(trainer, data, tokens, config, cache_path, tag)
+                result = self._load_initial_policy(trainer, tokens, config, cache_path, tag)
             else:
                 # the policy's weights are fingerprinted: a reference_fingerprint names a client's
                 policy_config = replace(config, reference_fingerprint=None)
                 policy = PolicyReference.from_trainer(trainer, policy_config)
                 result = _score_pairs(
-                    data, policy, policy_config, cache_path=cache_path, cache_tag=tag, tokens=tokens, cached_only=None
+                    tokens, None, policy, policy_config, cache_path=cache_path, cache_tag=tag, cached_only=None
                 )
-        self._reference.saved = {"reference_fingerprint": result[2].reference_fingerprint, "scoring_dtype": tag}
+        self._reference.saved = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
         return result
 
     def _load_initial_policy(
         self,
         trainer: Any,
-        data: list[Any],
-        tokens: list[list[int]],
+        tokens: PackedTokens,
         config: ReferenceConfig,
         cache_path: str | None,
         tag: str,
-    ) -> tuple[np.ndarray, np.ndarray, ReferenceLogprobsReport]:
+    ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """A resumed run: the module holds trained weights, so the initial policy's values come from the cache."""
         expected = (self._reference.restored or {}).get("reference_fingerprint")
         if expected is None:
@@ -536,11 +547,17 @@ class ReferenceLogprobsMixin:
             "configure_model needs the cache file)"
         )
         return _score_pairs(
-            data,
+            tokens,
+            None,
             None,
             replace(config, reference_fingerprint=expected),  # the initial policy's, as the checkpoint recorded
             cache_path=cache_path,
             cache_tag=tag,
-            tokens=tokens,
             cached_only=fix,
         )
+
+
+def _scores_datums(reference: Any) -> bool:
+    """Whether ``reference`` is a client that scores datums' ``model_input`` (no ``score_packed``), so the
+    mixin keeps ``dpo_data()``'s own datums (their ``ModelInput`` class) until it is scored."""
+    return hasattr(reference, "compute_logprobs") and not callable(getattr(reference, "score_packed", None))
