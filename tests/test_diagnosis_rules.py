@@ -101,6 +101,8 @@ def test_versions_outrank_the_history_a_growing_gap_at_lag_zero_is_not_stale() -
     assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=current).cause != "stale"
     no_growth = {"0": Lag(500, 0.3), "1": Lag(500, 0.31)}
     assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=no_growth).cause != "stale"
+    all_behind = {"0": Lag(0, float("nan")), "2": Lag(1024, 0.3)}  # every datum 2 steps behind: nothing to compare
+    assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=all_behind).cause == "stale"  # the history decides
 
 
 def test_calibration_keeps_the_recent_k3_for_the_trend() -> None:

@@ -297,7 +297,9 @@ def _statistical_cause(
     if dropout_seen:
         return Diagnosis(DROPOUT, 1.0)
     k3 = get("kl_sample_train_k3")
-    growing = _trend_growth([*trend, k3], floor=precision_max_k3) if not by_lag else None  # versions outrank history
+    # versions outrank history: every datum current, or a gap flat across lags, is not staleness
+    versions_clear = _all_current(by_lag) or (lags is not None and lags["lag_growth"] < LAG_GROWTH)
+    growing = None if versions_clear else _trend_growth([*trend, k3], floor=precision_max_k3)
     if growing is not None:  # weights a few steps old look like a mild temperature, far out of date like unrelated
         return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     if get("pearson") < UNRELATED_PEARSON:
@@ -370,6 +372,14 @@ def _lag_growth(by_lag: Mapping[str, Any] | None) -> dict[str, float] | None:
     numbers = {f"abs_d_lag_{label}": mean for (label, _), mean in zip(kept, means)}
     numbers["lag_growth"] = growth if rising else min(growth, 1.0)
     return numbers
+
+
+def _all_current(by_lag: Mapping[str, Any] | None) -> bool:
+    """Whether the datums carried versions and every one with tokens was at lag 0."""
+    if not by_lag:
+        return False
+    counted = [label for label, stratum in by_lag.items() if stratum.n_tokens > 0]
+    return counted == ["0"]
 
 
 def _trend_growth(series: Sequence[float], *, floor: float) -> dict[str, float] | None:
