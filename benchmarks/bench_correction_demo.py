@@ -26,8 +26,6 @@ import csv
 import inspect
 import logging
 import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -38,9 +36,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 K3 = "optim/train-sample-div/kl_sample_train_k3"
 
@@ -108,17 +108,6 @@ def run(
     return curves.rows
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -140,7 +129,7 @@ def main() -> None:
         where = "never synced" if sync_every is None else f"synced every {sync_every} steps"
         variants.append((f"{where}, Loops' ratio", sync_every, None))
         variants += [(f"{where}, {spec}", sync_every, spec) for spec in args.corrections]
-    print(f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}; seeds {args.seeds}, {args.steps} steps")
+    print(f"{cpu_name()}, torch {torch.__version__}; seeds {args.seeds}, {args.steps} steps")
     evals = list(range(args.eval_every - 1, args.steps, args.eval_every))
     header = " | ".join(f"step {step + 1}" for step in evals)
     print(f"\n| sampler, loss | policy reward at {header} | k3, last {args.eval_every} steps | s per run |")

@@ -27,11 +27,13 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks.correction import METHODS  # noqa: E402
 from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_padded  # noqa: E402
 from loops_callbacks.divergence.shadow import shadow_values  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 BOUNDS = {"token_k1": "2.0", "token_k2": "0.1", "token_k3": "0.05", "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "1.0",
           "seq_sum_k3": "0.5", "seq_mean_k1": "0.9_1.1", "seq_mean_k2": "0.01", "seq_mean_k3": "0.01",
@@ -57,17 +59,6 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def cpu_name() -> str:
-    """The CPU's model name and, where the kernel lists it, whether it has bf16 instructions."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{model}{', avx512_bf16' if 'avx512_bf16' in info else ''}, {os.cpu_count()} cores"
 
 
 def main() -> None:

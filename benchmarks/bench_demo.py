@@ -43,6 +43,7 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from loops_callbacks.cli import EXIT_GUARD_RAIL_STOPPED, EXIT_OK
+from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("rl_tiny", "rl_stale_sampler", "dpo_tiny")
@@ -83,20 +84,6 @@ class StepClock(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._note("train_end")
-
-
-def _cpu_model() -> str:
-    try:
-        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags] or ["none"]
-    return (
-        f"{fields.get('Model name', '?').strip()}; {os.cpu_count()} CPUs; "
-        f"AVX2: {'avx2' in flags}; bf16 CPU flags: {', '.join(bf16)}"
-    )
 
 
 def _timed(
@@ -239,13 +226,13 @@ def main() -> None:
         env.update(NO_NATIVE_BF16)
     probe = subprocess.run([sys.executable, "-c", _BF16_PROBE], env=env, capture_output=True, text=True, check=True)
     torch_version, capability, ratio = probe.stdout.split()
-    print(f"CPU: {_cpu_model()}")
+    print(f"CPU: {cpu_name()}")
     print(
         f"torch {torch_version}, kernels: {capability}, bf16/float32 matmul time: {float(ratio):.1f}x "
         f"({'no native bf16' if float(ratio) > 3 else 'native bf16'}); OMP_NUM_THREADS=1"
         + (f"; {' '.join(f'{k}={v}' for k, v in NO_NATIVE_BF16.items())}" if args.no_native_bf16 else "")
     )
-    results: dict[str, Any] = {"cpu": _cpu_model(), "capability": capability, "bf16_ratio": float(ratio), "runs": []}
+    results: dict[str, Any] = {"cpu": cpu_name(), "capability": capability, "bf16_ratio": float(ratio), "runs": []}
 
     if not args.skip_startup:
         for label, command in (
