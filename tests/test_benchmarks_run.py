@@ -43,3 +43,18 @@ def test_bench_diagnosis_tables_prints_the_tuning_and_the_held_out_table(tmp_pat
         assert row in heldout, heldout[-3000:]
     assert "peaked: stale prefix KV cache (4 steps):" in heldout and "flat: completion-only, left-aligned:" in heldout
     assert [p.suffix for p in cache.iterdir()] == [".pt", ".pt"]  # one file per variant, in the given folder
+
+
+def test_bench_correction_demo_runs_and_prints_the_comparison(tmp_path: Path) -> None:
+    curves = tmp_path / "curves.csv"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_correction_demo.py"), "--seeds", "0", "--steps", "4",
+         "--eval-every", "2", "--lags", "16", "--corrections", "token_truncate:2.0", "--out", str(curves)],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| sampler, loss | policy reward at step 2 | step 4 |" in out, out[-3000:]
+    for variant in ("synced every step", "synced every 16 steps, Loops' ratio", "synced every 16 steps, token_truncate"):
+        assert f"| {variant}" in out, out[-3000:]
+    assert curves.read_text().startswith("variant,seed,step,sampled_reward,policy_reward,k3")
