@@ -56,6 +56,7 @@ from loops_callbacks.divergence.signatures import SIGNATURES, signature_numbers 
 
 sys.path.insert(0, os.path.dirname(__file__))
 import heldout_faults  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "float32, synced": ("none", {}),
@@ -182,6 +183,14 @@ def healthy_prefix(data: dict[str, list[dict[str, Any]]], fault: heldout_faults.
     return data[HEALTHY_ENGINE[fault.sampler_dtype]][:HEALTHY_STEPS]
 
 
+def after_steps(step: dict[str, Any], count: int) -> dict[str, Any]:
+    """``step`` replayed ``count`` optimizer steps later: its datums' policy versions move with it,
+    so each keeps its lag behind the trainer (the healthy prefix must not make every datum stale)."""
+    if count == 0 or "policy_version" not in step:
+        return step
+    return {**step, "policy_version": step["policy_version"] + count}
+
+
 BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "precision_max_k3"}
 """``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
 
@@ -246,7 +255,7 @@ def heldout_counts(
         for fault in heldout_faults.FAULTS:
             monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
             prefix = healthy_prefix(data, fault)
-            replayed = [*prefix, *data[fault.name]]
+            replayed = [*prefix, *(after_steps(step, len(prefix)) for step in data[fault.name])]
             with Recorder() as recorder:
                 _trainer(len(replayed), [monitor]).fit(ReplayModule(replayed))
             truths = [step["truth"] for step in data[fault.name]]
@@ -294,19 +303,6 @@ def print_per_fault(per_fault: dict[str, collections.Counter[str]]) -> None:
     print("\nPer fault setting (named cause: steps):")
     for name, counts in per_fault.items():
         print(f"  {name}: " + ", ".join(f"{cause} {count}" for cause, count in counts.most_common()))
-
-
-def cpu_name() -> str:
-    """The CPU's model name and, where the kernel lists it, whether it has bf16 instructions."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        import platform
-
-        return platform.processor() or "unknown CPU"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{model}{', avx512_bf16' if 'avx512_bf16' in info else ''}, {os.cpu_count()} cores"
 
 
 def main() -> None:

@@ -47,3 +47,15 @@ def test_tuning_faults_start_after_the_healthy_steps_except_a_template_change() 
         expected = 0 if "sampler_prompt" in options else 5
         assert started.get("faults_from_step", 0) == expected, name
     assert bench.HEALTHY_STEPS == inspect.signature(KLSampleTrainMonitor).parameters["calibration_steps"].default
+
+
+def test_a_fault_replayed_after_the_healthy_steps_keeps_its_datums_lags() -> None:
+    """The replay's trainer is ``len(prefix)`` optimizer steps further on: the versions move with it,
+    or every datum of every fault would read as 5 steps stale (and the lag rule could not work)."""
+    import torch
+
+    step = {"policy_version": torch.tensor([3, 1]), "truth": "stale"}
+    moved = bench.after_steps(step, 5)
+    assert moved["policy_version"].tolist() == [8, 6] and moved["truth"] == "stale"
+    assert step["policy_version"].tolist() == [3, 1]  # the cached step is not modified
+    assert bench.after_steps(step, 0) is step
