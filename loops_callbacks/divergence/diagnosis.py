@@ -6,20 +6,22 @@ Each common cause leaves its own signature in the numbers the monitor already ha
 =================  =========================================================  ======================
 cause              signature (the rule, checked in this order)                 confidence grows with
 =================  =========================================================  ======================
-``dropout``        observed: dropout with p > 0 live in the LightningModule   (1: an observation)
-                   (``evidence``), unless d = 0 on half the tokens
-``unclear``        fewer than 64 action tokens                                (0)
+``unclear``        fewer than 64 action tokens (``dropout`` if observed)      (0)
 ``none``           d = 0 exactly on at least half the tokens                  share of d = 0
 ``shift``          with ``alignment`` offsets: most rows vote for one offset  how far below 0.1
                    o != 0 and its gap ratio is < 0.1 (any size), or the
                    left-aligned test's ratio is < 0.1; else shift_ratio < 0.1
 ``stale``          per-lag numbers (``by_lag``): mean |d| grows with the      the growth
                    policy lag (>= 1.5x from the lowest to the highest lag)
+``dropout``        observed: dropout with p > 0 live in the LightningModule   (1: an observation)
+                   (``evidence``); beside the three causes above it is only
+                   added to the message ("also seen")
 ``stale``          the run's history (``trend``): since k3 was last at the    the growth
                    floor, it has grown step after step (Spearman >= 0.5 over
                    >= 3 steps, the latest third >= 2x the earliest): weights
                    a few steps old look like a mild T, far out of date like
-                   unrelated distributions
+                   unrelated distributions; not when per-lag numbers show
+                   every datum current or a gap flat across lags
 ``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
 ``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
                    the slope of t on s >= 0.95 (T < 1 has a slope of T)
