@@ -46,6 +46,7 @@ from loops_callbacks.data.tokenization import (
     PreferenceDataWarning,
     TokenizationReport,
     preference_datums,
+    preference_pairs,
     read_dpo_jsonl,
 )
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
@@ -78,6 +79,7 @@ __all__ = [
     "from_tinker_convention",
     "load_reference_checkpoint",
     "preference_datums",
+    "preference_pairs",
     "read_cache",
     "read_dpo_jsonl",
     "read_preference_records",

@@ -46,6 +46,7 @@ __all__ = [
     "DPOPairDataset",
     "OutOfVocabularyError",
     "check_dpo_pairs",
+    "check_packed_pairs",
     "check_vocabulary",
     "collate_dpo_pairs",
     "dpo_pair_datums",
@@ -168,6 +169,22 @@ def _prompt_pair(chosen: list[int], rejected: list[int], prompt_length: int) -> 
     )
 
 
+def prompt_pair_rows(chosen: list[int], rejected: list[int], prompt_length: int) -> list[dict[str, np.ndarray]]:
+    """``_prompt_pair``'s two sequences as ``PackedPairs`` rows (``input_ids``, ``target_tokens``, ``weights``), no datum.
+
+    Example:
+        >>> [row["weights"].tolist() for row in prompt_pair_rows([1, 2, 3], [1, 4], 1)]
+        [[1.0, 1.0, 0.0], [1.0, 0.0]]
+    """
+    rows = []
+    for tokens in (chosen, rejected):
+        ids = np.asarray(tokens, dtype=np.int64)
+        weights = np.zeros(len(ids), np.float32)
+        weights[prompt_length - 1 : len(ids) - 1] = 1.0  # position k predicts token k + 1, a response token
+        rows.append({"input_ids": ids, "target_tokens": np.append(ids[1:], 0), "weights": weights})
+    return rows
+
+
 def dpo_records_to_datums(records: Sequence[Mapping[str, Any]], *, where: str = "") -> list[Datum]:
     """Interleaved datums from records ``{"chosen", "rejected", "prompt_length"}`` (or the two weights).
 
@@ -222,13 +239,7 @@ def check_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> Packe
         >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), pairs.weights.tolist()
         ([1, 2, 3, 1, 4], [0, 3, 5], [1.0, 1.0, 0.0, 1.0, 0.0])
     """
-    if not data:
-        raise ValueError("DPO data hold no datums: give at least one (chosen, rejected) pair")
-    if len(data) % 2:
-        raise ValueError(
-            f"DPO data hold an odd number of datums ({len(data)}): they interleave chosen (even index) and "
-            f"rejected (odd index), and pair {len(data) // 2} (datum {len(data) - 1}) has no rejected datum"
-        )
+    _check_count(len(data))
     rows: list[dict[str, np.ndarray]] = []
     prompts: list[int | None] = []
     without_weights: list[int] = []
@@ -243,6 +254,52 @@ def check_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> Packe
             chosen, rejected = rows[index - 1]["input_ids"], row["input_ids"]
             _check_same_prompt(index // 2, chosen, rejected, prompts[index - 1], prompt_length)
     return PackedPairs.from_rows(rows, without_weights=tuple(without_weights))
+
+
+def check_packed_pairs(pairs: PackedPairs, *, check_prompts: bool = True) -> PackedPairs:
+    """``check_dpo_pairs``'s checks on pairs given packed (e.g. by a ``dpo_pairs()`` hook); ``pairs`` itself when
+    they pass, else the same ``ValueError`` naming the pair and datum.
+
+    Example:
+        >>> pairs = check_dpo_pairs(dpo_pair_datums([1, 2, 3], [1, 4], 1))
+        >>> check_packed_pairs(pairs) is pairs
+        True
+    """
+    _check_count(len(pairs))
+    lengths = np.diff(pairs.offsets)
+    total = int(pairs.offsets[-1])
+    for key in ("input_ids", "target_tokens", "weights"):
+        if len(getattr(pairs, key)) != total:
+            raise ValueError(f"the packed pairs' {key!r} hold {len(getattr(pairs, key))} values for {total} tokens")
+    empty = np.flatnonzero(lengths <= 0)
+    if len(empty):
+        raise ValueError(f"{datum_label(int(empty[0]))} has an empty model_input: there is nothing to score")
+    weighted_last = pairs.weights[pairs.offsets[1:] - 1] > 0
+    weighted_last[list(pairs.without_weights)] = False
+    if weighted_last.any():
+        raise ValueError(tinker_convention_message(f"{datum_label(int(np.argmax(weighted_last)))} carries"))
+    if check_prompts:
+        without = set(pairs.without_weights)
+        for pair in range(len(pairs) // 2):
+            chosen, rejected = 2 * pair, 2 * pair + 1
+            if chosen in without or rejected in without:
+                continue
+            rows = [pairs.offsets[index] + np.arange(lengths[index]) for index in (chosen, rejected)]
+            prompts = [_prompt_length(pairs.weights[row]) for row in rows]
+            if prompts[0] is not None and prompts[1] is not None:
+                _check_same_prompt(pair, pairs.input_ids[rows[0]], pairs.input_ids[rows[1]], prompts[0], prompts[1])
+    return pairs
+
+
+def _check_count(count: int) -> None:
+    """A ``ValueError`` unless ``count`` datums are a whole, non-zero number of (chosen, rejected) pairs."""
+    if not count:
+        raise ValueError("DPO data hold no datums: give at least one (chosen, rejected) pair")
+    if count % 2:
+        raise ValueError(
+            f"DPO data hold an odd number of datums ({count}): they interleave chosen (even index) and "
+            f"rejected (odd index), and pair {count // 2} (datum {count - 1}) has no rejected datum"
+        )
 
 
 def _checked_row(datum: Any, index: int) -> tuple[dict[str, Any], int | None]:

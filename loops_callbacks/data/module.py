@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, collate_dpo_pairs
+from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, check_dpo_pairs, collate_dpo_pairs
+from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import read_preference_records
 from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
@@ -198,24 +199,39 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         self.num_workers = num_workers
         self.val_fraction = float(val_fraction)
         self.tokenization_report: TokenizationReport | None = None
-        self._datums: list[Any] | None = None
+        self._packed: PackedPairs | None = None
         self._pair_where: list[str] | None = None  # where each pair's record was read (file line, row, item)
         self._pairs: DPOPairDataset | None = None
         self._train: list[int] | None = None
         self._val: list[int] | None = None
 
     @override
-    def dpo_data(self) -> list[Any]:
-        """The interleaved datums: the given datums, or the records read and tokenized (once).
+    def dpo_pairs(self) -> PackedPairs:
+        """The interleaved pairs, packed: the given datums read once, or the records read and tokenized
+        straight into the packed form (once; no datum is made).
 
         With an initialized ``torch.distributed`` group every rank must call it (``setup`` does):
         the ranks compare what they read and share the tokenizing.
         """
-        if self._datums is None:
-            self._datums = self._load()
-        return self._datums
+        if self._packed is None:
+            datums = self._given_datums()
+            if datums is not None:
+                self._packed = check_dpo_pairs(datums, check_prompts=self.reference_config.check_prompts)
+            else:
+                self._packed = self._tokenized()
+        return self._packed
 
-    def _load(self) -> list[Any]:
+    @override
+    def dpo_data(self) -> list[Any]:
+        """The interleaved datums: the given datums, or datums made from ``dpo_pairs()`` (on each call).
+
+        Collective like ``dpo_pairs`` the first time.
+        """
+        datums = self._given_datums()
+        return datums if datums is not None else self.dpo_pairs().datums()
+
+    def _given_datums(self) -> list[Any] | None:
+        """``data`` when it is a list of datums, ``None`` when the data are records (an error when it mixes both)."""
         if self.data is not None and isinstance(self.data, list):
             is_record = [isinstance(item, Mapping) and "chosen" in item for item in self.data]
             if not any(is_record):
@@ -226,11 +242,15 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"DPODataModule data mixes records and datums (item 0 is "
                     f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
                 )
+        return None
+
+    def _tokenized(self) -> PackedPairs:
+        """The records read and tokenized across the ranks, packed."""
         source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
         guard = StallGuard(Group(), self.reference_config.scoring_timeout)
         with fail_together(guard, "reading the preference records", then="the end of reading the preference records"):
             records = read_preference_records(source)
-        data, self.tokenization_report = tokenize_across_ranks(
+        pairs, self.tokenization_report = tokenize_across_ranks(
             records,
             self._tokenizer_source(),
             max_length=self.max_length,
@@ -239,7 +259,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             timeout=self.reference_config.scoring_timeout,
         )
         self._pair_where = [records[index].where for index in self.tokenization_report.record_indices]
-        return data
+        return pairs
 
     @override
     def score_reference(self) -> ReferenceLogprobsReport:

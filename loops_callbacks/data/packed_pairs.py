@@ -119,6 +119,45 @@ class PackedPairs:
             result.append(Datum(ModelInput.from_ints(self.input_ids[start:stop].tolist()), inputs))
         return result
 
+    def head(self, count: int) -> PackedPairs:
+        """The first ``count`` sequences (views of the arrays, no copy).
+
+        Example:
+            >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
+            >>> check_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1), *dpo_pair_datums([4, 5], [4, 6], 1)]).head(2).offsets.tolist()
+            [0, 2, 4]
+        """
+        stop = int(self.offsets[count])
+        return replace(
+            self,
+            **{key: getattr(self, key)[:stop] for key in BATCH_KEYS if getattr(self, key) is not None},
+            offsets=self.offsets[: count + 1],
+            without_weights=tuple(index for index in self.without_weights if index < count),
+        )
+
+    @classmethod
+    def concatenate(cls, parts: Sequence[PackedPairs]) -> PackedPairs:
+        """The parts' sequences one after the other, in one set of arrays (not yet scored).
+
+        Example:
+            >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
+            >>> one = check_dpo_pairs(dpo_pair_datums([1, 2], [1, 3], 1))
+            >>> PackedPairs.concatenate([one, one]).offsets.tolist()
+            [0, 2, 4, 6, 8]
+        """
+        if any(part.ref_logprobs is not None for part in parts):
+            raise ValueError("PackedPairs.concatenate joins pairs before they are scored (no ref_logprobs)")
+        lengths = np.concatenate([np.diff(part.offsets) for part in parts]) if parts else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        starts = np.cumsum([0] + [len(part) for part in parts])
+        columns = {
+            key: np.concatenate([getattr(part, key) for part in parts]) if parts else np.zeros(0, _DTYPES[key])
+            for key in ("input_ids", "target_tokens", "weights")
+        }
+        without = tuple(int(start) + index for part, start in zip(parts, starts) for index in part.without_weights)
+        return cls(offsets=offsets, ref_logprobs=None, without_weights=without, **columns)
+
     @classmethod
     def from_rows(cls, rows: Sequence[dict[str, np.ndarray]], without_weights: tuple[int, ...] = ()) -> PackedPairs:
         """Pairs of checked rows (``input_ids``, ``target_tokens``, ``weights`` each), joined once; no ``ref_logprobs``."""

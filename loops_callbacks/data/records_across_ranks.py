@@ -7,30 +7,29 @@ Lightning's sampler the whole data set). Each rank reads the records, then, in o
    JSON), the limits, and the tokenizer (a digest of its serialization and chat template). Ranks
    that differ raise ``RanksDisagreeError`` naming the first differing pair and where each rank
    read it, before any tokenizing, scoring or caching;
-2. rank r tokenizes only the r-th contiguous share of the records (``preference_datums``, the
+2. rank r tokenizes only the r-th contiguous share of the records (``preference_pairs``, the
    same function as in one process), so the work on a node does not grow with its ranks;
-3. the shares' datums and reports are gathered and put back in order: every rank gets what one
-   process tokenizing every record gets, the same token ids and the same report.
+3. the shares' packed pairs (flat arrays, no datum) and reports are gathered and put back in
+   order: every rank gets what one process tokenizing every record gets, the same token ids and
+   the same report.
 
-In one process it is ``preference_datums`` itself.
+In one process it is ``preference_pairs`` itself.
 
 Example:
     >>> from loops_callbacks.data.preference import read_preference_records
     >>> records = read_preference_records([{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}])
-    >>> datums, report = tokenize_across_ranks(records, None, progress=False)
-    >>> [d.model_input.to_ints() for d in datums], report.record_indices
-    ([[1, 2, 3], [1, 2, 4]], [0])
+    >>> pairs, report = tokenize_across_ranks(records, None, progress=False)
+    >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), report.record_indices
+    ([1, 2, 3, 1, 2, 4], [0, 3, 6], [0])
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -42,14 +41,15 @@ from loops_callbacks.data.tokenization import (
     PreferenceDataWarning,
     TokenizationReport,
     load_tokenizer,
-    preference_datums,
+    preference_pairs,
 )
+from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
 __all__ = ["record_digests", "tokenize_across_ranks", "tokenizer_digests"]
 
-# A pair every share ends with, so that no share is left without pairs (``preference_datums``
+# A pair every share ends with, so that no share is left without pairs (``preference_pairs``
 # refuses that); it is taken out of the share's result before the shares are joined.
 _PLACEHOLDER = LocatedRecord({"chosen": [0, 1], "rejected": [0, 2], "prompt_length": 1}, "a placeholder pair")
 
@@ -114,8 +114,8 @@ def tokenize_across_ranks(
     max_prompt_length: int | None = None,
     progress: bool = True,
     timeout: float | None = None,
-) -> tuple[list[Any], TokenizationReport]:
-    """``preference_datums(records, ...)``, each rank tokenizing 1/world_size of the records, after checking they agree.
+) -> tuple[PackedPairs, TokenizationReport]:
+    """``preference_pairs(records, ...)``, each rank tokenizing 1/world_size of the records, after checking they agree.
 
     Collective: call it on every rank with what that rank read. Raises ``RanksDisagreeError``
     on every rank when the records, the limits or the tokenizer differ across ranks, and any
@@ -124,7 +124,7 @@ def tokenize_across_ranks(
     """
     group = Group()
     if group.world_size == 1:
-        return preference_datums(
+        return preference_pairs(
             list(records), tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, progress=progress
         )
     guard = StallGuard(group, timeout)
@@ -160,30 +160,17 @@ def tokenize_across_ranks(
         share = _tokenize_share(
             list(records[first:last]), loaded, max_length, max_prompt_length, progress and group.rank == 0
         )
-    with _collection_paused():  # unpickling the datums with the collector on costs ten times as much
-        shares = group.all_gather_objects(share)
-    datums = [datum for data, _ in shares for datum in data]
+    shares = group.all_gather_objects(share)  # flat arrays: a few objects a share
+    pairs = PackedPairs.concatenate([part for part, _ in shares])
     report = _joined([report for _, report in shares], bounds)
-    if not datums:
+    if not len(pairs):
         raise ValueError(
             f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
         )
     message = report.warning()
     if message:
         run_warnings.warn(message, PreferenceDataWarning)
-    return datums, report
-
-
-@contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off (it rescans every live object while many are made at once)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    return pairs, report
 
 
 def _tokenizer_for(records: Sequence[LocatedRecord], tokenizer: Any) -> Any:
@@ -200,9 +187,9 @@ def _tokenize_share(
     max_length: int | None,
     max_prompt_length: int | None,
     progress: bool,
-) -> tuple[list[Any], TokenizationReport]:
-    """This rank's records through ``preference_datums``, the placeholder pair added and taken out again."""
-    data, report = preference_datums(
+) -> tuple[PackedPairs, TokenizationReport]:
+    """This rank's records through ``preference_pairs``, the placeholder pair added and taken out again."""
+    pairs, report = preference_pairs(
         [*records, _PLACEHOLDER],
         tokenizer,
         max_length=max_length,
@@ -218,7 +205,7 @@ def _tokenize_share(
     report.formats["token_ids"] -= 1
     if not report.formats["token_ids"]:
         del report.formats["token_ids"]
-    return data[:-2], report
+    return pairs.head(len(pairs) - 2), report
 
 
 def _joined(reports: list[TokenizationReport], bounds: list[int]) -> TokenizationReport:

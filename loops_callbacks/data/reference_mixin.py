@@ -6,7 +6,8 @@ prompts, field lengths, each ``ValueError`` naming the pair) and hands their pac
 ``loops_callbacks.reference.across_ranks.score_packed_across_ranks`` (the ids checked once against the
 reference's vocabulary, naming the pair, before anything is scored; cache, shards, gather).
 
-The mixin reads ``dpo_data()`` once, into one ``PackedPairs`` (``check_dpo_pairs``), and keeps only
+The mixin reads the pairs once, into one ``PackedPairs`` (``dpo_pairs()`` checked by
+``check_packed_pairs``, or ``dpo_data()``'s datums read by ``check_dpo_pairs``), and keeps only
 that: the scored values join it as one buffer, batches are cut from it, and datums are made from it
 only when ``scored_data`` is read (or, while scoring, for a remote client that scores datums).
 
@@ -30,7 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import check_dpo_pairs
+from loops_callbacks.data.dpo import check_dpo_pairs, check_packed_pairs
 from loops_callbacks.data.labels import datum_label
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.reference.across_ranks import (
@@ -233,7 +234,8 @@ class ReferenceLogprobsMixin:
 
     Put it before ``LightningDataModule`` in the bases, call ``configure_reference`` in
     ``__init__`` (declare its arguments in your ``__init__`` to set them from YAML), return the
-    interleaved datums (chosen at even indices, rejected at odd) from ``dpo_data``, and read
+    interleaved datums (chosen at even indices, rejected at odd) from ``dpo_data`` (or the packed
+    pairs from ``dpo_pairs``, which makes no datum: ``preference_pairs``, ``check_dpo_pairs``), and read
     ``self.scored_pairs`` (the packed form a ``DPOPairDataset`` takes) or ``self.scored_data`` (the
     datums, made on that read) in ``train_dataloader`` / ``val_dataloader``. Call ``super().__init__()``,
     ``super().setup(stage)`` if you override ``setup`` (after loading what ``dpo_data`` returns),
@@ -341,8 +343,16 @@ class ReferenceLogprobsMixin:
         return self._reference.stage
 
     def dpo_data(self) -> Sequence[Any]:
-        """The interleaved DPO datums to score (override this)."""
+        """The interleaved DPO datums to score (override this, or ``dpo_pairs``)."""
         raise NotImplementedError(f"{type(self).__name__} must define dpo_data() returning the interleaved datums")
+
+    def dpo_pairs(self) -> PackedPairs:
+        """The interleaved DPO pairs, packed (``preference_pairs``, ``check_dpo_pairs``): override this instead
+        of ``dpo_data`` to make no datum at all. When a subclass defines it, ``setup("fit")`` reads it (and checks
+        it, ``check_packed_pairs``) rather than ``dpo_data()``, unless the subclass defines both and the reference
+        is a client that scores datums (it then gets ``dpo_data()``'s own datums).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define dpo_pairs(); it gives dpo_data()")
 
     @property
     def scored_data(self) -> list[Any]:
@@ -459,6 +469,9 @@ class ReferenceLogprobsMixin:
         scores datums (a remote client); an error on any rank is raised on every rank."""
         guard = StallGuard(Group(), config.scoring_timeout)
         with fail_together(guard, "checking the DPO pairs", then="the end of checking the DPO pairs"):
+            datums_wanted = _defines(self, "dpo_data") and _scores_datums(config.reference)
+            if _defines(self, "dpo_pairs") and not datums_wanted:
+                return check_packed_pairs(self.dpo_pairs(), check_prompts=config.check_prompts), None
             data = list(self.dpo_data())
             pairs = check_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
         return pairs, data if _scores_datums(config.reference) else None
@@ -555,6 +568,11 @@ class ReferenceLogprobsMixin:
             cache_tag=tag,
             cached_only=fix,
         )
+
+
+def _defines(datamodule: ReferenceLogprobsMixin, hook: str) -> bool:
+    """Whether the DataModule's class defines ``hook`` (``dpo_pairs``: the packed pairs; ``dpo_data``: datums)."""
+    return getattr(type(datamodule), hook) is not getattr(ReferenceLogprobsMixin, hook)
 
 
 def _scores_datums(reference: Any) -> bool:

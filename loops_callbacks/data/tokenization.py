@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import _prompt_pair, _record_pair
+from loops_callbacks.data.dpo import _checked_row, _record_pair, prompt_pair_rows
 from loops_callbacks.data.labels import pair_label
+from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import (
     USUAL_ROLES,
     LocatedRecord,
@@ -74,6 +75,7 @@ __all__ = [
     "common_prefix_length",
     "load_tokenizer",
     "preference_datums",
+    "preference_pairs",
     "read_dpo_jsonl",
     "tokenize_preferences",
 ]
@@ -513,6 +515,26 @@ def preference_datums(
 ) -> tuple[list[Datum], TokenizationReport]:
     """Interleaved Loops DPO datums (chosen at even indices, rejected at odd) from preference records.
 
+    The datums of ``preference_pairs`` (the same arguments): ``model_input``, ``target_tokens`` and ``weights``.
+    """
+    pairs, report = preference_pairs(
+        source, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, progress=progress, warn=warn
+    )
+    return pairs.datums(), report
+
+
+def preference_pairs(
+    source: Any,
+    tokenizer: Any = None,
+    *,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    progress: bool = True,
+    warn: bool = True,
+) -> tuple[PackedPairs, TokenizationReport]:
+    """Interleaved DPO pairs (chosen at even indices, rejected at odd) from preference records, packed:
+    each sequence's ids, targets and weights go straight into flat arrays (no datum is made).
+
     Args:
         source: anything ``read_preference_records`` reads (a file path, a list of records, a
             ``datasets.Dataset``, ``load_dataset`` arguments), or already located records.
@@ -556,7 +578,7 @@ def preference_datums(
             )
         )
 
-    data: list[Datum] = []
+    rows: list[dict[str, np.ndarray]] = []
     limited = max_length is not None or max_prompt_length is not None
     for index, example in enumerate(examples):
         split: int | None = None
@@ -568,7 +590,7 @@ def preference_datums(
                     _check_weighted_within_limits(example.record, label, max_length, max_prompt_length)
                 if _same_datums(*pair):
                     report.note("identical", example.where)
-                data.extend(pair)
+                rows.extend(_checked_row(datum, 0)[0] for datum in pair)
                 report.record_indices.append(index)
                 continue
             chosen, rejected = list(example.record["chosen"]), list(example.record["rejected"])
@@ -594,10 +616,10 @@ def preference_datums(
             continue
         if chosen == rejected:
             report.note("identical", example.where)
-        data.extend(_prompt_pair(chosen, rejected, prompt_length))
+        rows.extend(prompt_pair_rows(chosen, rejected, prompt_length))
         report.record_indices.append(index)
-    report.num_pairs = len(data) // 2
-    if not data:
+    report.num_pairs = len(rows) // 2
+    if not rows:
         raise ValueError(
             f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
         )
@@ -605,7 +627,7 @@ def preference_datums(
     if message and warn:
         run_warnings.warn(message, PreferenceDataWarning)
     log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
-    return data, report
+    return PackedPairs.from_rows(rows), report
 
 
 def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:

@@ -1,0 +1,119 @@
+"""Tokenized records go straight into the packed form: ``preference_pairs`` makes no datum, ``DPODataModule`` gives
+its pairs through the ``dpo_pairs()`` hook the reference mixin prefers, and ``dpo_data()`` still gives datums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import loops_callbacks.data.packed_pairs as packed_pairs
+from loops_callbacks.data import (
+    DPODataModule,
+    PackedPairs,
+    ReferenceLogprobsMixin,
+    check_dpo_pairs,
+    dpo_pair_datums,
+    preference_datums,
+    preference_pairs,
+)
+from loops_callbacks.data.dpo import check_packed_pairs
+from loops_callbacks.helpers.datum import attach_reference_logprobs
+from loops_callbacks.reference.clients import TorchSamplingClient
+from tests.test_data import CountingClient, make_pairs, ref_values
+from tests.test_preference_data import RECORDS, TOKENIZER_PATH
+
+KEYS = ("input_ids", "target_tokens", "weights", "offsets")
+
+
+def records() -> list[dict[str, Any]]:
+    return [{"chosen": c, "rejected": r, "prompt_length": k} for c, r, k in make_pairs(5)] + RECORDS["conversational"]
+
+
+def same_arrays(one: PackedPairs, other: PackedPairs) -> bool:
+    return all(np.array_equal(getattr(one, key), getattr(other, key)) for key in KEYS)
+
+
+def test_preference_pairs_pack_what_preference_datums_give_and_make_no_datum(monkeypatch: pytest.MonkeyPatch) -> None:
+    datums, datum_report = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
+
+    def no_datum(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a datum was made")
+
+    monkeypatch.setattr(packed_pairs, "Datum", no_datum)
+    pairs, report = preference_pairs(records(), TOKENIZER_PATH, max_length=64, progress=False)
+    assert same_arrays(pairs, check_dpo_pairs(datums)) and pairs.ref_logprobs is None
+    assert report == datum_report
+
+
+def test_the_datamodule_gives_its_packed_pairs_to_the_mixin_and_datums_on_request() -> None:
+    torch.manual_seed(0)
+    reference = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(1024, 8), torch.nn.Linear(8, 1024)))
+    data = DPODataModule(records(), tokenizer=TOKENIZER_PATH, max_length=64, reference=reference,
+                         use_cache=False, progress=False, batch_size=2)
+    data.setup("fit")
+    given = data.dpo_pairs()
+    assert data.scored_pairs.input_ids is given.input_ids  # the one packed form, not a copy
+    expected, _ = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
+    datums = data.dpo_data()
+    assert [d.model_input.to_ints() for d in datums] == [d.model_input.to_ints() for d in expected]
+    assert [d.loss_fn_inputs["weights"].data for d in datums] == [d.loss_fn_inputs["weights"].data for d in expected]
+    assert ref_values(data.scored_data) == ref_values(attach_reference_logprobs(expected, reference))
+
+
+def test_a_client_that_scores_datums_gets_the_datamodules_datums() -> None:
+    data = DPODataModule(records(), tokenizer=TOKENIZER_PATH, max_length=64, reference=CountingClient(vocab_size=None),
+                         use_cache=False, progress=False, batch_size=2)
+    data.setup("fit")
+    expected, _ = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
+    assert ref_values(data.scored_data) == ref_values(attach_reference_logprobs(expected, CountingClient()))
+
+
+class PackedOnly(ReferenceLogprobsMixin):
+    """A DataModule that gives only packed pairs (set up by hand, no trainer)."""
+
+    def __init__(self, pairs: PackedPairs) -> None:
+        super().__init__()
+        self.pairs = pairs
+        self.configure_reference(CountingClient(fingerprint=None), use_cache=False, progress=False)
+
+    def dpo_pairs(self) -> PackedPairs:
+        return self.pairs
+
+
+class _Base:
+    """What ``LightningDataModule.setup`` is to the mixin (nothing)."""
+
+    def setup(self, stage: str) -> None:
+        pass
+
+
+class PackedOnlyModule(PackedOnly, _Base):
+    pass
+
+
+def test_a_datamodule_with_dpo_pairs_only_is_scored_from_them() -> None:
+    pairs = check_dpo_pairs([*dpo_pair_datums([1, 2, 3], [1, 4], 1), *dpo_pair_datums([5, 6], [5, 7, 8], 1)])
+    module = PackedOnlyModule(pairs)
+    module.setup("fit")
+    assert module.num_dpo_pairs == 2 and module.scored_pairs.input_ids is pairs.input_ids
+    expected = attach_reference_logprobs(pairs.datums(), CountingClient())
+    assert ref_values(module.scored_data) == ref_values(expected)
+
+
+def test_packed_pairs_are_checked_as_datums_are() -> None:
+    chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4, 5], 1)
+    good = check_dpo_pairs([chosen, rejected])
+    weights = good.weights.copy()
+    weights[good.offsets[2] - 1] = 1.0  # a weight on the rejected sequence's last position (Tinker's convention)
+    bad = PackedPairs(good.input_ids, good.target_tokens, weights, None, good.offsets)
+    with pytest.raises(ValueError, match=r"pair 0: the rejected datum \(index 1\) carries weight on the last"):
+        check_packed_pairs(bad)
+    other_prompt = good.input_ids.copy()
+    other_prompt[good.offsets[1]] = 9
+    with pytest.raises(ValueError, match=r"pair 0: the chosen \(datum 0\) and rejected \(datum 1\) prompts differ"):
+        check_packed_pairs(PackedPairs(other_prompt, good.target_tokens, good.weights, None, good.offsets))
+    with pytest.raises(ValueError, match=r"odd number of datums \(1\)"):
+        check_packed_pairs(good.head(1))
