@@ -70,7 +70,8 @@ def test_the_mixin_reads_each_datum_once_and_keeps_one_packed_form() -> None:
     pairs = module.scored_pairs
     DPOPairDataset(pairs)
     assert ReadCountingDatum.reads == len(data)  # setup's one pass; the batches read the packed form
-    assert module._reference.datums is None and module.scored_pairs is pairs
+    kept = module._reference.datums  # the user's own datums, by reference (scored_data attaches the values to them)
+    assert kept is not None and all(a is b for a, b in zip(kept, data)) and module.scored_pairs is pairs
     assert module.scored_pairs.ref_logprobs is module._reference.values
     scored = module.scored_data
     assert [d.model_input.to_ints() for d in scored] == [d.model_input.to_ints() for d in data]
@@ -100,7 +101,7 @@ def test_a_client_that_scores_datums_gets_the_users_own_model_inputs() -> None:
     module = Mixed(data, Remote())
     module.setup("fit")
     assert [id(p) for p in seen] == [id(d.model_input) for d in data]
-    assert module._reference.datums is None  # dropped once scored
+    assert module._reference.datums is not None  # kept by reference: scored_data attaches the values to them
 
 
 def test_the_checks_name_the_datum() -> None:

@@ -51,3 +51,42 @@ def test_a_fit_trains_on_the_same_batches(tmp_path: Any) -> None:
 def test_scored_pairs_before_setup_names_setup() -> None:
     with pytest.raises(RuntimeError, match=r"scored_pairs is computed in setup\('fit'\)"):
         _ = DPODataModule(pair_datums(make_pairs(2)), progress=False).scored_pairs
+
+
+def with_extra_field(datums: list[Any]) -> list[Any]:
+    """The datums with a field of the user's own in each (the SDK's datums carry whatever the user puts there)."""
+    from loops_callbacks.types import Datum
+
+    return [
+        Datum(d.model_input, {**d.loss_fn_inputs, "advantages": np.full(d.model_input.length, 0.5, np.float32)})
+        for d in datums
+    ]
+
+
+def test_scored_data_keeps_every_field_of_the_datums_the_user_gave() -> None:
+    """scored_data is the user's datums with ref_logprobs attached, not datums rebuilt from the packed form."""
+    from loops_callbacks.data import ReferenceLogprobsMixin
+    from lightning.pytorch import LightningDataModule
+
+    given = with_extra_field(pair_datums(make_pairs(3)))
+    module = DPODataModule(given, reference=CountingClient(), use_cache=False, progress=False, batch_size=2)
+    module.setup("fit")
+
+    class Own(ReferenceLogprobsMixin, LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.configure_reference(CountingClient(), use_cache=False, progress=False)
+
+        def dpo_data(self) -> list[Any]:
+            return given
+
+    own = Own()
+    own.setup("fit")
+    for data in (module, own):
+        scored = data.scored_data
+        assert len(scored) == len(given)
+        for before, after in zip(given, scored):
+            assert set(after.loss_fn_inputs) == set(before.loss_fn_inputs) | {"ref_logprobs"}
+            assert np.array_equal(after.loss_fn_inputs["advantages"], before.loss_fn_inputs["advantages"])
+        assert all("ref_logprobs" not in d.loss_fn_inputs for d in given)  # the user's datums are not modified
+        assert ref_values(scored) == [data.scored_pairs.row(i)["ref_logprobs"].tolist() for i in range(len(given))]

@@ -230,6 +230,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         datums = self._given_datums()
         return datums if datums is not None else self.dpo_pairs().datums()
 
+    @override
+    def source_datums(self) -> list[Any] | None:
+        """The datums given as ``data`` (``scored_data`` attaches the values to them, every field kept); ``None``
+        for records."""
+        return self._given_datums()
+
     def _given_datums(self) -> list[Any] | None:
         """``data`` when it is a list of datums, ``None`` when the data are records (an error when it mixes both)."""
         if self.data is not None and isinstance(self.data, list):

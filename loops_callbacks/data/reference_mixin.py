@@ -176,9 +176,10 @@ class ReferenceScoring:
 
     ``pairs`` are the checked pairs, packed (``check_dpo_pairs``), to which scoring adds ``values``
     (one float32 buffer, every sequence's ``ref_logprobs`` back to back) when ``SCORED``, with
-    ``report``; ``datums`` are ``dpo_data()``'s datums, kept while ``PENDING`` only for a reference
-    that scores datums (a remote client); ``scored``, the datums with the values attached, is made
-    from ``pairs`` on the first read of ``scored_data`` only; ``saved``
+    ``report``; ``datums`` are ``dpo_data()``'s own datums when the pairs came from it (kept by
+    reference: a remote client scores them, and ``scored_data`` attaches the values to them, so no
+    field of the user's is dropped); ``scored``, the datums with the values attached, is made on the
+    first read of ``scored_data`` only (from ``datums``, else from ``pairs``); ``saved``
     is what checkpoints record (the initial policy's fingerprint) and ``restored`` what a checkpoint
     gave back (``load_state_dict``).
     """
@@ -354,6 +355,13 @@ class ReferenceLogprobsMixin:
         """
         raise NotImplementedError(f"{type(self).__name__} does not define dpo_pairs(); it gives dpo_data()")
 
+    def source_datums(self) -> list[Any] | None:
+        """The user's own datums behind ``dpo_pairs()``, if there are any (``None``, the default: the pairs
+        were made without datums, e.g. tokenized records). ``scored_data`` attaches the values to these
+        datums, so no field of theirs is dropped; override it along with ``dpo_pairs`` when the pairs
+        come from datums the user gave."""
+        return None
+
     @property
     def scored_data(self) -> list[Any]:
         """``dpo_data()`` with ``ref_logprobs`` attached (float32 arrays, one buffer for all datums).
@@ -366,8 +374,11 @@ class ReferenceLogprobsMixin:
         """
         state = self._scored_state("scored_data")
         if state.scored is None:
-            assert state.pairs is not None
-            state.scored = state.pairs.datums()
+            assert state.pairs is not None and state.pairs.ref_logprobs is not None
+            if state.datums is not None:  # the user's own datums, every field of theirs kept
+                state.scored = attach_reference_values(state.datums, state.pairs.ref_logprobs, state.pairs.offsets)
+            else:
+                state.scored = state.pairs.datums()
         return state.scored
 
     @property
@@ -444,7 +455,7 @@ class ReferenceLogprobsMixin:
                 values, report = self._score_policy(trainer, state.pairs.tokens, state.config)
             else:
                 values, report = self._score_explicit(trainer, state.pairs, state.datums, state.config)
-            state.stage, state.pairs, state.report, state.datums = Stage.SCORED, state.pairs.scored(values), report, None
+            state.stage, state.pairs, state.report = Stage.SCORED, state.pairs.scored(values), report
         assert state.report is not None
         return state.report
 
@@ -471,10 +482,10 @@ class ReferenceLogprobsMixin:
         with fail_together(guard, "checking the DPO pairs", then="the end of checking the DPO pairs"):
             datums_wanted = _defines(self, "dpo_data") and _scores_datums(config.reference)
             if _defines(self, "dpo_pairs") and not datums_wanted:
-                return check_packed_pairs(self.dpo_pairs(), check_prompts=config.check_prompts), None
+                return check_packed_pairs(self.dpo_pairs(), check_prompts=config.check_prompts), self.source_datums()
             data = list(self.dpo_data())
             pairs = check_dpo_pairs(data, check_prompts=config.check_prompts)  # before loading a reference
-        return pairs, data if _scores_datums(config.reference) else None
+        return pairs, data  # the user's datums (references, no copy): scored_data attaches the values to them
 
     def _cache_path(self, trainer: Any, config: ReferenceConfig) -> str | None:
         if not config.use_cache:
