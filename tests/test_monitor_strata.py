@@ -207,7 +207,7 @@ def test_a_stratum_not_logged_at_a_step_leaves_callback_metrics() -> None:
     assert PREFIX + "stratum/group_1/k3" in trainer.callback_metrics
 
 
-def test_bad_corrections_are_named_at_construction_and_missing_advantages_at_the_first_step() -> None:
+def test_bad_corrections_are_named_at_construction_and_missing_advantages_never_stop_training() -> None:
     class NoAdvantages(VersionedPolicy):
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
             return super().training_step({k: v for k, v in batch.items() if k != "advantages"} | {
@@ -217,8 +217,13 @@ def test_bad_corrections_are_named_at_construction_and_missing_advantages_at_the
             batch.pop("advantages")  # the monitor reads the batch: it has none
 
     monitor = KLSampleTrainMonitor(corrections=["off_policy_mask:0.1"])
-    with pytest.raises(ValueError, match="a correction listed needs one advantage per datum under 'advantages'"):
-        quiet_trainer(max_steps=1, callbacks=[monitor]).fit(NoAdvantages())
+    trainer = quiet_trainer(max_steps=2, callbacks=[monitor])
+    with pytest.warns(UserWarning, match=r"needs one advantage per datum: no advantage per datum under 'advantages'"):
+        trainer.fit(NoAdvantages())  # a shadow metric: the run goes on
+    assert trainer.global_step == 2
+    assert monitor.last_metrics[PREFIX + "kl_sample_train_k3"] >= 0
+    masked = PREFIX + "correction/off_policy_mask(threshold=0.1)/frac_seqs_masked"
+    assert float(trainer.callback_metrics[masked]) == 0.0  # advantages read as 0: nothing masked, as the warning says
     with pytest.raises(ValueError, match="unknown method 'tis'"):
         KLSampleTrainMonitor(corrections=["tis"])
     with pytest.raises(TypeError, match="must be a list of specs"):

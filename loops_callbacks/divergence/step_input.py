@@ -165,7 +165,7 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
 def _datum_advantages(
     step: _Step, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings
 ) -> torch.Tensor:
-    """Float64 ``[B]`` advantages, one per datum, on the batch's device; ``ValueError`` when there are none.
+    """Float64 ``[B]`` advantages, one per datum, on the batch's device; zeros and a warning when there are none.
 
     Read from ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are; from
     per-token advantages (``[B, T]`` as verl keeps them, or a per-position field of each datum as
@@ -176,11 +176,11 @@ def _datum_advantages(
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         if value.shape[1] != 1:
             if value.numel() != flat.counted.numel():
-                raise ValueError(
-                    f"KLSampleTrainMonitor: {key!r} has shape {tuple(value.shape)} but the step has "
-                    f"{flat.n_datums} rows of {flat.counted.numel() // max(flat.n_datums, 1)} positions; give "
-                    "[B], [B, 1] or [B, T] advantages"
+                problem = (
+                    f"{key!r} has shape {tuple(value.shape)} but the step has {flat.n_datums} rows of "
+                    f"{flat.counted.numel() // max(flat.n_datums, 1)} positions; give [B], [B, 1] or [B, T] advantages"
                 )
+                return _no_advantages(problem, flat, key, say)
             return _row_values(value.detach().reshape(-1), flat, key, say)
         value = value.reshape(-1)
     if value is None and data is not None:
@@ -189,11 +189,21 @@ def _datum_advantages(
             return _row_values(per_token, flat, key, say)
     values = _per_datum_values(step, "advantages", data, flat.n_datums, value=value)
     if values is None:
-        raise ValueError(
-            f"KLSampleTrainMonitor: a correction listed needs one advantage per datum under {key!r} "
-            "(in the batch, the step's output, or each datum's loss_fn_inputs); none was found"
-        )
+        where = "in the batch, the step's output, or each datum's loss_fn_inputs"
+        problem = f"no advantage per datum under {key!r} ({where})"
+        return _no_advantages(problem, flat, key, say)
     return values.to(device=flat.device, dtype=torch.float64)
+
+
+def _no_advantages(problem: str, flat: FlatBatch, key: str, say: RunWarnings) -> torch.Tensor:
+    """Zero advantages for a step whose advantages cannot be read, with one warning per run: a shadow
+    correction never stops training, and its numbers for such a step say so (nothing masked)."""
+    say.warn(
+        f"advantages:{key}",
+        f"KLSampleTrainMonitor: a correction listed (off_policy_mask) needs one advantage per datum: {problem}; "
+        "on such steps its shadow metrics count no sequence as masked (advantages read as 0)",
+    )
+    return torch.zeros(flat.n_datums, dtype=torch.float64, device=flat.device)
 
 
 def _per_token_datum_field(step: _Step, name: str, data: Sequence[Any]) -> torch.Tensor | None:
