@@ -15,7 +15,7 @@ long word from its start, so a cut inside one would shift its tokens to its end)
 cut may still differ from the whole text's (a BOS token added at the cut, a special token's text
 cut in two): the ``_MARGIN`` tokens next to a cut are never used, and a window is accepted only
 when a window about twice its size, cut elsewhere, gives the same ids; else the window doubles,
-up to the whole text (then the ids are the whole text's, exactly). ``tests/test_token_window.py``
+up to the whole text (then the ids are the whole text's, exactly). ``tests/data/test_token_window.py``
 checks the ids against the whole text's for the shipped tokenizer and for Unigram, BPE and
 WordPiece ones. A tokenizer without a pre-tokenizer (a slow one, BPE over the whole text as
 Llama 2's) always tokenizes the whole text.

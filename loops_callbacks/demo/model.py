@@ -17,7 +17,7 @@ Two things serve the RL demo's sampler:
   kernels accumulate. Attention follows the flash-attention algorithm of PyTorch's bf16 kernels:
   float32 scores and softmax statistics, unnormalised probabilities rounded to bf16 before they
   multiply the values, normalised in float32. On this model the result agrees with PyTorch's
-  native bf16 forward to within summation order (``tests/test_demo_model.py`` checks it).
+  native bf16 forward to within summation order (``tests/demo/test_demo_model.py`` checks it).
 
 Example:
     >>> import torch

@@ -1,4 +1,4 @@
-"""Write ``trl_correction_golden.json``: TRL 1.16's IS corrections, for ``tests/test_correction_golden.py``.
+"""Write ``trl_correction_golden.json``: TRL 1.16's IS corrections, for ``tests/correction/test_correction_golden.py``.
 
 Run with TRL installed (not a dependency of this package), from the repository root::
 

@@ -1,4 +1,4 @@
-"""Write ``trl_dpo_golden.json``: the token ids TRL's ``DPOTrainer`` trains on, for ``tests/test_tokenization_trl.py``.
+"""Write ``trl_dpo_golden.json``: the token ids TRL's ``DPOTrainer`` trains on, for ``tests/data/test_tokenization_trl.py``.
 
 Run with TRL installed (not a dependency of this package), from the repository root::
 

@@ -31,7 +31,7 @@ from loops_callbacks.cli import (
     shipped_configs,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TIMEOUT_S = 300
 

@@ -216,7 +216,7 @@ def test_the_off_policy_mask_needs_advantages() -> None:
 
 def test_the_readme_block_runs_as_written() -> None:
     """README's "Rollout corrections as functions" example, executed on a small batch."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if "apply_correction(" in b]
     assert len(blocks) == 1
     inputs = batch(seed=2)

@@ -22,8 +22,8 @@ from loops_callbacks.data import (
 from loops_callbacks.data.dpo import check_packed_pairs
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.clients import TorchSamplingClient
-from tests.test_data import CountingClient, make_pairs, ref_values
-from tests.test_preference_data import RECORDS, TOKENIZER_PATH
+from tests.data.test_data import CountingClient, make_pairs, ref_values
+from tests.data.test_preference_data import RECORDS, TOKENIZER_PATH
 
 KEYS = ("input_ids", "target_tokens", "weights", "offsets")
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from loops_callbacks.data.tokenization import preference_datums  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "trl_dpo_golden.json").read_text())
 TOKENIZER = str(ROOT / "configs" / "data" / "chat_tokenizer")
 SHIPPED = str(ROOT / "configs" / "data" / "chat_preferences.jsonl")

@@ -25,7 +25,7 @@ import torch
 
 from loops_callbacks.correction import Correction, apply_correction, parse_correction
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 TRL = json.loads((GOLDEN / "trl_correction_golden.json").read_text())
 VERL = json.loads((GOLDEN / "verl_correction_golden.json").read_text())
 RTOL, ATOL = 1e-5, 1e-7

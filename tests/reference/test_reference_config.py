@@ -10,7 +10,7 @@ from loops_callbacks.data import DPODataModule
 from loops_callbacks.reference import policy as policy_module
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.policy import PolicyReference
-from tests.test_data import fit, make_pairs, pair_datums, toy_model
+from tests.data.test_data import fit, make_pairs, pair_datums, toy_model
 
 
 def test_the_datamodules_config_reaches_the_policy_scorer_unchanged(tmp_path: Any, monkeypatch: Any) -> None:

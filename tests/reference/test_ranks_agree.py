@@ -29,7 +29,7 @@ from loops_callbacks.data import (
 )
 from tests.helpers import CleanDistributedExit, ToyDPO, free_port, run_two_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = str(ROOT / "configs" / "data" / "chat_tokenizer")
 CHAT = ROOT / "configs" / "data" / "chat_preferences.jsonl"
 

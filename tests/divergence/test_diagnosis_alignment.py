@@ -13,7 +13,7 @@ from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.alignment import LOGPROB_FLOOR, OFFSET_SIZE, offset_sums, read_offsets
 from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers
-from tests.test_diagnosis import case, host_of
+from tests.divergence.test_diagnosis import case, host_of
 
 
 def moved(batch: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:

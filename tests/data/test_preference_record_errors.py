@@ -22,7 +22,7 @@ from loops_callbacks.data.preference import read_preference_records  # noqa: E40
 from loops_callbacks.optional import HF_EXTRA_HINT, import_optional  # noqa: E402
 from loops_callbacks.data.tokenization import PreferenceDataWarning, load_tokenizer, preference_datums  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(ROOT / "configs" / "data" / "chat_tokenizer")
 
 

@@ -21,7 +21,7 @@ from loops_callbacks.cli import LoopsCLI, run_cli, run_summary
 from loops_callbacks.demo import CharTokenizer
 from loops_callbacks.divergence.sinks import deliver_text
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 P = "optim/train-sample-div/"
 K3 = P + "kl_sample_train_k3"
 

@@ -13,7 +13,7 @@ from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
-from tests.test_diagnosis import case, host_of
+from tests.divergence.test_diagnosis import case, host_of
 
 
 def flat_temperature(temperature: float, seed: int = 0) -> dict[str, torch.Tensor]:

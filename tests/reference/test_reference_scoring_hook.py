@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from loops_callbacks.data import DPODataModule, ReferenceCacheWarning
 from tests.helpers import ToyDPO
-from tests.test_data import fit, make_pairs, pair_datums, ref_values, toy_model, watched_model
+from tests.data.test_data import fit, make_pairs, pair_datums, ref_values, toy_model, watched_model
 
 
 class RecordingData(DPODataModule):

@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers", "ignore:.*LeafSpec"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TOKENIZER = str(CONFIGS / "data" / "chat_tokenizer")
 PAIRS = str(CONFIGS / "data" / "chat_preferences.jsonl")

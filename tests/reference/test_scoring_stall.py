@@ -1,6 +1,6 @@
 """A rank that stalls while scoring the reference is named on every other rank within the timeout, with no hang.
 
-Two gloo ranks as separate processes (``python -m tests.test_scoring_stall``): one sleeps in its
+Two gloo ranks as separate processes (``python -m tests.reference.test_scoring_stall``): one sleeps in its
 scoring forward far longer than ``scoring_timeout``. The other must stop within the timeout with a
 ``RankStalledError`` naming the step it waited at and the rank that did not come (and where that
 rank was); the late rank, when it wakes, must stop too instead of entering a collective alone.
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0
 STALL_S = 10.0
 
@@ -96,7 +96,7 @@ def run_two_ranks(stalled: int, reference: str) -> tuple[list[subprocess.Popen[s
         env = dict(os.environ, RANK=str(rank), STALLED_RANK=str(stalled), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1", REFERENCE=reference)
         processes.append(subprocess.Popen(
-            [sys.executable, "-c", "from tests.test_scoring_stall import main; main()"],
+            [sys.executable, "-c", "from tests.reference.test_scoring_stall import main; main()"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     try:

@@ -28,7 +28,7 @@ from loops_callbacks.data.tokenization import (  # noqa: E402
     preference_datums,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(ROOT / "configs" / "data" / "chat_tokenizer")
 
 

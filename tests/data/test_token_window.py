@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from loops_callbacks.data import tokenization  # noqa: E402
 from loops_callbacks.data.token_window import shared_start, window_token_ids, worth_a_window  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = transformers.AutoTokenizer.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
 
 PIECES = [

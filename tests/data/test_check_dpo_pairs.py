@@ -14,7 +14,7 @@ from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
-from tests.test_data import VOCAB, CountingClient, make_pairs, pair_datums, ref_values
+from tests.data.test_data import VOCAB, CountingClient, make_pairs, pair_datums, ref_values
 
 
 class ReadCountingDatum(Datum):

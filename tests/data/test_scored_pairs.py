@@ -10,7 +10,7 @@ import pytest
 
 from loops_callbacks.data import DPODataModule
 from loops_callbacks.data.packed_pairs import BATCH_KEYS, PackedPairs
-from tests.test_data import CountingClient, fit, make_pairs, pair_datums, ref_values, toy_model
+from tests.data.test_data import CountingClient, fit, make_pairs, pair_datums, ref_values, toy_model
 
 
 def scored_module(**kwargs: Any) -> DPODataModule:

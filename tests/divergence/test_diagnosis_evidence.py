@@ -14,7 +14,7 @@ from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.report import step_report
 from loops_callbacks.divergence.run_history import RunHistory
 from loops_callbacks.divergence.signatures import signature_numbers
-from tests.test_diagnosis import case, host_of
+from tests.divergence.test_diagnosis import case, host_of
 
 
 def _gpt2(dropout: float = 0.1) -> torch.nn.Module:
