@@ -498,6 +498,8 @@ class KLSampleTrainMonitor(Callback):
                 f"counted at lag 0 and in the stratum {AHEAD_STRATUM!r} (versions must count the trainer's "
                 "optimizer steps, 0 for the initial weights)",
             )
+        if host.strata is not None:
+            self._warn_about_partial_keys(host, step)
         if host.strata is not None and host.strata["group_other"].n_tokens:
             self.warnings.warn(
                 "group_other",
@@ -505,6 +507,27 @@ class KLSampleTrainMonitor(Callback):
                 f"{self.strata.max_groups} (or negative) are pooled in the stratum 'group_other'; raise max_groups "
                 "to see them apart",
             )
+
+    def _warn_about_partial_keys(self, host: HostDivergence, step: int) -> None:
+        """Say once per run that a per-datum key covered only part of the step's action tokens.
+
+        Each rank turns a key it cannot use off for its own datums (``read_step``), and only rank 0
+        warns; this is how a problem on another rank is still said: the global sums show it.
+        """
+        assert host.strata is not None
+        tokens = host.totals["n_action_tokens"]
+        families = {
+            "policy_version": sum(stratum.n_tokens for stratum in host.by_lag.values()),
+            "group": sum(host.strata[name].n_tokens for name in host.strata if name.startswith("group_")),
+        }
+        for name, covered in families.items():
+            if 0 < covered < tokens:
+                self.warnings.warn(
+                    f"{name}:partial",
+                    f"KLSampleTrainMonitor, step {step}: {self.keys[name]!r} was usable for {int(covered)} of the "
+                    f"step's {int(tokens)} action tokens (all ranks together); the rest are not in its strata. A rank "
+                    "or datum gave it in a form the monitor could not read (every rank must give it for every datum)",
+                )
 
     def _warn_watching_nothing(self) -> None:
         self.warnings.warn(

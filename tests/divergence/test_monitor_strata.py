@@ -87,6 +87,7 @@ def test_strata_of_each_accumulation_window_and_one_pooled_groups_warning() -> N
     with pytest.warns(UserWarning, match=pooled) as seen:
         trainer.fit(model)
     assert sum("group_other" in str(w.message) for w in seen) == 1
+    assert not any("was usable for" in str(w.message) for w in seen)  # every datum gave both keys
     logged = [(step, m) for step, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
     assert [step for step, _ in logged] == [0, 1, 2]
     for step, metrics in logged:
@@ -249,3 +250,20 @@ def test_two_ranks_log_the_strata_and_shadow_metrics_of_the_global_window(tmp_pa
         assert want[PREFIX + "stratum/pos_q1/n_tokens"] > 0
         got = {key: float(row[key]) for key in row if row[key] and ("/stratum/" in key or "/correction/" in key)}
         assert_close(got, want)
+
+
+def test_a_key_another_rank_could_not_use_is_still_said_from_the_global_sums() -> None:
+    """Only rank 0 warns; a rank that turned policy_version off for its datums shows in the reduced sums."""
+    from types import SimpleNamespace
+
+    def sums(n: float) -> Any:
+        return SimpleNamespace(n_tokens=n)
+
+    monitor = KLSampleTrainMonitor()
+    strata = {"lag_0": sums(60), "lag_1": sums(12), "group_0": sums(144), "group_other": sums(0), "lag_ahead": sums(0)}
+    host = SimpleNamespace(
+        totals={"n_action_tokens": 144.0}, strata=strata, by_lag={"0": sums(60), "1": sums(12)}
+    )
+    with pytest.warns(UserWarning, match=r"'policy_version' was usable for 72 of the step's 144 action tokens") as seen:
+        monitor._warn_about_partial_keys(host, step=3)  # type: ignore[arg-type]
+    assert not any("'group'" in str(w.message) for w in seen)  # the groups covered every token
