@@ -28,7 +28,7 @@ action tokens do not vote. ``read_offsets`` turns the host vector into an ``Offs
 larger than the window, or action tokens beyond it, are not seen.
 
 Cost: a few passes over the [rows, window] positions plus six FFTs of twice the window per row,
-in groups of ``ROW_GROUP`` rows; no host synchronization off the CPU.
+in groups of about ``GROUP_POSITIONS`` positions; no host synchronization off the CPU.
 
 Example:
     >>> import torch
@@ -77,8 +77,9 @@ GAP_CAP = 10.0
 MIN_OVERLAP = 8
 """A row votes when it has at least this many action tokens in its window: in shorter rows of a
 peaked policy (values all near 0), a neighbour's value can match as well as the aligned one."""
-ROW_GROUP = 1024
-"""Rows transformed at a time (bounds the FFTs' memory; a Python loop over groups, no sync)."""
+GROUP_POSITIONS = 1 << 16
+"""Positions (rows x window) transformed at a time: about 35 MB of complex128 FFT temporaries, however
+long the rows (a Python loop over groups of rows, no sync)."""
 _BIG = 1 << 62
 
 
@@ -115,8 +116,9 @@ def offset_sums(flat: FlatBatch) -> torch.Tensor:
     values = torch.stack([flat.sampler.to(torch.float64), flat.trainer.to(torch.float64)])
     starts = torch.cumsum(flat.row_lengths, 0) - flat.row_lengths
     bins = out[: len(BIN_FIELDS) * OFFSET_BINS].view(len(BIN_FIELDS), OFFSET_BINS)
-    for begin in range(0, rows, ROW_GROUP):
-        end = min(begin + ROW_GROUP, rows)
+    group = max(1, GROUP_POSITIONS // max(width, 1))
+    for begin in range(0, rows, group):
+        end = min(begin + group, rows)
         window = _Window.of(values, flat.active, starts[begin:end], flat.row_lengths[begin:end], width)
         votes = _row_votes(window)
         _add_votes(bins, *votes)
