@@ -108,6 +108,10 @@ STATISTICS = (
     _total("sum_abs_d_pairs", per_rank=False),  # over those pairs: |d[k]| + |d[k+1]|
     _total("sum_abs_shift_next", per_rank=False),  # |t[k] - s[k+1]|: the sampler's value one position later
     _total("sum_abs_shift_prev", per_rank=False),  # |t[k+1] - s[k]|: the sampler's value one position earlier
+    _total("n_first_actions", per_rank=False),  # each datum's first FIRST_ACTIONS action tokens
+    _total("sum_abs_d_first_actions", per_rank=False),  # |d| over them
+    _total("n_later_actions", per_rank=False),  # each datum's action tokens from the LATER_ACTIONS_FROM-th on (0-based)
+    _total("sum_abs_d_later_actions", per_rank=False),  # |d| over them: with the two above, the context fade
     _extremum("max_d"),
     _extremum("neg_min_d"),
     _extremum("max_seq_mean_d"),

@@ -9,7 +9,6 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
 ``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
-``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
 ``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
 ``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
 ``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
@@ -18,6 +17,10 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
 ``rms_d``               sqrt(mean d²)
 ``kl_sample_train_k3``  mean(e^d − 1 − d)
+``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
+``context_fade``        mean |d| on each datum's first 4 action tokens over mean |d| on its action tokens from the 9th
+                        on (NaN with fewer than 64 of either): well above 1 when the two sides conditioned on
+                        different prompts (template, BOS, a prefix cache from old weights), about 1 for noise
 ``offset``              the offset most rows vote for (``alignment``; o > 0: t[k] matches s[k + o]), 0 when aligned
 ``offset_share``        the share of rows voting for it
 ``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
@@ -72,6 +75,7 @@ SIGNATURES = (
     "rms_d",
     "kl_sample_train_k3",
     "sd_ratio",
+    "context_fade",
     "offset",
     "offset_share",
     "offset_ratio",
@@ -80,6 +84,8 @@ SIGNATURES = (
 )
 
 _NAN = float("nan")
+CONTEXT_MIN_TOKENS = 64
+"""Fewest first and later action tokens (each) for a ``context_fade``."""
 
 
 def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -> dict[str, float]:
@@ -124,6 +130,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
         "rms_d": math.sqrt(t["sum_d2"] / n),
         "kl_sample_train_k3": kl_sample_train_k3(t),
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
+        "context_fade": _context_fade(t),
         **_offset_numbers(offsets),
     }
 
@@ -165,6 +172,14 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
         return _NAN
     ss_within = max(float(squares.sum()) - float((total[used] ** 2 / count[used]).sum()), 0.0)
     return 1.0 - (ss_within / (n - groups)) / (ss_total / (n - 1))
+
+
+def _context_fade(totals: dict[str, float]) -> float:
+    """Mean |d| on the datums' first action tokens over mean |d| on their later ones (module docstring)."""
+    first, later = totals["n_first_actions"], totals["n_later_actions"]
+    if first < CONTEXT_MIN_TOKENS or later < CONTEXT_MIN_TOKENS:
+        return _NAN
+    return _ratio(totals["sum_abs_d_first_actions"] / first, totals["sum_abs_d_later_actions"] / later)
 
 
 def _share(part: float, whole: float) -> float:

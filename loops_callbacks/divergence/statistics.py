@@ -69,6 +69,8 @@ __all__ = [
     "TOKEN_BUCKETS",
     "LOGPROB_CEILING",
     "LOGPROB_FLOOR",
+    "FIRST_ACTIONS",
+    "LATER_ACTIONS_FROM",
 ]
 
 IS_RATIO_CLAMP = 80.0
@@ -87,6 +89,11 @@ P_HIGH = float(np.log(0.5))
 """Sampler logprob above which a token is "likely" (p > 0.5) for the sign-split signature."""
 P_LOW = float(np.log(0.1))
 """Sampler logprob below which a token is "unlikely" (p < 0.1)."""
+FIRST_ACTIONS = 4
+"""A datum's first this many action tokens are its "first" ones for the context fade (``_context_sums``)."""
+LATER_ACTIONS_FROM = 8
+"""A datum's action tokens from this one on (0-based) are its "later" ones: a gap between the two
+sets (about 4 tokens) keeps a fade that lasts a few tokens out of both means."""
 
 
 @dataclass(frozen=True)
@@ -438,12 +445,17 @@ def _signature_sums(
         "n_p_low_d_neg": torch.count_nonzero(low & negative),
         "sum_abs_d_p_low": torch.dot(abs_d, low.to(torch.float64)),
     }
-    sums.update(_shift_sums(flat))
+    abs_flat = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the action tokens
+    sums.update(_shift_sums(flat, abs_flat))
+    sums.update(_context_sums(flat, abs_flat))
     return sums
 
 
-def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
-    """Over pairs (k, k+1) of active positions in one datum: sum |d| and the one-position-shifted gaps."""
+def _shift_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Over pairs (k, k+1) of active positions in one datum: sum |d| and the one-position-shifted gaps.
+
+    ``abs_d`` is |d| at every position of ``flat`` (0 where d is not finite).
+    """
     length = flat.diff.shape[0]
     device = flat.diff.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -455,12 +467,38 @@ def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
     s = flat.sampler.to(torch.float64)
     t = flat.trainer.to(torch.float64)
     weight = pair.to(torch.float64)
-    abs_d = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the pairs
     return {
         "n_pairs": torch.count_nonzero(pair),
         "sum_abs_d_pairs": torch.dot(abs_d[:-1] + abs_d[1:], weight),
         "sum_abs_shift_next": torch.dot(torch.nan_to_num((t[:-1] - s[1:]).abs_(), nan=0.0, posinf=0.0), weight),
         "sum_abs_shift_prev": torch.dot(torch.nan_to_num((t[1:] - s[:-1]).abs_(), nan=0.0, posinf=0.0), weight),
+    }
+
+
+def _context_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]:
+    """|d| summed over each datum's first ``FIRST_ACTIONS`` action tokens and over its action tokens
+    from the ``LATER_ACTIONS_FROM``-th on (0-based), with their counts: a gap that fades along the
+    completion (``signatures``' ``context_fade``). ``abs_d`` as in ``_shift_sums``.
+
+    Example:
+        >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8])
+        >>> flat = flatten_padded(sampler_logprobs=torch.zeros(1, 12), training_logprobs=d, mask=torch.ones(1, 12))
+        >>> sums = _context_sums(flat, flat.diff.abs())
+        >>> [round(float(sums[name]), 3) for name in sorted(sums)]
+        [4.0, 4.0, 1.6, 0.4]
+    """
+    seen = torch.cumsum(flat.active, 0, dtype=torch.int64)  # action tokens up to and including k
+    starts = torch.cumsum(flat.row_lengths, 0) - flat.row_lengths
+    before = torch.cat([seen.new_zeros(1), seen])[starts]  # action tokens before each datum
+    rank = seen - 1 - torch.repeat_interleave(before, flat.row_lengths, output_size=seen.numel())
+    first = flat.active & (rank < FIRST_ACTIONS)
+    later = flat.active & (rank >= LATER_ACTIONS_FROM)
+    return {
+        "n_first_actions": torch.count_nonzero(first),
+        "sum_abs_d_first_actions": torch.dot(abs_d, first.to(torch.float64)),
+        "n_later_actions": torch.count_nonzero(later),
+        "sum_abs_d_later_actions": torch.dot(abs_d, later.to(torch.float64)),
     }
 
 

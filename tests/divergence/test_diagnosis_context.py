@@ -1,0 +1,101 @@
+"""A gap concentrated on each completion's first tokens is a context difference (template, BOS, a
+prefix cache from older weights), named ``context`` at any size; rounding noise spread along the
+completion is not."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.diagnosis import CONTEXT, diagnose
+from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.statistics import FIRST_ACTIONS, LATER_ACTIONS_FROM, DivergenceStats
+from tests.divergence.test_diagnosis import host_of
+
+B, T, V = 64, 24, 14
+
+
+def faded_context(size: float, *, width: int = T, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The sampler saw another prompt: its logits differ from the trainer's by a per-datum change
+    of the context that fades along the completion (``size`` at its first token)."""
+    g = torch.Generator().manual_seed(seed)
+    trainer_logits = 2.5 * torch.randn(B, width, V, generator=g)
+    fade = torch.exp(-torch.arange(width, dtype=torch.float32) / 2.0)[None, :, None]
+    sampler_logits = trainer_logits + size * fade * torch.randn(B, 1, V, generator=g)
+    sampler_lp = torch.log_softmax(sampler_logits, -1)
+    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B, width)
+    return {
+        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
+        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
+        "mask": torch.ones(B, width),
+        "target_tokens": tokens,
+    }
+
+
+def rounding_noise(width: int = T, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A bf16 sampler: rounding noise of the same size at every position."""
+    g = torch.Generator().manual_seed(seed)
+    trainer_logits = 2.5 * torch.randn(B, width, V, generator=g)
+    sampler_lp = torch.log_softmax(trainer_logits.bfloat16().float(), -1)
+    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B, width)
+    return {
+        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
+        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
+        "mask": torch.ones(B, width),
+        "target_tokens": tokens,
+    }
+
+
+def test_a_small_gap_that_fades_along_the_completion_is_context_not_precision() -> None:
+    host = host_of(faded_context(0.05))
+    sig = signature_numbers(host)
+    assert sig["kl_sample_train_k3"] < 1e-3  # as small as a bf16 engine's gap: the precision rule would take it
+    found = diagnose(sig, n_tokens=host.totals["n_action_tokens"])
+    assert sig["context_fade"] > 3 and found.cause == CONTEXT
+    assert "chat template" in found.message and "KV cache" in found.message and "context fade" in found.message
+
+
+def test_a_large_gap_that_fades_is_context_too() -> None:
+    sig = signature_numbers(host_of(faded_context(2.0)))
+    assert sig["kl_sample_train_k3"] > 1e-2 and diagnose(sig, n_tokens=B * T).cause == CONTEXT
+
+
+def test_rounding_noise_spread_along_the_completion_has_no_fade_and_stays_precision() -> None:
+    sig = signature_numbers(host_of(rounding_noise()))
+    assert 0.8 < sig["context_fade"] < 1.25
+    assert diagnose(sig, n_tokens=B * T).cause == "precision"
+
+
+def test_completions_too_short_for_later_tokens_have_no_fade() -> None:
+    """With fewer than ``LATER_ACTIONS_FROM + 1`` action tokens per datum there is nothing to compare."""
+    sig = signature_numbers(host_of(faded_context(0.05, width=LATER_ACTIONS_FROM)))
+    assert math.isnan(sig["context_fade"]) and diagnose(sig, n_tokens=B * LATER_ACTIONS_FROM).cause != CONTEXT
+
+
+def test_first_and_later_action_tokens_are_counted_per_datum_from_its_own_first_action() -> None:
+    """Right-padded rows whose completions start at different positions, a row with no action token,
+    and a masked-out gap inside a row (a tool response between two turns): ranks count action tokens only."""
+    width = 16
+    mask = torch.zeros(4, width)
+    mask[0, 3:] = 1.0  # 13 action tokens from position 3
+    mask[1, 10:] = 1.0  # 6: none later
+    mask[3, 0:5] = 1.0  # 5, a masked gap, then 7 more: 12 in all
+    mask[3, 9:] = 1.0
+    d = torch.arange(4 * width, dtype=torch.float32).reshape(4, width) / 100
+    flat = flatten_padded(sampler_logprobs=torch.zeros(4, width), training_logprobs=-d, mask=mask)
+    totals = DivergenceStats.from_batch(flat).to_host().totals
+    first = later = 0
+    sum_first = sum_later = 0.0
+    for row in range(4):  # the definition, one token at a time
+        actions = mask[row].nonzero()[:, 0].tolist()
+        for rank, position in enumerate(actions):
+            value = float(d[row, position])
+            if rank < FIRST_ACTIONS:
+                first, sum_first = first + 1, sum_first + value
+            if rank >= LATER_ACTIONS_FROM:
+                later, sum_later = later + 1, sum_later + value
+    assert (totals["n_first_actions"], totals["n_later_actions"]) == (first, later) == (12, 9)
+    assert math.isclose(totals["sum_abs_d_first_actions"], sum_first, rel_tol=1e-6)
+    assert math.isclose(totals["sum_abs_d_later_actions"], sum_later, rel_tol=1e-6)
