@@ -19,17 +19,29 @@ most that many optimizer steps behind (a gap below precision noise).
     python benchmarks/bench_diagnosis.py                     # 3 seeds x 12 faults x 20 steps
     python benchmarks/bench_diagnosis.py --seeds 0 --steps 8  # quick look
     python benchmarks/bench_diagnosis.py --signatures         # also print the mean signature per fault
-    python benchmarks/bench_diagnosis.py --tables             # the tuning table and the held-out table
-    python benchmarks/bench_diagnosis.py --tables --quick     # both, tiny (a smoke run, ~2 minutes)
+    python benchmarks/bench_diagnosis.py --tables             # the tuning table and both held-out sets' tables
+    python benchmarks/bench_diagnosis.py --tables --heldout-sets 1   # the tuning table and held-out set 1's
+    python benchmarks/bench_diagnosis.py --tables --quick     # all, tiny (a smoke run, a few minutes)
 
-``--tables`` prints two confusion tables (rows: the true cause, columns: the named cause, per-cause
-recall, and per named cause its precision): the tuning one above (these faults, seeds 0-2), and the
-held-out one from ``heldout_faults.py``, a generator that shares no code with the demo (a Hugging
-Face GPT-2, flat and peaked, sampled by ``generate``; see its docstring). Each held-out fault is
-replayed through a tiny Lightning run with ``KLSampleTrainMonitor``, so every held-out step goes
-through the monitor as it is (its calibration, and whatever it reads from the batch and the
-module: the per-datum ``policy_version``, the trainer model's dropout modules in train mode). The
-held-out steps are cached in ``--cache-dir`` (default: a folder in the system's temp dir).
+``--tables`` prints confusion tables (rows: the true cause, columns: the named cause, per-cause
+recall, and per named cause its precision): the tuning one above (these faults, seeds 0-2), then
+one per held-out set of ``heldout_faults.py`` (``--heldout-sets``), a generator that shares no code
+with the demo (a Hugging Face GPT-2, flat and peaked, sampled by ``generate``; see its docstring):
+set 1, "seen" (the rules were designed looking at it), and set 2, "held out" (never tuned on: it
+differs from set 1 in seed, vocabulary, chain, lengths, model size, learning rate and faults).
+Each held-out fault is replayed through a tiny Lightning run with ``KLSampleTrainMonitor``, so
+every held-out step goes through the monitor as it is (its calibration, and whatever it reads from
+the batch and the module: the per-datum ``policy_version``, the trainer model's dropout modules in
+train mode, with the fault's dropout p). The held-out steps are cached per set and variant in
+``--cache-dir`` (default: a folder in the system's temp dir).
+
+Which named cause is right (``ACCEPTED``): the cause itself, any offset for a shift, and for a
+template change ("template", "template, slight", the demo's "unrelated") "template", "unrelated" or
+"context" (the gap on each completion's first tokens). A stale prompt-prefix KV cache is stale
+weights whose gap sits on each completion's first tokens, as a template change's does, so its
+steps get their own row, "stale (prefix cache)", where "stale" and "context" are both right. That row is set here, from the
+fault (``truth_row``), not by the generator: the generator's cached steps keep the truth they were
+made with ("stale"), so a cache file written before stays valid and right.
 """
 
 from __future__ import annotations
@@ -156,31 +168,55 @@ def run_fault(
     return recorder.steps
 
 
+PREFIX_CACHE = "stale (prefix cache)"
+"""The true-cause row of a stale prompt-prefix KV cache's stale steps (module docstring)."""
 ACCEPTED: dict[str, tuple[str, ...]] = {
     "shift": ("shift", "offset"),
-    "unrelated": ("unrelated", "template"),
-    "template": ("template", "unrelated"),
-    "template, slight": ("template", "unrelated"),
+    "unrelated": ("unrelated", "template", "context"),
+    "template": ("template", "unrelated", "context"),
+    "template, slight": ("template", "unrelated", "context"),
+    PREFIX_CACHE: ("stale", "context"),
 }
-"""Named causes that are right for a true cause, besides the cause itself (the template checks are
-named "unrelated" today; an offset of any size is a shift)."""
+"""Named causes that are right for a true cause (the cause itself when not listed): an offset of
+any size is a shift; a template change may be named "template", "unrelated" (the template checks'
+older name) or "context" (a gap concentrated on each completion's first tokens)."""
 HELDOUT_ACCEPTED = {**ACCEPTED, "none": ("none", "precision")}
-"""On the held-out set "none" is Hugging Face generate at fp32: its KV-cached decoding differs from
+"""On the held-out sets "none" is Hugging Face generate at fp32: its KV-cached decoding differs from
 the trainer's full forward by float rounding on some tokens, so "precision" is right there too."""
+HELDOUT_LABELS = {1: "seen (rules were designed looking at it)", 2: "held out (never tuned on)"}
+"""What each held-out set is to the diagnosis' rules."""
 
 
 HEALTHY_STEPS = 5
 """Healthy logged steps of the same engine the monitor sees before a fault (module docstring)."""
-HEALTHY_ENGINE = {"float32": "fp32 generate, raw", "bfloat16": "bf16 sampler, raw"}
-"""The held-out fault whose steps are a healthy engine of that sampler dtype."""
 
 
-def healthy_prefix(data: dict[str, list[dict[str, Any]]], fault: heldout_faults.Fault) -> list[dict[str, Any]]:
+def healthy_engine(heldout_set: heldout_faults.HeldoutSet, dtype: str) -> heldout_faults.Fault:
+    """The set's first fault whose steps are a healthy engine of sampler ``dtype``: cause "none" or
+    "precision" and every other setting at its default (synced, aligned, temperature 1, no
+    truncation, template or dropout; raw or processed logprobs, the same at temperature 1)."""
+    for fault in heldout_set.faults:
+        plain = heldout_faults.Fault(fault.name, fault.cause, logprobs=fault.logprobs, sampler_dtype=dtype)
+        if fault.cause in ("none", "precision") and fault == plain:
+            return fault
+    raise ValueError(f"held-out set {heldout_set.name!r} has no healthy {dtype} engine among its faults")
+
+
+def healthy_prefix(
+    data: dict[str, list[dict[str, Any]]], fault: heldout_faults.Fault,
+    heldout_set: heldout_faults.HeldoutSet = heldout_faults.SETS[1],
+) -> list[dict[str, Any]]:
     """The healthy steps the monitor sees before ``fault`` (module docstring): the first
-    ``HEALTHY_STEPS`` of the same sampler dtype's healthy setting, none before a template change."""
+    ``HEALTHY_STEPS`` of the same sampler dtype's healthy engine, none before a template change."""
     if fault.cause == "template":
         return []
-    return data[HEALTHY_ENGINE[fault.sampler_dtype]][:HEALTHY_STEPS]
+    return data[healthy_engine(heldout_set, fault.sampler_dtype).name][:HEALTHY_STEPS]
+
+
+def truth_row(fault: heldout_faults.Fault, truth: str) -> str:
+    """The confusion table's row for a held-out step whose true cause is ``truth``: a stale prefix
+    cache's stale steps are ``PREFIX_CACHE`` (module docstring)."""
+    return PREFIX_CACHE if fault.stale_prefix and truth == "stale" else truth
 
 
 def after_steps(step: dict[str, Any], count: int) -> dict[str, Any]:
@@ -220,13 +256,15 @@ def tuning_counts(
 class ReplayModule(pl.LightningModule):
     """Replays one held-out fault's cached steps through the monitor: each batch is one step's
     tensors, ``training_step`` returns the trainer's logprobs. ``policy`` is the trainer's model
-    (the held-out GPT-2, in train mode on the steps whose trainer had dropout on), so whatever the
-    monitor reads from the module sees what it would have seen."""
+    (the set's GPT-2 with the fault's dropout p, in train mode on the steps whose trainer had
+    dropout on), so whatever the monitor reads from the module sees what it would have seen."""
 
-    def __init__(self, steps: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, steps: list[dict[str, Any]], heldout_set: heldout_faults.HeldoutSet, fault: heldout_faults.Fault
+    ) -> None:
         super().__init__()
         self.steps = steps
-        self.policy = heldout_faults.new_model()
+        self.policy = heldout_faults.new_model(heldout_set, dropout=fault.dropout)
         self.anchor = torch.nn.Parameter(torch.zeros(()))
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -241,24 +279,24 @@ class ReplayModule(pl.LightningModule):
 
 
 def heldout_counts(
-    steps: int, batch: int, pretrain_steps: int, cache_dir: str | None
+    heldout_set: heldout_faults.HeldoutSet, steps: int, batch: int, pretrain_steps: int, cache_dir: str | None
 ) -> tuple[dict[str, collections.Counter[str]], dict[str, collections.Counter[str]], set[str]]:
-    """The held-out generator's counts, by true cause and by variant and fault setting, and the
-    inputs the monitor gave ``step_report`` that were set on some step (``Recorder.inputs``)."""
+    """One held-out set's counts, by true cause (``truth_row``) and by variant and fault setting,
+    and the inputs the monitor gave ``step_report`` that were set on some step (``Recorder.inputs``)."""
     inputs: set[str] = set()
     table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     per_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for variant in heldout_faults.VARIANTS:
         data = heldout_faults.cached_fault_steps(
-            variant, steps=steps, batch=batch, pretrain_steps=pretrain_steps, cache_dir=cache_dir
+            heldout_set, variant, steps=steps, batch=batch, pretrain_steps=pretrain_steps, cache_dir=cache_dir
         )
-        for fault in heldout_faults.FAULTS:
+        for fault in heldout_set.faults:
             monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
-            prefix = healthy_prefix(data, fault)
+            prefix = healthy_prefix(data, fault, heldout_set)
             replayed = [*prefix, *(after_steps(step, len(prefix)) for step in data[fault.name])]
             with Recorder() as recorder:
-                _trainer(len(replayed), [monitor]).fit(ReplayModule(replayed))
-            truths = [step["truth"] for step in data[fault.name]]
+                _trainer(len(replayed), [monitor]).fit(ReplayModule(replayed, heldout_set, fault))
+            truths = [truth_row(fault, step["truth"]) for step in data[fault.name]]
             if len(recorder.steps) != len(replayed):
                 raise RuntimeError(
                     f"{variant}: {fault.name}: {len(replayed)} steps replayed, {len(recorder.steps)} diagnosed"
@@ -313,9 +351,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--signatures", action="store_true")
     parser.add_argument("--other", action="store_true", help="the other fault settings (OTHER_FAULTS)")
-    parser.add_argument("--tables", action="store_true", help="the tuning table, then the held-out table")
+    parser.add_argument("--tables", action="store_true", help="the tuning table, then each held-out set's table")
+    parser.add_argument("--heldout-sets", type=int, nargs="+", choices=sorted(heldout_faults.SETS),
+                        default=sorted(heldout_faults.SETS), help="with --tables: the held-out sets (default: all)")
     parser.add_argument("--quick", action="store_true", help="with --tables: tiny settings (a smoke run)")
-    parser.add_argument("--heldout-steps", type=int, default=12, help="monitor steps per held-out fault")
+    parser.add_argument("--heldout-steps", type=int, default=None,
+                        help="monitor steps per held-out fault (default: the set's monitor_steps)")
     parser.add_argument("--heldout-batch", type=int, default=128, help="sequences per held-out monitor step")
     parser.add_argument("--heldout-pretrain", type=int, default=300, help="steps of the held-out checkpoint")
     parser.add_argument("--cache-dir", default=None, help="where the held-out steps are cached (default: temp dir)")
@@ -340,16 +381,24 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(f"{m:.3g}" for m in medians) + " |")
     if not args.tables:
         return
-    heldout, heldout_per_fault, heldout_inputs = heldout_counts(
-        args.heldout_steps, args.heldout_batch, args.heldout_pretrain, args.cache_dir
-    )
-    print(f"\nHeld-out set (benchmarks/heldout_faults.py): Hugging Face GPT-2, flat and peaked, "
-          f"{args.heldout_pretrain} checkpoint steps; per fault and variant {args.heldout_steps} monitor steps of "
-          f"{args.heldout_batch} sequences x {heldout_faults.COMPLETION} sampled tokens. The monitor gave step_report: "
-          f"{', '.join(sorted(heldout_inputs - BASE_INPUTS)) or 'nothing'} besides the statistics and options.\n")
-    truths = [*CAUSES, *(c for c in ("template", "dropout") if c not in CAUSES)]
-    print_confusion(heldout, HELDOUT_ACCEPTED, truths, "true cause")
-    print_per_fault(heldout_per_fault)
+    for number in args.heldout_sets:
+        print_heldout_set(number, args.heldout_steps, args.heldout_batch, args.heldout_pretrain, args.cache_dir)
+
+
+def print_heldout_set(number: int, steps: int | None, batch: int, pretrain_steps: int, cache_dir: str | None) -> None:
+    """Held-out set ``number``'s heading, confusion table and per-fault lines (``steps`` ``None``:
+    the set's ``monitor_steps``)."""
+    heldout_set = heldout_faults.SETS[number]
+    steps = heldout_set.monitor_steps if steps is None else steps
+    table, per_fault, inputs = heldout_counts(heldout_set, steps, batch, pretrain_steps, cache_dir)
+    print(f"\nHeld-out set {number}, {HELDOUT_LABELS.get(number, 'held out')}: benchmarks/heldout_faults.py "
+          f"SETS[{number}] \"{heldout_set.name}\": {heldout_set.summary()}; {pretrain_steps} checkpoint steps; per "
+          f"fault and variant {steps} monitor steps of {batch} sequences. The monitor gave step_report: "
+          f"{', '.join(sorted(inputs - BASE_INPUTS)) or 'nothing'} besides the statistics and options.\n")
+    truths = [c for cause in CAUSES for c in ((cause, PREFIX_CACHE) if cause == "stale" else (cause,))]
+    truths += [c for c in ("template", "dropout") if c not in CAUSES]
+    print_confusion(table, HELDOUT_ACCEPTED, truths, "true cause")
+    print_per_fault(per_fault)
 
 
 if __name__ == "__main__":
