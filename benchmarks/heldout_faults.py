@@ -105,7 +105,10 @@ class Fault:
     template_token: int | None = None
 
 
-ORIGINAL_FAULT_FIELDS = tuple(field.name for field in dataclasses.fields(Fault))[:15]
+ORIGINAL_FAULT_FIELDS = (
+    "name", "cause", "logprobs", "sampler_dtype", "temperature", "top_k", "top_p", "lag", "lags", "offset",
+    "left_aligned", "template", "stale_prefix", "trainer_dropout", "sampler_dropout",
+)
 """The fields ``Fault`` had when set 1 was first cached: its cache key is made of these alone
 (``cache_key``), so later fields, at their defaults on every set-1 fault, leave its files valid."""
 TEMPLATES = ("", "extra_bos", "other_first_token", "inserted_token")
@@ -136,7 +139,7 @@ class HeldoutSet:
     faults: tuple[Fault, ...]
 
     def __post_init__(self) -> None:
-        longest = 2 + max(self.prompt_lengths) + self.completion  # an extra template token, and one spare
+        longest = 1 + max(self.prompt_lengths) + self.completion  # with a template's extra token
         if min(self.prompt_lengths) < 2 or longest > N_POSITIONS:
             raise ValueError(
                 f"set {self.name!r}: prompt lengths {self.prompt_lengths} must be >= 2 (BOS and a token) and a "
