@@ -17,8 +17,10 @@ behind the weights being trained (0 on-policy). The trainer's step is the refere
 newest version in the step, because a whole batch that is equally stale (a sampler synced late)
 would otherwise read lag 0, hiding the fault the lag is for; the cost is that versions must count
 optimizer steps (a version ahead of the trainer cannot be: it is read as lag 0, with a warning).
-Monitoring never stops training over these keys: a value the strata cannot use is a warning (once
-per run and problem, naming the key, the value and the datum) and that family is off for the step.
+Monitoring never stops training over these keys: a value the strata cannot use (None, empty, 2-D,
+bools, a wrong count, a non-integer) is a warning (once per run and problem, naming the key, what
+was given, the datum and the micro-batch's size) and that family is off for the step. Advantages
+holding NaN are said once per run: the key, how many of how many, the first datum.
 
 Example:
     >>> import torch
@@ -37,6 +39,7 @@ import dataclasses
 import math
 import zlib
 
+import numpy as np
 import torch
 
 from loops_callbacks.divergence.action_tokens import (
@@ -111,10 +114,12 @@ def read_step(
     use is a warning through ``warnings`` (once per run and problem), never an error
     (``_per_datum_groups``, ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
     (``FlatBatch.datum_advantages``, for a correction that needs them; ``_datum_advantages``).
+    Advantages holding NaN where the mask counts are said once per run (``_warn_nan_advantages``).
     """
     say = warnings if warnings is not None else RunWarnings()
     step = _Step(outputs, batch, keys)
     flat, data = _read_positions(step, with_tokens, with_token_ids)
+    _warn_nan_advantages(step, data, say)
     if datum_advantages:
         flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat, say))
     if optimizer_step is None:
@@ -167,18 +172,23 @@ def _datum_advantages(
 ) -> torch.Tensor:
     """Float64 ``[B]`` advantages, one per datum, on the batch's device; zeros and a warning when there are none.
 
-    Read from ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are; from
-    per-token advantages (``[B, T]`` as verl keeps them, or a per-position field of each datum as
-    Tinker datums carry them) as each row's value on its counted tokens (``_row_values``).
+    Read from ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are (NaN,
+    which counts as 0 for the action tokens, as 0); from per-token advantages (``[B, T]`` as verl
+    keeps them, or a per-position field of each datum as Tinker datums carry them) as each row's
+    value on its counted tokens (``_row_values``). Bools are no advantages: zeros and a warning.
     """
     key = step.keys["advantages"]
     value = step.get("advantages")
+    bools = _bool_advantages(value, data, key, _label(step, "advantages"))
+    if bools is not None:
+        return _no_advantages(bools, flat, key, say)
     if isinstance(value, torch.Tensor) and value.dim() == 2:
         if value.shape[1] != 1:
             if value.numel() != flat.counted.numel():
                 problem = (
-                    f"{key!r} has shape {tuple(value.shape)} but the step has {flat.n_datums} rows of "
-                    f"{flat.counted.numel() // max(flat.n_datums, 1)} positions; give [B], [B, 1] or [B, T] advantages"
+                    f"{_label(step, 'advantages')} has shape {tuple(value.shape)} ({value.numel()} values) but the "
+                    f"step's {flat.n_datums} datums have {flat.counted.numel()} positions in all; give [B], [B, 1] "
+                    "or [B, T] advantages"
                 )
                 return _no_advantages(problem, flat, key, say)
             return _row_values(value.detach().reshape(-1), flat, key, say)
@@ -192,7 +202,125 @@ def _datum_advantages(
         where = "in the batch, the step's output, or each datum's loss_fn_inputs"
         problem = f"no advantage per datum under {key!r} ({where})"
         return _no_advantages(problem, flat, key, say)
-    return values.to(device=flat.device, dtype=torch.float64)
+    values = values.to(device=flat.device, dtype=torch.float64)
+    return values.masked_fill(values.isnan(), 0.0)  # a new tensor: the caller's is never written
+
+
+def _bool_advantages(value: Any, data: Sequence[Any] | None, key: str, label: str) -> str | None:
+    """What to say when the advantages hold bools (a correction needs numbers); ``None`` when they do not."""
+    if value is None and data is not None:
+        for i, datum in enumerate(data):
+            detail = _bools_in(datum_loss_fn_inputs(datum, index=i).get(key))
+            if detail is not None:
+                return f"datum {i}'s {label} holds bools ({detail}), not numbers"
+        return None
+    detail = _bools_in(value)
+    return None if detail is None else f"{label} holds bools ({detail}), not numbers"
+
+
+def _bools_in(value: Any) -> str | None:
+    """Where ``value`` holds bools (a bool, a bool tensor or array, a list with a bool), said; ``None`` otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        return repr(value)
+    dtype = getattr(value, "dtype", None)
+    if dtype in (torch.bool, np.bool_):
+        return f"dtype {dtype}"
+    if isinstance(value, (list, tuple)):
+        found = [i for i, item in enumerate(value) if isinstance(item, (bool, np.bool_))]
+        if found:
+            return f"{value[found[0]]!r} at index {found[0]}"
+    return None
+
+
+def _warn_nan_advantages(step: _Step, data: Sequence[Any] | None, say: RunWarnings) -> None:
+    """Say once per run that the step's advantages hold NaN: the key, how many of how many, the first datum.
+
+    A NaN advantage counts as 0 (``action_tokens``): its tokens are not action tokens, so the
+    monitor's numbers leave them out, and a correction reads the datum's advantage without them
+    (0 for a datum with none left). Counted where the mask counts (NaN on padding is no one's
+    advantage), per datum for one value per datum. Read where it is free: lists and CPU tensors;
+    advantages on an accelerator are not read here (that would synchronize the host).
+    """
+    key = step.keys["advantages"]
+    if say.said(f"advantages_nan:{key}"):
+        return
+    found = _nan_advantages(step, data)
+    if found is None:
+        return
+    n_nan, n_values, first, per_datum = found
+    label = _label(step, "advantages")
+    if per_datum:
+        where = f"for {n_nan} of the {n_values} datums (one value per datum), the first at datum {first}"
+        left_out = "those datums' tokens are not action tokens"
+    else:
+        mask = step.keys["mask"] if data is None else "mask"
+        where = f"on {n_nan} of the {n_values} masked-in positions ({mask!r} > 0), the first in datum {first}"
+        left_out = "those tokens are not action tokens"
+    say.warn(
+        f"advantages_nan:{key}",
+        f"KLSampleTrainMonitor: {label} holds NaN {where}; a NaN advantage counts as 0, so {left_out}: the "
+        "monitor's numbers leave them out, and a correction that needs advantages reads each datum's without "
+        "them (0 where none is left)",
+    )
+
+
+def _nan_advantages(step: _Step, data: Sequence[Any] | None) -> tuple[int, int, int, bool] | None:
+    """(NaN count, values counted, first datum with a NaN, whether one value per datum) of the step's
+    advantages; ``None`` without a NaN, or where they are not read (an accelerator, a form the step's
+    reading rejects or says elsewhere)."""
+    value = step.get("advantages")
+    if data is None or value is not None:
+        mask = step.get("mask") if data is None else None
+        if not isinstance(value, torch.Tensor) or _on_accelerator(value) or not value.is_floating_point():
+            return None
+        if value.dim() == 2 and isinstance(mask, torch.Tensor) and mask.shape == value.shape:
+            if _on_accelerator(mask):
+                return None
+            return _nan_count(value.detach().isnan() & (mask.detach() > 0), mask.detach() > 0)
+        if value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1):
+            nan = value.detach().reshape(-1, 1).isnan()
+            return _nan_count(nan, torch.ones_like(nan), per_datum=True)
+        return None
+    key = step.keys["advantages"]
+    rows = []
+    for i, datum in enumerate(data):
+        field = datum_loss_fn_inputs(datum, index=i).get(key, [0.0])
+        try:
+            row = field_to_tensor(_as_row(field), where=f"datum {i}, key {key!r}").detach()
+        except (TypeError, ValueError):  # said where the step is read
+            return None
+        if _on_accelerator(row):
+            return None
+        rows.append(row.isnan() if row.is_floating_point() else torch.zeros(row.shape, dtype=torch.bool))
+    if not rows or not torch.cat(rows).any():
+        return None  # the common case: the masks are not read
+    if all(row.numel() == 1 for row in rows):
+        nan = torch.cat(rows).reshape(-1, 1)
+        return _nan_count(nan, torch.ones_like(nan), per_datum=True)
+    masks = [
+        field_to_tensor(datum_loss_fn_inputs(datum, index=i)["mask"], where=f"datum {i}, key 'mask'").cpu() > 0
+        for i, datum in enumerate(data)
+    ]
+    if any(row.numel() not in (1, mask.numel()) for row, mask in zip(rows, masks)):
+        return None  # the step's reading says this
+    width = max(mask.numel() for mask in masks)
+    padded_nan = torch.zeros(len(rows), width, dtype=torch.bool)
+    padded_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (row, mask) in enumerate(zip(rows, masks)):  # per datum, as the datums were read
+        padded_mask[i, : mask.numel()] = mask
+        padded_nan[i, : mask.numel()] = row.expand(mask.numel()) & mask
+    return _nan_count(padded_nan, padded_mask)
+
+
+def _nan_count(
+    nan: torch.Tensor, counted: torch.Tensor, *, per_datum: bool = False
+) -> tuple[int, int, int, bool] | None:
+    """(NaN count, counted values, first row with a NaN, ``per_datum``) of bool ``[B, W]`` ``nan`` within
+    ``counted``; ``None`` without a NaN."""
+    rows = torch.nonzero(nan.any(dim=1))
+    if not rows.numel():
+        return None
+    return int(nan.sum()), int(counted.sum()), int(rows[0, 0]), per_datum
 
 
 def _no_advantages(problem: str, flat: FlatBatch, key: str, say: RunWarnings) -> torch.Tensor:
@@ -272,7 +400,7 @@ def _per_datum_groups(
     for the step, with a warning. Int ids in a tensor on an accelerator stay there, unread (the
     monitor says after the step's one host read that ``group_other`` has tokens).
     """
-    key = step.keys["group"]
+    key = _label(step, "group")
     raw = _per_datum_raw(step, "group", data, n_datums, say)
     if raw is None:
         return None
@@ -282,12 +410,12 @@ def _per_datum_groups(
         shown = ", ".join(f"{label!r} -> group_{bucket}" for label, bucket in list(seen.items())[:8])
         say.warn(
             "group:labels",
-            f"KLSampleTrainMonitor: {key!r} holds labels (datum 0: {raw[0]!r}); each label is counted in the "
+            f"KLSampleTrainMonitor: {key} holds labels (datum 0: {raw[0]!r}); each label is counted in the "
             f"stratum group_<zlib.crc32(label) % max_groups> ({shown}), the same on every rank; labels that "
             "share a bucket are pooled (give int ids to keep each apart)",
         )
         return ids
-    ids = _integers(raw, "group", key, say)
+    ids = _integers(raw, "group", key, n_datums, say)
     if ids is None:
         return None
     if _on_accelerator(ids):
@@ -297,7 +425,7 @@ def _per_datum_groups(
         i = int(negative[0, 0])
         say.warn(
             "group:negative",
-            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(ids[i])} (< 0); datums with a negative group id "
+            f"KLSampleTrainMonitor: datum {i} has {key} = {int(ids[i])} (< 0); datums with a negative group id "
             "are counted in the stratum 'group_other'",
         )
         ids = ids.masked_fill(ids < 0, max_groups)
@@ -316,16 +444,13 @@ def _per_datum_lags(
     ahead is then said by the monitor after the step's one host read, and a negative version is
     not seen (it reads as a lag past the trainer's step).
     """
-    key = step.keys["policy_version"]
+    key = _label(step, "policy_version")
     raw = _per_datum_raw(step, "policy_version", data, n_datums, say)
     if isinstance(raw, list):
-        say.warn(
-            "policy_version:labels",
-            f"KLSampleTrainMonitor: {key!r} must count optimizer steps, got labels (datum 0: {raw[0]!r}); "
-            "the strata by policy lag are off for such steps",
-        )
+        text = f"{key} must count optimizer steps, got labels (datum 0: {raw[0]!r})"
+        say.warn("policy_version:labels", _unusable_message(text, "policy_version", n_datums))
         return None
-    versions = None if raw is None else _integers(raw, "policy_version", key, say)
+    versions = None if raw is None else _integers(raw, "policy_version", key, n_datums, say)
     if versions is None:
         return None
     if _on_accelerator(versions):
@@ -333,12 +458,11 @@ def _per_datum_lags(
     negative = torch.nonzero(versions < 0)
     if negative.numel():
         i = int(negative[0, 0])
-        say.warn(
-            "policy_version:negative",
-            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(versions[i])}; versions count the optimizer "
-            "steps the sampler's weights had received (0 for the initial weights): the strata by policy lag "
-            "are off for such steps",
+        text = (
+            f"datum {i} has {key} = {int(versions[i])}, but versions count the optimizer steps the sampler's "
+            "weights had received (0 for the initial weights)"
         )
+        say.warn("policy_version:negative", _unusable_message(text, "policy_version", n_datums))
         return None
     lags = optimizer_step - versions
     ahead = torch.nonzero(lags < 0)
@@ -346,7 +470,7 @@ def _per_datum_lags(
         i = int(ahead[0, 0])
         say.warn(
             "policy_version:ahead",
-            f"KLSampleTrainMonitor: datum {i} has {key!r} = {int(versions[i])}, ahead of the trainer's optimizer "
+            f"KLSampleTrainMonitor: datum {i} has {key} = {int(versions[i])}, ahead of the trainer's optimizer "
             f"step {optimizer_step} ({ahead.shape[0]} of {n_datums} datums of the micro-batch); such datums are "
             "counted at lag 0 and in the stratum 'lag_ahead'. The policy version must count the optimizer steps "
             "the sampler's weights had received (0 for the initial weights)",
@@ -365,79 +489,161 @@ def _per_datum_raw(
     """The per-datum key ``name`` as given: a ``[B]`` tensor of numbers (on an accelerator only when it
     holds ints), or a list of string labels.
 
-    ``None`` when absent, or, with a warning naming the key, when it cannot be one value per datum
-    (a wrong count, a key only some datums have, a kind that is not numbers or strings).
+    ``None`` when absent, or, with one warning per run and problem (``_Unusable``: the key, what was
+    given, the micro-batch's size), when it cannot be one value per datum: None, empty, 2-D, bools,
+    a wrong count, a key only some datums have, a kind that is not numbers or strings.
     """
-    key = step.keys[name]
-    where = f"KLSampleTrainMonitor: {key!r}"
-    off = f"; the strata by {'group' if name == 'group' else 'policy lag'} are off for such steps"
-    value = step.get(name)
-    if value is None and data is not None:
-        inputs = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
-        has = [key in fields for fields in inputs]
-        if not any(has):
-            return None
-        if not all(has):
-            say.warn(
-                f"{name}:some_datums",
-                f"{where}: datum {has.index(True)} has it in loss_fn_inputs but datum {has.index(False)} does not"
-                + off,
-            )
-            return None
-        try:
-            value = [_one_value(fields[key]) for fields in inputs]
-        except (TypeError, ValueError) as error:
-            say.warn(f"{name}:unreadable", f"{where}: {error}" + off)
-            return None
-        longer = [i for i, item in enumerate(value) if item is None]
-        if longer:
-            say.warn(f"{name}:count", f"{where}: datum {longer[0]}'s field holds more than one value" + off)
-            return None
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)) and any(isinstance(item, str) for item in value):
-        if all(isinstance(item, str) for item in value) and len(value) == n_datums:
-            return list(value)
-        got = list(value)[:8]
-        say.warn(f"{name}:mixed", f"{where} must be one int (or one string label) per datum, got {got}" + off)
-        return None
     try:
-        values = field_to_tensor(_as_row(value), where=where).detach()
+        return _per_datum_given(step, name, data, n_datums)
+    except _Unusable as problem:
+        say.warn(f"{name}:{problem.kind}", _unusable_message(problem.text, name, n_datums, given=problem.given))
+        return None
+
+
+class _Unusable(Exception):
+    """A per-datum key's value the strata cannot use: ``kind`` names the problem (said once per run
+    each), ``text`` what is wrong, ``given`` what was given where ``text`` does not say it."""
+
+    def __init__(self, kind: str, text: str, given: str = "") -> None:
+        super().__init__(text)
+        self.kind, self.text, self.given = kind, text, given
+
+
+_FAMILIES = {"policy_version": ("policy lag", "per-lag"), "group": ("group", "per-group")}
+_EXPECTED = {"policy_version": "one int >= 0 per datum", "group": "one int id (or one string label) per datum"}
+
+
+def _unusable_message(text: str, name: str, n_datums: int, *, given: str = "") -> str:
+    """The warning for a per-datum key the strata cannot use: what was given, and what the monitor does.
+
+    Example:
+        >>> message = _unusable_message("'group' is None in the batch", "group", 2)
+        >>> message.split(": the ")[0]
+        "KLSampleTrainMonitor: 'group' is None in the batch; the strata by group are off for such steps"
+        >>> "the per-group numbers are not computed" in message and "for a micro-batch of 2 datums" in message
+        True
+    """
+    family, numbers = _FAMILIES[name]
+    return (
+        f"KLSampleTrainMonitor: {text}; the strata by {family} are off for such steps: the {numbers} numbers are "
+        f"not computed ({f'it was {given}; ' if given else ''}for a micro-batch of {n_datums} datums, give "
+        f"{_EXPECTED[name]}: a [{n_datums}] tensor or list, or a one-value field of each datum's loss_fn_inputs)"
+    )
+
+
+def _label(step: _Step, name: str) -> str:
+    """The key as the user gave it, and which name it stands for when ``keys=`` renamed it."""
+    key = step.keys[name]
+    return f"{key!r}" if key == name else f"{key!r} (the {name} key)"
+
+
+def _per_datum_given(
+    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int
+) -> torch.Tensor | list[str] | None:
+    """``_per_datum_raw`` without the warning: ``_Unusable`` for a value the strata cannot use."""
+    label = _label(step, name)
+    value = step.get(name)
+    given = _described(value)
+    if value is None and data is not None:
+        value = _datum_fields(data, step.keys[name], label)
+        given = f"a one-value field of each of the {len(data)} datums"
+    if value is None:
+        place = step.given_as_none(name)
+        if place is not None:
+            raise _Unusable("none", f"{label} is None in {place}")
+        return None
+    value = _as_row(value)
+    if isinstance(value, (list, tuple)):
+        _check_items(value, label, n_datums, given)
+        if value and all(isinstance(item, str) for item in value):
+            return list(value)
+    shape = _shape_of(value)
+    if shape is not None and len(shape) != 1:
+        raise _Unusable("shape", f"{label} is {given}")
+    if shape is not None and shape[0] == 0 != n_datums:
+        raise _Unusable("empty", f"{label} is empty ({given})")
+    try:
+        values = field_to_tensor(value, where=label).detach()
     except (TypeError, ValueError) as error:
-        say.warn(f"{name}:unreadable", f"{error}" + off)
-        return None
+        raise _Unusable("unreadable", str(error)) from None
+    if values.dtype == torch.bool:
+        raise _Unusable("dtype", f"{label} must hold integers, got bools (dtype torch.bool)", given)
     if values.numel() != n_datums:
-        say.warn(f"{name}:count", f"{where} has {values.numel()} values for {n_datums} datums" + off)
-        return None
-    if _on_accelerator(values) and (values.is_floating_point() or values.is_complex() or values.dtype == torch.bool):
+        raise _Unusable("count", f"{label} has {values.numel()} values for {n_datums} datums", given)
+    if _on_accelerator(values) and (values.is_floating_point() or values.is_complex()):
         values = values.cpu()  # only int ids are used unread on the device; others are checked on the host
     return values
 
 
-def _one_value(field: Any) -> Any:
-    """A datum's one-value field as a scalar (a string label as it is); ``None`` for any other length."""
-    if isinstance(field, str):
+def _check_items(values: Sequence[Any], label: str, n_datums: int, given: str) -> None:
+    """``_Unusable`` for a list (``given``) the strata cannot use item by item: a None, a bool, labels
+    mixed with numbers or of the wrong count."""
+    nones = [i for i, item in enumerate(values) if item is None]
+    if nones:
+        raise _Unusable(
+            "none", f"{label} is None at datum {nones[0]} ({len(nones)} of the {len(values)} values)", given
+        )
+    bools = [i for i, item in enumerate(values) if isinstance(item, (bool, np.bool_))]
+    if bools:
+        i = bools[0]
+        raise _Unusable("dtype", f"{label} must hold integers, got bools (datum {i}: {values[i]!r})", given)
+    labels = [isinstance(item, str) for item in values]
+    if any(labels) and not all(labels):
+        raise _Unusable("mixed", f"{label} must be one int (or one string label) per datum, got {list(values)[:8]}")
+    if any(labels) and len(values) != n_datums:
+        raise _Unusable("count", f"{label} has {len(values)} labels for {n_datums} datums", given)
+
+
+def _datum_fields(data: Sequence[Any], key: str, label: str) -> list[Any] | None:
+    """Each datum's one-value field ``key`` as a scalar (a label as a string, a bool as a bool); ``None``
+    when no datum has it; ``_Unusable`` naming the datum when some datum lacks it or holds no one value."""
+    inputs = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
+    has = [key in fields for fields in inputs]
+    if not any(has):
+        return None
+    if not all(has):
+        first, lacking = has.index(True), has.index(False)
+        raise _Unusable("some_datums", f"{label}: datum {first} has it in loss_fn_inputs but datum {lacking} does not")
+    return [_one_value(fields[key], f"datum {i}'s {label}") for i, fields in enumerate(inputs)]
+
+
+def _one_value(field: Any, where: str) -> Any:
+    """A datum's one-value field as a scalar (a string label as it is, a bool as a bool); ``_Unusable``
+    saying what it holds otherwise."""
+    if field is None:
+        raise _Unusable("none", f"{where} is None")
+    if isinstance(field, (str, bool, np.bool_)):
         return field
-    if isinstance(field, (list, tuple)) and len(field) == 1 and isinstance(field[0], str):
+    if isinstance(field, (list, tuple)) and len(field) == 1 and isinstance(field[0], (str, bool, np.bool_)):
         return field[0]
-    row = field_to_tensor(_as_row(field), where="per-datum field")
-    return row.reshape(()).item() if row.numel() == 1 else None
+    shape = _shape_of(_as_row(field))
+    if shape is not None and len(shape) > 1:
+        raise _Unusable("shape", f"{where} is {_described(field)}")
+    if shape is not None and shape[0] != 1:
+        problem = "is empty" if shape[0] == 0 else f"holds {shape[0]} values"
+        raise _Unusable("empty" if shape[0] == 0 else "count", f"{where} {problem} ({_described(field)})")
+    try:
+        row = field_to_tensor(_as_row(field), where=where)
+    except (TypeError, ValueError) as error:
+        raise _Unusable("unreadable", str(error)) from None
+    if row.numel() != 1:  # a kind without a shape
+        raise _Unusable("count", f"{where} holds {row.numel()} values ({_described(field)})")
+    return row.reshape(()).item()
 
 
-def _integers(values: torch.Tensor, name: str, key: str, say: RunWarnings) -> torch.Tensor | None:
-    """``values`` as int64 when each is an integer; ``None`` with a warning naming a datum otherwise."""
-    off = f"; the strata by {'group' if name == 'group' else 'policy lag'} are off for such steps"
-    if values.dtype == torch.bool or values.is_complex():
-        say.warn(f"{name}:dtype", f"KLSampleTrainMonitor: {key!r} must hold integers, got dtype {values.dtype}" + off)
+def _integers(values: torch.Tensor, name: str, key: str, n_datums: int, say: RunWarnings) -> torch.Tensor | None:
+    """``values`` as int64 when each is an integer (a float with an integer value, within int64's
+    range, included); ``None`` with a warning naming a datum otherwise. ``key`` is the key as said."""
+    if values.is_complex():
+        text = f"{key} must hold integers, got dtype {values.dtype}"
+        say.warn(f"{name}:dtype", _unusable_message(text, name, n_datums))
         return None
     if values.is_floating_point():
-        bad = torch.nonzero(~torch.isfinite(values) | (values != values.round()))
+        bad = torch.nonzero(~torch.isfinite(values) | (values != values.round()) | (values.abs() >= 2.0**63))
         if bad.numel():
             i = int(bad[0, 0])
-            say.warn(
-                f"{name}:not_integer",
-                f"KLSampleTrainMonitor: {key!r} must hold integers, got {float(values[i])} at datum {i}" + off,
-            )
+            text = f"{key} must hold integers, got {float(values[i])} at datum {i}"
+            say.warn(f"{name}:not_integer", _unusable_message(text, name, n_datums))
             return None
     return values.to(torch.int64)
 
@@ -477,11 +683,47 @@ def _per_datum_values(
     return values
 
 
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    """The shape of a tensor, array, ``TensorData`` or (rectangular) list; ``None`` when it has none."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and not callable(shape):
+        return tuple(int(n) for n in shape)
+    if isinstance(value, (list, tuple)):
+        try:
+            return tuple(np.shape(np.asarray(value, dtype=object)))
+        except ValueError:  # ragged
+            return None
+    return None
+
+
+def _described(value: Any) -> str:
+    """What ``value`` is, for a message: its kind and shape (and dtype where it has one).
+
+    Example:
+        >>> _described(torch.zeros(3, 1))
+        'a tensor of shape (3, 1) and dtype torch.float32'
+    """
+    if value is None:
+        return "None"
+    if isinstance(value, (bool, np.bool_)):
+        return f"a bool ({value!r})"
+    kind = {torch.Tensor: "tensor", np.ndarray: "numpy array"}.get(type(value), type(value).__name__)
+    shape = _shape_of(value)
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, (list, tuple)):
+        return f"a {kind} of length {len(value)}" if shape is None or len(shape) == 1 else f"a {kind} of shape {shape}"
+    if shape is None:
+        return f"a {kind}"
+    return f"a {kind} of shape {shape}" + (f" and dtype {dtype}" if dtype is not None else "")
+
+
 def _as_row(value: Any) -> Any:
-    """A scalar (an int, a 0-d tensor) as a one-value row; anything else as it is."""
+    """A scalar (an int, a bool, a numpy scalar, a 0-d tensor or array) as a one-value row; anything else as it is."""
     if isinstance(value, (int, float)):
         return [value]
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
+    if isinstance(value, np.generic):
+        return [value.item()]
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
         return value.reshape(1)
     return value
 
@@ -498,6 +740,17 @@ class _Step:
             if isinstance(source, Mapping) and source.get(key) is not None:
                 return source[key]
         return None
+
+    def given_as_none(self, name: str) -> str | None:
+        """Where ``name``'s key is present with the value None ("training_step's output", "the batch"),
+        when no place has a value for it; ``None`` otherwise."""
+        key = self.keys[name]
+        places = [
+            place
+            for place, source in (("training_step's output", self.outputs), ("the batch", self.batch))
+            if isinstance(source, Mapping) and key in source and source[key] is None
+        ]
+        return " and ".join(places) if places and self.get(name) is None else None
 
     def trainer_logprobs(self, *, datums: bool) -> Any:
         logprobs = self.get("training_logprobs")
