@@ -160,12 +160,15 @@ def flatten_datums(
     *,
     with_tokens: bool = False,
     with_token_ids: bool = True,
+    advantages_key: str = "advantages",
 ) -> FlatBatch:
     """Flatten Loops / Tinker datums and the trainer's per-datum logprobs.
 
     ``training_logprobs`` is one row per datum (tensors, arrays, lists or ``TensorData``), or one
     right-padded ``[B, T]`` tensor whose row i is read up to datum i's length. ``with_token_ids``
     reads the predicted token ids the diagnosis groups by (``FlatBatch.token_ids``).
+    ``advantages_key`` names the ``loss_fn_inputs`` field holding the advantages (the monitor's
+    ``keys["advantages"]``).
     """
     if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Sequence):
         raise TypeError(f"data must be a list of Datum, got {type(data).__name__}")
@@ -225,12 +228,12 @@ def flatten_datums(
                 f"loss_fn_inputs['logprobs'] has {length}; position k of every field belongs to "
                 "the token predicted at k, so they must have the same length"
             )
-        advantage = inputs.get("advantages")
+        advantage = inputs.get(advantages_key)
         if advantage is not None:
-            advantage = field_to_tensor(advantage, where=f"datum {i}, key 'advantages'")
+            advantage = field_to_tensor(advantage, where=f"datum {i}, key {advantages_key!r}")
             if advantage.shape[0] not in (1, length):
                 raise ValueError(
-                    f"datum {i}: loss_fn_inputs['advantages'] has length {advantage.shape[0]}, "
+                    f"datum {i}: loss_fn_inputs[{advantages_key!r}] has length {advantage.shape[0]}, "
                     f"expected 1 (one value for the row) or {length} (one per position)"
                 )
         target = inputs.get("target_tokens")

@@ -143,7 +143,8 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
         data = batch
     if data is not None:
         flat = flatten_datums(
-            data, step.trainer_logprobs(datums=True), with_tokens=with_tokens, with_token_ids=with_token_ids
+            data, step.trainer_logprobs(datums=True), with_tokens=with_tokens, with_token_ids=with_token_ids,
+            advantages_key=keys["advantages"],
         )
         return flat, data
     missing = [keys[name] for name in ("logprobs", "mask") if step.get(name) is None]

@@ -222,3 +222,12 @@ def test_per_token_advantages_of_the_wrong_size_name_the_positions_the_datums_ha
         message
     ), message
     assert flat.datum_advantages.tolist() == [0.0] * B
+
+
+def test_a_renamed_advantages_field_of_datums_decides_the_action_tokens_as_the_corrections_read_it() -> None:
+    """``keys={"advantages": "adv"}``: a datum whose ``adv`` is 0 has no action tokens, as with ``advantages``."""
+    step = datums(adv=[[1.0], [0.0], [-1.0]])
+    flat, said = read(step, {"advantages": "adv"}, datum_advantages=True)
+    assert not said
+    assert flat.active.reshape(B, T).all(dim=1).tolist() == [True, False, True]
+    assert flat.datum_advantages.tolist() == [1.0, 0.0, -1.0]
