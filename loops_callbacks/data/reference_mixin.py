@@ -42,7 +42,7 @@ from loops_callbacks.reference.across_ranks import (
 from loops_callbacks.reference.attach import attach_reference_values
 from loops_callbacks.reference.cache import CACHE_FILE_NAME
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
-from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ReferenceConfig, ScoringDtype
+from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ReferenceConfig, ScoringDtype, ScoringOptions
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 from loops_callbacks.reference.resolve import resolve_reference
@@ -54,6 +54,7 @@ __all__ = [
     "ScoringDtype",
     "Stage",
     "compute_reference_logprobs",
+    "pair_scoring_options",
 ]
 
 def compute_reference_logprobs(
@@ -113,46 +114,29 @@ def compute_reference_logprobs(
         tokens = PackedTokens.from_sequences(validated_tokens)
     else:
         tokens = check_dpo_pairs(data, check_prompts=config.check_prompts).tokens
-    values, report = _score_pairs(
-        tokens,
-        data,
-        reference,
-        config,
-        cache_path=cache_path,
-        cache_tag=cache_tag,
-        cached_only=cached_only,
-    )
+    options = pair_scoring_options(config, cache_path, cache_tag=cache_tag, cached_only=cached_only)
+    values, report = score_packed_across_ranks(tokens, reference, options, datums=data)
     return attach_reference_values(data, values, tokens.offsets), report
 
 
-def _score_pairs(
-    tokens: PackedTokens,
-    datums: list[Any] | None,
-    reference: Any,
+def pair_scoring_options(
     config: ReferenceConfig,
-    *,
     cache_path: str | os.PathLike[str] | None,
-    cache_tag: str | None,
-    cached_only: str | None,
-) -> tuple[np.ndarray, ReferenceLogprobsReport]:
-    """``compute_reference_logprobs`` before the datums: the checked pairs' values as one float32 buffer.
+    *,
+    cache_tag: str | None = None,
+    cached_only: str | None = None,
+) -> ScoringOptions:
+    """``config``'s ``ScoringOptions`` for interleaved DPO pairs: a pair's two sequences on one rank, and errors
+    that name the pair (``datum_label``).
 
-    ``datums`` (the pairs as datums) are read only by a reference without ``score_packed`` (a remote client).
+    Example:
+        >>> options = pair_scoring_options(ReferenceConfig(scoring_dtype="float16"), None)
+        >>> options.shard_unit, options.cache_tag, options.datum_name(3)
+        (2, 'float16', 'pair 1: the rejected datum (index 3)')
     """
-    values, report = score_packed_across_ranks(  # which checks the token ids, once, naming the pair
-        tokens,
-        reference,
-        datums=datums,
-        cache_path=cache_path,
-        reference_fingerprint=config.reference_fingerprint,
-        cache_tag=cache_tag if cache_tag is not None else config.cache_tag(),
-        progress=config.progress,
-        shard_unit=2,  # a pair's two sequences on one rank
-        cached_only=cached_only,
-        scoring_timeout=config.scoring_timeout,
-        datum_name=datum_label,
+    return config.scoring_options(
+        cache_path=cache_path, cache_tag=cache_tag, cached_only=cached_only, shard_unit=2, datum_name=datum_label
     )
-    return values, report
 
 
 class Stage(Enum):
@@ -451,10 +435,11 @@ class ReferenceLogprobsMixin:
         if state.stage in (Stage.PENDING, Stage.AFTER_RESTORE):
             assert state.pairs is not None
             trainer = self._attached_trainer()
+            options = pair_scoring_options(state.config, self._cache_path(trainer, state.config))
             if state.config.reference is None and trainer is not None:
-                values, report = self._score_policy(trainer, state.pairs.tokens, state.config)
+                values, report = self._score_policy(trainer, state.pairs.tokens, state.config, options)
             else:
-                values, report = self._score_explicit(trainer, state.pairs, state.datums, state.config)
+                values, report = self._score_explicit(trainer, state.pairs, state.datums, state.config, options)
             state.stage, state.pairs, state.report = Stage.SCORED, state.pairs.scored(values), report
         assert state.report is not None
         return state.report
@@ -494,9 +479,14 @@ class ReferenceLogprobsMixin:
         return os.path.join(config.cache_dir or os.path.join(root, "reference_logprobs"), CACHE_FILE_NAME)
 
     def _score_explicit(
-        self, trainer: Any, pairs: PackedPairs, datums: list[Any] | None, config: ReferenceConfig
+        self,
+        trainer: Any,
+        pairs: PackedPairs,
+        datums: list[Any] | None,
+        config: ReferenceConfig,
+        options: ScoringOptions,
     ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
-        """A reference other than the policy: resolved (a copy, a client, a callable) and scored now."""
+        """A reference other than the policy: resolved (a copy, a client, a callable) from ``config`` and scored now."""
         client = resolve_reference(
             config.reference,
             config=config,
@@ -506,46 +496,31 @@ class ReferenceLogprobsMixin:
         if datums is None and not callable(getattr(client, "score_packed", None)):
             datums = pairs.datums()  # a client that scores datums' model_input
         try:
-            return _score_pairs(
-                pairs.tokens,
-                datums,
-                client,
-                config,
-                cache_path=self._cache_path(trainer, config),
-                cache_tag=None,
-                cached_only=None,
-            )
+            # which checks the token ids, once, naming the pair
+            return score_packed_across_ranks(pairs.tokens, client, options, datums=datums)
         finally:
             del client
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
     def _score_policy(
-        self, trainer: Any, tokens: PackedTokens, config: ReferenceConfig
+        self, trainer: Any, tokens: PackedTokens, config: ReferenceConfig, options: ScoringOptions
     ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """The default reference: the policy as the strategy has set it up, or, on a resumed run, the cache."""
-        cache_path = self._cache_path(trainer, config)
         tag = policy_tag(trainer, config.scoring_dtype)
+        options = replace(options, cache_tag=tag)
         with torch.inference_mode(False):
             if trainer.ckpt_path is not None:
-                result = self._load_initial_policy(trainer, tokens, config, cache_path, tag)
+                result = self._load_initial_policy(trainer, tokens, options)
             else:
+                policy = PolicyReference.from_trainer(trainer, config)
                 # the policy's weights are fingerprinted: a reference_fingerprint names a client's
-                policy_config = replace(config, reference_fingerprint=None)
-                policy = PolicyReference.from_trainer(trainer, policy_config)
-                result = _score_pairs(
-                    tokens, None, policy, policy_config, cache_path=cache_path, cache_tag=tag, cached_only=None
-                )
+                result = score_packed_across_ranks(tokens, policy, replace(options, reference_fingerprint=None))
         self._reference.saved = {"reference_fingerprint": result[1].reference_fingerprint, "scoring_dtype": tag}
         return result
 
     def _load_initial_policy(
-        self,
-        trainer: Any,
-        tokens: PackedTokens,
-        config: ReferenceConfig,
-        cache_path: str | None,
-        tag: str,
+        self, trainer: Any, tokens: PackedTokens, options: ScoringOptions
     ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """A resumed run: the module holds trained weights, so the initial policy's values come from the cache."""
         expected = (self._reference.restored or {}).get("reference_fingerprint")
@@ -558,10 +533,10 @@ class ReferenceLogprobsMixin:
             )
         which = f" (weights fingerprint {expected[:16]}...)" if expected else ""
         where = "run with use_cache=True and the first run's cache_dir"
-        if cache_path is not None:
+        if options.cache_path is not None:
             where = (
-                f"restore the first run's cache file in {os.path.dirname(cache_path)} (or point cache_dir at the "
-                "directory holding it)"
+                f"restore the first run's cache file in {os.path.dirname(options.cache_path)} (or point cache_dir at "
+                "the directory holding it)"
             )
         fix = (
             f"this run resumes from {trainer.ckpt_path}, so the LightningModule holds trained weights, not the "
@@ -570,15 +545,9 @@ class ReferenceLogprobsMixin:
             "first optimizer step> (a checkpoint is loaded into a copy of the module, so a model built in "
             "configure_model needs the cache file)"
         )
-        return _score_pairs(
-            tokens,
-            None,
-            None,
-            replace(config, reference_fingerprint=expected),  # the initial policy's, as the checkpoint recorded
-            cache_path=cache_path,
-            cache_tag=tag,
-            cached_only=fix,
-        )
+        # the initial policy's fingerprint, as the checkpoint recorded it
+        initial = replace(options, reference_fingerprint=expected, cached_only=fix)
+        return score_packed_across_ranks(tokens, None, initial)
 
 
 def _defines(datamodule: ReferenceLogprobsMixin, hook: str) -> bool:

@@ -6,6 +6,7 @@ In data-flow order:
 - ``heads``: target logprobs from a model's output head in row chunks (no ``[B, T, V]`` logits),
   or from its logits (the general path);
 - ``config``: ``ReferenceConfig``, every scoring setting in one object, and the cache tag;
+  ``ScoringOptions``, one scoring run's options, handed whole to ``score_packed_across_ranks``;
 - ``scorer``: ``TokenScorer``, the batched, device-resident loop (lock-step across ranks);
 - ``clients``: the ``SamplingClient`` protocol (Tinker's name) and ``TorchSamplingClient``, which
   scores token sequences with a local ``nn.Module`` (or a callable) in token-budgeted batches;
@@ -37,7 +38,7 @@ from loops_callbacks.reference.across_ranks import (
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
 from loops_callbacks.reference.collectives import RankStalledError
-from loops_callbacks.reference.config import ReferenceConfig
+from loops_callbacks.reference.config import ReferenceConfig, ScoringOptions
 from loops_callbacks.reference.policy import PolicyReference
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError
 from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
@@ -51,6 +52,7 @@ __all__ = [
     "ReferenceConfig",
     "ReferenceLogprobsReport",
     "SamplingClient",
+    "ScoringOptions",
     "TorchSamplingClient",
     "attach_reference_logprobs",
     "load_reference_checkpoint",

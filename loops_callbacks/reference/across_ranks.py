@@ -56,7 +56,7 @@ from loops_callbacks.reference.cache import CACHE_TOOL, CacheKey, data_fingerpri
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.collectives import Group as _Group
 from loops_callbacks.reference.collectives import StallGuard, fail_together
-from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT
+from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ScoringOptions
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
@@ -65,6 +65,7 @@ __all__ = [
     "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceLogprobsReport",
+    "ScoringOptions",
     "score_across_ranks",
     "score_packed_across_ranks",
 ]
@@ -125,6 +126,9 @@ def score_across_ranks(
     ``cache_path``, or without a fingerprint for ``reference`` (a client with no
     ``fingerprint()`` method and no ``reference_fingerprint`` given), nothing is cached.
 
+    The keywords after ``tokens`` are the fields of one ``ScoringOptions`` (same names and
+    defaults), made here once and handed whole to ``score_packed_across_ranks``.
+
     Args:
         data: the datums to score.
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across
@@ -172,10 +176,7 @@ def score_across_ranks(
     packed = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
     if len(packed) != len(data):
         raise ValueError(f"score_across_ranks: {len(packed)} token sequences for {len(data)} datums")
-    values, report = score_packed_across_ranks(
-        packed,
-        reference,
-        datums=data,
+    options = ScoringOptions(
         cache_path=cache_path,
         reference_fingerprint=reference_fingerprint,
         cache_tag=cache_tag,
@@ -185,63 +186,58 @@ def score_across_ranks(
         scoring_timeout=scoring_timeout,
         datum_name=datum_name,
     )
+    values, report = score_packed_across_ranks(packed, reference, options, datums=data)
     return attach_reference_values(data, values, packed.offsets), report
 
 
 def score_packed_across_ranks(
     packed: PackedTokens,
     reference: Any,
+    options: ScoringOptions | None = None,
     *,
     datums: Sequence[Any] | None = None,
-    cache_path: str | os.PathLike[str] | None = None,
-    reference_fingerprint: str | None = None,
-    cache_tag: str = "model",
-    progress: bool = True,
-    shard_unit: int = 1,
-    cached_only: str | None = None,
-    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
-    datum_name: Callable[[int], str] | None = None,
 ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
     """``score_across_ranks`` on the packed form: token ids in, one float32 buffer of values out, no datum.
 
     Sequence i's values (the ``ref_logprobs`` layout: value k is log p(token k + 1), the last 0)
-    are ``values[packed.offsets[i]:packed.offsets[i + 1]]``. The arguments are
-    ``score_across_ranks``'s; ``datums`` (``packed``'s sequences as datums) are read only by a
-    reference without ``score_packed`` (a remote client scores each datum's ``model_input``,
-    through ``attach_reference_logprobs``).
+    are ``values[packed.offsets[i]:packed.offsets[i + 1]]``. ``options`` (one ``ScoringOptions``,
+    default ``ScoringOptions()``) are ``score_across_ranks``'s keywords in one object; ``datums``
+    (``packed``'s sequences as datums) are read only by a reference without ``score_packed`` (a
+    remote client scores each datum's ``model_input``, through ``attach_reference_logprobs``).
 
     Example:
         >>> import torch
         >>> from loops_callbacks.reference.clients import TorchSamplingClient
         >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(8, 8)))
         >>> packed = PackedTokens.from_sequences([[1, 2], [3]])
-        >>> values, report = score_packed_across_ranks(packed, client, progress=False)
+        >>> values, report = score_packed_across_ranks(packed, client, ScoringOptions(progress=False))
         >>> values.dtype, values.shape, values[1:].tolist(), report.num_datums
         (dtype('float32'), (3,), [0.0, 0.0], 2)
     """
     start = time.perf_counter()
+    options = options if options is not None else ScoringOptions()
     count = len(packed)
+    shard_unit, cached_only, path = options.shard_unit, options.cached_only, options.cache_path
     if count % shard_unit:
         raise ValueError(f"score_across_ranks: {count} datums are not a whole number of units of {shard_unit}")
     if datums is not None and len(datums) != count:
         raise ValueError(f"score_across_ranks: {count} token sequences for {len(datums)} datums")
     group = _Group()
-    guard = StallGuard(group, scoring_timeout)
+    guard = StallGuard(group, options.scoring_timeout)
     # the token data's digest, computed once: compared across ranks, and part of the cache key
     digest = functools.cache(functools.partial(data_fingerprint, packed))
-    name = datum_name or (lambda index: f"datum {index}")
+    name = options.datum_name or (lambda index: f"datum {index}")
     _check_same_tokens(packed, digest, group, guard, name)
     # the one check of the ids, on every rank (a bad id fails all ranks alike), before any forward;
     # the scorers take the checked form and do not read the ids again
     packed = check_token_ids(packed, getattr(reference, "vocab_size", None), datum_name=name)
-    path = os.fspath(cache_path) if cache_path is not None else None
     if cached_only is not None:
         if path is None:
             raise ReferenceCacheError(f"there is no reference-logprob cache to read (the cache is off): {cached_only}")
-        fingerprint = reference_fingerprint
+        fingerprint = options.reference_fingerprint
     else:
         guard.arrive("the reference's fingerprint")
-        fingerprint = _reference_fingerprint(reference, reference_fingerprint, group)
+        fingerprint = _reference_fingerprint(reference, options.reference_fingerprint, group)
 
     key = None
     if path is not None and fingerprint is None and cached_only is None:
@@ -251,7 +247,7 @@ def score_packed_across_ranks(
             ReferenceCacheWarning,
         )
     elif path is not None:
-        key = CacheKey(reference=fingerprint, data=digest(), dtype=cache_tag)
+        key = CacheKey(reference=fingerprint, data=digest(), dtype=options.cache_tag)
     values, status, reason, stored_reference, file = _load(path, key, packed.lengths, group, warn=cached_only is None)
     if values is None and cached_only is not None:
         raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
@@ -265,7 +261,7 @@ def score_packed_across_ranks(
         with fail_together(guard, "scoring the reference logprobs", then="gathering the scored values"):
             block = packed.slice(first, last)
             block_datums = list(datums[first:last]) if datums is not None else None
-            local = _score_block(block_datums, reference, block, progress and group.rank == 0, guard)
+            local = _score_block(block_datums, reference, block, options.progress and group.rank == 0, guard)
         scored_here = last - first
         value_bounds = [int(packed.offsets[b]) for b in bounds]
         values = group.gather_blocks(local, value_bounds).cpu().numpy()

@@ -1,9 +1,11 @@
-"""``ReferenceConfig``: every setting of reference-logprob scoring, in one object from the DataModule to the scorer.
+"""``ReferenceConfig``: every setting of reference-logprob scoring; ``ScoringOptions``: one scoring run's options.
 
-A DataModule (``ReferenceLogprobsMixin.configure_reference``) makes it once, checked; the same
-object then reaches ``resolve_reference`` / ``PolicyReference.from_trainer`` (how to build the
-scorer: ``scoring_dtype``, ``max_tokens_per_batch``) and ``compute_reference_logprobs`` (how to
-score and cache: ``reference_fingerprint``, ``progress``, ``check_prompts``, ``scoring_timeout``).
+A DataModule (``ReferenceLogprobsMixin.configure_reference``) makes a ``ReferenceConfig`` once,
+checked; the same object then reaches ``resolve_reference`` / ``PolicyReference.from_trainer``
+(how to build the scorer: ``scoring_dtype``, ``max_tokens_per_batch``). How to score and cache is
+one ``ScoringOptions``, made from it once (``ReferenceConfig.scoring_options``) with what only the
+run knows (the cache's path, the key's tag, the datums kept together on a rank, how errors name a
+datum) and handed whole to ``score_packed_across_ranks``.
 
 The cache key is not made of these settings: ``cache_tag`` is what the values depend on besides
 the reference's weights and the data, e.g. ``"bfloat16"`` (a reference scored in that dtype),
@@ -14,6 +16,9 @@ Example:
     >>> config = ReferenceConfig(scoring_dtype="bfloat16", max_tokens_per_batch=4096)
     >>> config.cache_tag(), ReferenceConfig().cache_tag()
     ('bfloat16', 'model')
+    >>> options = config.scoring_options(cache_path="cache/reference_logprobs.npz", shard_unit=2)
+    >>> options.cache_tag, options.shard_unit, options.scoring_timeout
+    ('bfloat16', 2, 600.0)
     >>> ReferenceConfig(max_tokens_per_batch=0)
     Traceback (most recent call last):
     ...
@@ -23,12 +28,13 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from loops_callbacks.validation import check_dtype, check_int
 
-__all__ = ["DEFAULT_SCORING_TIMEOUT", "SCORING_DTYPES", "ReferenceConfig", "ScoringDtype"]
+__all__ = ["DEFAULT_SCORING_TIMEOUT", "SCORING_DTYPES", "ReferenceConfig", "ScoringDtype", "ScoringOptions"]
 
 DEFAULT_SCORING_TIMEOUT = 600.0
 """Seconds a rank waits for the others at each step of reference scoring before naming the ones that stalled."""
@@ -73,3 +79,60 @@ class ReferenceConfig:
     def cache_tag(self) -> str:
         """The cache key's tag for a reference scored with these settings: the scoring dtype, or ``"model"``."""
         return self.scoring_dtype or "model"
+
+    def scoring_options(
+        self,
+        *,
+        cache_path: str | os.PathLike[str] | None = None,
+        cache_tag: str | None = None,
+        cached_only: str | None = None,
+        shard_unit: int = 1,
+        datum_name: Callable[[int], str] | None = None,
+    ) -> ScoringOptions:
+        """The options of a scoring run with these settings (their fingerprint, progress bar, timeout and, unless
+        ``cache_tag`` is given, ``cache_tag()``), and what only the run knows (see ``ScoringOptions``)."""
+        return ScoringOptions(
+            cache_path=cache_path,
+            reference_fingerprint=self.reference_fingerprint,
+            cache_tag=cache_tag if cache_tag is not None else self.cache_tag(),
+            progress=self.progress,
+            shard_unit=shard_unit,
+            cached_only=cached_only,
+            scoring_timeout=self.scoring_timeout,
+            datum_name=datum_name,
+        )
+
+
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How one run of ``score_packed_across_ranks`` scores and caches, made once and handed on whole.
+
+    Each field is the ``score_across_ranks`` keyword of the same name (and default): ``cache_path``
+    (the cache's base path; ``None``: no cache), ``reference_fingerprint`` (the identity of a
+    reference without ``fingerprint()``), ``cache_tag`` (what the values depend on besides the
+    weights and the data), ``progress``, ``shard_unit`` (datums kept together on one rank),
+    ``cached_only`` (never score: why the cache must hold the values), ``scoring_timeout`` and
+    ``datum_name`` (how an error names datum ``i``; ``None``: ``datum i``).
+
+    ``ReferenceConfig`` is what the user sets; these are what one run needs, some resolved from it
+    (``ReferenceConfig.scoring_options``) and some known only to the run: the cache's path (the
+    directory and the trainer's root), the tag (a policy's precision), a DPO pair's two sequences
+    kept together, a resumed run's ``cached_only``.
+
+    Example:
+        >>> ScoringOptions(cache_path="cache/ref.npz", shard_unit=2).cache_tag
+        'model'
+    """
+
+    cache_path: str | None = None
+    reference_fingerprint: str | None = None
+    cache_tag: str = "model"
+    progress: bool = True
+    shard_unit: int = 1
+    cached_only: str | None = None
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT
+    datum_name: Callable[[int], str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cache_path is not None:
+            object.__setattr__(self, "cache_path", os.fspath(self.cache_path))
