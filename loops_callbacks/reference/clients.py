@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -33,7 +34,7 @@ from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_bat
 from loops_callbacks.types import ModelInput
 from loops_callbacks.validation import check_dtype, check_int
 
-__all__ = ["SamplingClient", "TorchSamplingClient", "check_token_ids"]
+__all__ = ["SamplingClient", "TorchClientSettings", "TorchSamplingClient", "check_token_ids", "frozen_copy"]
 
 
 @runtime_checkable
@@ -73,6 +74,48 @@ def _check_device(device: Any) -> torch.device | None:
 
 def _check_budget(max_tokens_per_batch: Any) -> int | None:
     return None if max_tokens_per_batch is None else check_int("max_tokens_per_batch", max_tokens_per_batch, least=1)
+
+
+@dataclass(frozen=True)
+class TorchClientSettings:
+    """Where and how a ``TorchSamplingClient`` scores, checked once and handed on whole (see its Args).
+
+    ``device`` and ``dtype`` may be given as names; they are kept as ``torch.device`` /
+    ``torch.dtype`` (``None``: where and how the model is). A bad value is a ``ValueError`` (or
+    ``TypeError``) naming it.
+
+    Example:
+        >>> settings = TorchClientSettings(device="cpu", dtype="bfloat16")
+        >>> settings.device, settings.dtype, settings.max_tokens_per_batch
+        (device(type='cpu'), torch.bfloat16, None)
+    """
+
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    max_tokens_per_batch: int | None = None
+    output_head: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _check_device(self.device))
+        object.__setattr__(self, "dtype", _check_dtype(self.dtype))
+        _check_budget(self.max_tokens_per_batch)
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` in eval mode with ``requires_grad_(False)``; ``module`` itself is untouched.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> copy_ = frozen_copy(layer)
+        >>> copy_ is layer, copy_.training, layer.weight.requires_grad
+        (False, False, True)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    frozen = copy.deepcopy(module)
+    frozen.eval()
+    frozen.requires_grad_(False)
+    return frozen
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -211,35 +254,55 @@ class TorchSamplingClient(ScorerClient):
         max_tokens_per_batch: int | None = None,
         output_head: bool = True,
     ) -> None:
+        _check_model(model)
+        settings = TorchClientSettings(
+            device=device, dtype=dtype, max_tokens_per_batch=max_tokens_per_batch, output_head=output_head
+        )
+        self._set_up(model, settings)
+
+    @classmethod
+    def from_settings(
+        cls, model: nn.Module | Callable[[torch.Tensor], Any], settings: TorchClientSettings
+    ) -> TorchSamplingClient:
+        """The client over ``model`` (used in place) with ``settings`` made and checked already.
+
+        Example:
+            >>> import torch
+            >>> settings = TorchClientSettings(max_tokens_per_batch=64)
+            >>> client = TorchSamplingClient.from_settings(torch.nn.Sequential(torch.nn.Embedding(5, 5)), settings)
+            >>> client.settings is settings, client.max_tokens_per_batch
+            (True, 64)
+        """
+        _check_model(model)
+        client = cls.__new__(cls)
+        client._set_up(model, settings)
+        return client
+
+    def _set_up(self, model: nn.Module | Callable[[torch.Tensor], Any], settings: TorchClientSettings) -> None:
         is_module = isinstance(model, nn.Module)
-        if not is_module and not callable(model):
-            raise TypeError(
-                f"model must be a torch.nn.Module or a callable fn(input_ids) -> logits, got {type(model).__name__}"
-            )
-        target_device = _check_device(device)
-        target_dtype = _check_dtype(dtype)
-        budget = _check_budget(max_tokens_per_batch)
-        if not is_module and target_dtype is not None:
+        if not is_module and settings.dtype is not None:
             raise ValueError(
-                f"dtype={dtype!r} cannot cast a plain callable reference; cast its model yourself, or pass the nn.Module"
+                f"dtype={str(settings.dtype).removeprefix('torch.')!r} cannot cast a plain callable reference; cast "
+                "its model yourself, or pass the nn.Module"
             )
-        if is_module and (target_device is not None or target_dtype is not None):
-            model.to(device=target_device, dtype=target_dtype)
+        if is_module and (settings.device is not None or settings.dtype is not None):
+            model.to(device=settings.device, dtype=settings.dtype)
         self.model = model
+        self.settings = settings
         if is_module:
-            self.device = target_device if target_device is not None else _module_device(model)
-            self.dtype: torch.dtype | None = target_dtype if target_dtype is not None else _module_dtype(model)
+            self.device = settings.device if settings.device is not None else _module_device(model)
+            self.dtype: torch.dtype | None = settings.dtype if settings.dtype is not None else _module_dtype(model)
             self.vocab_size = _find_vocab_size(model)
         else:
-            self.device = target_device if target_device is not None else torch.device("cpu")
+            self.device = settings.device if settings.device is not None else torch.device("cpu")
             self.dtype = None
             self.vocab_size = None
         self.scorer = TokenScorer(
             model,
             model=model if is_module else None,
             device=self.device,
-            max_tokens_per_batch=budget,
-            output_head=output_head,
+            max_tokens_per_batch=settings.max_tokens_per_batch,
+            output_head=settings.output_head,
             vocab_size=self.vocab_size,
         )
 
@@ -273,7 +336,8 @@ class TorchSamplingClient(ScorerClient):
         ``device`` when given; later training of ``module`` does not change it, and ``module``
         itself is untouched. The local analogue of Tinker's ``save_weights_and_get_sampling_client``.
         It costs a second copy of the weights: the default reference of ``DPODataModule`` is the
-        policy itself instead (``loops_callbacks.reference.policy``).
+        policy itself instead (``loops_callbacks.reference.policy``). The keywords are checked once,
+        as one ``TorchClientSettings``, before the copy is made: ``from_settings(frozen_copy(module), settings)``.
 
         Example:
             >>> import torch
@@ -282,21 +346,10 @@ class TorchSamplingClient(ScorerClient):
             >>> reference.model is policy, reference.dtype, next(policy.parameters()).dtype
             (False, torch.float64, torch.float32)
         """
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        target_device = _check_device(device)
-        target_dtype = _check_dtype(dtype)
-        _check_budget(max_tokens_per_batch)
-        frozen = copy.deepcopy(module)
-        frozen.eval()
-        frozen.requires_grad_(False)
-        return cls(
-            frozen,
-            device=target_device,
-            dtype=target_dtype,
-            max_tokens_per_batch=max_tokens_per_batch,
-            output_head=output_head,
-        )
+        settings = TorchClientSettings(
+            device=device, dtype=dtype, max_tokens_per_batch=max_tokens_per_batch, output_head=output_head
+        )  # checked before the copy
+        return cls.from_settings(frozen_copy(module), settings)
 
     def __repr__(self) -> str:
         name = type(self.model).__name__ if isinstance(self.model, nn.Module) else getattr(self.model, "__name__", "callable")
@@ -344,6 +397,13 @@ class TorchSamplingClient(ScorerClient):
         """
         check_token_ids(packed, self.vocab_size)
         return self.scorer.score(packed, progress=progress, lockstep=lockstep)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise TypeError(
+            f"model must be a torch.nn.Module or a callable fn(input_ids) -> logits, got {type(model).__name__}"
+        )
 
 
 def _find_vocab_size(model: nn.Module) -> int | None:

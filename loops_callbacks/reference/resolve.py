@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
+from loops_callbacks.reference.clients import SamplingClient, TorchClientSettings, TorchSamplingClient, frozen_copy
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.policy import PolicyReference
 
-__all__ = ["load_reference_checkpoint", "resolve_reference"]
+__all__ = ["load_reference_checkpoint", "local_settings", "resolve_reference"]
 
 
 def resolve_reference(
@@ -54,7 +54,6 @@ def resolve_reference(
         'TorchSamplingClient'
     """
     config = config if config is not None else ReferenceConfig()
-    options = {"dtype": config.scoring_dtype, "device": device, "max_tokens_per_batch": config.max_tokens_per_batch}
     if reference is None:
         if lightning_module is None:
             raise ValueError(
@@ -65,14 +64,27 @@ def resolve_reference(
     if isinstance(reference, (str, os.PathLike)):
         return load_reference_checkpoint(reference, lightning_module, config=config, device=device)
     if isinstance(reference, nn.Module):
-        return TorchSamplingClient.snapshot(reference, **options)
+        return TorchSamplingClient.from_settings(frozen_copy(reference), local_settings(config, device))
     if isinstance(reference, SamplingClient) or callable(getattr(reference, "compute_logprobs_batch", None)):
         return reference
     if callable(reference):
-        return TorchSamplingClient(reference, **options)
+        return TorchSamplingClient.from_settings(reference, local_settings(config, device))
     raise TypeError(
         "reference must be a SamplingClient, an nn.Module, a callable fn(input_ids) -> logits, a checkpoint path "
         f"or None, got {type(reference).__name__}"
+    )
+
+
+def local_settings(config: ReferenceConfig, device: str | torch.device | None = None) -> TorchClientSettings:
+    """What a local (torch) reference scores with: ``config``'s ``scoring_dtype`` and ``max_tokens_per_batch``,
+    on ``device``.
+
+    Example:
+        >>> local_settings(ReferenceConfig(scoring_dtype="bfloat16", max_tokens_per_batch=512), "cpu")
+        TorchClientSettings(device=device(type='cpu'), dtype=torch.bfloat16, max_tokens_per_batch=512, output_head=True)
+    """
+    return TorchClientSettings(
+        device=device, dtype=config.scoring_dtype, max_tokens_per_batch=config.max_tokens_per_batch
     )
 
 
@@ -110,10 +122,8 @@ def load_reference_checkpoint(
             f"reference checkpoint {path!r} is neither a Lightning checkpoint (with 'state_dict') nor a state dict "
             f"of tensors (got {type(state_dict).__name__})"
         )
-    config = config if config is not None else ReferenceConfig()
-    client = TorchSamplingClient.snapshot(
-        lightning_module, dtype=config.scoring_dtype, device=device, max_tokens_per_batch=config.max_tokens_per_batch
-    )
+    settings = local_settings(config if config is not None else ReferenceConfig(), device)
+    client = TorchSamplingClient.from_settings(frozen_copy(lightning_module), settings)
     expected = set(client.model.state_dict())
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
