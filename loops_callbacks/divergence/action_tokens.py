@@ -51,7 +51,11 @@ class FlatBatch:
     ``active`` marks the positions that count (mask > 0, advantage != 0 where advantages are
     given, both logprobs finite); ``counted`` the positions that pass the first two rules, so
     ``counted & ~active`` are the masked-in positions dropped for a missing or non-finite
-    logprob. ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
+    logprob. ``masked_in`` marks the positions with mask > 0 whatever their advantage, and
+    ``advantage_nan`` those of them whose advantage is NaN (read as 0, so not counted); both are
+    ``None`` when the batch has no advantages (``masked_in`` is then ``counted``), and both stay on
+    the batch's device: the statistics count them, and the count reaches the host with the rest.
+    ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
     ``token_ids`` is the id of the token predicted at each position (``target_tokens``, else the
     next ``model_input`` / ``input_ids`` id; negative where unknown), for the per-token-id sums of
     the diagnosis; ``None`` when the batch has no token ids.
@@ -68,6 +72,8 @@ class FlatBatch:
     lags: torch.Tensor | None = None  # int64 [B], each datum's policy lag (``step_input``); None: no versions
     groups: torch.Tensor | None = None  # int64 [B], each datum's group id (>= 0); None: no groups
     datum_advantages: torch.Tensor | None = None  # float64 [B], one advantage per datum; None: not read
+    masked_in: torch.Tensor | None = None  # bool [L], mask > 0; None: no advantages (then ``counted``)
+    advantage_nan: torch.Tensor | None = None  # bool [L], masked in with a NaN advantage; None: no advantages
 
     @property
     def n_datums(self) -> int:
@@ -116,6 +122,8 @@ class FlatBatch:
             None if self.lags is None else self.lags[first:end],
             None if self.groups is None else self.groups[first:end],
             None if self.datum_advantages is None else self.datum_advantages[first:end],
+            None if self.masked_in is None else self.masked_in[start:stop],
+            None if self.advantage_nan is None else self.advantage_nan[start:stop],
         )
 
 
@@ -258,7 +266,7 @@ def flatten_datums(
         sampler=_cat(samplers).to(device),
         trainer=trainer_flat.to(device),
         mask=_cat(masks).to(device),
-        advantage_ok=_advantage_ok_rows(advantages, row_lengths, device),
+        advantage=_advantage_rows(advantages, row_lengths, device),
         row_lengths=row_lengths.to(device),
         tokens=DatumTokens(data) if with_tokens else None,
         token_ids=None if token_rows is None else _cat(token_rows).to(device=device, dtype=torch.int64),
@@ -295,7 +303,7 @@ def flatten_padded(
             )
     batch, width = shape
     device = training_logprobs.device
-    advantage_ok = None
+    advantage = None
     if advantages is not None:
         if not isinstance(advantages, torch.Tensor):
             raise TypeError(f"'advantages' must be a tensor, got {type(advantages).__name__}")
@@ -305,7 +313,8 @@ def flatten_padded(
             raise ValueError(
                 f"'advantages' has shape {tuple(advantages.shape)}; expected {tuple(shape)} or ({batch},)"
             )
-        advantage_ok = _nonzero_advantage(advantages.detach().to(device)).expand(batch, width).reshape(-1)
+        flags = _advantage_flags(advantages.detach().to(device))
+        advantage = (flags[0].expand(batch, width).reshape(-1), flags[1].expand(batch, width).reshape(-1))
     token_ids = None
     if target_tokens is not None:
         token_ids = target_tokens.detach().reshape(-1).to(device=device, dtype=torch.int64)
@@ -322,7 +331,7 @@ def flatten_padded(
         sampler=sampler_logprobs.detach().reshape(-1).to(device),
         trainer=training_logprobs.detach().reshape(-1),
         mask=mask.detach().reshape(-1).to(device),
-        advantage_ok=advantage_ok,
+        advantage=advantage,
         row_lengths=torch.full((batch,), width, dtype=torch.int64, device=device),
         tokens=tokens,
         token_ids=token_ids,
@@ -334,20 +343,28 @@ def _build(
     sampler: torch.Tensor,
     trainer: torch.Tensor,
     mask: torch.Tensor,
-    advantage_ok: torch.Tensor | None,
+    advantage: tuple[torch.Tensor, torch.Tensor] | None,
     row_lengths: torch.Tensor,
     tokens: TokenLookup | None,
     token_ids: torch.Tensor | None = None,
 ) -> FlatBatch:
+    """The ``FlatBatch``; ``advantage``: (non-zero, NaN) per position (``_advantage_flags``), ``None`` without any."""
     # d = trainer - sampler in float64 (each value widened exactly). A float64 difference of two
     # logprobs is finite exactly when both are (float32 inputs cannot overflow it), so one
     # finiteness test covers both.
     diff = trainer.to(torch.float64, copy=True).sub_(sampler.to(torch.float64))  # same-dtype sub_ is vectorized
-    counted = mask > 0
-    if advantage_ok is not None:
-        counted &= advantage_ok
+    masked_in = mask > 0
+    counted, advantage_nan = masked_in, None
+    if advantage is not None:
+        nonzero, nan = advantage
+        counted = masked_in & nonzero
+        advantage_nan = masked_in & nan
     active = counted & (diff.abs() < float("inf"))  # isfinite, in fewer passes
-    return FlatBatch(sampler, trainer, diff, active, counted, row_lengths, tokens, token_ids)
+    return FlatBatch(
+        sampler, trainer, diff, active, counted, row_lengths, tokens, token_ids,
+        masked_in=None if advantage is None else masked_in,
+        advantage_nan=advantage_nan,
+    )
 
 
 def _predicted_ids(target: Any, model_input: Any, length: int, *, where: str) -> torch.Tensor:
@@ -375,27 +392,37 @@ def _unpad_rows(padded: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor
     return padded.reshape(-1).index_select(0, index.to(padded.device))
 
 
-def _nonzero_advantage(advantage: torch.Tensor) -> torch.Tensor:
-    """Where the advantage is non-zero; ``None`` (read as NaN) counts as 0."""
-    return (advantage != 0) & ~torch.isnan(advantage)
+def _advantage_flags(advantage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(non-zero, NaN) of each advantage: a NaN advantage (``None`` is read as NaN) counts as 0.
+
+    Example:
+        >>> [flags.tolist() for flags in _advantage_flags(torch.tensor([1.0, 0.0, float("nan")]))]
+        [[True, False, False], [False, False, True]]
+    """
+    nan = torch.isnan(advantage)
+    return (advantage != 0) & ~nan, nan
 
 
-def _advantage_ok_rows(
+def _advantage_rows(
     advantages: list[torch.Tensor | None], row_lengths: torch.Tensor, device: torch.device
-) -> torch.Tensor | None:
-    """Per position: the datum has no advantages, or its advantage there is non-zero."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per position, ``_advantage_flags`` of its datum's advantage (non-zero for a datum without
+    advantages); ``None`` when no datum has advantages."""
     if all(a is None for a in advantages):
         return None
     lengths = row_lengths.tolist()
     if all(a is not None and a.shape[0] == 1 for a in advantages):  # one value per row: the common RL case
-        per_row = _nonzero_advantage(_cat(advantages).to(device))
-        return torch.repeat_interleave(per_row, row_lengths.to(device), output_size=sum(lengths))
+        repeats = row_lengths.to(device)
+        return tuple(  # type: ignore[return-value]
+            torch.repeat_interleave(flags, repeats, output_size=sum(lengths))
+            for flags in _advantage_flags(_cat(advantages).to(device))
+        )
     ones = torch.ones(1)
     rows = [
         (ones if a is None else a).expand(n) if (a is None or a.shape[0] == 1) else a
         for a, n in zip(advantages, lengths)
     ]
-    return _nonzero_advantage(_cat(rows).to(device))
+    return _advantage_flags(_cat(rows).to(device))
 
 
 def _cat(rows: list[torch.Tensor]) -> torch.Tensor:

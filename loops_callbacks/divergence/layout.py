@@ -4,9 +4,9 @@ Every total (a sum or a count) and every extremum of ``DivergenceStats`` is one 
 in ``STATISTICS``: its name, how two batches' values combine (``"sum"`` or ``"max"``, minima
 stored negated), and whether the reduction across ranks carries each rank's value (``per_rank``:
 summed in rank order, bit for bit as a merge, and read per rank for the datum offsets and the
-sample's allocation) or only their sum (the diagnosis' sums). A new statistic is one declaration
-here plus its formula in ``statistics.DivergenceStats.from_batch``; merging, the reduction
-across ranks and the host transfer follow from the declaration.
+sample's allocation) or only their sum (the diagnosis' sums, the advantage counts). A new
+statistic is one declaration here plus its formula in ``statistics.DivergenceStats.from_batch``;
+merging, the reduction across ranks and the host transfer follow from the declaration.
 
 A monitor may declare more statistics of its own (``ExtraStatistics``: the shadow statistics of
 its corrections, ``shadow.shadow_statistics``); they are packed by name the same way, their sums
@@ -112,6 +112,9 @@ STATISTICS = (
     _total("sum_abs_d_first_actions", per_rank=False),  # |d| over them
     _total("n_later_actions", per_rank=False),  # each datum's action tokens from the LATER_ACTIONS_FROM-th on (0-based)
     _total("sum_abs_d_later_actions", per_rank=False),  # |d| over them: with the two above, the context fade
+    # Only their sum is read (the monitor's warning), so they ride in the body too; always counted:
+    _total("n_masked_in", per_rank=False),  # positions with mask > 0, whatever their advantage
+    _total("n_advantage_nan", per_rank=False),  # of those, with a NaN advantage (read as 0: not action tokens)
     _extremum("max_d"),
     _extremum("neg_min_d"),
     _extremum("max_seq_mean_d"),
@@ -132,7 +135,8 @@ TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
 PER_RANK_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and s.per_rank)
 """Totals whose every rank's value the reduction gathers (its header)."""
 SUMMED_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and not s.per_rank)
-"""Totals the reduction only sums (its body): the diagnosis' sums, so the per-rank header stays small."""
+"""Totals the reduction only sums (its body): the diagnosis' sums and the advantage counts, so the per-rank
+header stays small."""
 
 TOKEN_BUCKETS = 1024
 """Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,

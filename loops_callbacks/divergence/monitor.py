@@ -36,13 +36,13 @@ from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION
 from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
-from loops_callbacks.divergence.report import StepReport, step_report
+from loops_callbacks.divergence.report import StepReport, nan_advantages_message, step_report
 from loops_callbacks.divergence.run_history import RunHistory, Verdict
 from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
-from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, read_step
+from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, key_label, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check_bool, check_int
@@ -150,9 +150,10 @@ class KLSampleTrainMonitor(Callback):
     returned dict first, then in the batch):
 
     * Padded form: ``logprobs`` (sampler, ``[B, T]``), ``mask`` (``[B, T]``, 1.0 on action
-      tokens), optional ``advantages`` (``[B, T]`` or ``[B]``), ``target_tokens``, ``input_ids``,
-      and ``training_logprobs`` ``[B, T]`` (position k holds the logprob of the token predicted
-      at k)::
+      tokens), optional ``advantages`` (``[B, T]`` or ``[B]``; a NaN advantage counts as 0, said
+      once per run with how many masked-in positions of the logged step had one, every rank and
+      device together), ``target_tokens``, ``input_ids``, and ``training_logprobs`` ``[B, T]``
+      (position k holds the logprob of the token predicted at k)::
 
           def training_step(self, batch, batch_idx):
               logprobs = self.token_logprobs(batch["input_ids"], batch["target_tokens"])
@@ -370,6 +371,7 @@ class KLSampleTrainMonitor(Callback):
         self._deliver(trainer, report, shadow, step)
         self._remember(report, step)
         self._warn_about_inputs(report, step)
+        self._warn_about_advantages(host, step)
         self._warn_about_groups(host, step)
         self._act(trainer, report, step)
         self._last_flat = None
@@ -484,6 +486,17 @@ class KLSampleTrainMonitor(Callback):
                 self.warnings.warn(
                     problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
                 )
+
+    def _warn_about_advantages(self, host: HostDivergence, step: int) -> None:
+        """Say once per run that advantages held NaN on masked-in positions (``report.nan_advantages_message``).
+
+        Counted on each rank's device with the statistics and read from the reduced totals, so a NaN on
+        any rank, on any device, is said (by rank 0) without a host read of its own.
+        """
+        key = f"advantages_nan:{self.keys['advantages']}"
+        message = nan_advantages_message(host.totals, key_label(self.keys, "advantages"))
+        if message is not None and not self.warnings.said(key):
+            self.warnings.warn(key, f"KLSampleTrainMonitor, step {step}: {message}")
 
     def _warn_about_groups(self, host: HostDivergence, step: int) -> None:
         """Say once per run that group ids beyond ``max_groups`` are pooled as ``group_other``, and that

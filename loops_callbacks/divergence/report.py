@@ -35,7 +35,7 @@ from loops_callbacks.divergence.metrics import scalar_metrics
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import HostDivergence
 
-__all__ = ["StepReport", "step_report"]
+__all__ = ["StepReport", "nan_advantages_message", "step_report"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,26 @@ def _likely_cause(
     if problems:
         return Diagnosis.impossible_inputs(problems.values())
     return diagnose(signatures, n_tokens=n_tokens, **context)
+
+
+def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | None:
+    """What to say about advantages holding NaN on masked-in positions (``n_advantage_nan``), from a
+    step's totals (every micro-batch and rank together); ``None`` when there are none.
+
+    ``label`` names the advantages key (``step_input.key_label``).
+
+    Example:
+        >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]
+        "'advantages' holds NaN on 2 of the 30 masked-in positions (mask > 0) of the step, all ranks together"
+        >>> nan_advantages_message({"n_advantage_nan": 0.0, "n_masked_in": 30.0}, "'advantages'") is None
+        True
+    """
+    n_nan = totals["n_advantage_nan"]
+    if not n_nan > 0:
+        return None
+    return (
+        f"{label} holds NaN on {int(n_nan)} of the {int(totals['n_masked_in'])} masked-in positions (mask > 0) of "
+        "the step, all ranks together; a NaN advantage counts as 0, so those tokens are not action tokens: the "
+        "monitor's numbers leave them out, and a correction that needs advantages reads each datum's without them "
+        "(0 where none is left)"
+    )

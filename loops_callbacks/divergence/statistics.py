@@ -229,12 +229,14 @@ class DivergenceStats:
             "n_trainer_above_zero": torch.count_nonzero(trainer > LOGPROB_CEILING),
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
+            **_advantage_counts(flat),
         }
         if signatures:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
         else:
-            # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS)
-            sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
+            # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS) not counted above
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            sums.update({name: zero for name in SIGNATURE_TOTALS if name not in sums})
         # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
         k3 = is_ratio.sub_(1.0).sub_(d) if strata is None else (is_ratio - 1.0).sub_(d)
         if valid is not None:
@@ -406,6 +408,27 @@ class DivergenceStats:
             sample_values=self.sample_values.index_select(0, keep),
             sample_keys=self.sample_keys.index_select(0, keep),
         )
+
+
+def _advantage_counts(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """The masked-in positions and those of them with a NaN advantage (``FlatBatch.advantage_nan``),
+    counted on the batch's device; without advantages the masked-in positions are the counted ones.
+
+    Example:
+        >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+        >>> flat = flatten_padded(sampler_logprobs=torch.zeros(1, 3), training_logprobs=torch.zeros(1, 3),
+        ...                       mask=torch.tensor([[0.0, 1.0, 1.0]]),
+        ...                       advantages=torch.tensor([[float("nan"), float("nan"), 1.0]]))
+        >>> {name: int(count) for name, count in _advantage_counts(flat).items()}
+        {'n_masked_in': 2, 'n_advantage_nan': 1}
+    """
+    if flat.masked_in is None or flat.advantage_nan is None:
+        n_counted = torch.count_nonzero(flat.counted)
+        return {"n_masked_in": n_counted, "n_advantage_nan": torch.zeros_like(n_counted)}
+    return {
+        "n_masked_in": torch.count_nonzero(flat.masked_in),
+        "n_advantage_nan": torch.count_nonzero(flat.advantage_nan),
+    }
 
 
 def _signature_sums(

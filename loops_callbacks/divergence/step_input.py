@@ -20,7 +20,8 @@ optimizer steps (a version ahead of the trainer cannot be: it is read as lag 0, 
 Monitoring never stops training over these keys: a value the strata cannot use (None, empty, 2-D,
 bools, a wrong count, a non-integer) is a warning (once per run and problem, naming the key, what
 was given, the datum and the micro-batch's size) and that family is off for the step. Advantages
-holding NaN are said once per run: the key, how many of how many, the first datum.
+holding NaN are not read here: ``FlatBatch.advantage_nan`` marks them, the statistics count them on
+the batch's device, and the monitor says so from the step's totals of every rank.
 
 Example:
     >>> import torch
@@ -52,7 +53,7 @@ from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS
 from loops_callbacks.fields import datum_loss_fn_inputs, field_length, field_to_tensor
 from loops_callbacks.run_warnings import RunWarnings
 
-__all__ = ["DATA_KEYS", "data_keys", "read_step"]
+__all__ = ["DATA_KEYS", "data_keys", "key_label", "read_step"]
 
 DATA_KEYS = (
     "data",
@@ -114,12 +115,12 @@ def read_step(
     use is a warning through ``warnings`` (once per run and problem), never an error
     (``_per_datum_groups``, ``_per_datum_lags``). ``datum_advantages`` reads one advantage per datum
     (``FlatBatch.datum_advantages``, for a correction that needs them; ``_datum_advantages``).
-    Advantages holding NaN where the mask counts are said once per run (``_warn_nan_advantages``).
+    Advantages holding NaN where the mask counts are marked in ``FlatBatch.advantage_nan`` (counted
+    with the statistics and said by the monitor from the reduced totals, so no host read here).
     """
     say = warnings if warnings is not None else RunWarnings()
     step = _Step(outputs, batch, keys)
     flat, data = _read_positions(step, with_tokens, with_token_ids)
-    _warn_nan_advantages(step, data, say)
     if datum_advantages:
         flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat, say))
     if optimizer_step is None:
@@ -231,97 +232,6 @@ def _bools_in(value: Any) -> str | None:
         if found:
             return f"{value[found[0]]!r} at index {found[0]}"
     return None
-
-
-def _warn_nan_advantages(step: _Step, data: Sequence[Any] | None, say: RunWarnings) -> None:
-    """Say once per run that the step's advantages hold NaN: the key, how many of how many, the first datum.
-
-    A NaN advantage counts as 0 (``action_tokens``): its tokens are not action tokens, so the
-    monitor's numbers leave them out, and a correction reads the datum's advantage without them
-    (0 for a datum with none left). Counted where the mask counts (NaN on padding is no one's
-    advantage), per datum for one value per datum. Read where it is free: lists and CPU tensors;
-    advantages on an accelerator are not read here (that would synchronize the host).
-    """
-    key = step.keys["advantages"]
-    if say.said(f"advantages_nan:{key}"):
-        return
-    found = _nan_advantages(step, data)
-    if found is None:
-        return
-    n_nan, n_values, first, per_datum = found
-    label = _label(step, "advantages")
-    if per_datum:
-        where = f"for {n_nan} of the {n_values} datums (one value per datum), the first at datum {first}"
-        left_out = "those datums' tokens are not action tokens"
-    else:
-        mask = step.keys["mask"] if data is None else "mask"
-        where = f"on {n_nan} of the {n_values} masked-in positions ({mask!r} > 0), the first in datum {first}"
-        left_out = "those tokens are not action tokens"
-    say.warn(
-        f"advantages_nan:{key}",
-        f"KLSampleTrainMonitor: {label} holds NaN {where}; a NaN advantage counts as 0, so {left_out}: the "
-        "monitor's numbers leave them out, and a correction that needs advantages reads each datum's without "
-        "them (0 where none is left)",
-    )
-
-
-def _nan_advantages(step: _Step, data: Sequence[Any] | None) -> tuple[int, int, int, bool] | None:
-    """(NaN count, values counted, first datum with a NaN, whether one value per datum) of the step's
-    advantages; ``None`` without a NaN, or where they are not read (an accelerator, a form the step's
-    reading rejects or says elsewhere)."""
-    value = step.get("advantages")
-    if data is None or value is not None:
-        mask = step.get("mask") if data is None else None
-        if not isinstance(value, torch.Tensor) or _on_accelerator(value) or not value.is_floating_point():
-            return None
-        if value.dim() == 2 and isinstance(mask, torch.Tensor) and mask.shape == value.shape:
-            if _on_accelerator(mask):
-                return None
-            return _nan_count(value.detach().isnan() & (mask.detach() > 0), mask.detach() > 0)
-        if value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1):
-            nan = value.detach().reshape(-1, 1).isnan()
-            return _nan_count(nan, torch.ones_like(nan), per_datum=True)
-        return None
-    key = step.keys["advantages"]
-    rows = []
-    for i, datum in enumerate(data):
-        field = datum_loss_fn_inputs(datum, index=i).get(key, [0.0])
-        try:
-            row = field_to_tensor(_as_row(field), where=f"datum {i}, key {key!r}").detach()
-        except (TypeError, ValueError):  # said where the step is read
-            return None
-        if _on_accelerator(row):
-            return None
-        rows.append(row.isnan() if row.is_floating_point() else torch.zeros(row.shape, dtype=torch.bool))
-    if not rows or not torch.cat(rows).any():
-        return None  # the common case: the masks are not read
-    if all(row.numel() == 1 for row in rows):
-        nan = torch.cat(rows).reshape(-1, 1)
-        return _nan_count(nan, torch.ones_like(nan), per_datum=True)
-    masks = [
-        field_to_tensor(datum_loss_fn_inputs(datum, index=i)["mask"], where=f"datum {i}, key 'mask'").cpu() > 0
-        for i, datum in enumerate(data)
-    ]
-    if any(row.numel() not in (1, mask.numel()) for row, mask in zip(rows, masks)):
-        return None  # the step's reading says this
-    width = max(mask.numel() for mask in masks)
-    padded_nan = torch.zeros(len(rows), width, dtype=torch.bool)
-    padded_mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (row, mask) in enumerate(zip(rows, masks)):  # per datum, as the datums were read
-        padded_mask[i, : mask.numel()] = mask
-        padded_nan[i, : mask.numel()] = row.expand(mask.numel()) & mask
-    return _nan_count(padded_nan, padded_mask)
-
-
-def _nan_count(
-    nan: torch.Tensor, counted: torch.Tensor, *, per_datum: bool = False
-) -> tuple[int, int, int, bool] | None:
-    """(NaN count, counted values, first row with a NaN, ``per_datum``) of bool ``[B, W]`` ``nan`` within
-    ``counted``; ``None`` without a NaN."""
-    rows = torch.nonzero(nan.any(dim=1))
-    if not rows.numel():
-        return None
-    return int(nan.sum()), int(counted.sum()), int(rows[0, 0]), per_datum
 
 
 def _no_advantages(problem: str, flat: FlatBatch, key: str, say: RunWarnings) -> torch.Tensor:
@@ -532,10 +442,19 @@ def _unusable_message(text: str, name: str, n_datums: int, *, given: str = "") -
     )
 
 
-def _label(step: _Step, name: str) -> str:
-    """The key as the user gave it, and which name it stands for when ``keys=`` renamed it."""
-    key = step.keys[name]
+def key_label(keys: Mapping[str, str], name: str) -> str:
+    """The key of ``name`` as the user gave it, and which name it stands for when ``keys=`` renamed it.
+
+    Example:
+        >>> key_label(data_keys({"advantages": "adv"}), "advantages"), key_label(data_keys(None), "mask")
+        ("'adv' (the advantages key)", "'mask'")
+    """
+    key = keys[name]
     return f"{key!r}" if key == name else f"{key!r} (the {name} key)"
+
+
+def _label(step: _Step, name: str) -> str:
+    return key_label(step.keys, name)
 
 
 def _per_datum_given(

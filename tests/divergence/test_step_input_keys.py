@@ -2,8 +2,10 @@
 
 Monitoring never stops training over ``policy_version`` or ``group``: a value the strata cannot
 use is one warning that names the key, what was given (its type or shape, the datum) and the
-batch size expected, and says what the monitor does instead. Advantages holding NaN are said
-with how many of how many and the first datum. The caller's data is never modified.
+batch size expected, and says what the monitor does instead. Advantages holding NaN are not read
+here: the batch marks them (``FlatBatch.advantage_nan``), the statistics count them, and the
+monitor says how many of how many masked-in positions from the step's totals
+(``report.nan_advantages_message``). The caller's data is never modified.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import pytest
 import torch
 
 from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.step_input import data_keys, read_step
+from loops_callbacks.divergence.report import nan_advantages_message
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.step_input import data_keys, key_label, read_step
 from loops_callbacks.run_warnings import RunWarnings
 
 B, T, STEP = 3, 4, 5
@@ -149,11 +153,19 @@ def test_usable_keys_are_read_without_a_word() -> None:
 NAN = float("nan")
 
 
-def test_nan_per_datum_advantages_are_counted_with_their_first_datum() -> None:
+def nan_said(flat: FlatBatch, keys: dict[str, str] | None = None) -> str:
+    """What the monitor says about NaN advantages from the statistics of ``flat`` (empty: nothing)."""
+    host = DivergenceStats.from_batch(flat).to_host()
+    return nan_advantages_message(host.totals, key_label(data_keys(keys), "advantages")) or ""
+
+
+def test_nan_per_datum_advantages_are_counted_on_their_datums_positions() -> None:
     advantages = torch.tensor([1.0, NAN, -1.0])
     kept = advantages.clone()
-    flat, message = one_warning(padded(advantages=advantages), datum_advantages=True)
-    assert "'advantages' holds NaN for 1 of the 3 datums (one value per datum), the first at datum 1" in message
+    flat, said = read(padded(advantages=advantages), datum_advantages=True)
+    assert said == []  # not read on the host: counted with the statistics
+    message = nan_said(flat)
+    assert f"'advantages' holds NaN on {T} of the {B * T} masked-in positions (mask > 0) of the step" in message
     assert "not action tokens" in message, message
     assert int(flat.counted.sum()) == 2 * T  # datum 1's tokens are not counted, as the warning says
     assert flat.datum_advantages.tolist() == [1.0, 0.0, -1.0]  # read as 0, as said
@@ -168,32 +180,28 @@ def test_nan_per_token_advantages_count_masked_in_positions_only() -> None:
     mask[0, 0] = 0.0
     output, batch = padded(advantages=advantages)
     batch["mask"] = mask
-    _, message = one_warning((output, batch))
-    assert f"'advantages' holds NaN on 2 of the {B * T - 1} masked-in positions ('mask' > 0), the first in datum 2" in (
-        message
-    ), message
+    flat, said = read((output, batch))
+    assert said == []
+    assert f"'advantages' holds NaN on 2 of the {B * T - 1} masked-in positions (mask > 0)" in nan_said(flat)
     only_masked_out = torch.ones(B, T)
     only_masked_out[0, 0] = NAN
     output, batch = padded(advantages=only_masked_out)
     batch["mask"] = mask
-    assert read((output, batch))[1] == []
+    assert nan_said(read((output, batch))[0]) == ""
 
 
 def test_nan_advantages_of_datums_and_a_renamed_key_are_said() -> None:
-    flat, message = one_warning(datums(advantages=[[1.0], [NAN], [None]]), datum_advantages=True)
-    assert "'advantages' holds NaN for 2 of the 3 datums (one value per datum), the first at datum 1" in message
+    flat, _ = read(datums(advantages=[[1.0], [NAN], [None]]), datum_advantages=True)
+    assert f"'advantages' holds NaN on {2 * T} of the {B * T} masked-in positions (mask > 0)" in nan_said(flat)
     assert int(flat.counted.sum()) == T and flat.datum_advantages.tolist() == [1.0, 0.0, 0.0]
     per_position = [[1.0] * T, [1.0, NAN, 1.0, 1.0], [1.0] * T]
-    flat, message = one_warning(datums(advantages=per_position), datum_advantages=True)
-    assert f"'advantages' holds NaN on 1 of the {B * T} masked-in positions ('mask' > 0), the first in datum 1" in (
-        message
-    )
+    flat, _ = read(datums(advantages=per_position), datum_advantages=True)
+    assert f"'advantages' holds NaN on 1 of the {B * T} masked-in positions (mask > 0)" in nan_said(flat)
     assert int(flat.counted.sum()) == B * T - 1 and flat.datum_advantages.tolist() == [1.0, 1.0, 1.0]
-    renamed = padded(adv=torch.tensor([NAN, 1.0, 2.0]))
-    _, message = one_warning(renamed, {"advantages": "adv"})
-    assert "'adv' (the advantages key) holds NaN for 1 of the 3 datums (one value per datum), the first at datum 0" in (
-        message
-    ), message
+    renamed = {"advantages": "adv"}
+    flat, _ = read(padded(adv=torch.tensor([NAN, 1.0, 2.0])), renamed)
+    message = nan_said(flat, renamed)
+    assert f"'adv' (the advantages key) holds NaN on {T} of the {B * T} masked-in positions (mask > 0)" in message
 
 
 def test_bool_advantages_are_not_read_as_numbers_by_a_correction() -> None:
