@@ -63,6 +63,34 @@ def test_no_host_sync_until_to_host() -> None:
     assert stats.to_host().totals["n_action_tokens"] > 0
 
 
+def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
+    """The monitor's path (``read_step``, then the statistics) counts NaN advantages on the device; the
+    count reaches the host with the rest in ``to_host``, and equals the CPU's."""
+    from loops_callbacks.divergence.step_input import data_keys, read_step
+
+    batch = padded_batch("cuda")
+    advantages = batch["advantages"][:, None].expand_as(batch["mask"]).clone()
+    advantages[0] = float("nan")
+    advantages[1, ::3] = float("nan")
+    batch["advantages"] = advantages
+    output = {"training_logprobs": batch.pop("training_logprobs")}
+    step = {"logprobs": batch.pop("sampler_logprobs"), **batch}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flat = read_step(output, step, data_keys(None))
+        stats = DivergenceStats.from_batch(flat, top_n=20)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = stats.to_host()
+    want = int((advantages.isnan() & (batch["mask"] > 0)).sum())
+    cpu = DivergenceStats.from_batch(read_step(
+        {k: v.cpu() for k, v in output.items()}, {k: v.cpu() for k, v in step.items()}, data_keys(None)
+    )).to_host()
+    assert 0 < want == host.totals["n_advantage_nan"] == cpu.totals["n_advantage_nan"]
+    assert host.totals["n_masked_in"] == cpu.totals["n_masked_in"] == int((batch["mask"] > 0).sum())
+
+
 def test_loops_functions_on_cuda_tensors() -> None:
     from loops_callbacks import loops_compute_kl_sample_train
     from loops_callbacks.divergence.action_tokens import flatten_datums
