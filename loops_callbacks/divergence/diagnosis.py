@@ -23,17 +23,18 @@ cause              signature (the rule, checked in this order)                 c
                    unrelated distributions; not when per-lag numbers show
                    every datum current or a gap flat across lags
 ``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
-``context``        context_fade >= 1.5: |d| on each datum's first action      how far above 1.5
-                   tokens is 1.5x or more |d| on its later ones (the two
-                   sides conditioned on different prompts: a template, BOS
-                   or system-prompt difference, or a prompt prefix / KV
-                   cache computed under older weights); at any gap size
 ``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
                    the slope of t on s >= 0.95 (T < 1 has a slope of T)
 ``temperature``    Pearson >= 0.97 and |slope of t on s − 1| >= 0.15 (the     |slope − 1|, sign_split
                    slope estimates T, on flat distributions too), or
                    sign_split >= 0.9 (d of one sign on p > 0.5, the other on
                    p < 0.1)
+``context``        context_fade >= 1.5: |d| on each datum's first action      how far above 1.5
+                   tokens is 1.5x or more |d| on its later ones of the
+                   same sampler probability (the two sides conditioned on
+                   different prompts: a template, BOS or system-prompt
+                   difference, or a prompt prefix / KV cache computed under
+                   older weights); at any gap size
 ``precision``      k3 below the precision bound                               how far below the bound
 ``stale``          token identity explains d: token_eta2 >= 0.1, unless a     token_eta2
                    mild temperature could explain it too (Pearson >= 0.95,
@@ -110,7 +111,7 @@ DROPOUT = "dropout"
 CONTEXT = "context"
 """The cause named when the gap is concentrated on the completions' first tokens (``context_fade``)."""
 CAUSES = (
-    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", CONTEXT, "truncation", "temperature", "precision", "stale",
+    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", CONTEXT, "precision", "stale",
     "unclear",
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
@@ -328,8 +329,6 @@ def _statistical_cause(
         return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
-    if get("context_fade") >= CONTEXT_FADE:  # at any size: a context difference can move d as little as bf16 does
-        return found(CONTEXT, (get("context_fade") - CONTEXT_FADE) / CONTEXT_FADE, "context_fade", "kl_sample_train_k3")
     slope = get("temperature")
     if (
         get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE
@@ -344,6 +343,8 @@ def _statistical_cause(
         return found("temperature", margin, "temperature", "pearson", "sd_ratio")
     if get("sign_split") >= SIGN_SPLIT:
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
+    if get("context_fade") >= CONTEXT_FADE:  # at any size: a context difference can move d as little as bf16 does
+        return found(CONTEXT, (get("context_fade") - CONTEXT_FADE) / CONTEXT_FADE, "context_fade", "kl_sample_train_k3")
     if k3 < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(k3, 1e-300))
         evidence_numbers = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}

@@ -31,9 +31,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from loops_callbacks.divergence.strata import PROBABILITY_STRATA
 from loops_callbacks.divergence.token_context import CONTEXT_AFTER, CONTEXT_BEFORE
 
 __all__ = [
+    "CONTEXT_KINDS",
+    "CONTEXT_TOTALS",
     "EXTREMA",
     "ExtraStatistics",
     "PER_RANK_TOTALS",
@@ -45,6 +48,7 @@ __all__ = [
     "TOTAL_INDEX",
     "Packing",
     "Statistic",
+    "context_total",
     "pack_named",
 ]
 
@@ -64,6 +68,21 @@ def _total(name: str, *, per_rank: bool = True) -> Statistic:
 
 def _extremum(name: str) -> Statistic:
     return Statistic(name, "max", per_rank=True)
+
+
+def context_total(kind: str, bucket: int) -> str:
+    """The name of a context-fade total: ``kind`` one of ``CONTEXT_KINDS``, ``bucket`` a sampler-probability bucket.
+
+    Example:
+        >>> context_total("n_first", 0)
+        'n_first_actions_p_lt_0.01'
+    """
+    return f"{kind}_actions_{PROBABILITY_STRATA[bucket]}"
+
+
+CONTEXT_KINDS = ("n_first", "sum_abs_d_first", "n_later", "sum_abs_d_later")
+"""What the context fade keeps per sampler-probability bucket (``statistics``' ``_context_sums``)."""
+CONTEXT_TOTALS = tuple(context_total(kind, bucket) for kind in CONTEXT_KINDS for bucket in range(len(PROBABILITY_STRATA)))
 
 
 STATISTICS = (
@@ -108,10 +127,9 @@ STATISTICS = (
     _total("sum_abs_d_pairs", per_rank=False),  # over those pairs: |d[k]| + |d[k+1]|
     _total("sum_abs_shift_next", per_rank=False),  # |t[k] - s[k+1]|: the sampler's value one position later
     _total("sum_abs_shift_prev", per_rank=False),  # |t[k+1] - s[k]|: the sampler's value one position earlier
-    _total("n_first_actions", per_rank=False),  # each datum's first FIRST_ACTIONS action tokens
-    _total("sum_abs_d_first_actions", per_rank=False),  # |d| over them
-    _total("n_later_actions", per_rank=False),  # each datum's action tokens from the LATER_ACTIONS_FROM-th on (0-based)
-    _total("sum_abs_d_later_actions", per_rank=False),  # |d| over them: with the two above, the context fade
+    # the context fade, per sampler-probability bucket (strata.PROBABILITY_STRATA): tokens and |d| on each
+    # datum's first FIRST_ACTIONS action tokens, and on those from the LATER_ACTIONS_FROM-th on (0-based)
+    *(_total(name, per_rank=False) for name in CONTEXT_TOTALS),
     # Only their sum is read (the monitor's warning), so they ride in the body too; always counted:
     _total("n_masked_in", per_rank=False),  # positions with mask > 0, whatever their advantage
     _total("n_advantage_nan", per_rank=False),  # of those, with a NaN advantage (read as 0: not action tokens)

@@ -19,8 +19,10 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``kl_sample_train_k3``  mean(e^d − 1 − d)
 ``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
 ``context_fade``        mean |d| on each datum's first 4 action tokens over mean |d| on its action tokens from the 9th
-                        on (NaN with fewer than 64 of either): well above 1 when the two sides conditioned on
-                        different prompts (template, BOS, a prefix cache from old weights), about 1 for noise
+                        on, within each sampler-probability bucket (``strata.PROBABILITY_EDGES``; their geometric
+                        mean, NaN with fewer than 64 tokens compared): well above 1 when the two sides conditioned
+                        on different prompts (template, BOS, a prefix cache from old weights), about 1 for noise,
+                        temperature and truncation even where the first tokens are harder to predict
 ``offset``              the offset most rows vote for (``alignment``; o > 0: t[k] matches s[k + o]), 0 when aligned
 ``offset_share``        the share of rows voting for it
 ``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
@@ -54,8 +56,10 @@ import math
 import numpy as np
 
 from loops_callbacks.divergence.alignment import read_offsets
+from loops_callbacks.divergence.layout import context_total
 from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3
 from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.strata import PROBABILITY_STRATA
 
 __all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
 
@@ -85,7 +89,9 @@ SIGNATURES = (
 
 _NAN = float("nan")
 CONTEXT_MIN_TOKENS = 64
-"""Fewest first and later action tokens (each) for a ``context_fade``."""
+"""Fewest compared tokens (the buckets' weights together) for a ``context_fade``."""
+CONTEXT_BUCKET_MIN_TOKENS = 16
+"""Fewest first and later action tokens (each) for a sampler-probability bucket to count in it."""
 
 
 def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -> dict[str, float]:
@@ -175,11 +181,21 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
 
 
 def _context_fade(totals: dict[str, float]) -> float:
-    """Mean |d| on the datums' first action tokens over mean |d| on their later ones (module docstring)."""
-    first, later = totals["n_first_actions"], totals["n_later_actions"]
-    if first < CONTEXT_MIN_TOKENS or later < CONTEXT_MIN_TOKENS:
-        return _NAN
-    return _ratio(totals["sum_abs_d_first_actions"] / first, totals["sum_abs_d_later_actions"] / later)
+    """Mean |d| on the datums' first action tokens over mean |d| on their later ones, compared within
+    each sampler-probability bucket: the geometric mean of the buckets' ratios, each weighted by the
+    smaller of its two token counts (module docstring). NaN below ``CONTEXT_MIN_TOKENS`` of weight."""
+    weighted_logs = weight = 0.0
+    for bucket in range(len(PROBABILITY_STRATA)):
+        first, later = totals[context_total("n_first", bucket)], totals[context_total("n_later", bucket)]
+        if first < CONTEXT_BUCKET_MIN_TOKENS or later < CONTEXT_BUCKET_MIN_TOKENS:
+            continue
+        first_mean = totals[context_total("sum_abs_d_first", bucket)] / first
+        later_mean = totals[context_total("sum_abs_d_later", bucket)] / later
+        if first_mean > 0 and later_mean > 0:  # an exact match on one side leaves nothing to compare
+            share = min(first, later)
+            weighted_logs += share * math.log(first_mean / later_mean)
+            weight += share
+    return math.exp(weighted_logs / weight) if weight >= CONTEXT_MIN_TOKENS else _NAN
 
 
 def _share(part: float, whole: float) -> float:

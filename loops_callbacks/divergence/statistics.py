@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.layout import (
+    CONTEXT_KINDS,
     EXTREMA,
     ROW,
     TOKEN_BUCKETS,
@@ -49,12 +51,13 @@ from loops_callbacks.divergence.layout import (
     TOTALS,
     ExtraStatistics,
     Packing,
+    context_total,
     pack_named,
 )
 from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
 from loops_callbacks.divergence.shadow import shadow_statistics, shadow_values
-from loops_callbacks.divergence.strata import COLUMNS, Strata, StratumSums, by_lag
+from loops_callbacks.divergence.strata import COLUMNS, PROBABILITY_EDGES, Strata, StratumSums, by_lag
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
 
@@ -499,30 +502,37 @@ def _shift_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def _context_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]:
-    """|d| summed over each datum's first ``FIRST_ACTIONS`` action tokens and over its action tokens
-    from the ``LATER_ACTIONS_FROM``-th on (0-based), with their counts: a gap that fades along the
-    completion (``signatures``' ``context_fade``). ``abs_d`` as in ``_shift_sums``.
+    """Tokens and |d| on each datum's first ``FIRST_ACTIONS`` action tokens and on its action tokens
+    from the ``LATER_ACTIONS_FROM``-th on (0-based), per sampler-probability bucket
+    (``strata.PROBABILITY_EDGES``): the context fade (``signatures``), compared within a bucket so
+    that a completion whose first tokens are harder to predict does not read as a fade.
+    ``abs_d`` as in ``_shift_sums``.
 
     Example:
         >>> from loops_callbacks.divergence.action_tokens import flatten_padded
-        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8])
+        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8])  # the sampler gives p = 1 (bucket p >= 0.9)
         >>> flat = flatten_padded(sampler_logprobs=torch.zeros(1, 12), training_logprobs=d, mask=torch.ones(1, 12))
         >>> sums = _context_sums(flat, flat.diff.abs())
-        >>> [round(float(sums[name]), 3) for name in sorted(sums)]
-        [4.0, 4.0, 1.6, 0.4]
+        >>> [round(float(sums[f"{kind}_actions_p_ge_0.9"]), 3) for kind in CONTEXT_KINDS]
+        [4.0, 1.6, 4.0, 0.4]
     """
     seen = torch.cumsum(flat.active, 0, dtype=torch.int64)  # action tokens up to and including k
     starts = torch.cumsum(flat.row_lengths, 0) - flat.row_lengths
     before = torch.cat([seen.new_zeros(1), seen])[starts]  # action tokens before each datum
     rank = seen - 1 - torch.repeat_interleave(before, flat.row_lengths, output_size=seen.numel())
-    first = flat.active & (rank < FIRST_ACTIONS)
-    later = flat.active & (rank >= LATER_ACTIONS_FROM)
-    return {
-        "n_first_actions": torch.count_nonzero(first),
-        "sum_abs_d_first_actions": torch.dot(abs_d, first.to(torch.float64)),
-        "n_later_actions": torch.count_nonzero(later),
-        "sum_abs_d_later_actions": torch.dot(abs_d, later.to(torch.float64)),
-    }
+    buckets = len(PROBABILITY_EDGES) + 1
+    edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=abs_d.device)
+    bucket = torch.bucketize(flat.sampler.to(torch.float64), edges, right=True)
+    sums: dict[str, torch.Tensor] = {}
+    for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
+        chosen = chosen & flat.active
+        slot = torch.where(chosen, bucket, buckets)  # everything else in one extra slot, dropped
+        counts = abs_d.new_zeros(buckets + 1).index_add_(0, slot, chosen.to(torch.float64))
+        totals = abs_d.new_zeros(buckets + 1).index_add_(0, slot, abs_d * chosen)
+        for index in range(buckets):
+            sums[context_total(f"n_{part}", index)] = counts[index]
+            sums[context_total(f"sum_abs_d_{part}", index)] = totals[index]
+    return sums
 
 
 def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, compact: bool) -> torch.Tensor:

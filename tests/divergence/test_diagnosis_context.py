@@ -10,8 +10,10 @@ import torch
 
 from loops_callbacks.divergence.action_tokens import flatten_padded
 from loops_callbacks.divergence.diagnosis import CONTEXT, diagnose
+from loops_callbacks.divergence.layout import CONTEXT_KINDS, context_total
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import FIRST_ACTIONS, LATER_ACTIONS_FROM, DivergenceStats
+from loops_callbacks.divergence.strata import PROBABILITY_STRATA
 from tests.divergence.test_diagnosis import host_of
 
 B, T, V = 64, 24, 14
@@ -85,7 +87,9 @@ def test_first_and_later_action_tokens_are_counted_per_datum_from_its_own_first_
     mask[3, 9:] = 1.0
     d = torch.arange(4 * width, dtype=torch.float32).reshape(4, width) / 100
     flat = flatten_padded(sampler_logprobs=torch.zeros(4, width), training_logprobs=-d, mask=mask)
-    totals = DivergenceStats.from_batch(flat).to_host().totals
+    host = DivergenceStats.from_batch(flat).to_host().totals
+    totals = {kind: sum(host[context_total(kind, bucket)] for bucket in range(len(PROBABILITY_STRATA)))
+              for kind in CONTEXT_KINDS}
     first = later = 0
     sum_first = sum_later = 0.0
     for row in range(4):  # the definition, one token at a time
@@ -96,6 +100,26 @@ def test_first_and_later_action_tokens_are_counted_per_datum_from_its_own_first_
                 first, sum_first = first + 1, sum_first + value
             if rank >= LATER_ACTIONS_FROM:
                 later, sum_later = later + 1, sum_later + value
-    assert (totals["n_first_actions"], totals["n_later_actions"]) == (first, later) == (12, 9)
-    assert math.isclose(totals["sum_abs_d_first_actions"], sum_first, rel_tol=1e-6)
-    assert math.isclose(totals["sum_abs_d_later_actions"], sum_later, rel_tol=1e-6)
+    assert (totals["n_first"], totals["n_later"]) == (first, later) == (12, 9)
+    assert math.isclose(totals["sum_abs_d_first"], sum_first, rel_tol=1e-6)
+    assert math.isclose(totals["sum_abs_d_later"], sum_later, rel_tol=1e-6)
+
+
+def test_a_temperature_on_completions_whose_first_tokens_are_harder_is_not_a_context_difference() -> None:
+    """Where the first tokens are less predictable (flatter distributions), a one-sided temperature moves
+    them more: |d| alone fades along the completion, but not among tokens of the same sampler probability."""
+    g = torch.Generator().manual_seed(1)
+    trainer_logits = 0.3 * torch.randn(B * 4, T, V, generator=g)
+    trainer_logits[..., 0] += torch.linspace(2.0, 6.0, T)  # one likely token: p about 0.35 first, 0.97 later
+    sampler_lp = torch.log_softmax(trainer_logits / 0.8, -1)
+    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B * 4, T)
+    sampler = sampler_lp.gather(-1, tokens[..., None])[..., 0]
+    trainer = torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0]
+    d = (trainer - sampler).abs()
+    assert d[:, :FIRST_ACTIONS].mean() > 1.5 * d[:, LATER_ACTIONS_FROM:].mean()  # the unstratified ratio would say context
+    host = DivergenceStats.from_batch(
+        flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=torch.ones(B * 4, T))
+    ).to_host()
+    sig = signature_numbers(host)
+    assert sig["context_fade"] < 1.3
+    assert diagnose(sig, n_tokens=host.totals["n_action_tokens"]).cause != CONTEXT
