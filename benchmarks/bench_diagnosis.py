@@ -27,8 +27,10 @@ most that many optimizer steps behind (a gap below precision noise).
 recall, and per named cause its precision): the tuning one above (these faults, seeds 0-2), then
 one per held-out set of ``heldout_faults.py`` (``--heldout-sets``), a generator that shares no code
 with the demo (a Hugging Face GPT-2, flat and peaked, sampled by ``generate``; see its docstring):
-set 1, "seen" (the rules were designed looking at it), and set 2, "held out" (never tuned on: it
-differs from set 1 in seed, vocabulary, chain, lengths, model size, learning rate and faults).
+set 1, "seen" (the rules were designed looking at it); set 2, "seen" (it differs from set 1 in
+seed, vocabulary, chain, lengths, model size, learning rate and faults; it was held out for one
+rule change, the context fade, whose failures on it shaped the next); set 3, "held out" (never
+tuned on, different again).
 Each held-out fault is replayed through a tiny Lightning run with ``KLSampleTrainMonitor``, so
 every held-out step goes through the monitor as it is (its calibration, and whatever it reads from
 the batch and the module: the per-datum ``policy_version``, the trainer model's dropout modules in
@@ -183,7 +185,11 @@ older name) or "context" (a gap concentrated on each completion's first tokens).
 HELDOUT_ACCEPTED = {**ACCEPTED, "none": ("none", "precision")}
 """On the held-out sets "none" is Hugging Face generate at fp32: its KV-cached decoding differs from
 the trainer's full forward by float rounding on some tokens, so "precision" is right there too."""
-HELDOUT_LABELS = {1: "seen (rules were designed looking at it)", 2: "held out (never tuned on)"}
+HELDOUT_LABELS = {
+    1: "seen (rules were designed looking at it)",
+    2: "seen (held out for one rule change, then looked at)",
+    3: "held out (never tuned on)",
+}
 """What each held-out set is to the diagnosis' rules."""
 
 

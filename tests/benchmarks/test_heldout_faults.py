@@ -144,19 +144,35 @@ def test_set_2_differs_from_set_1_in_every_setting() -> None:
     assert repeated == ["fp32 generate, raw", "bf16 sampler, processed", "offset -1", "template: extra BOS"]
 
 
-def test_every_set_2_fault_makes_steps_of_the_set_shapes() -> None:
+def test_set_3_differs_from_sets_1_and_2_in_every_generation_setting() -> None:
+    third = hf.SETS[3]
+    settings = third.generation_settings()
+    for earlier in (ORIGINAL, FRESH):
+        before = earlier.generation_settings()
+        assert third.seed != earlier.seed
+        assert [k for k in before if before[k] == settings[k]] == ["n_head"], earlier.name
+    seen = {dataclasses.replace(f, name="") for f in (*ORIGINAL.faults, *FRESH.faults)}
+    repeated = [f.name for f in third.faults if dataclasses.replace(f, name="") in seen]
+    # the healthy engines and five fault settings of set 1, on another model, chain and seed
+    assert repeated == ["fp32 generate, raw", "bf16 sampler, raw", "bf16 + offset +2", "offset -3",
+                        "completion-only, left-aligned", "template: extra BOS", "dropout 0.1 in the trainer"]
+
+
+@pytest.mark.parametrize("number", [2, 3])
+def test_every_fault_of_sets_2_and_3_makes_steps_of_the_set_shapes(number: int) -> None:
     torch.set_num_threads(1)
-    weights = hf.trainer_trajectory(FRESH, "flat", 2, pretrain_steps=1)
-    assert weights[0]["transformer.wte.weight"].shape == (FRESH.vocab, FRESH.n_embd)
-    assert sum(1 for k in weights[0] if k.endswith("attn.c_attn.weight")) == FRESH.n_layer
-    for fault in FRESH.faults:
-        steps = hf.generate_fault_steps(FRESH, "flat", fault, steps=2, batch=2, trajectory=weights)
+    heldout_set = hf.SETS[number]
+    weights = hf.trainer_trajectory(heldout_set, "flat", 2, pretrain_steps=1)
+    assert weights[0]["transformer.wte.weight"].shape == (heldout_set.vocab, heldout_set.n_embd)
+    assert sum(1 for k in weights[0] if k.endswith("attn.c_attn.weight")) == heldout_set.n_layer
+    for fault in heldout_set.faults:
+        steps = hf.generate_fault_steps(heldout_set, "flat", fault, steps=2, batch=2, trajectory=weights)
         for step in steps:
             width = step["input_ids"].shape[1]
-            assert width + 1 - FRESH.completion in FRESH.prompt_lengths, fault.name
+            assert width + 1 - heldout_set.completion in heldout_set.prompt_lengths, fault.name
             assert step["logprobs"].shape == step["training_logprobs"].shape == step["mask"].shape == (2, width)
-            assert torch.equal(step["mask"].sum(1), torch.full((2,), float(FRESH.completion))), fault.name
-            assert int(step["input_ids"].max()) < FRESH.vocab and step["dropout_p"] == fault.dropout
+            assert torch.equal(step["mask"].sum(1), torch.full((2,), float(heldout_set.completion))), fault.name
+            assert int(step["input_ids"].max()) < heldout_set.vocab and step["dropout_p"] == fault.dropout
             assert step["sampler_dtype"] == fault.sampler_dtype and step["trainer_training"] == fault.trainer_dropout
         assert [s["truth"] for s in steps] == [("none" if fault.cause == "stale" else fault.cause), fault.cause]
 
