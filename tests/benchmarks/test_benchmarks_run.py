@@ -25,7 +25,7 @@ def test_bench_diagnosis_runs_and_prints_its_confusion_table(tmp_path: Path) -> 
     assert "Per fault setting (named cause: steps):" in done.stdout
 
 
-def test_bench_diagnosis_tables_prints_the_tuning_and_both_held_out_tables(tmp_path: Path) -> None:
+def test_bench_diagnosis_tables_prints_the_tuning_and_every_held_out_table(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_diagnosis.py"), "--tables", "--quick",
@@ -35,20 +35,23 @@ def test_bench_diagnosis_tables_prints_the_tuning_and_both_held_out_tables(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert out.startswith("CPU: "), out[:300]
-    tuning, seen, held_out = out.split("\nHeld-out set ")
+    tuning, seen, seen_after, held_out = out.split("\nHeld-out set ")
     assert seen.startswith("1, seen (rules were designed looking at it)"), seen[:300]
-    assert held_out.startswith("2, held out (never tuned on)"), held_out[:300]
-    for table, cause in ((tuning, "seeded cause"), (seen, "true cause"), (held_out, "true cause")):
+    assert seen_after.startswith("2, seen (held out for one rule change, then looked at)"), seen_after[:300]
+    assert held_out.startswith("3, held out (never tuned on)"), held_out[:300]
+    for table, cause in ((tuning, "seeded cause"), (seen, "true cause"), (seen_after, "true cause"),
+                         (held_out, "true cause")):
         assert f"| {cause} | impossible_inputs | none |" in table, table[-3000:]
         assert "Precision when a cause is named (right / named):" in table
-    for heldout in (seen, held_out):
+    for heldout in (seen, seen_after, held_out):
         for row in ("| temperature |", "| stale |", "| stale (prefix cache) |", "| shift |", "| template |",
                     "| dropout |"):
             assert row in heldout, heldout[-3000:]
     assert "peaked: stale prefix KV cache (4 steps):" in seen and "flat: completion-only, left-aligned:" in seen
-    assert "peaked: stale prefix KV cache (2 steps):" in held_out
-    assert "flat: template: a token inserted after BOS:" in held_out
-    assert [p.suffix for p in cache.iterdir()] == [".pt"] * 4  # one file per set and variant, in the given folder
+    assert "peaked: stale prefix KV cache (2 steps):" in seen_after
+    assert "flat: template: a token inserted after BOS:" in seen_after
+    assert "peaked: stale prefix KV cache (3 steps):" in held_out and "flat: offset +6:" in held_out
+    assert [p.suffix for p in cache.iterdir()] == [".pt"] * 6  # one file per set and variant, in the given folder
 
 
 def test_bench_correction_demo_runs_and_prints_the_comparison(tmp_path: Path) -> None:
