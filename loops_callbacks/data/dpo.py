@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -233,8 +232,7 @@ def check_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> Packe
     the two prompts (the tokens up to the first weighted prediction) are the same.
 
     A missing ``target_tokens`` is the next tokens (last 0); a datum without ``weights`` is kept,
-    listed in ``without_weights`` (a batch refuses it, naming it). ``data`` is not modified. The
-    pairs record that they were checked (``checked_prompts``): ``check_packed_pairs`` does not check them again.
+    listed in ``without_weights`` (a batch refuses it, naming it). ``data`` is not modified.
 
     Example:
         >>> pairs = check_dpo_pairs([*dpo_pair_datums([1, 2, 3], [1, 4], 1)])
@@ -255,23 +253,21 @@ def check_dpo_pairs(data: Sequence[Any], *, check_prompts: bool = True) -> Packe
         if check_prompts and index % 2 and prompts[index - 1] is not None and prompt_length is not None:
             chosen, rejected = rows[index - 1]["input_ids"], row["input_ids"]
             _check_same_prompt(index // 2, chosen, rejected, prompts[index - 1], prompt_length)
-    return replace(PackedPairs.from_rows(rows, without_weights=tuple(without_weights)), checked_prompts=check_prompts)
+    return PackedPairs.from_rows(rows, without_weights=tuple(without_weights))
 
 
 def check_packed_pairs(pairs: PackedPairs, *, check_prompts: bool = True) -> PackedPairs:
     """``check_dpo_pairs``'s checks on pairs given packed (e.g. by a ``dpo_pairs()`` hook); ``pairs`` itself when
     they pass, else the same ``ValueError`` naming the pair and datum.
 
-    Pairs ``check_dpo_pairs`` made have passed these checks (``checked_prompts``) and are not checked again,
-    unless the prompts are to be compared now and were not then.
+    Every call checks: pairs ``check_dpo_pairs`` made are checked again (one vectorized pass, and a loop over the
+    pairs, not the tokens, for the prompts), since they may since have been replaced or edited in place.
 
     Example:
         >>> pairs = check_dpo_pairs(dpo_pair_datums([1, 2, 3], [1, 4], 1))
         >>> check_packed_pairs(pairs) is pairs
         True
     """
-    if pairs.checked_prompts is not None and (pairs.checked_prompts or not check_prompts):
-        return pairs
     _check_count(len(pairs))
     lengths = np.diff(pairs.offsets)
     total = int(pairs.offsets[-1])

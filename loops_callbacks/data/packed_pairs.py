@@ -43,8 +43,8 @@ class PackedPairs:
 
     ``ref_logprobs`` is ``None`` until scored; ``without_weights`` lists the sequences whose datum
     had no ``weights`` (their ``weights`` are 0 here; ``check_dpo_pairs`` accepts them, batches refuse them).
-    ``checked_prompts`` is ``None`` unless ``check_dpo_pairs`` made these pairs: then its ``check_prompts``,
-    so that ``check_packed_pairs`` does not check them again.
+    The pairs carry no mark of having been checked: they can be replaced or edited, so whoever needs them
+    checked checks them (``check_packed_pairs``).
     """
 
     input_ids: np.ndarray
@@ -53,7 +53,6 @@ class PackedPairs:
     ref_logprobs: np.ndarray | None
     offsets: np.ndarray
     without_weights: tuple[int, ...] = ()
-    checked_prompts: bool | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -136,7 +135,6 @@ class PackedPairs:
             **{key: getattr(self, key)[:stop] for key in BATCH_KEYS if getattr(self, key) is not None},
             offsets=self.offsets[: count + 1],
             without_weights=tuple(index for index in self.without_weights if index < count),
-            checked_prompts=None,  # a part of checked pairs need not be whole pairs
         )
 
     @classmethod
