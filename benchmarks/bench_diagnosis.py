@@ -38,12 +38,12 @@ train mode, with the fault's dropout p). The held-out steps are cached per set a
 ``--cache-dir`` (default: a folder in the system's temp dir).
 
 Which named cause is right (``ACCEPTED``): the cause itself, any offset for a shift, and for a
-template change ("template", "template, slight", the demo's "unrelated") "template", "unrelated" or
-"context" (the gap on each completion's first tokens). A stale prompt-prefix KV cache is stale
-weights whose gap sits on each completion's first tokens, as a template change's does, so its
-steps get their own row, "stale (prefix cache)", where "stale" and "context" are both right. That row is set here, from the
-fault (``truth_row``), not by the generator: the generator's cached steps keep the truth they were
-made with ("stale"), so a cache file written before stays valid and right.
+template change ("template", "template, slight", the demo's "unrelated") "template" or
+"unrelated". A stale prompt-prefix KV cache is stale weights whose gap sits on each completion's
+first tokens, as a template change's does, so its steps get their own row, "stale (prefix cache)",
+where "stale" is right. That row is set here, from the fault (``truth_row``), not by the
+generator: the generator's cached steps keep the truth they were made with ("stale"), so a cache
+file written before stays valid and right.
 """
 
 from __future__ import annotations
@@ -174,14 +174,14 @@ PREFIX_CACHE = "stale (prefix cache)"
 """The true-cause row of a stale prompt-prefix KV cache's stale steps (module docstring)."""
 ACCEPTED: dict[str, tuple[str, ...]] = {
     "shift": ("shift", "offset"),
-    "unrelated": ("unrelated", "template", "context"),
-    "template": ("template", "unrelated", "context"),
-    "template, slight": ("template", "unrelated", "context"),
-    PREFIX_CACHE: ("stale", "context"),
+    "unrelated": ("unrelated", "template"),
+    "template": ("template", "unrelated"),
+    "template, slight": ("template", "unrelated"),
+    PREFIX_CACHE: ("stale",),
 }
 """Named causes that are right for a true cause (the cause itself when not listed): an offset of
-any size is a shift; a template change may be named "template", "unrelated" (the template checks'
-older name) or "context" (a gap concentrated on each completion's first tokens)."""
+any size is a shift; a template change may be named "template" or "unrelated" (the template
+checks' name). A gap on each completion's first tokens is not named (it is "unclear" with the fade)."""
 HELDOUT_ACCEPTED = {**ACCEPTED, "none": ("none", "precision")}
 """On the held-out sets "none" is Hugging Face generate at fp32: its KV-cached decoding differs from
 the trainer's full forward by float rounding on some tokens, so "precision" is right there too."""

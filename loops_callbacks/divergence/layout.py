@@ -80,7 +80,7 @@ def context_total(kind: str, bucket: int) -> str:
     return f"{kind}_actions_{PROBABILITY_STRATA[bucket]}"
 
 
-CONTEXT_KINDS = ("n_first", "sum_abs_d_first", "n_later", "sum_abs_d_later")
+CONTEXT_KINDS = ("n_first", "sum_abs_d_first", "sum_d2_first", "n_later", "sum_abs_d_later", "sum_d2_later")
 """What the context fade keeps per sampler-probability bucket (``statistics``' ``_context_sums``)."""
 CONTEXT_TOTALS = tuple(context_total(kind, bucket) for kind in CONTEXT_KINDS for bucket in range(len(PROBABILITY_STRATA)))
 
@@ -127,7 +127,7 @@ STATISTICS = (
     _total("sum_abs_d_pairs", per_rank=False),  # over those pairs: |d[k]| + |d[k+1]|
     _total("sum_abs_shift_next", per_rank=False),  # |t[k] - s[k+1]|: the sampler's value one position later
     _total("sum_abs_shift_prev", per_rank=False),  # |t[k+1] - s[k]|: the sampler's value one position earlier
-    # the context fade, per sampler-probability bucket (strata.PROBABILITY_STRATA): tokens and |d| on each
+    # the context fade, per sampler-probability bucket (strata.PROBABILITY_STRATA): tokens, |d| and d² on each
     # datum's first FIRST_ACTIONS action tokens, and on those from the LATER_ACTIONS_FROM-th on (0-based)
     *(_total(name, per_rank=False) for name in CONTEXT_TOTALS),
     # Only their sum is read (the monitor's warning), so they ride in the body too; always counted:

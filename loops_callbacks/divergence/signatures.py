@@ -18,11 +18,13 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``rms_d``               sqrt(mean d²)
 ``kl_sample_train_k3``  mean(e^d − 1 − d)
 ``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
-``context_fade``        mean |d| on each datum's first 4 action tokens over mean |d| on its action tokens from the 9th
-                        on, within each sampler-probability bucket (``strata.PROBABILITY_EDGES``; their geometric
+``context_fade``        mean |d| on each datum's first ``FIRST_ACTIONS`` (4) action tokens over mean |d| on its
+                        action tokens from the ``LATER_ACTIONS_FROM``-th (8, 0-based) on, within each sampler-probability bucket (``strata.PROBABILITY_EDGES``; their geometric
                         mean, NaN with fewer than 64 tokens compared): well above 1 when the two sides conditioned
                         on different prompts (template, BOS, a prefix cache from old weights), about 1 for noise,
                         temperature and truncation even where the first tokens are harder to predict
+``context_fade_z``      the fade's log over its standard error (from the spread of |d| on each side): how far it is
+                        from what noise alone gives (about 0)
 ``offset``              the offset most rows vote for (``alignment``; o > 0: t[k] matches s[k + o]), 0 when aligned
 ``offset_share``        the share of rows voting for it
 ``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
@@ -80,6 +82,7 @@ SIGNATURES = (
     "kl_sample_train_k3",
     "sd_ratio",
     "context_fade",
+    "context_fade_z",
     "offset",
     "offset_share",
     "offset_ratio",
@@ -136,7 +139,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
         "rms_d": math.sqrt(t["sum_d2"] / n),
         "kl_sample_train_k3": kl_sample_train_k3(t),
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
-        "context_fade": _context_fade(t),
+        **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),
         **_offset_numbers(offsets),
     }
 
@@ -180,22 +183,32 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
     return 1.0 - (ss_within / (n - groups)) / (ss_total / (n - 1))
 
 
-def _context_fade(totals: dict[str, float]) -> float:
-    """Mean |d| on the datums' first action tokens over mean |d| on their later ones, compared within
-    each sampler-probability bucket: the geometric mean of the buckets' ratios, each weighted by the
-    smaller of its two token counts (module docstring). NaN below ``CONTEXT_MIN_TOKENS`` of weight."""
-    weighted_logs = weight = 0.0
+def _context_fade(totals: dict[str, float]) -> tuple[float, float]:
+    """The context fade and its z score (module docstring): per sampler-probability bucket the log
+    of mean |d| on the datums' first action tokens over mean |d| on their later ones, averaged with
+    weights (the smaller of the bucket's two token counts); z is that mean over its standard error
+    (each mean's from the spread of |d|, by the delta method). NaN below ``CONTEXT_MIN_TOKENS`` of
+    weight; a bucket with no gap on one side (mean |d| of 0) cannot say how much it fades and is left out."""
+    weighted_logs = weight = variance = 0.0
     for bucket in range(len(PROBABILITY_STRATA)):
         first, later = totals[context_total("n_first", bucket)], totals[context_total("n_later", bucket)]
         if first < CONTEXT_BUCKET_MIN_TOKENS or later < CONTEXT_BUCKET_MIN_TOKENS:
             continue
         first_mean = totals[context_total("sum_abs_d_first", bucket)] / first
         later_mean = totals[context_total("sum_abs_d_later", bucket)] / later
-        if first_mean > 0 and later_mean > 0:  # an exact match on one side leaves nothing to compare
-            share = min(first, later)
-            weighted_logs += share * math.log(first_mean / later_mean)
-            weight += share
-    return math.exp(weighted_logs / weight) if weight >= CONTEXT_MIN_TOKENS else _NAN
+        if not (first_mean > 0 and later_mean > 0):
+            continue
+        first_var = max(totals[context_total("sum_d2_first", bucket)] / first - first_mean**2, 0.0)
+        later_var = max(totals[context_total("sum_d2_later", bucket)] / later - later_mean**2, 0.0)
+        share = min(first, later)
+        weighted_logs += share * math.log(first_mean / later_mean)
+        weight += share
+        variance += share**2 * (first_var / (first * first_mean**2) + later_var / (later * later_mean**2))
+    if weight < CONTEXT_MIN_TOKENS:
+        return _NAN, _NAN
+    log_fade = weighted_logs / weight
+    spread = math.sqrt(variance) / weight
+    return math.exp(log_fade), (log_fade / spread if spread > 0 else math.copysign(math.inf, log_fade))
 
 
 def _share(part: float, whole: float) -> float:

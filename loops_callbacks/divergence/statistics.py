@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,7 +56,15 @@ from loops_callbacks.divergence.layout import (
 from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
 from loops_callbacks.divergence.shadow import shadow_statistics, shadow_values
-from loops_callbacks.divergence.strata import COLUMNS, PROBABILITY_EDGES, Strata, StratumSums, by_lag
+from loops_callbacks.divergence.strata import (
+    COLUMNS,
+    PROBABILITY_EDGES,
+    Strata,
+    StratumSums,
+    by_lag,
+    datums_and_ranks,
+    probability_buckets,
+)
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
 
@@ -236,6 +243,7 @@ class DivergenceStats:
         }
         if signatures:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
+            sums.update(_context_sums(flat, abs_d, sampler, row_counts, valid))
         else:
             # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS) not counted above
             zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -471,17 +479,12 @@ def _signature_sums(
         "n_p_low_d_neg": torch.count_nonzero(low & negative),
         "sum_abs_d_p_low": torch.dot(abs_d, low.to(torch.float64)),
     }
-    abs_flat = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the action tokens
-    sums.update(_shift_sums(flat, abs_flat))
-    sums.update(_context_sums(flat, abs_flat))
+    sums.update(_shift_sums(flat))
     return sums
 
 
-def _shift_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Over pairs (k, k+1) of active positions in one datum: sum |d| and the one-position-shifted gaps.
-
-    ``abs_d`` is |d| at every position of ``flat`` (0 where d is not finite).
-    """
+def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """Over pairs (k, k+1) of active positions in one datum: sum |d| and the one-position-shifted gaps."""
     length = flat.diff.shape[0]
     device = flat.diff.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -493,6 +496,7 @@ def _shift_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]
     s = flat.sampler.to(torch.float64)
     t = flat.trainer.to(torch.float64)
     weight = pair.to(torch.float64)
+    abs_d = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the pairs
     return {
         "n_pairs": torch.count_nonzero(pair),
         "sum_abs_d_pairs": torch.dot(abs_d[:-1] + abs_d[1:], weight),
@@ -501,37 +505,37 @@ def _shift_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]
     }
 
 
-def _context_sums(flat: FlatBatch, abs_d: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Tokens and |d| on each datum's first ``FIRST_ACTIONS`` action tokens and on its action tokens
-    from the ``LATER_ACTIONS_FROM``-th on (0-based), per sampler-probability bucket
-    (``strata.PROBABILITY_EDGES``): the context fade (``signatures``), compared within a bucket so
-    that a completion whose first tokens are harder to predict does not read as a fade.
-    ``abs_d`` as in ``_shift_sums``.
+def _context_sums(
+    flat: FlatBatch, abs_d: torch.Tensor, sampler: torch.Tensor, row_counts: torch.Tensor, valid: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Tokens, |d| and d² on each datum's first ``FIRST_ACTIONS`` action tokens and on its action
+    tokens from the ``LATER_ACTIONS_FROM``-th on (0-based), per sampler-probability bucket
+    (``strata.PROBABILITY_EDGES``): the context fade and its significance (``signatures``), compared
+    within a bucket so that a completion whose first tokens are harder to predict does not read as a
+    fade. ``abs_d``, ``sampler`` and ``valid`` as in ``from_batch`` (the action tokens alone when
+    ``valid`` is None); ``row_counts`` the action tokens per datum.
 
     Example:
         >>> from loops_callbacks.divergence.action_tokens import flatten_padded
-        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8])  # the sampler gives p = 1 (bucket p >= 0.9)
+        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8], dtype=torch.float64)  # the sampler gives p = 1
         >>> flat = flatten_padded(sampler_logprobs=torch.zeros(1, 12), training_logprobs=d, mask=torch.ones(1, 12))
-        >>> sums = _context_sums(flat, flat.diff.abs())
-        >>> [round(float(sums[f"{kind}_actions_p_ge_0.9"]), 3) for kind in CONTEXT_KINDS]
-        [4.0, 1.6, 4.0, 0.4]
+        >>> sums = _context_sums(flat, d.abs()[0], torch.zeros(12), torch.tensor([12]), None)
+        >>> [round(float(sums[context_total(kind, 4)]), 3) for kind in CONTEXT_KINDS]
+        [4.0, 1.6, 0.64, 4.0, 0.4, 0.04]
     """
-    seen = torch.cumsum(flat.active, 0, dtype=torch.int64)  # action tokens up to and including k
-    starts = torch.cumsum(flat.row_lengths, 0) - flat.row_lengths
-    before = torch.cat([seen.new_zeros(1), seen])[starts]  # action tokens before each datum
-    rank = seen - 1 - torch.repeat_interleave(before, flat.row_lengths, output_size=seen.numel())
+    _, rank = datums_and_ranks(flat.active, flat.row_lengths, row_counts, compact=valid is None)
     buckets = len(PROBABILITY_EDGES) + 1
-    edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=abs_d.device)
-    bucket = torch.bucketize(flat.sampler.to(torch.float64), edges, right=True)
+    slots = probability_buckets(sampler)
+    per_token = {"n": torch.ones_like(abs_d), "sum_abs_d": abs_d, "sum_d2": abs_d * abs_d}
     sums: dict[str, torch.Tensor] = {}
     for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
-        chosen = chosen & flat.active
-        slot = torch.where(chosen, bucket, buckets)  # everything else in one extra slot, dropped
-        counts = abs_d.new_zeros(buckets + 1).index_add_(0, slot, chosen.to(torch.float64))
-        totals = abs_d.new_zeros(buckets + 1).index_add_(0, slot, abs_d * chosen)
-        for index in range(buckets):
-            sums[context_total(f"n_{part}", index)] = counts[index]
-            sums[context_total(f"sum_abs_d_{part}", index)] = totals[index]
+        if valid is not None:
+            chosen &= valid
+        slot = torch.where(chosen, slots, buckets)  # the others in one more slot, dropped
+        for name, values in per_token.items():
+            kind = f"{name}_{part}"
+            totals = abs_d.new_zeros(buckets + 1).index_add_(0, slot, values)
+            sums.update({context_total(kind, bucket): totals[bucket] for bucket in range(buckets)})
     return sums
 
 

@@ -50,7 +50,9 @@ __all__ = [
     "STRATUM_METRICS",
     "Strata",
     "StratumSums",
+    "datums_and_ranks",
     "lag_bucket",
+    "probability_buckets",
     "stratum_scalars",
 ]
 
@@ -68,6 +70,56 @@ LAG_LABELS = ("0", "1", "2", "3", "4-7", "8+")
 STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
 """The scalars logged per stratum with tokens: ``stratum/<name>/<metric>``."""
 DEFAULT_MAX_GROUPS = 8
+
+
+def datums_and_ranks(
+    active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each place's datum and its rank among its datum's action tokens (0: the datum's first).
+
+    ``compact``: the places are the action tokens alone, datum after datum (as ``from_batch``
+    selects them on the CPU); else every position of the flat batch (a place that is not an action
+    token gets the number of action tokens before it in its datum). ``active`` marks the action
+    tokens among the positions, ``row_lengths`` the positions and ``row_counts`` the action tokens
+    per datum. No host synchronization.
+
+    Example:
+        >>> active = torch.tensor([False, True, True, True, False, True])
+        >>> datum, rank = datums_and_ranks(active, torch.tensor([4, 2]), torch.tensor([3, 1]), compact=True)
+        >>> datum.tolist(), rank.tolist()
+        ([0, 0, 0, 1], [0, 1, 2, 0])
+    """
+    device = active.device
+    datum = torch.repeat_interleave(
+        torch.arange(row_lengths.numel(), device=device), row_lengths, output_size=active.numel()
+    )
+    if compact:
+        datum = datum[active]
+        first = torch.cumsum(row_counts, 0) - row_counts  # each datum's first action token
+        return datum, torch.arange(datum.numel(), device=device).sub_(first.index_select(0, datum))
+    rank = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
+    starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
+    rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
+    return datum, rank
+
+
+_LOG_PROBABILITY_EDGES: dict[torch.device, torch.Tensor] = {}
+
+
+def probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
+    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64.
+
+    The edges are made once per device, so that no step copies them from the host.
+
+    Example:
+        >>> probability_buckets(torch.log(torch.tensor([0.005, 0.05, 0.3, 0.7, 0.95]))).tolist()
+        [0, 1, 2, 3, 4]
+    """
+    edges = _LOG_PROBABILITY_EDGES.get(sampler.device)
+    if edges is None:
+        edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=sampler.device)
+        _LOG_PROBABILITY_EDGES[sampler.device] = edges
+    return torch.bucketize(sampler.to(torch.float64), edges, right=True)
 
 
 def lag_bucket(lags: torch.Tensor) -> torch.Tensor:
@@ -157,17 +209,7 @@ class Strata:
         """
         device = d.device
         trash = self.width
-        datum = torch.repeat_interleave(
-            torch.arange(row_lengths.numel(), device=device), row_lengths, output_size=active.numel()
-        )
-        if valid is None:  # the compact form: the action tokens, datum after datum
-            datum = datum[active]
-            first = torch.cumsum(row_counts, 0) - row_counts  # each datum's first action token
-            rank = torch.arange(datum.numel(), device=device).sub_(first.index_select(0, datum))
-        else:
-            rank = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
-            starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
-            rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
+        datum, rank = datums_and_ranks(active, row_lengths, row_counts, compact=valid is None)
         offsets = self.offsets
         weights = (k3, abs_d, is_ratio)
         if valid is not None:
@@ -186,8 +228,7 @@ class Strata:
             for row, weight in enumerate(weights, start=1):
                 out[row] += torch.bincount(index, weights=weight, minlength=trash + 1)
 
-        edges = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
-        add(torch.bucketize(sampler.to(torch.float64), edges, right=True).add_(offsets["p"]))
+        add(probability_buckets(sampler).add_(offsets["p"]))
         quartile = rank.mul_(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
         add(quartile.clamp_(max=3).add_(offsets["pos"]))
         del quartile, rank
