@@ -11,7 +11,8 @@ Protocol (both generators, as in a user's run): the monitor sees ``HEALTHY_STEPS
 logged steps of the same engine (the same sampler dtype, synced, full-distribution logprobs at
 temperature 1, aligned; the monitor's ``calibration_steps``) before the fault appears, and they
 are left out of the tables; a template change has none (a template bug is there from the first
-step). Here the seeded sampler faults start after ``--skip`` steps (``faults_from_step``); the
+step). A held-out healthy engine is its own healthy steps: its first ``HEALTHY_STEPS`` calibrate
+and are left out, so that no step is both calibrated on and counted. Here the seeded sampler faults start after ``--skip`` steps (``faults_from_step``); the
 sampler's dtype is the engine's from the start, and a stale sampler starts in sync and drifts.
 The first ``--skip`` steps are left out of every run: in the stale run the sampler is then at
 most that many optimizer steps behind (a gap below precision noise).
@@ -298,7 +299,10 @@ def heldout_counts(
         )
         for fault in heldout_set.faults:
             monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
-            prefix = healthy_prefix(data, fault, heldout_set)
+            # a healthy engine calibrates on its own first steps, which are then not counted (they were seen)
+            own = fault.cause != "template" and healthy_engine(heldout_set, fault.sampler_dtype) == fault
+            prefix = [] if own else healthy_prefix(data, fault, heldout_set)
+            uncounted = HEALTHY_STEPS if own else len(prefix)
             replayed = [*prefix, *(after_steps(step, len(prefix)) for step in data[fault.name])]
             with Recorder() as recorder:
                 _trainer(len(replayed), [monitor]).fit(ReplayModule(replayed, heldout_set, fault))
@@ -308,7 +312,7 @@ def heldout_counts(
                     f"{variant}: {fault.name}: {len(replayed)} steps replayed, {len(recorder.steps)} diagnosed"
                 )
             inputs |= recorder.inputs
-            for (named, _, _), truth in zip(recorder.steps[len(prefix):], truths):
+            for (named, _, _), truth in zip(recorder.steps[uncounted:], truths[uncounted - len(prefix):]):
                 table[truth][named] += 1
                 per_fault[f"{variant}: {fault.name}"][named] += 1
     return table, per_fault, inputs
