@@ -32,7 +32,7 @@ from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
 from loops_callbacks.types import ModelInput
-from loops_callbacks.validation import check_dtype, check_int
+from loops_callbacks.validation import check_bool, check_dtype, check_int
 
 __all__ = ["SamplingClient", "TorchClientSettings", "TorchSamplingClient", "check_token_ids", "frozen_copy"]
 
@@ -99,6 +99,7 @@ class TorchClientSettings:
         object.__setattr__(self, "device", _check_device(self.device))
         object.__setattr__(self, "dtype", _check_dtype(self.dtype))
         _check_budget(self.max_tokens_per_batch)
+        check_bool("output_head", self.output_head)
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:
@@ -273,6 +274,11 @@ class TorchSamplingClient(ScorerClient):
             >>> client.settings is settings, client.max_tokens_per_batch
             (True, 64)
         """
+        if not isinstance(settings, TorchClientSettings):
+            raise TypeError(
+                f"settings must be a TorchClientSettings, got {type(settings).__name__} (make one with "
+                "TorchClientSettings(...), or use TorchSamplingClient(model, ...))"
+            )
         _check_model(model)
         client = cls.__new__(cls)
         client._set_up(model, settings)

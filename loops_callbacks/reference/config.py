@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from loops_callbacks.validation import check_dtype, check_int
+from loops_callbacks.validation import check_bool, check_dtype, check_int
 
 __all__ = ["DEFAULT_SCORING_TIMEOUT", "SCORING_DTYPES", "ReferenceConfig", "ScoringDtype", "ScoringOptions"]
 
@@ -67,11 +67,7 @@ class ReferenceConfig:
             raise ValueError(f"cache_dir={self.cache_dir!r} must be a path or None")
         if self.reference_fingerprint is not None and not isinstance(self.reference_fingerprint, str):
             raise ValueError(f"reference_fingerprint={self.reference_fingerprint!r} must be a string or None")
-        timeout = self.scoring_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            raise TypeError(f"scoring_timeout={timeout!r} must be a number of seconds, or None for no limit")
-        if timeout is not None and not timeout > 0:  # NaN too
-            raise ValueError(f"scoring_timeout={timeout!r} must be more than 0 seconds, or None for no limit")
+        _check_timeout(self.scoring_timeout)
         for name in ("use_cache", "progress", "check_prompts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
@@ -117,11 +113,16 @@ class ScoringOptions:
     ``ReferenceConfig`` is what the user sets; these are what one run needs, some resolved from it
     (``ReferenceConfig.scoring_options``) and some known only to the run: the cache's path (the
     directory and the trainer's root), the tag (a policy's precision), a DPO pair's two sequences
-    kept together, a resumed run's ``cached_only``.
+    kept together, a resumed run's ``cached_only``. Each field is checked when made: a wrong type is a
+    ``TypeError``, a value out of range a ``ValueError``, naming the field and the value.
 
     Example:
         >>> ScoringOptions(cache_path="cache/ref.npz", shard_unit=2).cache_tag
         'model'
+        >>> ScoringOptions(shard_unit=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard_unit must be an int >= 1, got 0
     """
 
     cache_path: str | None = None
@@ -135,4 +136,25 @@ class ScoringOptions:
 
     def __post_init__(self) -> None:
         if self.cache_path is not None:
+            if not isinstance(self.cache_path, (str, os.PathLike)):
+                raise TypeError(f"cache_path must be a path or None, got {self.cache_path!r}")
             object.__setattr__(self, "cache_path", os.fspath(self.cache_path))
+        for name in ("reference_fingerprint", "cached_only"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string or None, got {getattr(self, name)!r}")
+        if not isinstance(self.cache_tag, str) or not self.cache_tag:
+            error = ValueError if isinstance(self.cache_tag, str) else TypeError
+            raise error(f"cache_tag must be a non-empty string, got {self.cache_tag!r}")
+        check_bool("progress", self.progress)
+        check_int("shard_unit", self.shard_unit, least=1)
+        _check_timeout(self.scoring_timeout)
+        if self.datum_name is not None and not callable(self.datum_name):
+            raise TypeError(f"datum_name must be a callable (datum index -> name) or None, got {self.datum_name!r}")
+
+
+def _check_timeout(timeout: Any) -> None:
+    """A ``TypeError`` / ``ValueError`` naming ``scoring_timeout`` unless it is seconds > 0 or ``None`` (no limit)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+        raise TypeError(f"scoring_timeout={timeout!r} must be a number of seconds, or None for no limit")
+    if timeout is not None and not timeout > 0:  # NaN too
+        raise ValueError(f"scoring_timeout={timeout!r} must be more than 0 seconds, or None for no limit")

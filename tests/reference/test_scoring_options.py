@@ -142,3 +142,56 @@ def test_resolve_reference_gives_a_local_reference_the_configs_settings() -> Non
     assert plain.settings == TorchClientSettings(max_tokens_per_batch=96)
     with pytest.raises(ValueError, match="dtype='bfloat16' cannot cast a plain callable reference"):
         resolve_reference(lambda ids: torch.zeros(*ids.shape, 4), config=config)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("shard_unit", 0, ValueError, "shard_unit must be an int >= 1, got 0"),
+        ("shard_unit", 2.0, TypeError, "shard_unit must be an int >= 1, got 2.0"),
+        ("shard_unit", True, TypeError, "shard_unit must be an int >= 1, got True"),
+        ("progress", 1, TypeError, "progress must be a bool, got 1"),
+        ("progress", "no", TypeError, "progress must be a bool, got 'no'"),
+        ("cache_path", 3, TypeError, "cache_path must be a path or None, got 3"),
+        ("reference_fingerprint", b"ab", TypeError, "reference_fingerprint must be a string or None, got b'ab'"),
+        ("cached_only", True, TypeError, "cached_only must be a string or None, got True"),
+        ("cache_tag", None, TypeError, "cache_tag must be a non-empty string, got None"),
+        ("cache_tag", "", ValueError, "cache_tag must be a non-empty string, got ''"),
+        ("scoring_timeout", 0, ValueError, "scoring_timeout=0 must be more than 0 seconds"),
+        ("scoring_timeout", float("nan"), ValueError, "scoring_timeout=nan must be more than 0 seconds"),
+        ("scoring_timeout", "30", TypeError, "scoring_timeout='30' must be a number of seconds"),
+        ("datum_name", "pair", TypeError, "datum_name must be a callable .datum index -> name. or None, got 'pair'"),
+    ],
+)
+def test_scoring_options_refuse_a_bad_field_naming_it_and_the_value(
+    field: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        ScoringOptions(**{field: value})
+
+
+def test_a_bad_shard_unit_is_refused_before_any_scoring() -> None:
+    data = [Datum(ModelInput.from_ints(s)) for s in SEQUENCES]
+    with pytest.raises(ValueError, match="shard_unit must be an int >= 1, got 0"):
+        across_ranks.score_across_ranks(data, TorchSamplingClient(tiny_model()), SEQUENCES, progress=False, shard_unit=0)
+
+
+def test_good_scoring_options_are_kept_as_given(tmp_path: Path) -> None:
+    options = ScoringOptions(
+        cache_path=tmp_path / CACHE_FILE_NAME, reference_fingerprint="ref", cache_tag="policy|precision=bf16-mixed",
+        progress=False, shard_unit=2, cached_only="why", scoring_timeout=None, datum_name=datum_label,
+    )
+    assert options.cache_path == str(tmp_path / CACHE_FILE_NAME) and options.shard_unit == 2
+    assert options.scoring_timeout is None and options.datum_name is datum_label and options.cached_only == "why"
+
+
+def test_from_settings_refuses_what_is_not_torch_client_settings() -> None:
+    with pytest.raises(TypeError, match=r"settings must be a TorchClientSettings, got dict"):
+        TorchSamplingClient.from_settings(tiny_model(), {"max_tokens_per_batch": 64})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"settings must be a TorchClientSettings, got NoneType"):
+        TorchSamplingClient.from_settings(tiny_model(), None)  # type: ignore[arg-type]
+
+
+def test_torch_client_settings_refuse_a_non_bool_output_head() -> None:
+    with pytest.raises(TypeError, match="output_head must be a bool, got 'logits'"):
+        TorchClientSettings(output_head="logits")  # type: ignore[arg-type]
