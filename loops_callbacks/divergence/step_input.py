@@ -536,6 +536,8 @@ def _one_value(field: Any, where: str) -> Any:
         return field
     if isinstance(field, (list, tuple)) and len(field) == 1 and isinstance(field[0], (str, bool, np.bool_)):
         return field[0]
+    if isinstance(field, (list, tuple)) and len(field) == 1 and field[0] is None:
+        raise _Unusable("none", f"{where} is [None]")
     shape = _shape_of(_as_row(field))
     if shape is not None and len(shape) > 1:
         raise _Unusable("shape", f"{where} is {_described(field)}")

@@ -239,3 +239,9 @@ def test_a_renamed_advantages_field_of_datums_decides_the_action_tokens_as_the_c
     assert not said
     assert flat.active.reshape(B, T).all(dim=1).tolist() == [True, False, True]
     assert flat.datum_advantages.tolist() == [1.0, 0.0, -1.0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_datum_field_holding_none_says_none_not_nan(name: str) -> None:
+    _, message = one_warning(datums(**{name: [[3], [None], [5]]}))
+    assert "datum 1's" in message and "is [None]" in message and "nan" not in message, message
