@@ -41,6 +41,7 @@ __all__ = [
     "ExtraStatistics",
     "PER_RANK_TOTALS",
     "ROW",
+    "SIGNATURE_TOTALS",
     "STATISTICS",
     "SUMMED_TOTALS",
     "TOKEN_BUCKETS",
@@ -60,10 +61,15 @@ class Statistic:
     name: str
     reduction: Literal["sum", "max"]
     per_rank: bool = False
+    signature: bool = False  # one of the diagnosis' sums, read only when signatures are (``from_batch``)
 
 
 def _total(name: str, *, per_rank: bool = True) -> Statistic:
     return Statistic(name, "sum", per_rank)
+
+
+def _signature_total(name: str) -> Statistic:
+    return Statistic(name, "sum", per_rank=False, signature=True)
 
 
 def _extremum(name: str) -> Statistic:
@@ -109,27 +115,27 @@ STATISTICS = (
     _total("n_sampler_below_floor"),  # logprobs < LOGPROB_FLOOR: a sentinel, not a probability
     _total("n_trainer_below_floor"),
     # The diagnosis' signature sums (``signatures``), t = trainer, s = sampler; zero when not read:
-    _total("sum_trainer", per_rank=False),  # with sum_sampler and the next three: Pearson(t, s), slope of t on s
-    _total("sum_sampler2", per_rank=False),
-    _total("sum_trainer2", per_rank=False),
-    _total("sum_sampler_trainer", per_rank=False),
-    _total("n_d_neg", per_rank=False),  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
-    _total("n_d_pos", per_rank=False),
-    _total("n_p_high", per_rank=False),  # tokens the sampler gave p = e^s > 0.5
-    _total("n_p_high_d_pos", per_rank=False),
-    _total("n_p_high_d_neg", per_rank=False),
-    _total("sum_abs_d_p_high", per_rank=False),
-    _total("n_p_low", per_rank=False),  # tokens the sampler gave p < 0.1
-    _total("n_p_low_d_pos", per_rank=False),
-    _total("n_p_low_d_neg", per_rank=False),
-    _total("sum_abs_d_p_low", per_rank=False),
-    _total("n_pairs", per_rank=False),  # adjacent action tokens k, k+1 of one datum
-    _total("sum_abs_d_pairs", per_rank=False),  # over those pairs: |d[k]| + |d[k+1]|
-    _total("sum_abs_shift_next", per_rank=False),  # |t[k] - s[k+1]|: the sampler's value one position later
-    _total("sum_abs_shift_prev", per_rank=False),  # |t[k+1] - s[k]|: the sampler's value one position earlier
+    _signature_total("sum_trainer"),  # with sum_sampler and the next three: Pearson(t, s), slope of t on s
+    _signature_total("sum_sampler2"),
+    _signature_total("sum_trainer2"),
+    _signature_total("sum_sampler_trainer"),
+    _signature_total("n_d_neg"),  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
+    _signature_total("n_d_pos"),
+    _signature_total("n_p_high"),  # tokens the sampler gave p = e^s > 0.5
+    _signature_total("n_p_high_d_pos"),
+    _signature_total("n_p_high_d_neg"),
+    _signature_total("sum_abs_d_p_high"),
+    _signature_total("n_p_low"),  # tokens the sampler gave p < 0.1
+    _signature_total("n_p_low_d_pos"),
+    _signature_total("n_p_low_d_neg"),
+    _signature_total("sum_abs_d_p_low"),
+    _signature_total("n_pairs"),  # adjacent action tokens k, k+1 of one datum
+    _signature_total("sum_abs_d_pairs"),  # over those pairs: |d[k]| + |d[k+1]|
+    _signature_total("sum_abs_shift_next"),  # |t[k] - s[k+1]|: the sampler's value one position later
+    _signature_total("sum_abs_shift_prev"),  # |t[k+1] - s[k]|: the sampler's value one position earlier
     # the context fade, per sampler-probability bucket (strata.PROBABILITY_STRATA): tokens, |d| and d² on each
     # datum's first FIRST_ACTIONS action tokens, and on those from the LATER_ACTIONS_FROM-th on (0-based)
-    *(_total(name, per_rank=False) for name in CONTEXT_TOTALS),
+    *(_signature_total(name) for name in CONTEXT_TOTALS),
     # Only their sum is read (the monitor's warning), so they ride in the body too; always counted:
     _total("n_masked_in", per_rank=False),  # positions with mask > 0, whatever their advantage
     _total("n_advantage_nan", per_rank=False),  # of those, with a NaN advantage (read as 0: not action tokens)
@@ -152,6 +158,8 @@ TOTAL_INDEX = {name: i for i, name in enumerate(TOTALS)}
 """Position of each named total in ``DivergenceStats.totals``."""
 PER_RANK_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and s.per_rank)
 """Totals whose every rank's value the reduction gathers (its header)."""
+SIGNATURE_TOTALS = tuple(s.name for s in STATISTICS if s.signature)
+"""The diagnosis' sums: zero when the signatures are not read (the plain SDK functions)."""
 SUMMED_TOTALS = tuple(s.name for s in STATISTICS if s.reduction == "sum" and not s.per_rank)
 """Totals the reduction only sums (its body): the diagnosis' sums and the advantage counts, so the per-rank
 header stays small."""

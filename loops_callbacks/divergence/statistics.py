@@ -44,6 +44,7 @@ from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.layout import (
     CONTEXT_KINDS,
     EXTREMA,
+    SIGNATURE_TOTALS,
     ROW,
     TOKEN_BUCKETS,
     TOTAL_INDEX,
@@ -53,7 +54,6 @@ from loops_callbacks.divergence.layout import (
     context_total,
     pack_named,
 )
-from loops_callbacks.divergence.layout import SUMMED_TOTALS as SIGNATURE_TOTALS
 from loops_callbacks.divergence.reduction import Collectives, reduce_across_ranks
 from loops_callbacks.divergence.shadow import shadow_statistics, shadow_values
 from loops_callbacks.divergence.strata import (
@@ -245,9 +245,7 @@ class DivergenceStats:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
             sums.update(_context_sums(flat, abs_d, sampler, row_counts, valid))
         else:
-            # the diagnosis' sums are the totals the reduction only sums (layout.SUMMED_TOTALS) not counted above
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            sums.update({name: zero for name in SIGNATURE_TOTALS if name not in sums})
+            sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
         # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
         k3 = is_ratio.sub_(1.0).sub_(d) if strata is None else (is_ratio - 1.0).sub_(d)
         if valid is not None:
