@@ -21,35 +21,33 @@ from tests.divergence.test_diagnosis import host_of
 B, T, V = 64, 24, 14
 
 
+def sampled(trainer_logits: torch.Tensor, sampler_logits: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """A padded batch whose tokens the sampler drew from its logits, with both sides' logprobs of them."""
+    rows, width, vocab = trainer_logits.shape
+    sampler_lp = torch.log_softmax(sampler_logits, -1)
+    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, vocab), 1, generator=g).reshape(rows, width)
+    return {
+        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
+        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
+        "mask": torch.ones(rows, width),
+        "target_tokens": tokens,
+    }
+
+
 def faded_context(size: float, *, width: int = T, seed: int = 0) -> dict[str, torch.Tensor]:
     """The sampler saw another prompt: its logits differ from the trainer's by a per-datum change
     of the context that fades along the completion (``size`` at its first token)."""
     g = torch.Generator().manual_seed(seed)
     trainer_logits = 2.5 * torch.randn(B, width, V, generator=g)
     fade = torch.exp(-torch.arange(width, dtype=torch.float32) / 2.0)[None, :, None]
-    sampler_logits = trainer_logits + size * fade * torch.randn(B, 1, V, generator=g)
-    sampler_lp = torch.log_softmax(sampler_logits, -1)
-    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B, width)
-    return {
-        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
-        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
-        "mask": torch.ones(B, width),
-        "target_tokens": tokens,
-    }
+    return sampled(trainer_logits, trainer_logits + size * fade * torch.randn(B, 1, V, generator=g), g)
 
 
 def rounding_noise(width: int = T, seed: int = 0) -> dict[str, torch.Tensor]:
     """A bf16 sampler: rounding noise of the same size at every position."""
     g = torch.Generator().manual_seed(seed)
     trainer_logits = 2.5 * torch.randn(B, width, V, generator=g)
-    sampler_lp = torch.log_softmax(trainer_logits.bfloat16().float(), -1)
-    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B, width)
-    return {
-        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
-        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
-        "mask": torch.ones(B, width),
-        "target_tokens": tokens,
-    }
+    return sampled(trainer_logits, trainer_logits.bfloat16().float(), g)
 
 
 def test_a_small_gap_that_fades_along_the_completion_is_said_not_called_precision() -> None:
@@ -116,15 +114,10 @@ def test_a_temperature_on_completions_whose_first_tokens_are_harder_is_not_a_con
     g = torch.Generator().manual_seed(1)
     trainer_logits = 0.3 * torch.randn(B * 4, T, V, generator=g)
     trainer_logits[..., 0] += torch.linspace(2.0, 6.0, T)  # one likely token: p about 0.35 first, 0.97 later
-    sampler_lp = torch.log_softmax(trainer_logits / 0.8, -1)
-    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, V), 1, generator=g).reshape(B * 4, T)
-    sampler = sampler_lp.gather(-1, tokens[..., None])[..., 0]
-    trainer = torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0]
-    d = (trainer - sampler).abs()
+    batch = sampled(trainer_logits, trainer_logits / 0.8, g)
+    d = (batch["training_logprobs"] - batch["sampler_logprobs"]).abs()
     assert d[:, :FIRST_ACTIONS].mean() > 1.5 * d[:, LATER_ACTIONS_FROM:].mean()  # the unstratified ratio would say context
-    host = DivergenceStats.from_batch(
-        flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=torch.ones(B * 4, T))
-    ).to_host()
+    host = host_of(batch)
     sig = signature_numbers(host)
     assert sig["context_fade"] < 1.3
     assert "context_fade" not in diagnose(sig, n_tokens=host.totals["n_action_tokens"]).evidence
@@ -141,14 +134,7 @@ def scaled_logits(first: float, later: float, top_k: int, seed: int) -> dict[str
     if top_k:
         kth = sampler_logits.topk(top_k, -1).values[..., -1:]
         sampler_logits = sampler_logits.masked_fill(sampler_logits < kth, float("-inf"))
-    sampler_lp = torch.log_softmax(sampler_logits, -1)
-    tokens = torch.multinomial(sampler_lp.exp().reshape(-1, vocab), 1, generator=g).reshape(B, width)
-    return {
-        "sampler_logprobs": sampler_lp.gather(-1, tokens[..., None])[..., 0],
-        "training_logprobs": torch.log_softmax(trainer_logits, -1).gather(-1, tokens[..., None])[..., 0],
-        "mask": torch.ones(B, width),
-        "target_tokens": tokens,
-    }
+    return sampled(trainer_logits, sampler_logits, g)
 
 
 def test_an_engine_whose_error_grows_on_the_first_tokens_fades_too_so_no_context_cause_is_named() -> None:
