@@ -260,8 +260,8 @@ def check_packed_pairs(pairs: PackedPairs, *, check_prompts: bool = True) -> Pac
     """``check_dpo_pairs``'s checks on pairs given packed (e.g. by a ``dpo_pairs()`` hook); ``pairs`` itself when
     they pass, else the same ``ValueError`` naming the pair and datum.
 
-    Every call checks: pairs ``check_dpo_pairs`` made are checked again (one vectorized pass, and a loop over the
-    pairs, not the tokens, for the prompts), since they may since have been replaced or edited in place.
+    Every call checks, in vectorized passes over the arrays: pairs ``check_dpo_pairs`` made are checked again,
+    since they may since have been replaced or edited in place.
 
     Example:
         >>> pairs = check_dpo_pairs(dpo_pair_datums([1, 2, 3], [1, 4], 1))
@@ -282,16 +282,41 @@ def check_packed_pairs(pairs: PackedPairs, *, check_prompts: bool = True) -> Pac
     if weighted_last.any():
         raise ValueError(tinker_convention_message(f"{datum_label(int(np.argmax(weighted_last)))} carries"))
     if check_prompts:
-        without = set(pairs.without_weights)
-        for pair in range(len(pairs) // 2):
-            chosen, rejected = 2 * pair, 2 * pair + 1
-            if chosen in without or rejected in without:
-                continue
-            rows = [pairs.offsets[index] + np.arange(lengths[index]) for index in (chosen, rejected)]
-            prompts = [_prompt_length(pairs.weights[row]) for row in rows]
-            if prompts[0] is not None and prompts[1] is not None:
-                _check_same_prompt(pair, pairs.input_ids[rows[0]], pairs.input_ids[rows[1]], prompts[0], prompts[1])
+        _check_packed_prompts(pairs)
     return pairs
+
+
+def _check_packed_prompts(pairs: PackedPairs) -> None:
+    """``_check_same_prompt``'s error for the first pair whose two sequences both have a prompt by their weights
+    (``_prompt_length``, sequences without weights aside) and whose prompts differ; vectorized over the pairs."""
+    starts, stops = pairs.offsets[:-1], pairs.offsets[1:]
+    weighted = np.flatnonzero(pairs.weights > 0)
+    if not len(weighted):
+        return
+    low, high = np.searchsorted(weighted, starts), np.searchsorted(weighted, stops)
+    first = weighted[np.minimum(low, len(weighted) - 1)] - starts  # the first weighted position, where there is one
+    weighted_last = pairs.weights[stops - 1] > 0
+    # zeros, then weights on every position from the first weighted one up to the last (_prompt_length)
+    shaped = (high > low) & (high - low - weighted_last == np.maximum(stops - starts - 1 - first, 0))
+    prompt = np.where(shaped, first + 1, 0)
+    prompt[list(pairs.without_weights)] = 0
+    chosen, rejected = prompt[0::2], prompt[1::2]
+    compared = (chosen > 0) & (rejected > 0)
+    differ = compared & (chosen != rejected)
+    same = np.flatnonzero(compared & (chosen == rejected))
+    if len(same):  # the tokens of each such pair's two prompts, side by side
+        length = chosen[same]
+        begin = np.cumsum(length) - length
+        within = np.arange(int(length.sum())) - np.repeat(begin, length)
+        unequal = (
+            pairs.input_ids[np.repeat(starts[2 * same], length) + within]
+            != pairs.input_ids[np.repeat(starts[2 * same + 1], length) + within]
+        )
+        differ[same] = np.add.reduceat(unequal, begin) > 0
+    if differ.any():
+        pair = int(np.argmax(differ))
+        ids = [pairs.input_ids[starts[index] : stops[index]] for index in (2 * pair, 2 * pair + 1)]
+        _check_same_prompt(pair, ids[0], ids[1], int(chosen[pair]), int(rejected[pair]))
 
 
 def _check_count(count: int) -> None:

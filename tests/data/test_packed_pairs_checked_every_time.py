@@ -6,14 +6,18 @@ datums), and so does a DataModule whose ``dpo_pairs()`` builds on ``super().dpo_
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loops_callbacks.data import DPODataModule, PackedPairs, check_dpo_pairs, dpo_pair_datums
 from loops_callbacks.data.dpo import check_packed_pairs
 from loops_callbacks.reference.clients import TorchSamplingClient
+from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.data.test_data import VOCAB, make_pairs, pair_datums
 
 LAST_WEIGHTED = r"pair 0: the rejected datum \(index 1\) carries weight on the last"
@@ -79,6 +83,55 @@ def test_a_part_of_checked_pairs_is_checked() -> None:
     assert check_packed_pairs(pairs.head(2)).offsets.tolist() == pairs.offsets[:3].tolist()
     with pytest.raises(ValueError, match=r"odd number of datums \(3\)"):
         check_packed_pairs(pairs.head(3))
+
+
+@st.composite
+def sequence_weights(draw: st.DrawFn, length: int) -> list[float] | None:
+    """Weights of a sequence of ``length`` tokens, none on the last position: a prompt's shape (zeros, then
+    weights), all zeros, a gap in the weights, or none at all (a datum without ``weights``)."""
+    kind = draw(st.sampled_from(["prompt", "prompt", "prompt", "zeros", "gap", "none"]))
+    if kind == "none":
+        return None
+    weights = [0.0] * length
+    if kind != "zeros" and length > 1:
+        first = draw(st.integers(0, length - 2))
+        weights[first : length - 1] = [draw(st.sampled_from([0.5, 1.0, 2.0]))] * (length - 1 - first)
+        if kind == "gap":
+            weights[draw(st.integers(first, length - 2))] = 0.0
+    return weights
+
+
+@st.composite
+def packed_pairs(draw: st.DrawFn) -> PackedPairs:
+    """A few pairs whose two sequences mostly share a prompt, sometimes not, by tokens or by weights."""
+    datums = []
+    for _ in range(draw(st.integers(1, 5))):
+        prompt = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
+        sequences = [prompt + draw(st.lists(st.integers(1, 3), max_size=3)) for _ in range(2)]
+        if draw(st.booleans()):  # the rejected prompt changed at one token
+            index = draw(st.integers(0, len(prompt) - 1))
+            sequences[1][index] = sequences[1][index] % 3 + 1
+        for tokens in sequences:
+            weights = draw(sequence_weights(len(tokens)))
+            inputs = {"target_tokens": TensorData(tokens[1:] + [0], "int64", [len(tokens)])}
+            if weights is not None:
+                inputs["weights"] = TensorData(weights, "float32", [len(tokens)])
+            datums.append(Datum(ModelInput.from_ints(tokens), inputs))
+    return check_dpo_pairs(datums, check_prompts=False)
+
+
+def outcome(check: Any, data: Any) -> str:
+    try:
+        check(data)
+    except ValueError as error:
+        return str(error)
+    return "passed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(packed_pairs())
+def test_packed_pairs_pass_or_fail_their_prompt_check_as_their_datums_do(pairs: PackedPairs) -> None:
+    assert outcome(check_packed_pairs, pairs) == outcome(check_dpo_pairs, pairs.datums())
 
 
 class EditedPairs(DPODataModule):
