@@ -7,7 +7,9 @@ Each common cause leaves its own signature in the numbers the monitor already ha
 cause              signature (the rule, checked in this order)                 confidence grows with
 =================  =========================================================  ======================
 ``unclear``        fewer than 64 action tokens (``dropout`` if observed)      (0)
-``none``           d = 0 exactly on at least half the tokens                  share of d = 0
+``none``           d = 0 exactly on at least half the tokens (99% when both    share of d = 0
+                   sides' logprobs came as 16-bit floats: rounded that
+                   coarsely, they match on most tokens across a real gap)
 ``shift``          with ``alignment`` offsets: most rows vote for one offset  how far below 0.1
                    o != 0 and its gap ratio is < 0.1 (any size), or the
                    left-aligned test's ratio is < 0.1; else shift_ratio < 0.1
@@ -122,6 +124,7 @@ CAUSES = (
 
 MIN_TOKENS = 64
 ZERO_SHARE = 0.5
+ZERO_SHARE_16_BIT = 0.99
 SHIFT_RATIO = 0.1
 UNRELATED_PEARSON = 0.3
 CONTEXT_FADE = 1.5
@@ -323,8 +326,10 @@ def _statistical_cause(
     if n_tokens < MIN_TOKENS:  # too few tokens for a statistical cause; an observation needs none
         too_few = Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
         return Diagnosis(DROPOUT, 1.0) if dropout_seen else too_few
-    if get("frac_d_zero") >= ZERO_SHARE:
-        return found("none", (get("frac_d_zero") - ZERO_SHARE) / 0.4, "frac_d_zero")
+    # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
+    zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
+    if get("frac_d_zero") >= zero_share:
+        return found("none", (get("frac_d_zero") - zero_share) / (sure_at - zero_share), "frac_d_zero")
     offset = _offset(sig)
     if offset is not None:
         return offset

@@ -12,7 +12,7 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
 2. ``all_reduce`` (sum) of one body, ``top_n * ROW.WIDTH + S + sample_size + 1`` values, in which
    each rank writes its own chosen rows and sampled diffs at their final places and zeros
    everywhere else. The sum is the assembled result, exactly: each place receives one value and
-   zeros. The body also carries the diagnosis' sums, summed as they are (S = the 50
+   zeros. The body also carries the diagnosis' sums, summed as they are (S = the 51
    ``SUMMED_TOTALS`` + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
    summation order is the collective's (exact for counts, and for any sum on 2 ranks). A monitor's
    own declarations ride along at a size fixed by its options: the stratum sums (4 x (16 +
@@ -22,7 +22,7 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
-monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 104,483 values) that is
+monitor's defaults (``top_n=20``, ``sample_size=100_000``: header 50, body 104,484 values) that is
 1.67 MB plus 400 B per rank: 2.08 MB at 1,024 ranks, where gathering every rank's statistics
 received about 1.6 MB per rank (1.6 GB at 1,024).
 
@@ -55,7 +55,7 @@ Header and body are ``layout.Packing``s: their parts are read by name.
 
 Example:
     >>> received_bytes(world=1024, top_n=20, sample_size=100_000)
-    2079295
+    2079311
 """
 
 from __future__ import annotations
@@ -237,8 +237,8 @@ def received_bytes(world: int, top_n: int, sample_size: int) -> int:
     receives ``2 * (world - 1) / world`` of it (reduce-scatter, then all-gather).
 
     Example:
-        >>> received_bytes(world=2, top_n=0, sample_size=10)  # (30 + 2 * 1/2 * 3,133) values of 8 B
-        25304
+        >>> received_bytes(world=2, top_n=0, sample_size=10)  # (30 + 2 * 1/2 * 3,134) values of 8 B
+        25312
     """
     gather = (world - 1) * header_length(top_n)
     reduce = 2 * (world - 1) * body_length(top_n, sample_size) / world

@@ -5,6 +5,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ======================  ============================================================================
 ``frac_d_zero``         share of tokens with d exactly 0 (most, for identical float32 models)
 ``frac_d_pos``          share with d > 0 (about 0 under top-k / top-p truncation)
+``both_16_bit_share``   share whose sampler and trainer logprobs both came as 16-bit floats (exact matches say less)
 ``is_ratio_mean``       mean e^d: the trainer's mass on the sampler's support (1 for full support)
 ``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
@@ -68,6 +69,7 @@ __all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
 SIGNATURES = (
     "frac_d_zero",
     "frac_d_pos",
+    "both_16_bit_share",
     "is_ratio_mean",
     "is_ratio_se",
     "pearson",
@@ -126,6 +128,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
     return {
         "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
         "frac_d_pos": t["n_d_pos"] / n,
+        "both_16_bit_share": t["n_both_16_bit"] / n,
         "is_ratio_mean": mean_is_ratio,
         "is_ratio_se": math.sqrt(max(t["sum_is_ratio2"] / n - mean_is_ratio**2, 0.0) / n),
         "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else _NAN,

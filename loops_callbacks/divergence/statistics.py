@@ -90,6 +90,7 @@ LOGPROB_CEILING = 1e-4
 """A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
 LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
+_16_BIT = (torch.bfloat16, torch.float16)
 CHUNK_POSITIONS = 1 << 18
 """On the CPU, ``from_batch`` reads at most about this many positions at a time (whole datums)."""
 OFFSET_CHUNK_POSITIONS = 1 << 15
@@ -468,6 +469,7 @@ def _signature_sums(
         "sum_sampler_trainer": torch.dot(s, t),
         "n_d_neg": torch.count_nonzero(negative),
         "n_d_pos": torch.count_nonzero(positive),
+        "n_both_16_bit": _both_16_bit(flat, d, valid),
         "n_p_high": torch.count_nonzero(high),
         "n_p_high_d_pos": torch.count_nonzero(high & positive),
         "n_p_high_d_neg": torch.count_nonzero(high & negative),
@@ -479,6 +481,17 @@ def _signature_sums(
     }
     sums.update(_shift_sums(flat))
     return sums
+
+
+def _both_16_bit(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The action tokens whose sampler and trainer logprobs both came as 16-bit floats (all of the
+    batch's or none): rounded to 16 bits, the two are often exactly equal despite a gap, so an
+    exact match says less there (``frac_d_zero``). ``d`` and ``valid`` as in ``from_batch``."""
+    if flat.sampler.dtype not in _16_BIT or flat.trainer.dtype not in _16_BIT:
+        return torch.zeros((), dtype=torch.float64, device=d.device)
+    if valid is not None:
+        return torch.count_nonzero(valid)
+    return torch.full((), float(d.numel()), dtype=torch.float64, device=d.device)
 
 
 def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:

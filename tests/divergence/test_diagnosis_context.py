@@ -163,3 +163,19 @@ def test_heavy_tailed_noise_on_a_small_batch_is_not_taken_for_a_fade() -> None:
         by_ratio += sig["context_fade"] >= 1.5
         by_rule += "context_fade" in diagnose(sig, n_tokens=24 * 12).evidence
     assert by_ratio >= 5 and by_rule == 0
+
+
+def test_logprobs_rounded_to_16_bits_on_both_sides_do_not_hide_a_gap_as_no_mismatch() -> None:
+    """bf16 logprobs on both sides match exactly on most tokens across a real gap: that is not "none";
+    both sides identical still is."""
+    batch = faded_context(0.2)
+    rounded = {**batch, "sampler_logprobs": batch["sampler_logprobs"].bfloat16(),
+               "training_logprobs": batch["training_logprobs"].bfloat16()}
+    host = host_of(rounded)
+    sig = signature_numbers(host)
+    assert sig["frac_d_zero"] > 0.5 and sig["both_16_bit_share"] == 1.0  # the plain 50% rule would say none
+    assert diagnose(sig, n_tokens=host.totals["n_action_tokens"]).cause != "none"
+    same = {**rounded, "training_logprobs": rounded["sampler_logprobs"]}
+    assert diagnose(signature_numbers(host_of(same)), n_tokens=B * T).cause == "none"
+    one_side = signature_numbers(host_of({**batch, "sampler_logprobs": batch["sampler_logprobs"].bfloat16()}))
+    assert one_side["both_16_bit_share"] == 0.0
