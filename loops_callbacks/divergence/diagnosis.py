@@ -118,7 +118,8 @@ IMPOSSIBLE_INPUTS = "impossible_inputs"
 DROPOUT = "dropout"
 """The cause named when dropout is seen live in the trainer (``evidence``): an observation, not a guess."""
 CAUSES = (
-    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale", "unclear"
+    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale",
+    "unclear",
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
@@ -362,7 +363,8 @@ def _statistical_cause(
         return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
     # a gap on the first tokens, at any size: not precision or staleness, but not named either (module docstring)
     if get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z:
-        return Diagnosis("unclear", 0.0, {name: get(name) for name in ("context_fade", "context_fade_z", "kl_sample_train_k3")})
+        fade = ("context_fade", "context_fade_z", "kl_sample_train_k3")
+        return Diagnosis("unclear", 0.0, {name: get(name) for name in fade})
     if k3 < precision_max_k3:
         margin = math.log10(precision_max_k3 / max(k3, 1e-300))
         evidence_numbers = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}

@@ -88,7 +88,9 @@ def context_total(kind: str, bucket: int) -> str:
 
 CONTEXT_KINDS = ("n_first", "sum_abs_d_first", "sum_d2_first", "n_later", "sum_abs_d_later", "sum_d2_later")
 """What the context fade keeps per sampler-probability bucket (``statistics``' ``_context_sums``)."""
-CONTEXT_TOTALS = tuple(context_total(kind, bucket) for kind in CONTEXT_KINDS for bucket in range(len(PROBABILITY_STRATA)))
+CONTEXT_TOTALS = tuple(
+    context_total(kind, bucket) for kind in CONTEXT_KINDS for bucket in range(len(PROBABILITY_STRATA))
+)
 
 
 STATISTICS = (
