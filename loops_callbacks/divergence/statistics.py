@@ -61,9 +61,8 @@ from loops_callbacks.divergence.strata import (
     PROBABILITY_EDGES,
     Strata,
     StratumSums,
+    TokenPlaces,
     by_lag,
-    datums_and_ranks,
-    probability_buckets,
 )
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
@@ -242,9 +241,12 @@ class DivergenceStats:
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
             **_advantage_counts(flat),
         }
+        places = None  # each token's datum, rank and probability bucket, once for the strata and the diagnosis
+        if signatures or strata is not None:
+            places = TokenPlaces.of(active, flat.row_lengths, row_counts, sampler, compact=valid is None)
         if signatures:
             sums.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
-            sums.update(_context_sums(flat, abs_d, sampler, row_counts, valid))
+            sums.update(_context_sums(abs_d, places, valid))
         else:
             sums.update(dict.fromkeys(SIGNATURE_TOTALS, torch.zeros((), dtype=torch.float64, device=device)))
         # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
@@ -253,10 +255,10 @@ class DivergenceStats:
             k3.masked_fill_(~valid, 0.0)
         sums["sum_k3"] = k3.sum()
         stratum_sums = None
-        if strata is not None:
+        if strata is not None and places is not None:
             stratum_sums = strata.sums(
-                d=d, abs_d=abs_d, is_ratio=is_ratio, k3=k3, sampler=sampler, active=active,
-                row_lengths=flat.row_lengths, row_counts=row_counts, lags=flat.lags, groups=flat.groups, valid=valid,
+                d=d, abs_d=abs_d, is_ratio=is_ratio, k3=k3, places=places, row_counts=row_counts,
+                lags=flat.lags, groups=flat.groups, valid=valid,
             )
         totals = pack_named(TOTALS, sums)
         inf = float("inf")
@@ -516,37 +518,33 @@ def _shift_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
     }
 
 
-def _context_sums(
-    flat: FlatBatch, abs_d: torch.Tensor, sampler: torch.Tensor, row_counts: torch.Tensor, valid: torch.Tensor | None
-) -> dict[str, torch.Tensor]:
+def _context_sums(abs_d: torch.Tensor, places: TokenPlaces, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Tokens, |d| and d² on each datum's first ``FIRST_ACTIONS`` action tokens and on its action
     tokens from the ``LATER_ACTIONS_FROM``-th on (0-based), per sampler-probability bucket
     (``strata.PROBABILITY_EDGES``): the context fade and its significance (``signatures``), compared
     within a bucket so that a completion whose first tokens are harder to predict does not read as a
-    fade. ``abs_d``, ``sampler`` and ``valid`` as in ``from_batch`` (the action tokens alone when
-    ``valid`` is None); ``row_counts`` the action tokens per datum.
+    fade. ``abs_d``, ``places`` and ``valid`` as in ``from_batch`` (the action tokens alone when
+    ``valid`` is None).
 
     Example:
-        >>> from loops_callbacks.divergence.action_tokens import flatten_padded
-        >>> d = torch.tensor([[-0.4] * 4 + [-0.1] * 8], dtype=torch.float64)  # the sampler gives p = 1
-        >>> flat = flatten_padded(sampler_logprobs=torch.zeros(1, 12), training_logprobs=d, mask=torch.ones(1, 12))
-        >>> sums = _context_sums(flat, d.abs()[0], torch.zeros(12), torch.tensor([12]), None)
+        >>> from loops_callbacks.divergence.strata import TokenPlaces
+        >>> d = torch.tensor([-0.4] * 4 + [-0.1] * 8, dtype=torch.float64)  # the sampler gives p = 1
+        >>> places = TokenPlaces.of(torch.ones(12, dtype=torch.bool), torch.tensor([12]), torch.tensor([12]),
+        ...                         torch.zeros(12), compact=True)
+        >>> sums = _context_sums(d.abs(), places, None)
         >>> [round(float(sums[context_total(kind, 4)]), 3) for kind in CONTEXT_KINDS]
         [4.0, 1.6, 0.64, 4.0, 0.4, 0.04]
     """
-    _, rank = datums_and_ranks(flat.active, flat.row_lengths, row_counts, compact=valid is None)
     buckets = len(PROBABILITY_EDGES) + 1
-    slots = probability_buckets(sampler)
-    per_token = {"n": torch.ones_like(abs_d), "sum_abs_d": abs_d, "sum_d2": abs_d * abs_d}
+    values = torch.stack([torch.ones_like(abs_d), abs_d, abs_d * abs_d])  # the rows of CONTEXT_KINDS' sums
     sums: dict[str, torch.Tensor] = {}
-    for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
+    for part, chosen in (("first", places.rank < FIRST_ACTIONS), ("later", places.rank >= LATER_ACTIONS_FROM)):
         if valid is not None:
             chosen &= valid
-        slot = torch.where(chosen, slots, buckets)  # the others in one more slot, dropped
-        for name, values in per_token.items():
-            kind = f"{name}_{part}"
-            totals = abs_d.new_zeros(buckets + 1).index_add_(0, slot, values)
-            sums.update({context_total(kind, bucket): totals[bucket] for bucket in range(buckets)})
+        slot = torch.where(chosen, places.p_bucket, buckets)  # the others in one more slot, dropped
+        totals = abs_d.new_zeros(len(values), buckets + 1).index_add_(1, slot, values)
+        for row, name in enumerate(("n", "sum_abs_d", "sum_d2")):
+            sums.update({context_total(f"{name}_{part}", bucket): totals[row, bucket] for bucket in range(buckets)})
     return sums
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "STRATUM_METRICS",
     "Strata",
     "StratumSums",
+    "TokenPlaces",
     "datums_and_ranks",
     "lag_bucket",
     "probability_buckets",
@@ -122,6 +123,39 @@ def probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(sampler.to(torch.float64), edges, right=True)
 
 
+@dataclass(frozen=True)
+class TokenPlaces:
+    """Where each place of a chunk is: its datum, its rank among its datum's action tokens
+    (``datums_and_ranks``) and its sampler-probability bucket (``probability_buckets``), worked out
+    once for everything that groups tokens by them (the strata, the diagnosis' first-token sums).
+
+    Example:
+        >>> active = torch.tensor([True, True, False, True])
+        >>> places = TokenPlaces.of(active, torch.tensor([3, 1]), torch.tensor([2, 1]), torch.log(torch.tensor(
+        ...     [0.95, 0.3, 0.05])), compact=True)
+        >>> places.datum.tolist(), places.rank.tolist(), places.p_bucket.tolist()
+        ([0, 0, 1], [0, 1, 0], [4, 2, 1])
+    """
+
+    datum: torch.Tensor  # int64, each place's datum
+    rank: torch.Tensor  # int64, action tokens before it in its datum
+    p_bucket: torch.Tensor  # int64, its bucket of PROBABILITY_EDGES
+
+    @classmethod
+    def of(
+        cls,
+        active: torch.Tensor,
+        row_lengths: torch.Tensor,
+        row_counts: torch.Tensor,
+        sampler: torch.Tensor,
+        *,
+        compact: bool,
+    ) -> TokenPlaces:
+        """The places of ``sampler``'s tokens: the action tokens alone (``compact``) or every position."""
+        datum, rank = datums_and_ranks(active, row_lengths, row_counts, compact=compact)
+        return cls(datum, rank, probability_buckets(sampler))
+
+
 def lag_bucket(lags: torch.Tensor) -> torch.Tensor:
     """The ``LAG_STRATA`` index of each lag (non-negative int64): 0–3 as they are, 4–7 → 4, 8 and more → 5.
 
@@ -188,9 +222,7 @@ class Strata:
         abs_d: torch.Tensor,
         is_ratio: torch.Tensor,
         k3: torch.Tensor,
-        sampler: torch.Tensor,
-        active: torch.Tensor,
-        row_lengths: torch.Tensor,
+        places: TokenPlaces,
         row_counts: torch.Tensor,
         lags: torch.Tensor | None,
         groups: torch.Tensor | None,
@@ -198,8 +230,8 @@ class Strata:
     ) -> torch.Tensor:
         """Float64 ``[len(COLUMNS), width]`` of one chunk.
 
-        ``d``, ``abs_d``, ``is_ratio``, ``k3`` (``e^d - 1 - d``, as the statistics computed it),
-        ``sampler`` hold the action tokens (``valid is None``) or
+        ``d``, ``abs_d``, ``is_ratio``, ``k3`` (``e^d - 1 - d``, as the statistics computed it)
+        and ``places`` hold the action tokens (``valid is None``) or
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
         ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum
         (a negative lag: a version ahead of the trainer, at lag 0 and in ``lag_ahead``).
@@ -209,7 +241,7 @@ class Strata:
         """
         device = d.device
         trash = self.width
-        datum, rank = datums_and_ranks(active, row_lengths, row_counts, compact=valid is None)
+        datum = places.datum
         offsets = self.offsets
         weights = (k3, abs_d, is_ratio)
         if valid is not None:
@@ -228,10 +260,10 @@ class Strata:
             for row, weight in enumerate(weights, start=1):
                 out[row] += torch.bincount(index, weights=weight, minlength=trash + 1)
 
-        add(probability_buckets(sampler).add_(offsets["p"]))
-        quartile = rank.mul_(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
+        add(places.p_bucket + offsets["p"])
+        quartile = places.rank.mul(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
         add(quartile.clamp_(max=3).add_(offsets["pos"]))
-        del quartile, rank
+        del quartile
         if lags is not None:
             add(lag_bucket(lags.clamp(min=0)).add_(offsets["lag"]).index_select(0, datum))
             add(torch.full_like(lags, trash).masked_fill_(lags < 0, offsets["ahead"]).index_select(0, datum))

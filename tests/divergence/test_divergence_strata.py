@@ -20,7 +20,7 @@ from loops_callbacks.divergence import strata as strata_module
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.step_input import data_keys, read_step
-from loops_callbacks.divergence.strata import LAG_LABELS, Strata
+from loops_callbacks.divergence.strata import LAG_LABELS, Strata, TokenPlaces
 from tests.helpers import as_datums, reduce_in_threads, rows
 
 MAX_GROUPS = 3
@@ -242,9 +242,10 @@ def test_the_strata_read_the_k3_the_statistics_computed() -> None:
     d = torch.tensor([0.5, -0.25, 0.1], dtype=torch.float64)
     is_ratio = d.exp()
     handed = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)  # not e^d - 1 - d: only a sum of it can give 7
+    places = TokenPlaces.of(torch.ones(3, dtype=torch.bool), torch.tensor([3]), torch.tensor([3]),
+                            torch.log(torch.tensor([0.005, 0.05, 0.95])), compact=True)
     sums = STRATA.sums(
-        d=d, abs_d=d.abs(), is_ratio=is_ratio, k3=handed, sampler=torch.log(torch.tensor([0.005, 0.05, 0.95])),
-        active=torch.ones(3, dtype=torch.bool), row_lengths=torch.tensor([3]), row_counts=torch.tensor([3]),
+        d=d, abs_d=d.abs(), is_ratio=is_ratio, k3=handed, places=places, row_counts=torch.tensor([3]),
         lags=None, groups=None, valid=None,
     )
     names = STRATA.names
