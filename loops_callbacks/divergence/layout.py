@@ -121,6 +121,7 @@ STATISTICS = (
     _signature_total("sum_sampler2"),
     _signature_total("sum_trainer2"),
     _signature_total("sum_sampler_trainer"),
+    _signature_total("sum_d4"),  # with sum_d2: the standard error of mean d² (the relative gap's)
     _signature_total("n_d_neg"),  # tokens with d < 0; with n_d_pos, the rest have d == 0 exactly
     _signature_total("n_d_pos"),
     _signature_total("n_both_16_bit"),  # tokens whose sampler and trainer logprobs both came as 16-bit floats

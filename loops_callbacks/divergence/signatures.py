@@ -10,6 +10,11 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
 ``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
+``temperature_se``      its standard error, sqrt(var(t − slope·s) / (n var(s)))
+``relative_gap``        mean d² / var(s): the gap relative to the spread of the sampler's logprobs. Rounding
+                        noise scales with the logits, so this stays level while a model sharpens and k3 grows
+                        (``diagnosis``' noise floor is calibrated on it)
+``relative_gap_se``     its standard error, from the spread of d² (sqrt(var(d²) / n) / var(s))
 ``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
 ``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
 ``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
@@ -74,6 +79,9 @@ SIGNATURES = (
     "is_ratio_se",
     "pearson",
     "temperature",
+    "temperature_se",
+    "relative_gap",
+    "relative_gap_se",
     "sign_split",
     "temperature_sign",
     "shift_ratio",
@@ -123,6 +131,9 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
     pairs = t["n_pairs"]
     aligned = t["sum_abs_d_pairs"] / (2 * pairs) if pairs else _NAN
     after, before = (t["sum_abs_shift_next"] / pairs, t["sum_abs_shift_prev"] / pairs) if pairs else (_NAN, _NAN)
+    mean_d2 = t["sum_d2"] / n
+    d2_se = math.sqrt(max(t["sum_d4"] / n - mean_d2**2, 0.0) / n)
+    slope = cov / var_s if var_s > 0 else _NAN
     mean_abs_low = _share(t["sum_abs_d_p_low"], low)
     mean_abs_high = _share(t["sum_abs_d_p_high"], high)
     return {
@@ -132,14 +143,17 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
         "is_ratio_mean": mean_is_ratio,
         "is_ratio_se": math.sqrt(max(t["sum_is_ratio2"] / n - mean_is_ratio**2, 0.0) / n),
         "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else _NAN,
-        "temperature": cov / var_s if var_s > 0 else _NAN,
+        "temperature": slope,
+        "temperature_se": math.sqrt(max(var_t - slope * cov, 0.0) / (n * var_s)) if var_s > 0 else _NAN,
+        "relative_gap": mean_d2 / var_s if var_s > 0 else (0.0 if mean_d2 == 0 else math.inf),
+        "relative_gap_se": d2_se / var_s if var_s > 0 else _NAN,
         "sign_split": max(sharper, flatter) if high and low else _NAN,
         "temperature_sign": -1.0 if sharper >= flatter else 1.0,
         "shift_ratio": _ratio(min(after, before), aligned),
         "shift_direction": 1.0 if after <= before else -1.0,
         "token_eta2": token_eta2(host.token_sums),
         "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
-        "rms_d": math.sqrt(t["sum_d2"] / n),
+        "rms_d": math.sqrt(mean_d2),
         "kl_sample_train_k3": kl_sample_train_k3(t),
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
         **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),

@@ -461,6 +461,7 @@ def _signature_sums(
     t = trainer.to(torch.float64)
     negative, positive = d < 0, d > 0
     high, low = sampler > P_HIGH, sampler < P_LOW
+    d_squared = d * d
     if valid is not None:  # masked-out places hold s = 0 (p = 1): keep them out of the buckets
         high &= valid
         low &= valid
@@ -469,6 +470,7 @@ def _signature_sums(
         "sum_sampler2": torch.dot(s, s),
         "sum_trainer2": torch.dot(t, t),
         "sum_sampler_trainer": torch.dot(s, t),
+        "sum_d4": torch.dot(d_squared, d_squared),
         "n_d_neg": torch.count_nonzero(negative),
         "n_d_pos": torch.count_nonzero(positive),
         "n_both_16_bit": _both_16_bit(flat, d, valid),
