@@ -1,93 +1,41 @@
 """Why do the sampler and the trainer disagree? A likely cause per logged step, with its evidence.
 
 Each common cause leaves its own signature in the numbers the monitor already has
-(``signatures``), so one host-side rule, applied to every logged step, names the likeliest:
+(``signatures``), so one host-side rule, applied to every logged step, names the likeliest.
+The rules, in the order they are tried (d = trainer − sampler logprob; the full table, with what
+each cause's numbers look like and where the thresholds come from, is in the docs):
 
-=================  =========================================================  ======================
-cause              signature (the rule, checked in this order)                 confidence grows with
-=================  =========================================================  ======================
-``unclear``        fewer than 64 action tokens (``dropout`` if observed)      (0)
-``none``           d = 0 exactly on at least half the tokens (99% when both    share of d = 0
-                   sides' logprobs came as 16-bit floats: rounded that
-                   coarsely, they match on most tokens across a real gap)
-``shift``          with ``alignment`` offsets: most rows vote for one offset  how far below 0.1
-                   o != 0 and its gap ratio is < 0.1 (any size), or the
-                   left-aligned test's ratio is < 0.1; else shift_ratio < 0.1
-``stale``          per-lag numbers (``by_lag``): mean |d| grows with the      the growth
-                   policy lag (>= 1.5x from the lowest to the highest lag)
-``dropout``        observed: dropout with p > 0 live in the LightningModule   (1: an observation)
-                   (``evidence``); beside the three causes above it is only
-                   added to the message ("also seen")
-``stale``          the run's history (``trend``): since k3 was last at the    the growth
-                   floor, it has grown step after step (Spearman >= 0.5 over
-                   >= 3 steps, the latest third >= 2x the earliest): weights
-                   a few steps old look like a mild T, far out of date like
-                   unrelated distributions; not when per-lag numbers show
-                   every datum current or a gap flat across lags
-``unrelated``      Pearson(t, s) < 0.3                                        how far below 0.3
-``truncation``     under 2% of tokens with d > 0, mean e^d < 1 − 3 SE and     how few d > 0
-                   the slope of t on s >= 0.95 (T < 1 has a slope of T)
-``temperature``    Pearson >= 0.97 and |slope of t on s − 1| >= 0.15 (the     |slope − 1|, sign_split
-                   slope estimates T, on flat distributions too), or
-                   sign_split >= 0.9 (d of one sign on p > 0.5, the other on
-                   p < 0.1)
-``unclear``        context_fade >= 1.5 and its z >= 3: |d| on each datum's    (0)
-                   first action tokens is 1.5x or more |d| on its later
-                   ones of the same sampler probability, beyond noise; at
-                   any gap size. A prompt difference (template, BOS, system
-                   prompt) or a prefix / KV cache from older weights leaves
-                   it, and so can an engine whose rounding grows with the
-                   first tokens' logits: the message says so, no cause is
-                   named, and precision or staleness is not
-``precision``      k3 below the precision bound                               how far below the bound
-``stale``          token identity explains d: token_eta2 >= 0.1, unless a     token_eta2
-                   mild temperature could explain it too (Pearson >= 0.95,
-                   the slope 0.1 or more from 1: training sharpens a policy
-                   as a temperature would) or per-lag numbers are present
-                   (they did not show the gap growing with the lag)
-``unclear``        none of the above                                          (0)
-=================  =========================================================  ======================
+1. ``unclear`` with fewer than 64 action tokens; ``none`` when d = 0 exactly on half the tokens
+   (99% when both sides came as 16-bit floats); ``shift`` when the logprobs match at an offset.
+2. **The noise gate.** The gap is read relative to the spread of the sampler's logprobs,
+   ``relative_gap`` = mean d² / var(s): rounding noise scales with the logits, so this stays level
+   while a model sharpens and k3 grows 100-fold. A step whose relative gap is within the run's
+   noise bound (to 3 standard errors) is ``precision`` — or ``unclear`` when the gap sits on the
+   completions' first tokens — and no other cause is named: at that size none would help anyone.
+3. Beyond noise: ``stale`` when the gap grows with the policy lag (per-datum ``policy_version``),
+   when every datum is equally behind the trainer, or when the gap has grown step after step since it
+   was last within noise (the run's history); then ``unrelated`` (Pearson < 0.3), ``truncation``,
+   ``temperature`` (a slope of t on s at least 0.15 and 3 standard errors from 1, or a sign split
+   that the slope agrees with), the first-token fade (``unclear``), and ``stale`` from token
+   identity (only once the run is calibrated: bf16 rounding of the weights leaves it too).
 
-Before any of these, the monitor checks the inputs themselves (``guard_rail.impossible_inputs``):
-logprobs above 1e-4 (probabilities?), below -1e4 (sentinels) or every trainer logprob exactly 0.0
-make the step's cause ``impossible_inputs`` (confidence 1: a fact, not a hint), never a statistical
-cause that such numbers would mimic (probabilities passed as logprobs look like truncation).
+**The noise floor** (``Calibration``). Before a run is calibrated the bound is the prior
+``NOISE_PRIOR`` (1e-3). The floor is the median relative gap of the run's latest healthy steps
+(named ``none`` or ``precision``), and the bound ``NOISE_FACTOR`` (20) times it; it follows a floor
+that drifts. A bf16 engine's healthy gap can sit above the prior: while not yet calibrated, an
+``unclear`` step whose every number is rounding noise's (``noise_shaped``: a relative gap at most
+1e-2, the slope within 0.05 of 1, no sign split, no first-token fade) calibrates too. What keeps a
+fault present from step 0 out: every cause with a signature is tried first, the ceiling, and the
+first floor is taken only from steps that agree within 10x (a gap growing from step 0 does not).
 
-The precision bound is 1e-3 until ``Calibration`` has seen ``calibration_steps`` healthy logged
-steps (diagnosed ``none`` or ``precision``), then 20 times their median k3 (never above 1e-3):
-a step whose gap is well above the engine's own noise floor is not called precision. The other
-thresholds are ratios or correlations that do not depend on the engine's noise.
+**Direct evidence** (``evidence``). Live dropout in the trainer is named as an observation
+(confidence 1), before any statistical cause but ``none``; beside it (``Diagnosis.beyond``) what
+dropout cannot explain — an offset, a gap growing with the lag or over the steps — is said too,
+the observation first. Inputs that are not logprobs (``guard_rail.impossible_inputs``) are
+``impossible_inputs`` before everything.
 
 A diagnosis is a hint with its evidence, not a certainty: the message names the numbers that
-triggered it; ``unclear`` with its numbers is the answer when no signature fits cleanly (e.g.
-token identity explains d but the slope says a temperature could too). Known confusions
-(``benchmarks/bench_diagnosis.py``): a slight template change on completions too short for a
-context fade (fewer than 9 action tokens), or one that does not fade, can look like precision or,
-through token identity, like staleness; weights far out of date like a template error when the
-run's history cannot show the gap growing (both make t and s unrelated); weights a few steps old
-like a mild temperature (training sharpens the policy as a lower sampler temperature would).
-
-A gap on the first tokens is read from where it sits, not its size: another first prompt token
-can move the completion's logprobs no more than a bf16 sampler does (k3 about 1e-5 to 3e-4 on the
-held-out GPT-2), but on the first action tokens of each datum about twice as much as on its later
-ones, and so does a prompt KV cache from older weights. Such a step is not called precision or
-stale; but it is not named a context difference either: an engine whose rounding grows with the
-logits' size, where a completion's first tokens are more confident than its later ones, or top-k
-under bf16 noise where they are flatter, leave the same fade (synthetic batches in
-``tests/divergence/test_diagnosis_context.py``), so the step is ``unclear`` with the fade and
-what to check. The comparison is made among tokens of the same sampler probability, which keeps
-a temperature, a bf16 sampler or top-k that move less predictable first tokens more from
-reading as a fade on the held-out GPT-2 (set 2 of ``benchmarks/heldout_faults.py``), and the
-fade must stand 3 standard errors above noise.
-
-Token identity is weak evidence at small gaps: on the tuning generator a bf16 sampler's rounding
-noise alone gives token_eta2 of 0.05 at the median, 0.10 at the 90th percentile (up to 0.17), so the
-threshold is 0.1, not 0.05 (stale recall there: 109 of 111 steps, against 110).
-
-Staleness has three sources of evidence, strongest first: per-datum policy versions (``by_lag``),
-the run's k3 trend, token identity. On the tuning generator (2 seeds x 20 steps per setting) the
-trend alone named 35 of 76 stale steps and token identity alone 76 of 76; on its other settings
-27 and 46 of 70, together 53.
+triggered it, and ``unclear`` with its numbers is the answer when no signature fits cleanly.
 
 Example:
     >>> sig = {"frac_d_zero": 0.0, "shift_ratio": 3e-8, "shift_direction": 1.0, "pearson": 0.1}
@@ -100,8 +48,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -111,7 +57,10 @@ from typing import Any
 from loops_callbacks.divergence.evidence import DirectEvidence
 from loops_callbacks.divergence.metrics import SCALAR_METRICS
 
-__all__ = ["CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics"]
+__all__ = [
+    "CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics",
+    "noise_shaped",
+]
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
@@ -145,8 +94,24 @@ TREND_SPEARMAN = 0.5
 TREND_GROWTH = 2.0
 TREND_STEPS = 32
 STALE_ETA2 = 0.1
-PRECISION_MAX_K3 = 1e-3
-CALIBRATION_FACTOR = 20.0
+NOISE_PRIOR = 1e-3
+"""The largest relative gap taken as rounding noise before the run is calibrated."""
+NOISE_FACTOR = 20.0
+"""Once calibrated, a gap within this many times the run's noise floor is rounding noise."""
+NOISE_MIN = 1e-9
+"""The smallest noise bound (float32 rounding alone leaves relative gaps near 1e-13)."""
+NOISE_SE = 3.0
+"""A gap is beyond noise when it exceeds the bound by this many standard errors."""
+NOISE_CEILING = 1e-2
+"""No step with a larger relative gap is taken as rounding noise, calibrated or not."""
+NOISE_SLOPE = 0.05
+"""A step taken as noise has its slope of t on s this close to 1."""
+CALIBRATION_SPREAD = 10.0
+"""The steps of a first calibration agree within this factor."""
+HEALTHY_STEPS = 16
+"""The latest healthy steps whose median is the floor (it follows a floor that drifts as a model sharpens)."""
+SLOPE_SE = 3.0
+"""A temperature's slope is at least this many standard errors from 1."""
 
 _WHAT = {
     IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
@@ -190,8 +155,8 @@ class Diagnosis:
 
     ``problems`` says what is impossible about the inputs (cause ``impossible_inputs`` only);
     ``observed`` what was seen directly about the trainer (``evidence.DirectEvidence.facts``) when
-    it is the cause; ``also_seen`` the same facts beside another cause (live dropout that the numbers
-    do not point to).
+    it is the cause; ``beyond`` a finding that the observed dropout cannot explain (a gap that
+    grows over the steps or with the policy lag, an offset), said after the observation.
     """
 
     cause: str
@@ -199,7 +164,7 @@ class Diagnosis:
     evidence: dict[str, float] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     observed: str = ""
-    also_seen: str = ""
+    beyond: Diagnosis | None = None
 
     @classmethod
     def impossible_inputs(cls, problems: Iterable[str]) -> Diagnosis:
@@ -217,12 +182,23 @@ class Diagnosis:
         return self.cause in (IMPOSSIBLE_INPUTS, DROPOUT)
 
     @property
+    def label(self) -> str:
+        """The cause, with the finding beyond it: ``"dropout + stale"`` (the run summary counts these)."""
+        return f"{self.cause} + {self.beyond.cause}" if self.beyond is not None else self.cause
+
+    @property
     def message(self) -> str:
         """One sentence for logs and the guard rail: the cause, its evidence, what to check."""
         if self.cause == "none":
             return f"no mismatch ({_format(self.evidence)})"
         if self.cause == IMPOSSIBLE_INPUTS:
             return f"likely cause: {_WHAT[self.cause]}: {'; '.join(self.problems)}; {_CHECK[self.cause]}"
+        beyond = f"; and beyond what dropout explains: {self.beyond._finding}" if self.beyond is not None else ""
+        return f"likely cause: {self._finding}{beyond}"
+
+    @property
+    def _finding(self) -> str:
+        """The cause, its numbers and what to check."""
         if self.cause == "shift":
             what, check = _shift_texts(self.evidence)
         elif self.cause == "unclear" and "context_fade" in self.evidence:
@@ -233,90 +209,173 @@ class Diagnosis:
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
         if self.observed:
             what += f": {self.observed}"
-        also = f"; also seen: {self.also_seen}" if self.also_seen else ""
-        return f"likely cause: {what} ({_format(self.evidence)}); {check}{also}"
+        numbers = f" ({_format(self.evidence)})" if self.evidence else ""
+        return f"{what}{numbers}; {check}"
 
 
 @dataclass
 class Calibration:
-    """The precision bound, learned from the first healthy logged steps of a run (module docstring),
-    and the run's recent k3 (``trend``, oldest first) for the history rule of ``stale``."""
+    """What the monitor learns over a run for the diagnosis: the run's rounding-noise floor and its
+    recent gaps (module docstring, "The noise floor").
+
+    ``healthy_gaps`` holds the relative gaps (``signatures``' ``relative_gap``) of the latest
+    ``HEALTHY_STEPS`` steps taken as healthy; the floor is their median once ``calibration_steps``
+    of them agree. ``recent_gaps`` holds the last ``TREND_STEPS`` relative gaps (the history rule).
+    Every field is plain data: the monitor's checkpoint state is these fields.
+
+    Example:
+        >>> calibration = Calibration(calibration_steps=2)
+        >>> calibration.noise_bound  # the prior, until calibrated
+        0.001
+        >>> for gap in (2e-5, 3e-5):
+        ...     calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": gap})
+        >>> calibration.noise_bound
+        0.0005
+    """
 
     calibration_steps: int = 5
-    healthy_k3: list[float] = field(default_factory=list)
-    recent_k3: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=TREND_STEPS))
+    healthy_gaps: list[float] = field(default_factory=list)
+    recent_gaps: list[float] = field(default_factory=list)
 
     @property
-    def precision_max_k3(self) -> float:
-        if len(self.healthy_k3) < self.calibration_steps:
-            return PRECISION_MAX_K3
-        floor = statistics.median(self.healthy_k3)
-        return min(PRECISION_MAX_K3, max(CALIBRATION_FACTOR * floor, 1e-9))
+    def calibrated(self) -> bool:
+        """Whether the floor is known (never, with ``calibration_steps=0``: the prior bound then holds)."""
+        return self.calibration_steps > 0 and len(self.healthy_gaps) >= self.calibration_steps
 
     @property
-    def trend(self) -> tuple[float, ...]:
-        """k3 of the last ``TREND_STEPS`` logged steps with a diagnosis, oldest first (``diagnose(trend=)``)."""
-        return tuple(self.recent_k3)
+    def noise_floor(self) -> float | None:
+        """The median relative gap of the healthy steps; ``None`` until calibrated."""
+        return statistics.median(self.healthy_gaps) if self.calibrated else None
 
-    def observe(self, diagnosis: Diagnosis, k3: float) -> None:
-        """Learn from a step: its k3 joins the trend; while calibrating, healthy steps set the floor."""
-        if math.isfinite(k3):
-            self.recent_k3.append(max(k3, 0.0))
-        if len(self.healthy_k3) < self.calibration_steps and diagnosis.cause in ("none", "precision") and math.isfinite(k3):
-            self.healthy_k3.append(max(k3, 0.0))
+    @property
+    def noise_bound(self) -> float:
+        """The largest relative gap taken as rounding noise: ``NOISE_FACTOR`` x the floor, the prior before."""
+        floor = self.noise_floor
+        return NOISE_PRIOR if floor is None else max(NOISE_FACTOR * floor, NOISE_MIN)
+
+    def observe(self, diagnosis: Diagnosis, signatures: Mapping[str, float]) -> None:
+        """Learn from a step: its relative gap joins the history; a healthy one sets the floor.
+
+        A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
+        also an ``unclear`` step whose every signature is rounding noise's (``noise_shaped``): a bf16
+        engine's floor can sit above the prior. The first floor is taken only from steps that agree
+        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not.
+        """
+        gap = signatures.get("relative_gap", math.nan)
+        if not math.isfinite(gap):
+            return
+        self.recent_gaps = [*self.recent_gaps, gap][-TREND_STEPS:]
+        healthy = diagnosis.cause in ("none", "precision") or (
+            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)
+        )
+        if not healthy:
+            return
+        gaps = [*self.healthy_gaps, gap][-HEALTHY_STEPS:]
+        if len(self.healthy_gaps) < self.calibration_steps:  # not calibrated: keep the latest steps that agree
+            while len(gaps) > 1 and max(gaps) > CALIBRATION_SPREAD * max(min(gaps), NOISE_MIN / NOISE_FACTOR):
+                gaps = gaps[1:]
+        self.healthy_gaps = gaps
+
+
+def noise_shaped(signatures: Mapping[str, float]) -> bool:
+    """Whether a step's numbers are what rounding noise leaves: a relative gap at most ``NOISE_CEILING``,
+    the slope of t on s within ``NOISE_SLOPE`` of 1, no sign split, no gap on the first tokens.
+
+    Example:
+        >>> noise_shaped({"relative_gap": 2e-3, "temperature": 0.999, "sign_split": 0.3})
+        True
+        >>> noise_shaped({"relative_gap": 2e-3, "temperature": 0.9, "sign_split": 0.3})  # a mild temperature
+        False
+    """
+    get = lambda name: signatures.get(name, math.nan)  # noqa: E731
+    return (
+        get("relative_gap") <= NOISE_CEILING
+        and abs(get("temperature") - 1.0) <= NOISE_SLOPE
+        and not get("sign_split") >= SIGN_SPLIT
+        and not (get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z)
+    )
 
 
 def diagnose(
     signatures: Mapping[str, float],
     *,
     n_tokens: float,
-    precision_max_k3: float = PRECISION_MAX_K3,
+    noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
     by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
-    ``evidence`` is what was seen directly about the trainer (``evidence.observe_training``): live
-    dropout is named, as an observation with confidence 1, before every cause but those whose
-    signature nothing else leaves (no mismatch, an offset, a gap growing with the policy lag);
-    beside those the facts are added to the message (``also seen``). ``by_lag`` is the step's divergence by policy
-    lag (``HostDivergence.by_lag``: label -> sums with ``n_tokens`` and ``abs_d_mean``); ``trend``
-    the k3 of the run's previous logged steps, oldest first (``Calibration.trend``).
+    ``noise_floor`` is the run's calibrated relative gap (``Calibration.noise_floor``; ``None``
+    before calibration: the prior bound, and token identity is not read). ``evidence`` is what was
+    seen directly about the trainer (``evidence.observe_training``): live dropout is named as an
+    observation with confidence 1, and beside it (``beyond``) what dropout cannot explain: an
+    offset, a gap growing with the policy lag or over the steps. ``by_lag`` is the step's divergence
+    by policy lag (``HostDivergence.by_lag``: label -> sums with ``n_tokens`` and ``abs_d_mean``);
+    ``trend`` the relative gaps of the run's previous logged steps, oldest first
+    (``Calibration.recent_gaps``).
     """
     sig = dict(signatures)
+    bound = NOISE_PRIOR if noise_floor is None else max(NOISE_FACTOR * noise_floor, NOISE_MIN)
+    context = {"noise_bound": bound, "calibrated": noise_floor is not None, "by_lag": by_lag, "trend": trend}
+    statistical = _statistical_cause(sig, n_tokens=n_tokens, **context)
+    if evidence is None or not evidence.dropout_active or statistical.cause == "none":
+        return statistical  # no mismatch: live dropout does not reach these logprobs
+    numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
+    numbers["k3"] = sig.get("kl_sample_train_k3", math.nan)
+    beyond = _beyond_dropout(sig, n_tokens=n_tokens, **context)
+    return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts, beyond=beyond)
 
-    def get(name: str) -> float:
-        return sig.get(name, math.nan)
 
-    dropout = evidence is not None and evidence.dropout_active
-    seen = evidence.facts if dropout and evidence is not None else ""
-    statistical = _statistical_cause(sig, n_tokens=n_tokens, precision_max_k3=precision_max_k3, by_lag=by_lag,
-                                     trend=trend, dropout_seen=dropout)
-    if statistical.cause == DROPOUT and evidence is not None:
-        numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
-        numbers["k3"] = get("kl_sample_train_k3")
-        return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts)
-    return dataclasses.replace(statistical, also_seen=seen) if seen else statistical
+def _beyond_dropout(
+    sig: Mapping[str, float], *, n_tokens: float, noise_bound: float, by_lag: Mapping[str, Any] | None,
+    trend: Sequence[float], **_: Any,
+) -> Diagnosis | None:
+    """What live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps."""
+    if n_tokens < MIN_TOKENS:
+        return None
+    offset = _offset(sig)
+    if offset is not None or not _beyond_noise(sig, noise_bound):
+        return offset
+    lags = _lag_growth(by_lag)
+    if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
+        return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
+    return _growing(sig, by_lag, lags, trend, noise_bound, since_floor=False)
+
+
+def _beyond_noise(sig: Mapping[str, float], noise_bound: float) -> bool:
+    """Whether the relative gap exceeds ``noise_bound`` by ``NOISE_SE`` standard errors (an unknown gap: yes)."""
+    gap, gap_se = sig.get("relative_gap", math.nan), sig.get("relative_gap_se", math.nan)
+    return not gap - NOISE_SE * (gap_se if math.isfinite(gap_se) else 0.0) <= noise_bound
+
+
+def _growing(
+    sig: Mapping[str, float], by_lag: Mapping[str, Any] | None, lags: dict[str, float] | None,
+    trend: Sequence[float], noise_bound: float, *, since_floor: bool = True,
+) -> Diagnosis | None:
+    """``stale`` when the relative gap has grown step after step (``_trend_growth``), unless the versions
+    show every datum current or a gap flat across lags (versions outrank history). ``since_floor``: only
+    since it was last at the noise bound (beside live dropout, whose noise lifts it off: over the window)."""
+    if _common_lag(by_lag) == 0 or (lags is not None and lags["lag_growth"] < LAG_GROWTH):
+        return None
+    series = [*trend, sig.get("relative_gap", math.nan)]
+    growing = _trend_growth(series, floor=noise_bound if since_floor else -math.inf, from_start=not since_floor)
+    if growing is None:
+        return None
+    return Diagnosis("stale", _confidence((growing["gap_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
 
 
 def _statistical_cause(
     sig: Mapping[str, float],
     *,
     n_tokens: float,
-    precision_max_k3: float,
+    noise_bound: float,
+    calibrated: bool,
     by_lag: Mapping[str, Any] | None,
     trend: Sequence[float],
-    dropout_seen: bool,
 ) -> Diagnosis:
-    """``diagnose``'s rules in order; ``DROPOUT`` (no numbers yet) where live dropout is the likeliest cause.
-
-    Live dropout is named after the causes whose signature nothing else leaves (no mismatch, an
-    offset, a gap that grows with the policy lag), so a dropout layer the logprobs never pass
-    through (a value head) does not hide those. Its noise can be as small as a bf16 engine's (a
-    small GPT-2 with dropout 0.1: k3 below 1e-3), so it is named whatever the gap's size: a dropout
-    layer that is live but unused while the logprobs are computed reads as dropout.
-    """
+    """``diagnose``'s rules in order (module docstring), on the numbers alone."""
 
     def get(name: str) -> float:
         return sig.get(name, math.nan)
@@ -324,9 +383,8 @@ def _statistical_cause(
     def found(cause: str, margin: float, *names: str) -> Diagnosis:
         return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
 
-    if n_tokens < MIN_TOKENS:  # too few tokens for a statistical cause; an observation needs none
-        too_few = Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
-        return Diagnosis(DROPOUT, 1.0) if dropout_seen else too_few
+    if n_tokens < MIN_TOKENS:
+        return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
     if get("frac_d_zero") >= zero_share:
@@ -334,20 +392,26 @@ def _statistical_cause(
     offset = _offset(sig)
     if offset is not None:
         return offset
+    gap = get("relative_gap")
+    noise = {"relative_gap": gap, "noise_bound": noise_bound, "k3": get("kl_sample_train_k3")}
+    if not _beyond_noise(sig, noise_bound):  # within rounding noise: precision, unless the gap sits on the first tokens
+        if get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z:
+            return Diagnosis("unclear", 0.0, {name: get(name) for name in ("context_fade", "context_fade_z")} | noise)
+        return Diagnosis("precision", _confidence(math.log10(noise_bound / max(gap, 1e-300))), noise)
     lags = _lag_growth(by_lag)
     if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
         return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
-    if dropout_seen:
-        return Diagnosis(DROPOUT, 1.0)
-    k3 = get("kl_sample_train_k3")
-    # versions outrank history: every datum current, or a gap flat across lags, is not staleness
-    versions_clear = _all_current(by_lag) or (lags is not None and lags["lag_growth"] < LAG_GROWTH)
-    growing = None if versions_clear else _trend_growth([*trend, k3], floor=precision_max_k3)
-    if growing is not None:  # weights a few steps old look like a mild temperature, far out of date like unrelated
-        return Diagnosis("stale", _confidence((growing["k3_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
+    behind = _common_lag(by_lag)
+    if behind:  # every datum equally behind the trainer, and a gap beyond noise
+        return Diagnosis("stale", _confidence(math.log10(gap / noise_bound) / 2), {"lag": float(behind)} | noise)
+    # weights a few steps old look like a mild temperature, far out of date like unrelated distributions
+    growing = _growing(sig, by_lag, lags, trend, noise_bound)
+    if growing is not None:
+        return growing
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
-    slope = get("temperature")
+    slope, slope_se = get("temperature"), get("temperature_se")
+    slope_se = slope_se if math.isfinite(slope_se) else 0.0
     if (
         get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE
         and get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se")
@@ -356,27 +420,27 @@ def _statistical_cause(
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
     pearson, off_one = get("pearson"), abs(slope - 1.0)
-    if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE:
+    significant = off_one >= SLOPE_SE * slope_se  # a slope within its error of 1 is not a temperature
+    if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE and significant:
         margin = (off_one - TEMPERATURE_SLOPE) / TEMPERATURE_SLOPE
-        return found("temperature", margin, "temperature", "pearson", "sd_ratio")
-    if get("sign_split") >= SIGN_SPLIT:
-        return found("temperature", (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT), "sign_split", "temperature")
+        return found("temperature", margin, "temperature", "temperature_se", "pearson", "sd_ratio")
+    # d of one sign on likely tokens and the other on unlikely ones, with the slope off 1 the same way
+    agrees = significant and (slope < 1.0) == (get("temperature_sign") < 0)
+    if get("sign_split") >= SIGN_SPLIT and agrees:
+        margin = (get("sign_split") - SIGN_SPLIT) / (1 - SIGN_SPLIT)
+        return found("temperature", margin, "sign_split", "temperature", "temperature_se")
     # a gap on the first tokens, at any size: not precision or staleness, but not named either (module docstring)
     if get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z:
-        fade = ("context_fade", "context_fade_z", "kl_sample_train_k3")
-        return Diagnosis("unclear", 0.0, {name: get(name) for name in fade})
-    if k3 < precision_max_k3:
-        margin = math.log10(precision_max_k3 / max(k3, 1e-300))
-        evidence_numbers = {"k3": k3, "k3_bound": precision_max_k3, "token_eta2": get("token_eta2")}
-        return Diagnosis("precision", _confidence(margin), evidence_numbers)
-    unclear = {"k3": k3, "token_eta2": get("token_eta2"), "pearson": get("pearson"), "temperature": slope}
-    if lags is not None:  # versions are known and the gap does not grow with the lag: not stale
-        return Diagnosis("unclear", 0.0, unclear | lags)
+        return Diagnosis("unclear", 0.0, {name: get(name) for name in ("context_fade", "context_fade_z")} | noise)
+    unclear = noise | {"token_eta2": get("token_eta2"), "pearson": pearson, "temperature": slope}
+    if lags is not None or behind == 0:  # versions are known and do not show staleness
+        return Diagnosis("unclear", 0.0, unclear | (lags or {}))
     # a slope off 1 with t and s tightly related: a mild temperature, or weights a few steps old
     # (training sharpens the policy as a temperature would); the numbers cannot tell them apart
     temperature_like = pearson >= 0.95 and off_one >= AMBIGUOUS_SLOPE
-    if get("token_eta2") >= STALE_ETA2 and not temperature_like:
-        evidence_numbers = {"token_eta2": get("token_eta2"), "k3": k3}
+    # token identity: bf16 rounding of the weights leaves it too, so it is read only against a calibrated floor
+    if calibrated and get("token_eta2") >= STALE_ETA2 and not temperature_like:
+        evidence_numbers = {"token_eta2": get("token_eta2")} | noise
         return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence_numbers)
     return Diagnosis("unclear", 0.0, unclear)
 
@@ -421,20 +485,22 @@ def _lag_growth(by_lag: Mapping[str, Any] | None) -> dict[str, float] | None:
     return numbers
 
 
-def _all_current(by_lag: Mapping[str, Any] | None) -> bool:
-    """Whether the datums carried versions and every one with tokens was at lag 0."""
+def _common_lag(by_lag: Mapping[str, Any] | None) -> int | None:
+    """The lag every datum with tokens had, when they all were in one lag bucket (``"4-7"`` reads 4,
+    ``"8+"`` 8); else None."""
     if not by_lag:
-        return False
+        return None
     counted = [label for label, stratum in by_lag.items() if stratum.n_tokens > 0]
-    return counted == ["0"]
+    return int(counted[0].split("-")[0].rstrip("+")) if len(counted) == 1 else None
 
 
-def _trend_growth(series: Sequence[float], *, floor: float) -> dict[str, float] | None:
-    """Evidence that k3 has grown step after step since it was last at ``floor`` (the last value is now)."""
+def _trend_growth(series: Sequence[float], *, floor: float, from_start: bool = False) -> dict[str, float] | None:
+    """Evidence that the relative gap has grown step after step since it was last at ``floor`` (with
+    ``from_start``, since the window began when it never was); the last value is now."""
     at_floor = [i for i, value in enumerate(series) if value <= floor]
-    if not at_floor or at_floor[-1] == len(series) - 1:
-        return None  # never in sync in the window, or in sync now
-    since = list(series[at_floor[-1] + 1 :])
+    if (at_floor and at_floor[-1] == len(series) - 1) or not (at_floor or from_start):
+        return None  # in sync now, or never in sync in the window
+    since = list(series[at_floor[-1] + 1 :] if at_floor else series)
     if len(since) < TREND_MIN_STEPS:
         return None
     third = max(1, len(since) // 3)
@@ -443,7 +509,7 @@ def _trend_growth(series: Sequence[float], *, floor: float) -> dict[str, float] 
     rho = _spearman(since)
     if growth < TREND_GROWTH or rho < TREND_SPEARMAN:
         return None
-    return {"k3": since[-1], "k3_steps_since_floor": float(len(since)), "k3_growth": growth, "k3_spearman": rho}
+    return {"relative_gap": since[-1], "steps_growing": float(len(since)), "gap_growth": growth, "gap_spearman": rho}
 
 
 def _spearman(values: Sequence[float]) -> float:
@@ -478,7 +544,8 @@ def _shift_texts(evidence: Mapping[str, float]) -> tuple[str, str]:
 
 
 def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, prefix: str) -> dict[str, float]:
-    """Scalars to log: ``diagnosis/<cause>`` (1.0 for the named cause, else 0), the confidence and the signatures.
+    """Scalars to log: ``diagnosis/<cause>`` (1.0 for the named cause and the finding beyond it, else 0), the
+    confidence and the signatures.
 
     A signature that is also a scalar metric (``is_ratio_mean``, ``kl_sample_train_k3``) is left
     out: it is logged once, under the scalar's key.
@@ -489,7 +556,8 @@ def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, 
         >>> m["div/diagnosis/stale"], m["div/diagnosis/none"], m["div/diagnosis/confidence"], m["div/signature/temperature"]
         (1.0, 0.0, 0.75, 1.0)
     """
-    metrics = {f"{prefix}diagnosis/{cause}": float(cause == diagnosis.cause) for cause in CAUSES}
+    named = {diagnosis.cause, diagnosis.beyond.cause if diagnosis.beyond is not None else diagnosis.cause}
+    metrics = {f"{prefix}diagnosis/{cause}": float(cause in named) for cause in CAUSES}
     metrics[f"{prefix}diagnosis/confidence"] = float(diagnosis.confidence)
     metrics.update(
         {f"{prefix}signature/{name}": float(value) for name, value in signatures.items() if name not in SCALAR_METRICS}

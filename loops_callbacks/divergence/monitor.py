@@ -103,8 +103,9 @@ class KLSampleTrainMonitor(Callback):
             evidence (``loops_callbacks.divergence.diagnosis``): logged as
             ``diagnosis/<cause>`` indicators, ``diagnosis/confidence``, ``signature/<name>``
             numbers and the text ``diagnosis``; the guard rail's message names it too.
-        calibration_steps: healthy logged steps (diagnosed ``none`` or ``precision``) from which
-            the precision bound is learned (20x their median k3, at most 1e-3).
+        calibration_steps: healthy logged steps from which the run's rounding-noise floor is learned
+            (``diagnosis.Calibration``: their median relative gap; a step within 20x of it is
+            precision, and no other cause is named); ``0``: never, the prior bound 1e-3 holds.
         log_strata: log the divergence by stratum (``loops_callbacks.divergence.strata``): k3,
             mean |d|, IS-ratio mean and tokens by sampler probability, by quartile of each
             datum's action tokens, by policy lag and by group.
@@ -360,12 +361,12 @@ class KLSampleTrainMonitor(Callback):
             media=self.media,
             guard_rail=self.guard_rail,
             diagnosing=self.diagnosing,
-            precision_max_k3=self.calibration.precision_max_k3,
+            noise_floor=self.calibration.noise_floor,
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
             evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
             by_lag=host.by_lag or None,
             offsets=host.offset_sums,
-            trend=self.calibration.trend,  # the k3 of the run's previous logged steps
+            trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
         )
         shadow = shadow_scalars(host.extra_totals, host.extra_extrema, self.corrections) if self.corrections else {}
         self._deliver(trainer, report, shadow, step)
@@ -473,7 +474,7 @@ class KLSampleTrainMonitor(Callback):
         self.last_diagnosis = report.diagnosis
         self.history.observe(step, report.scalars, report.diagnosis)
         if report.diagnosis is not None:
-            self.calibration.observe(report.diagnosis, report.scalars["kl_sample_train_k3"])
+            self.calibration.observe(report.diagnosis, report.signatures)
         if report.has_action_tokens:
             self._steps_with_action_tokens += 1
 

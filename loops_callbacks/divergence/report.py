@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from loops_callbacks.divergence.diagnosis import PRECISION_MAX_K3, Diagnosis, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose, diagnosis_metrics
 from loops_callbacks.divergence.evidence import DirectEvidence
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.media import MediaOptions, StepMedia, step_media
@@ -45,6 +45,7 @@ class StepReport:
     scalars: dict[str, float]
     diagnosis: Diagnosis | None = None
     diagnosis_scalars: dict[str, float] = field(default_factory=dict)
+    signatures: dict[str, float] = field(default_factory=dict)  # the numbers the diagnosis read
     media: StepMedia = field(default_factory=StepMedia)
     problems: dict[str, str] = field(default_factory=dict)  # impossible inputs, by a stable key
     exceeds: str | None = None  # why the step exceeds the guard rail; None: it does not (or no bound)
@@ -67,7 +68,7 @@ def step_report(
     media: MediaOptions,
     guard_rail: GuardRail,
     diagnosing: bool,
-    precision_max_k3: float = PRECISION_MAX_K3,
+    noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
     by_lag: Mapping[str, Any] | None = None,
     offsets: np.ndarray | None = None,
@@ -76,23 +77,23 @@ def step_report(
     """The report of the step whose statistics are ``host``.
 
     ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read
-    them as something else); ``precision_max_k3`` is the calibrated precision bound; ``evidence``
+    them as something else); ``noise_floor`` is the run's calibrated noise floor (``Calibration``); ``evidence``
     what was seen directly about the trainer (``evidence.observe_training``); ``by_lag`` the
     step's divergence by policy lag (``HostDivergence.by_lag``; ``None`` reads ``host.by_lag``
     when the statistics have it), ``offsets`` the host ``alignment.offset_sums`` vector (``None``
-    reads ``host.offset_sums`` when present; else not measured) and ``trend`` the k3 of the run's
-    previous logged steps, oldest first (``Calibration.trend``).
+    reads ``host.offset_sums`` when present; else not measured) and ``trend`` the relative gaps of the
+    run's previous logged steps, oldest first (``Calibration.recent_gaps``).
     """
     scalars = scalar_metrics(host, prefix="")
     problems = impossible_inputs(host)
-    diagnosis, diagnosis_scalars = None, {}
+    diagnosis, diagnosis_scalars, signatures = None, {}, {}
     if diagnosing and host.totals["n_action_tokens"] > 0:
         signatures = signature_numbers(host, offsets)
         diagnosis = _likely_cause(
             signatures,
             problems,
             host.totals["n_action_tokens"],
-            precision_max_k3=precision_max_k3,
+            noise_floor=noise_floor,
             evidence=evidence,
             by_lag=by_lag if by_lag is not None else getattr(host, "by_lag", None),
             trend=trend,
@@ -102,6 +103,7 @@ def step_report(
         scalars=scalars,
         diagnosis=diagnosis,
         diagnosis_scalars=diagnosis_scalars,
+        signatures=signatures,
         media=step_media(host, media),
         problems=problems,
         exceeds=guard_rail.exceeds(scalars, host, prefix=prefix),

@@ -88,7 +88,7 @@ class RunHistory:
         self.logged_steps += 1
         self.last_step = step
         has_tokens = metrics.get("n_action_tokens", 0.0) > 0
-        label = diagnosis.cause if diagnosis is not None else NOT_DIAGNOSED if has_tokens else NO_ACTION_TOKENS
+        label = diagnosis.label if diagnosis is not None else NOT_DIAGNOSED if has_tokens else NO_ACTION_TOKENS
         if label in self.causes:
             self.causes[label].steps += 1
         else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnose
+from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnose, diagnosis_metrics
 from loops_callbacks.divergence.evidence import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.media import MediaOptions
@@ -73,16 +73,17 @@ def test_live_dropout_is_named_as_an_observation_before_any_statistical_cause() 
         assert "model.eval()" in found.message
 
 
-def test_live_dropout_does_not_hide_an_offset_or_a_gap_growing_with_the_lag() -> None:
-    """A dropout layer the logprobs never pass through (a value head) must not mask the signatures
-    nothing else leaves: an offset, or a gap that grows with the policy lag, is named and the
-    observation is added to the message."""
+def test_live_dropout_does_not_hide_an_offset_or_a_gap_growing_with_the_lag_or_over_the_steps() -> None:
+    """A dropout layer the logprobs never pass through (a value head), or dropout beside a real fault, must not
+    mask what dropout cannot explain: an offset, a gap growing with the policy lag or over the steps. Both are
+    said, the observation first."""
     evidence = DirectEvidence(observe_modules(_gpt2().train(), precision=None).dropout)
     sig = {"frac_d_zero": 0.0, "offset": 3.0, "offset_share": 1.0, "offset_ratio": 1e-6, "pearson": 0.1,
            "kl_sample_train_k3": 1.5}
     found = diagnose(sig, n_tokens=900, evidence=evidence)
-    assert found.cause == "shift" and not found.is_observation
-    assert found.message.endswith("; also seen: " + evidence.facts)
+    assert found.cause == DROPOUT and found.beyond.cause == "shift" and found.label == "dropout + shift"
+    assert found.message.startswith("likely cause: observed: the trainer's logprobs include dropout noise: 7 Dropout")
+    assert "; and beyond what dropout explains: sampler logprobs are shifted by 3 positions" in found.message
 
     @dataclass(frozen=True)
     class Lag:
@@ -91,7 +92,16 @@ def test_live_dropout_does_not_hide_an_offset_or_a_gap_growing_with_the_lag() ->
 
     by_lag = {"0": Lag(500, 0.02), "1": Lag(500, 0.4)}
     found = diagnose(signature_numbers(host_of(case("unrelated"))), n_tokens=1024, evidence=evidence, by_lag=by_lag)
-    assert found.cause == "stale" and "also seen: 7 Dropout modules" in found.message
+    assert found.label == "dropout + stale" and "lag growth" in found.message
+    metrics = diagnosis_metrics(found, {}, prefix="")
+    assert metrics["diagnosis/dropout"] == metrics["diagnosis/stale"] == 1.0 and metrics["diagnosis/shift"] == 0.0
+    # a gap growing over the steps while dropout noise keeps it off the floor from the start (never synced)
+    sig = signature_numbers(host_of(case("stale")))
+    gap = sig["relative_gap"]
+    found = diagnose(sig, n_tokens=1024, evidence=evidence, trend=(0.1 * gap, 0.3 * gap, 0.6 * gap))
+    assert found.label == "dropout + stale" and "gap growth" in found.message
+    level = diagnose(sig, n_tokens=1024, evidence=evidence, trend=(gap, 0.9 * gap, 1.1 * gap))  # dropout's own level
+    assert level.label == DROPOUT
 
 
 def test_dropout_that_does_not_reach_the_logprobs_is_not_named() -> None:
@@ -106,7 +116,7 @@ def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None
     guard_rail = GuardRail(None, "kl_sample_train_k3")
     options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnosing=True)
     host = host_of(case("stale"))
-    assert step_report(host, **options).diagnosis.cause == "stale"  # today's call keeps working
+    assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
     report = step_report(host, **options, evidence=evidence, by_lag=None, offsets=None)
     assert report.diagnosis.cause == DROPOUT and report.diagnosis_scalars["diagnosis/dropout"] == 1.0
     history = RunHistory("kl_sample_train_k3", None)
