@@ -88,6 +88,10 @@ def test_names_show_only_what_differs_from_the_framework_default() -> None:
     ("token_k1:0.5", ValueError, "lower bound 2.0 is above the upper bound 0.5"),
     ("token mask", ValueError, "cannot read correction"),
     (3.0, TypeError, "got float"),
+    ("sequence_mask(clip_max=2, clip_max=5)", ValueError,
+     "correction 'sequence_mask(clip_max=2, clip_max=5)': 'clip_max' is given twice"),
+    ("sequence_mask:1e400", ValueError, "correction 'sequence_mask': 'clip_max' must be a finite number"),
+    ("token_tis(threshold=-inf)", ValueError, "correction 'token_tis': 'threshold' must be a finite number"),
 ])
 def test_bad_specs_say_what_is_wrong(spec: object, error: type, words: str) -> None:
     with pytest.raises(error, match=re.escape(words)):
@@ -95,8 +99,11 @@ def test_bad_specs_say_what_is_wrong(spec: object, error: type, words: str) -> N
 
 
 def test_a_dataclass_with_a_wrong_value_is_refused() -> None:
-    with pytest.raises(TypeError, match="'clip_max' must be a number or None, got '3'"):
+    with pytest.raises(TypeError, match="'clip_max' must be a finite number .* or None, got '3'"):
         Correction("token_mask", {"clip_max": "3"})
+    with pytest.raises(ValueError, match=r"correction 'sequence_mask': 'clip_max' must be a finite number \(\|x\| <= "
+                                         r"3.4e\+38, float32's range\) or None, got 1797"):
+        Correction("sequence_mask", {"clip_max": 2**1024})  # no float holds it: an OverflowError naming nothing
     with pytest.raises(TypeError, match="params must be a mapping"):
         Correction("token_mask", [("clip_max", 3.0)])  # type: ignore[arg-type]
 
