@@ -17,9 +17,10 @@ the logged scalars:
   ratios p_trainer / p_sampler before any truncation. Only action tokens count: padding never
   reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
 
-The action tokens are the batch's ``counted`` positions (mask > 0, advantage != 0). A token whose
-log ratio is NaN (a logprob missing) is handled as ``correct_flat`` handles it: ratio 1 for TRL's
-and verl's IS, rejected by verl's rejection; the raw extremes skip it. Each correction is computed
+The action tokens are those the main metrics count (``FlatBatch.active``: mask > 0, advantage != 0,
+both logprobs finite). A token with a missing or non-finite logprob is in none of these numbers, though
+it may decide its sequence's fate as ``correct_flat`` reads it (verl's rejection drops a sequence
+with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
 by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
 its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
@@ -135,7 +136,7 @@ def shadow_values(
         _key(None, "n_tokens"): count.sum(),
         _key(None, "n_sequences"): scored.sum().to(torch.float64),
     }
-    values.update(_extrema("token_log_ratio", diff, mask & ~torch.isnan(diff)))
+    values.update(_extrema("token_log_ratio", diff, x.finite))
     values.update(_extrema("seq_log_ratio", x.row_log_ratio, scored))
     values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), scored))
     for correction in parsed:
@@ -164,18 +165,19 @@ def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Te
 
 
 def _token_level(correction: Correction, result: FlatCorrection, x: CorrectionInput) -> dict[str, torch.Tensor]:
-    """The statistics of a token-level correction; a sequence's weight is the mean of its tokens' weights."""
-    seq_weight = x.rows.sum(result.weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
-    zero = result.weights.new_zeros(())
+    """The statistics of a token-level correction over ``x.finite``; a sequence's weight is its tokens' mean."""
+    weights, clipped = result.weights * x.finite, result.clipped & x.finite
+    seq_weight = x.rows.sum(weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
+    zero = weights.new_zeros(())
     can_drop, can_clip = _can_drop(correction), not _can_drop(correction)
-    dropped = x.mask & ~result.keep if can_drop else None
+    dropped = x.finite & ~result.keep if can_drop else None
     return {
         _key(correction, "n_tokens_masked"): dropped.sum().to(torch.float64) if can_drop else zero,
-        _key(correction, "n_tokens_clipped"): result.clipped.sum().to(torch.float64) if can_clip else zero,
+        _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64) if can_clip else zero,
         _key(correction, "n_seqs_masked"): _rows_with_any(dropped, x) if can_drop else zero,
-        _key(correction, "n_seqs_clipped"): _rows_with_any(result.clipped, x) if can_clip else zero,
-        _key(correction, "sum_weight"): result.weights.sum(),
-        _key(correction, "sum_weight2"): result.weights.square().sum(),
+        _key(correction, "n_seqs_clipped"): _rows_with_any(clipped, x) if can_clip else zero,
+        _key(correction, "sum_weight"): weights.sum(),
+        _key(correction, "sum_weight2"): weights.square().sum(),
         _key(correction, "sum_seq_weight"): seq_weight.sum(),
         _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
     }

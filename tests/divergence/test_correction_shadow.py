@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from loops_callbacks.correction import apply_correction, parse_correction
 from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded
 from loops_callbacks.divergence.shadow import shadow_scalars, shadow_statistics, shadow_values
+from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput
 
 CORRECTIONS = ["sequence_mask", "token_truncate:2.0", "token_mask:0.5_2.0", "sequence_truncate", "token_tis",
@@ -87,26 +88,33 @@ def test_the_statistics_are_declared_with_their_reductions() -> None:
 
 
 def test_the_shares_and_sizes_are_what_applying_the_correction_does() -> None:
+    """On the tokens the main metrics count: a missing or ±inf logprob is in none of the statistics
+    (a row with a +inf and a -inf log ratio made sequence_tis NaN and dropped the raw sequence extremes)."""
     generator = torch.Generator().manual_seed(7)
     trainer = -torch.rand(9, 12, generator=generator) * 2
     sampler = trainer - torch.randn(9, 12, generator=generator) * torch.linspace(0.0002, 1.0, 9)[:, None]
     mask = (torch.arange(12)[None, :] < torch.randint(1, 13, (9,), generator=generator)[:, None]).float()
+    mask[2, :4] = 1.0
     sampler[7] -= 0.5  # a sequence ratio of about e^2 (6 tokens): sequence_mask drops it
+    sampler[2, 0], sampler[2, 3], trainer[8, 0], sampler[5, 0] = -math.inf, math.inf, -math.inf, math.nan
     advantages = torch.randn(9, generator=generator)
     flat = flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=mask)
-    scalars = scalars_of(shadow_values(flat, CORRECTIONS, advantages))
-    action = mask > 0
+    values = shadow_values(flat, CORRECTIONS, advantages)
+    scalars = scalars_of(values)
+    action = (mask > 0) & torch.isfinite(trainer - sampler)
     n, n_seqs = int(action.sum()), int(action.any(dim=1).sum())
+    assert values["correction::n_tokens"] == DivergenceStats.from_batch(flat).to_host().totals["n_action_tokens"] == n
+    assert all(math.isfinite(v) for v in scalars.values()) and "correction/raw/seq_ratio_max" in scalars
     for spec in CORRECTIONS:
         result = apply_correction(spec, trainer.double(), sampler.double(), mask, advantages=advantages)
         name = f"correction/{parse_correction(spec).name}/"
         dropped = action & ~result.keep
         assert scalars[name + "frac_tokens_masked"] == int(dropped.sum()) / n, spec
         assert scalars[name + "frac_seqs_masked"] == int(dropped.any(dim=1).sum()) / n_seqs, spec
-        assert scalars[name + "frac_tokens_clipped"] == int(result.clipped.sum()) / n, spec
+        assert scalars[name + "frac_tokens_clipped"] == int((result.clipped & action).sum()) / n, spec
         w = result.weights[action]
         assert scalars[name + "ess_tokens"] == pytest.approx(float(w.sum() ** 2 / (n * (w**2).sum())), rel=1e-12)
-        seq_w = (result.weights.sum(dim=1) / mask.sum(dim=1))[action.any(dim=1)]
+        seq_w = ((result.weights * action).sum(dim=1) / action.sum(dim=1))[action.any(dim=1)]
         ess_seqs = float(seq_w.sum() ** 2 / (n_seqs * (seq_w**2).sum())) if seq_w.any() else 0.0
         assert scalars[name + "ess_seqs"] == pytest.approx(ess_seqs, rel=1e-12)
         assert scalars[name + "mean_weight"] == pytest.approx(float(w.mean()), rel=1e-12)
