@@ -80,8 +80,12 @@ def parse_corrections(corrections: Sequence[str | Correction]) -> tuple[Correcti
         >>> [c.name for c in parse_corrections(["sequence_mask", "geo"])]
         ['sequence_mask', 'geo']
     """
-    if isinstance(corrections, (str, Correction)):
-        raise TypeError("corrections must be a list of specs, e.g. ['sequence_mask:3.0'], not a single spec")
+    if isinstance(corrections, (str, Correction, Mapping)):  # a dict's keys alone would be read, its values dropped
+        raise TypeError(
+            f"corrections must be a list of specs, got a {type(corrections).__name__} ({corrections!r}); write e.g. "
+            "['sequence_mask:3.0', 'token_truncate(clip_max=1.5)'] or [Correction('token_truncate', {'clip_max': 1.5})]"
+            " (YAML: a list of strings, or of 'method:' / 'params:' mappings)"
+        )
     parsed = tuple(parse_correction(c) for c in corrections)
     names = [c.name for c in parsed]
     repeated = sorted({n for n in names if names.count(n) > 1})

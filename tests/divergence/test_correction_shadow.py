@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.correction import apply_correction, parse_correction
 from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded
 from loops_callbacks.divergence.shadow import shadow_scalars, shadow_statistics, shadow_values
@@ -153,6 +154,9 @@ def test_bad_lists_and_advantages_are_refused() -> None:
         shadow_statistics(["geo", "seq_mean_k1:0.999_1.001", "geo"])
     with pytest.raises(TypeError, match="a list of specs"):
         shadow_values(flat, "geo")
+    with pytest.raises(TypeError, match=r"must be a list of specs, got a dict \(\{'token_truncate': \{'clip_max': "
+                                        r"1.5\}\}\); write e.g. .* \[Correction\('token_truncate', "):
+        KLSampleTrainMonitor(corrections={"token_truncate": {"clip_max": 1.5}})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"'advantages' has shape \(3,\); expected \(2,\)"):
         shadow_values(flat, ["off_policy_mask:0.1"], torch.zeros(3))
     with pytest.raises(ValueError, match="needs the advantages"):
