@@ -26,7 +26,8 @@ log ratio is not finite (a logprob None, NaN or ±inf: the tokens the main metri
   ``count + 1e-8`` denominator, max), kept within the bounds. A missing token fails every bound,
   as a NaN does in verl: the token (or its whole sequence) is rejected.
 * TRL's off-policy mask: the sequence's mean of sampler - trainer over its finite tokens
-  (divided by max(count, 1)); a sequence with advantage < 0 and that mean > threshold is dropped.
+  (divided by max(count, 1)); a sequence with advantage < 0 and that mean > threshold is dropped,
+  and so is one whose advantage is NaN (it cannot be judged).
 
 Positions outside the mask are never read (their weight is 0, their keep False). An all-empty
 mask gives all-zero weights (verl raises a ValueError there; nothing is wrong with such a batch).
@@ -220,7 +221,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
     mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
-    keep = (x.advantages >= 0) | (mean_kl <= correction.params["threshold"])
+    keep = ~x.advantages.isnan() & ((x.advantages >= 0) | (mean_kl <= correction.params["threshold"]))
     return RowCorrection(keep.to(torch.float64), keep, never)
 
 

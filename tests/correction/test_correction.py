@@ -236,6 +236,9 @@ def test_the_off_policy_mask_needs_advantages() -> None:
     kept = apply_correction("off_policy_mask:0.1", torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3),
                             advantages=torch.tensor([[1.0], [-1.0]]))
     assert kept.keep.tolist() == [[True] * 3, [False] * 3]  # mean KL 1 > 0.1, dropped only with A < 0
+    unjudged = apply_correction("off_policy_mask:0.1", torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
+                                advantages=torch.tensor([math.nan, 1.0]))
+    assert unjudged.keep.tolist() == [[False] * 3, [True] * 3]  # a NaN advantage cannot be judged: not kept
 
 
 def test_the_readme_block_runs_as_written() -> None:
