@@ -10,20 +10,24 @@ lengths), and ``correct_rows`` a sequence-level correction per row, which the mo
 statistics use: one implementation of every formula.
 
 Each method computes what its framework computes (``spec`` names the code; the golden tests
-compare against it), in float64 from the float64 log ratio ``trainer - sampler``:
+compare against it), in float64 from the float64 log ratio ``trainer - sampler``. A token whose
+log ratio is not finite (a logprob None, NaN or ±inf: the tokens the main metrics skip,
+``n_skipped_nonfinite``) is missing: it is in no sequence's sum or count, and
 
 * TRL (``token_*`` / ``sequence_*``, ``icepop``): ``exp`` of the token's (or the sequence's summed)
-  log ratio, clamped into [clip_min, clip_max] (truncate) or set to 0 outside it (mask). A NaN
-  log ratio (the sampler could not score the token) counts as 0, a ratio of 1, as TRL does.
+  log ratio, clamped into [clip_min, clip_max] (truncate) or set to 0 outside it (mask). A missing
+  token has ratio 1, as TRL gives a NaN one (TRL reads ±inf as ±3.4e38, whose sums depend on the
+  order of the additions).
 * verl truncated IS (``token_tis``, ``sequence_tis``): the log ratio (summed per sequence)
   clamped to ±20, ``exp``, then capped at ``threshold``. verl lets a NaN log ratio make the
-  weight NaN (and with it the loss); here it counts as 0, as TRL does.
+  weight NaN (and with it the loss); here a missing token has ratio 1, as in TRL.
 * verl rejection (``token_k1`` ... ``seq_max_k3``, ``geo``): k1 = -log r, k2 = (log r)² / 2,
   k3 = r - 1 - log r of the clamped log ratio, per token or per sequence (sum, mean with verl's
-  ``count + 1e-8`` denominator, max), kept within the bounds. A NaN log ratio fails every bound,
-  as in verl: the token (or its whole sequence) is rejected.
-* TRL's off-policy mask: the sequence's mean of sampler - trainer (NaN counted as 0, divided by
-  max(count, 1)); a sequence with advantage < 0 and that mean > threshold is dropped.
+  ``count + 1e-8`` denominator, max), kept within the bounds. A missing token fails every bound,
+  as a NaN does in verl: the token (or its whole sequence) is rejected.
+* TRL's off-policy mask: the sequence's mean of sampler - trainer over its finite tokens
+  (divided by max(count, 1)); a sequence with advantage < 0 and that mean > threshold is dropped,
+  and so is one whose advantage is NaN (it cannot be judged).
 
 Positions outside the mask are never read (their weight is 0, their keep False). An all-empty
 mask gives all-zero weights (verl raises a ValueError there; nothing is wrong with such a batch).
@@ -125,7 +129,7 @@ class Segments:
 class CorrectionInput:
     """The positions corrections read, and what they share, computed once on first use.
 
-    ``log_ratio`` is float64 [L] ``trainer - sampler`` (NaN where a logprob is missing), ``mask``
+    ``log_ratio`` is float64 [L] ``trainer - sampler`` (NaN or ±inf where a logprob is missing), ``mask``
     bool [L] the action tokens, ``rows`` the rows the positions form, ``advantages`` float64 [B]
     (only ``off_policy_mask`` reads it). Several corrections of one batch read one input.
     """
@@ -136,36 +140,23 @@ class CorrectionInput:
         self.log_ratio, self.mask, self.rows, self.advantages = log_ratio, mask, rows, advantages
 
     @cached_property
+    def finite(self) -> torch.Tensor:
+        """Bool [L]: the action tokens with a finite log ratio, those the main metrics count; the others are missing."""
+        return self.mask & torch.isfinite(self.log_ratio)
+
+    @cached_property
     def zeroed(self) -> torch.Tensor:
-        """The log ratio on action tokens, 0 off the mask and where NaN (as TRL's ``nan_to_num((t - s) * mask)``).
-
-        ±inf stays, for verl's methods (TRL's read ``trl_zeroed``); an inf off the mask times 0 is NaN, then 0.
-        """
-        return torch.nan_to_num(self.log_ratio * self.mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
-
-    @cached_property
-    def trl_zeroed(self) -> torch.Tensor:
-        """``zeroed`` as TRL has it: ``torch.nan_to_num(..., nan=0.0)`` also maps ±inf to ±``finfo.max``.
-
-        So a row with a +inf and a -inf log ratio sums to 0 (ratio 1) in TRL's sequence modes and
-        off-policy mask, where ``zeroed`` would give NaN; token ratios are the same (``exp(±max)``
-        is inf or 0). TRL's methods read this; verl's read ``zeroed``.
-        """
-        return torch.nan_to_num(self.log_ratio * self.mask, nan=0.0)
-
-    @cached_property
-    def trl_row_log_ratio(self) -> torch.Tensor:
-        """Float64 [B]: each row's summed ``trl_zeroed``: the log of TRL's sequence ratio."""
-        return self.rows.sum(self.trl_zeroed)
+        """The log ratio on ``finite`` tokens, 0 elsewhere (TRL: ``nan_to_num((t - s) * mask, nan=0.0)`` for NaN)."""
+        return torch.where(self.finite, self.log_ratio, 0.0)
 
     @cached_property
     def row_count(self) -> torch.Tensor:
-        """Float64 [B]: action tokens per row."""
-        return self.rows.sum(self.mask.to(torch.float64))
+        """Float64 [B]: ``finite`` tokens per row."""
+        return self.rows.sum(self.finite.to(torch.float64))
 
     @cached_property
     def row_log_ratio(self) -> torch.Tensor:
-        """Float64 [B]: each row's summed log ratio (``zeroed``): the log of its sequence ratio."""
+        """Float64 [B]: each row's summed ``zeroed``: the log of its sequence ratio."""
         return self.rows.sum(self.zeroed)
 
 
@@ -194,7 +185,8 @@ class FlatCorrection:
 class CorrectionResult:
     """``apply_correction``'s answer, ``[B, T]`` on the inputs' device (module docstring).
 
-    ``weights`` has the trainer logprobs' dtype; ``log_ratio`` is float64 ``trainer - sampler``
+    ``weights`` is float32, or float64 for float64 trainer logprobs (a bound never overflows a 16-bit
+    dtype); ``log_ratio`` is float64 ``trainer - sampler``
     as given (NaN where a logprob is missing, whatever off the mask).
     """
 
@@ -220,7 +212,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
         raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
     never = torch.zeros_like(x.row_count, dtype=torch.bool)
     if spec.family == "trl":
-        return _trl_weights(correction, torch.exp(x.trl_row_log_ratio), ~never)
+        return _trl_weights(correction, torch.exp(x.row_log_ratio), ~never)
     if spec.family == "verl_is":
         return _verl_is_weights(correction, x.row_log_ratio, ~never)
     if spec.family == "verl_rs":
@@ -228,8 +220,8 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
         return RowCorrection(keep.to(torch.float64), keep, never)
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
-    mean_kl = -x.trl_row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
-    keep = (x.advantages >= 0) | (mean_kl <= correction.params["threshold"])
+    mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
+    keep = ~x.advantages.isnan() & ((x.advantages >= 0) | (mean_kl <= correction.params["threshold"]))
     return RowCorrection(keep.to(torch.float64), keep, never)
 
 
@@ -251,7 +243,7 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> FlatCorrection:
         weights = torch.where(x.mask, x.rows.spread(rows.weight), 0.0)  # a row's weight may be inf: no inf * 0
         return FlatCorrection(weights, keep, x.mask & x.rows.spread(rows.clipped))
     if spec.family == "trl":
-        result = _trl_weights(correction, torch.exp(x.trl_zeroed), x.mask)
+        result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
     elif spec.family == "verl_is":
         result = _verl_is_weights(correction, x.zeroed, x.mask)
     else:
@@ -284,11 +276,11 @@ def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torc
 def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:
     """verl's keep (``compute_rollout_rejection_mask``): per position for token options, per row for sequence options.
 
-    The statistic is read from the log ratio on the mask with NaN kept: a NaN fails every bound,
+    The statistic is read from the log ratio with a missing one as NaN: a NaN fails every bound,
     so verl rejects the token, or (sequence options) its whole row.
     """
     option = correction.spec.formula
-    safe = x.log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)  # NaN stays NaN; off the mask is never read
+    safe = x.log_ratio.where(x.finite, math.nan).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)  # off the mask: unread
     kind = option[-2:]
     if kind == "k1":
         stat = -safe
@@ -363,7 +355,7 @@ def apply_correction(
     rows = Segments.of_lengths(torch.full((batch,), width, dtype=torch.int64, device=device), total=batch * width)
     flat = correct_flat(correction, CorrectionInput(log_ratio.reshape(-1), active.reshape(-1), rows, per_row))
     return CorrectionResult(
-        weights=flat.weights.reshape(batch, width).to(trainer.dtype),
+        weights=flat.weights.reshape(batch, width).to(torch.promote_types(trainer.dtype, torch.float32)),
         keep=flat.keep.reshape(batch, width),
         clipped=flat.clipped.reshape(batch, width),
         log_ratio=log_ratio,

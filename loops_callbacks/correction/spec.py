@@ -45,15 +45,20 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+import torch
+
+from loops_callbacks.validation import check_real
+
 __all__ = ["METHODS", "Correction", "Method", "parse_correction"]
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest bound (in magnitude) a correction takes."""
 REQUIRED = object()
 """A parameter's default that marks it as required."""
 
@@ -190,12 +195,9 @@ class Correction:
 
 
 def _number(method: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"correction {method!r}: {name!r} must be a number or None, got {value!r}")
-    number = float(value)
-    if math.isnan(number):
-        raise ValueError(f"correction {method!r}: {name!r} is NaN")
-    return number
+    """``value`` as a float within float32's range: weights are float32 at least, so no bound can overflow them."""
+    return check_real(f"correction {method!r}: {name!r}", value, least=-FLOAT32_MAX, most=FLOAT32_MAX,
+                      what=f"a finite number (|x| <= {FLOAT32_MAX:.2g}, float32's range) or None")
 
 
 def _check_bounds(spec: Method, params: Mapping[str, float | None]) -> None:
@@ -241,10 +243,12 @@ def parse_correction(spec: str | Correction) -> Correction:
     params: dict[str, float | None] = {}
     if keywords is not None and keywords.strip():
         for item in keywords.split(","):
-            name, sep, value = item.partition("=")
+            name, sep, value = (part.strip() for part in item.partition("="))
             if not sep:
                 raise ValueError(f"correction {spec!r}: {item.strip()!r} is not name=value")
-            params[name.strip()] = _literal(spec, value)
+            if name in params:
+                raise ValueError(f"correction {spec!r}: {name!r} is given twice")
+            params[name] = _literal(spec, value)
     elif shorthand is not None:
         names = METHODS[method].params
         values = [_literal(spec, part) for part in shorthand.split("_")]

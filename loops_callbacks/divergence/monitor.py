@@ -38,7 +38,7 @@ from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, nan_advantages_message, step_report
 from loops_callbacks.divergence.run_history import RunHistory, Verdict
-from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars
+from loops_callbacks.divergence.shadow import no_advantage_message, parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
@@ -119,7 +119,8 @@ class KLSampleTrainMonitor(Callback):
             each datum; per-token ``[B, T]`` advantages, as verl keeps them, or a per-position
             field of each datum, as Tinker datums carry them, give each row the value of its
             counted tokens, their mean with one warning where a row's differ: one host read per
-            micro-batch of a logged step); without them the first logged step is a ``ValueError``.
+            micro-batch of a logged step); a datum whose advantages cannot be read (none, bools, a
+            shape that fits no datum) is not kept, and rank 0 says how many and on which ranks.
 
     Guard rail (checked on logged steps, so set ``log_every_n_steps`` to how soon a broken sync must
     be caught). A logged step exceeds when ``kl_metric`` is above ``max_kl``, and also when its
@@ -344,6 +345,7 @@ class KLSampleTrainMonitor(Callback):
             signatures=self.diagnosing,
             strata=self.strata,
             corrections=self.corrections,
+            rank=trainer.global_rank,
         )
         self._window = stats if self._window is None else self._window.merge(stats)
         self._last_flat = flat
@@ -489,15 +491,20 @@ class KLSampleTrainMonitor(Callback):
                 )
 
     def _warn_about_advantages(self, host: HostDivergence, step: int) -> None:
-        """Say once per run that advantages held NaN on masked-in positions (``report.nan_advantages_message``).
+        """Say once per run that advantages held NaN on masked-in positions (``report.nan_advantages_message``),
+        and that a correction could not read them (``shadow.no_advantage_message``).
 
-        Counted on each rank's device with the statistics and read from the reduced totals, so a NaN on
+        Counted on each rank's device with the statistics and read from the reduced totals, so a problem on
         any rank, on any device, is said (by rank 0) without a host read of its own.
         """
-        key = f"advantages_nan:{self.keys['advantages']}"
-        message = nan_advantages_message(host.totals, key_label(self.keys, "advantages"))
-        if message is not None and not self.warnings.said(key):
-            self.warnings.warn(key, f"KLSampleTrainMonitor, step {step}: {message}")
+        label = key_label(self.keys, "advantages")
+        messages = {
+            f"advantages_nan:{self.keys['advantages']}": nan_advantages_message(host.totals, label),
+            "advantages_unusable": no_advantage_message(host.extra_totals, host.extra_extrema, label),
+        }
+        for key, message in messages.items():
+            if message is not None and not self.warnings.said(key):
+                self.warnings.warn(key, f"KLSampleTrainMonitor, step {step}: {message}")
 
     def _warn_about_groups(self, host: HostDivergence, step: int) -> None:
         """Say once per run that group ids beyond ``max_groups`` are pooled as ``group_other``, and that

@@ -17,7 +17,7 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
    summation order is the collective's (exact for counts, and for any sum on 2 ranks). A monitor's
    own declarations ride along at a size fixed by its options: the stratum sums (4 x (16 +
    max_groups) values, ``strata``) and its corrections' shadow sums in the body, their extrema
-   (6 values) in the header. With the diagnosis on, the offset votes (``alignment.offset_sums``,
+   (8 values) in the header. With the diagnosis on, the offset votes (``alignment.offset_sums``,
    a fixed few hundred values) ride in the body too.
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large

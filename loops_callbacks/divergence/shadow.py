@@ -17,9 +17,10 @@ the logged scalars:
   ratios p_trainer / p_sampler before any truncation. Only action tokens count: padding never
   reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
 
-The action tokens are the batch's ``counted`` positions (mask > 0, advantage != 0). A token whose
-log ratio is NaN (a logprob missing) is handled as ``correct_flat`` handles it: ratio 1 for TRL's
-and verl's IS, rejected by verl's rejection; the raw extremes skip it. Each correction is computed
+The action tokens are those the main metrics count (``FlatBatch.active``: mask > 0, advantage != 0,
+both logprobs finite). A token with a missing or non-finite logprob is in none of these numbers, though
+it may decide its sequence's fate as ``correct_flat`` reads it (verl's rejection drops a sequence
+with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
 by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
 its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
@@ -56,15 +57,16 @@ from loops_callbacks.correction import (
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.layout import Statistic
 
-__all__ = ["parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
+__all__ = ["no_advantage_message", "parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
-SHARED_TOTALS = ("n_tokens", "n_sequences")
+SHARED_TOTALS = ("n_tokens", "n_sequences", "n_seqs_no_advantage")
 SHARED_EXTREMA = (
     "max_token_log_ratio", "neg_min_token_log_ratio",
     "max_seq_log_ratio", "neg_min_seq_log_ratio",
     "max_seq_mean_log_ratio", "neg_min_seq_mean_log_ratio",
+    "max_rank_no_advantage", "neg_min_rank_no_advantage",  # the ranks whose advantages could not be read
 )
 PER_CORRECTION_TOTALS = (
     "n_tokens_masked", "n_tokens_clipped", "n_seqs_masked", "n_seqs_clipped",
@@ -79,8 +81,12 @@ def parse_corrections(corrections: Sequence[str | Correction]) -> tuple[Correcti
         >>> [c.name for c in parse_corrections(["sequence_mask", "geo"])]
         ['sequence_mask', 'geo']
     """
-    if isinstance(corrections, (str, Correction)):
-        raise TypeError("corrections must be a list of specs, e.g. ['sequence_mask:3.0'], not a single spec")
+    if isinstance(corrections, (str, Correction, Mapping)):  # a dict's keys alone would be read, its values dropped
+        raise TypeError(
+            f"corrections must be a list of specs, got a {type(corrections).__name__} ({corrections!r}); write e.g. "
+            "['sequence_mask:3.0', 'token_truncate(clip_max=1.5)'] or [Correction('token_truncate', {'clip_max': 1.5})]"
+            " (YAML: a list of strings, or of 'method:' / 'params:' mappings)"
+        )
     parsed = tuple(parse_correction(c) for c in corrections)
     names = [c.name for c in parsed]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -97,8 +103,8 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statisti
     """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
 
     Example:
-        >>> [s.name for s in shadow_statistics(["geo"])][:3]
-        ['correction::n_tokens', 'correction::n_sequences', 'correction:geo:n_tokens_masked']
+        >>> [s.name for s in shadow_statistics(["geo"])][2:4]
+        ['correction::n_seqs_no_advantage', 'correction:geo:n_tokens_masked']
     """
     parsed = parse_corrections(corrections)
     if not parsed:
@@ -110,12 +116,13 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statisti
 
 @torch.no_grad()
 def shadow_values(
-    flat: FlatBatch, corrections: Sequence[str | Correction], advantages: torch.Tensor | None = None
+    flat: FlatBatch, corrections: Sequence[str | Correction], advantages: torch.Tensor | None = None, *, rank: int = 0
 ) -> dict[str, torch.Tensor]:
     """The shadow statistics of one batch, by name: 0-d float64 tensors on the batch's device.
 
-    ``advantages`` (one per datum, ``[B]``) is needed only by ``off_policy_mask``. Nothing
-    synchronizes with the device.
+    ``advantages`` (one per datum, ``[B]``) is needed only by ``off_policy_mask``; NaN marks a datum
+    whose advantages could not be read: its sequence is not kept, and counted with ``rank`` (this
+    process's) for ``no_advantage_message``. Nothing synchronizes with the device.
     """
     parsed = parse_corrections(corrections)
     if not parsed:
@@ -131,11 +138,16 @@ def shadow_values(
     x = CorrectionInput(diff, mask, rows, advantages)
     count = x.row_count
     scored = count > 0
+    unjudged = (scored & advantages.isnan()).sum().to(torch.float64) if advantages is not None else count.new_zeros(())
+    at_rank = torch.full_like(unjudged, float(rank))
     values: dict[str, torch.Tensor] = {
         _key(None, "n_tokens"): count.sum(),
         _key(None, "n_sequences"): scored.sum().to(torch.float64),
+        _key(None, "n_seqs_no_advantage"): unjudged,
+        _key(None, "max_rank_no_advantage"): at_rank.where(unjudged > 0, -math.inf),
+        _key(None, "neg_min_rank_no_advantage"): (-at_rank).where(unjudged > 0, -math.inf),
     }
-    values.update(_extrema("token_log_ratio", diff, mask & ~torch.isnan(diff)))
+    values.update(_extrema("token_log_ratio", diff, x.finite))
     values.update(_extrema("seq_log_ratio", x.row_log_ratio, scored))
     values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), scored))
     for correction in parsed:
@@ -164,18 +176,19 @@ def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Te
 
 
 def _token_level(correction: Correction, result: FlatCorrection, x: CorrectionInput) -> dict[str, torch.Tensor]:
-    """The statistics of a token-level correction; a sequence's weight is the mean of its tokens' weights."""
-    seq_weight = x.rows.sum(result.weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
-    zero = result.weights.new_zeros(())
+    """The statistics of a token-level correction over ``x.finite``; a sequence's weight is its tokens' mean."""
+    weights, clipped = result.weights * x.finite, result.clipped & x.finite
+    seq_weight = x.rows.sum(weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
+    zero = weights.new_zeros(())
     can_drop, can_clip = _can_drop(correction), not _can_drop(correction)
-    dropped = x.mask & ~result.keep if can_drop else None
+    dropped = x.finite & ~result.keep if can_drop else None
     return {
         _key(correction, "n_tokens_masked"): dropped.sum().to(torch.float64) if can_drop else zero,
-        _key(correction, "n_tokens_clipped"): result.clipped.sum().to(torch.float64) if can_clip else zero,
+        _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64) if can_clip else zero,
         _key(correction, "n_seqs_masked"): _rows_with_any(dropped, x) if can_drop else zero,
-        _key(correction, "n_seqs_clipped"): _rows_with_any(result.clipped, x) if can_clip else zero,
-        _key(correction, "sum_weight"): result.weights.sum(),
-        _key(correction, "sum_weight2"): result.weights.square().sum(),
+        _key(correction, "n_seqs_clipped"): _rows_with_any(clipped, x) if can_clip else zero,
+        _key(correction, "sum_weight"): weights.sum(),
+        _key(correction, "sum_weight2"): weights.square().sum(),
         _key(correction, "sum_seq_weight"): seq_weight.sum(),
         _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
     }
@@ -238,6 +251,31 @@ def shadow_scalars(
         scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_seqs)
         scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
     return scalars
+
+
+def no_advantage_message(
+    totals: Mapping[str, float | torch.Tensor], extrema: Mapping[str, float | torch.Tensor], label: str
+) -> str | None:
+    """What to say about sequences whose advantages could not be read (``shadow_values``), from merged totals
+    and extrema (every rank's): how many, and on which ranks; ``None`` when there are none.
+
+    Example:
+        >>> totals = {"correction::n_seqs_no_advantage": 4.0, "correction::n_sequences": 8.0}
+        >>> extrema = {"correction::max_rank_no_advantage": 1.0, "correction::neg_min_rank_no_advantage": -1.0}
+        >>> no_advantage_message(totals, extrema, "'advantages'").split(";")[0]
+        "off_policy_mask had no usable 'advantages' for 4 of the step's 8 sequences, on rank 1"
+    """
+    n = float(totals.get(_key(None, "n_seqs_no_advantage"), 0.0))
+    if not n > 0:
+        return None
+    low = -float(extrema[_key(None, "neg_min_rank_no_advantage")])
+    high = float(extrema[_key(None, "max_rank_no_advantage")])
+    ranks = f"rank {low:.0f}" if low == high else f"ranks {low:.0f} (lowest) to {high:.0f} (highest)"
+    return (
+        f"off_policy_mask had no usable {label} for {n:.0f} of the step's "
+        f"{float(totals[_key(None, 'n_sequences')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
+        "shadow metrics count them as masked (give one advantage per datum, or per token)"
+    )
 
 
 def _ess(total: float, total2: float, n: float) -> float:

@@ -165,12 +165,14 @@ class DivergenceStats:
         signatures: bool = True,
         strata: Strata | None = None,
         corrections: Sequence[Correction] = (),
+        rank: int = 0,
     ) -> DivergenceStats:
         """Read one flattened batch; ``top_n`` worst rows carry token ids when ``flat.tokens`` is set.
 
         ``strata`` keeps the divergence by stratum (module ``strata``; lags and groups from
         ``flat.lags`` / ``flat.groups``); ``None`` keeps none. ``corrections`` (parsed, module
-        ``loops_callbacks.correction``) adds their shadow statistics (``shadow.shadow_values``).
+        ``loops_callbacks.correction``) adds their shadow statistics (``shadow.shadow_values``, which
+        counts this process's ``rank`` where advantages could not be read).
 
         ``signatures=False`` skips the diagnosis' sums (they stay zero): the plain SDK functions,
         which report no diagnosis, do not pay for them. On the CPU a batch of more than
@@ -183,7 +185,7 @@ class DivergenceStats:
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if _on_host(flat.device) else [flat]
         return cls.concatenated(
             [
-                cls._from_chunk(chunk, top_n, sample_size, generator, signatures, strata, tuple(corrections))
+                cls._from_chunk(chunk, top_n, sample_size, generator, signatures, strata, tuple(corrections), rank)
                 for chunk in chunks
             ]
         )
@@ -198,6 +200,7 @@ class DivergenceStats:
         signatures: bool,
         strata: Strata | None,
         corrections: tuple[Correction, ...],
+        rank: int,
     ) -> DivergenceStats:
         # On the CPU, select the action tokens (fewer, cheaper passes); on accelerators keep
         # fixed shapes and mask instead, so that nothing waits for the device.
@@ -293,7 +296,7 @@ class DivergenceStats:
         stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata, offsets)
         if corrections:
             extra = ExtraStatistics(shadow_statistics(corrections))
-            extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections, flat.datum_advantages))
+            extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections, flat.datum_advantages, rank=rank))
             stats = dataclasses.replace(stats, extra_totals=extra_totals, extra_extrema=extra_extrema, extra=extra)
         return stats._capped()
 

@@ -172,7 +172,7 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
 def _datum_advantages(
     step: _Step, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings
 ) -> torch.Tensor:
-    """Float64 ``[B]`` advantages, one per datum, on the batch's device; zeros and a warning when there are none.
+    """Float64 ``[B]`` advantages, one per datum, on the batch's device; NaN and a warning when there are none.
 
     Read from ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are (NaN,
     which counts as 0 for the action tokens, as 0); from per-token advantages (``[B, T]`` as verl
@@ -235,14 +235,15 @@ def _bools_in(value: Any) -> str | None:
 
 
 def _no_advantages(problem: str, flat: FlatBatch, key: str, say: RunWarnings) -> torch.Tensor:
-    """Zero advantages for a step whose advantages cannot be read, with one warning per run: a shadow
-    correction never stops training, and its numbers for such a step say so (nothing masked)."""
+    """NaN advantages (none usable) for a step whose advantages cannot be read, with one warning per run on
+    rank 0: a shadow correction never stops training, and it counts such sequences as masked, with their
+    rank, so that rank 0 says any rank's (``shadow.no_advantage_message``)."""
     say.warn(
         f"advantages:{key}",
         f"KLSampleTrainMonitor: a correction listed (off_policy_mask) needs one advantage per datum: {problem}; "
-        "on such steps its shadow metrics count no sequence as masked (advantages read as 0)",
+        "on such steps its shadow metrics count the sequences as masked (they cannot be judged)",
     )
-    return torch.zeros(flat.n_datums, dtype=torch.float64, device=flat.device)
+    return torch.full((flat.n_datums,), math.nan, dtype=torch.float64, device=flat.device)
 
 
 def _per_token_datum_field(step: _Step, name: str, data: Sequence[Any]) -> torch.Tensor | None:

@@ -88,6 +88,10 @@ def test_names_show_only_what_differs_from_the_framework_default() -> None:
     ("token_k1:0.5", ValueError, "lower bound 2.0 is above the upper bound 0.5"),
     ("token mask", ValueError, "cannot read correction"),
     (3.0, TypeError, "got float"),
+    ("sequence_mask(clip_max=2, clip_max=5)", ValueError,
+     "correction 'sequence_mask(clip_max=2, clip_max=5)': 'clip_max' is given twice"),
+    ("sequence_mask:1e400", ValueError, "correction 'sequence_mask': 'clip_max' must be a finite number"),
+    ("token_tis(threshold=-inf)", ValueError, "correction 'token_tis': 'threshold' must be a finite number"),
 ])
 def test_bad_specs_say_what_is_wrong(spec: object, error: type, words: str) -> None:
     with pytest.raises(error, match=re.escape(words)):
@@ -95,8 +99,11 @@ def test_bad_specs_say_what_is_wrong(spec: object, error: type, words: str) -> N
 
 
 def test_a_dataclass_with_a_wrong_value_is_refused() -> None:
-    with pytest.raises(TypeError, match="'clip_max' must be a number or None, got '3'"):
+    with pytest.raises(TypeError, match="'clip_max' must be a finite number .* or None, got '3'"):
         Correction("token_mask", {"clip_max": "3"})
+    with pytest.raises(ValueError, match=r"correction 'sequence_mask': 'clip_max' must be a finite number \(\|x\| <= "
+                                         r"3.4e\+38, float32's range\) or None, got 1797"):
+        Correction("sequence_mask", {"clip_max": 2**1024})  # no float holds it: an OverflowError naming nothing
     with pytest.raises(TypeError, match="params must be a mapping"):
         Correction("token_mask", [("clip_max", 3.0)])  # type: ignore[arg-type]
 
@@ -173,21 +180,38 @@ def test_an_empty_mask_gives_zero_weights() -> None:
         assert not result.weights.any() and not result.keep.any(), spec
 
 
-def test_infinite_log_ratios_are_capped_or_dropped() -> None:
-    trainer = torch.tensor([[-1.0, -1.0, -math.inf]])
-    sampler = torch.tensor([[-math.inf, -1.0, -1.0]])
-    mask = torch.ones(1, 3)
-    assert apply_correction("token_truncate:2.0", trainer, sampler, mask).weights.tolist() == [[2.0, 1.0, 0.0]]
-    tis = apply_correction("token_tis", trainer, sampler, mask).weights[0].tolist()  # verl clamps log ratios to ±20
-    assert tis == pytest.approx([2.0, 1.0, math.exp(-20.0)], rel=1e-6)
-    masked = apply_correction("token_mask:0.5_2.0", trainer, sampler, mask)
-    assert masked.keep.tolist() == [[False, True, False]]
+def test_a_non_finite_log_ratio_is_read_as_missing_whatever_the_method() -> None:
+    """A ±inf logprob is skipped by the main metrics as a NaN one is, so every correction reads it as NaN:
+    a sequence with a +inf and a -inf log ratio is judged on its other tokens (verl's sum was NaN, kept)."""
+    inputs = batch(seed=4)
+    trainer, sampler = inputs["trainer"].clone(), inputs["sampler"].clone()
+    sampler[0, 1], sampler[0, 4], trainer[0, 7] = -math.inf, math.inf, -math.inf  # row 0 is full length
+    sampler[3, 0] = -math.inf
+    missing = sampler.masked_fill(~torch.isfinite(trainer - sampler), math.nan)
+    for spec in SPECS:
+        ours = apply_correction(spec, trainer, sampler, inputs["mask"], advantages=inputs["advantages"])
+        want = apply_correction(spec, trainer, missing, inputs["mask"], advantages=inputs["advantages"])
+        assert torch.isfinite(ours.weights).all(), spec
+        assert torch.equal(ours.weights, want.weights) and torch.equal(ours.keep, want.keep), spec
+        assert torch.equal(ours.clipped, want.clipped), spec
+    tis = apply_correction("sequence_tis", torch.full((1, 3), -1.0), torch.tensor([[-math.inf, math.inf, -1.2]]),
+                           torch.ones(1, 3))
+    assert tis.keep.all() and tis.weights[0].tolist() == pytest.approx([math.exp(0.2)] * 3, rel=1e-6)
 
 
-def test_weights_take_the_trainer_logprobs_dtype() -> None:
+def test_a_bound_beyond_the_range_of_16_bit_logprobs_is_kept() -> None:
+    """Weights are float32 at least: fp16 (max 65504) would turn a cap of 1e5 into inf."""
+    trainer, sampler = torch.zeros(1, 3, dtype=torch.float16), torch.full((1, 3), -5.0, dtype=torch.float16)
+    result = apply_correction("sequence_truncate(clip_max=100000)", trainer, sampler, torch.ones(1, 3))
+    assert result.weights.dtype == torch.float32 and result.weights.tolist() == [[100000.0] * 3]  # e^15 capped
+
+
+def test_weights_are_float32_or_the_trainer_logprobs_wider_dtype() -> None:
     inputs = batch()
     result = apply_correction("token_tis", inputs["trainer"].bfloat16(), inputs["sampler"], inputs["mask"])
-    assert result.weights.dtype == torch.bfloat16 and result.log_ratio.dtype == torch.float64
+    assert result.weights.dtype == torch.float32 and result.log_ratio.dtype == torch.float64
+    result = apply_correction("token_tis", inputs["trainer"].double(), inputs["sampler"], inputs["mask"])
+    assert result.weights.dtype == torch.float64
 
 
 @pytest.mark.parametrize(("kwargs", "error", "words"), [
@@ -212,6 +236,9 @@ def test_the_off_policy_mask_needs_advantages() -> None:
     kept = apply_correction("off_policy_mask:0.1", torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3),
                             advantages=torch.tensor([[1.0], [-1.0]]))
     assert kept.keep.tolist() == [[True] * 3, [False] * 3]  # mean KL 1 > 0.1, dropped only with A < 0
+    unjudged = apply_correction("off_policy_mask:0.1", torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
+                                advantages=torch.tensor([math.nan, 1.0]))
+    assert unjudged.keep.tolist() == [[False] * 3, [True] * 3]  # a NaN advantage cannot be judged: not kept
 
 
 def test_the_readme_block_runs_as_written() -> None:

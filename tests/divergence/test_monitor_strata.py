@@ -224,7 +224,7 @@ def test_bad_corrections_are_named_at_construction_and_missing_advantages_never_
     assert trainer.global_step == 2
     assert monitor.last_metrics[PREFIX + "kl_sample_train_k3"] >= 0
     masked = PREFIX + "correction/off_policy_mask(threshold=0.1)/frac_seqs_masked"
-    assert float(trainer.callback_metrics[masked]) == 0.0  # advantages read as 0: nothing masked, as the warning says
+    assert float(trainer.callback_metrics[masked]) == 1.0  # sequences it cannot judge are not kept, as the warning says
     with pytest.raises(ValueError, match="unknown method 'tis'"):
         KLSampleTrainMonitor(corrections=["tis"])
     with pytest.raises(TypeError, match="must be a list of specs"):
