@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DirectEvidence", "DropoutSeen", "observe_modules", "observe_training"]
+__all__ = ["DirectEvidence", "DropoutSeen", "SamplerFacts", "observe_modules", "observe_training"]
 
 FUNCTIONAL_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "hidden_dropout")
 """Float attributes that modules apply as ``F.dropout(..., p=value, training=self.training)``."""
@@ -53,6 +53,47 @@ class DropoutSeen:
             owner, attribute = self.kind.split(".", 1)
             return f"{self.count} {owner} module{plural} with {attribute} = {self.p:g}"
         return f"{self.count} {self.kind} module{plural} with p = {self.p:g}"
+
+
+@dataclass(frozen=True)
+class SamplerFacts:
+    """What the sampling engine says about itself, handed to the monitor under the batch key ``sampler_facts``
+    (``loops_callbacks.integrations.vllm`` fills it; any engine can): facts, not guesses.
+
+    ``dtype`` the engine's weights (``"bfloat16"``); ``logprobs_mode`` what its logprobs are (vLLM's
+    ``"raw_logprobs"``: the model's distribution at temperature 1, whatever was sampled from;
+    ``"processed_logprobs"``: after temperature, top-k and top-p); ``temperature``, ``top_p``,
+    ``top_k`` the sampling settings (``None``: not known; top-k 0 or -1: off); ``weight_version``
+    the engine's weight version (the trainer's optimizer steps at its last sync); ``stale_prefix_cache``
+    whether the engine's weights were reloaded after its prefix cache was last reset (KV computed
+    with older weights can be served to prompts that share a prefix), ``None`` when not known.
+
+    Example:
+        >>> facts = SamplerFacts(engine="vllm", dtype="bfloat16", logprobs_mode="raw_logprobs", temperature=0.7)
+        >>> facts.samples_other_than_reported
+        True
+    """
+
+    engine: str = ""
+    dtype: str | None = None
+    logprobs_mode: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    weight_version: int | None = None
+    stale_prefix_cache: bool | None = None
+
+    @property
+    def samples_other_than_reported(self) -> bool:
+        """Whether the tokens are drawn from another distribution than the reported logprobs describe: raw
+        (temperature-1, untruncated) logprobs with a temperature other than 1, top-p below 1 or top-k on."""
+        if self.logprobs_mode not in ("raw_logprobs", "raw_logits"):
+            return False
+        return (
+            (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_p is not None and self.top_p < 1.0)
+            or (self.top_k is not None and self.top_k > 0)
+        )
 
 
 @dataclass(frozen=True)
