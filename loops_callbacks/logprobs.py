@@ -20,13 +20,26 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from loops_callbacks.validation import check_int
+from loops_callbacks.validation import check_bool, check_int
 
-__all__ = ["token_logprobs"]
+__all__ = ["TokenLogprobs", "token_logprobs"]
+
+
+class TokenLogprobs(NamedTuple):
+    """``token_logprobs(..., with_entropy=True)``: each position's target logprob, and the entropy H and
+    varentropy V = Var(log p) = E_p[(log p + H)²] of its whole distribution (float32, no gradient).
+
+    If the target was drawn from that distribution, E[logprob] = -H and Var[logprob] = V: the monitor
+    checks what was sampled with them (``training_entropy`` and ``training_varentropy`` in the batch).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    varentropy: torch.Tensor
 
 # Float32 log-probabilities made at a time when nothing is recorded for a backward pass: at most
 # this many elements (16 MiB; at least one row of dim 0), small next to the model's own logits.
@@ -39,7 +52,8 @@ def token_logprobs(
     *,
     dtype: torch.dtype | None = None,
     rows_per_chunk: int | None = None,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | TokenLogprobs:
     """``out[b, k] = log softmax(logits[b, k])[target_tokens[b, k]]``, computed in float32.
 
     Args:
@@ -51,10 +65,14 @@ def token_logprobs(
             the logits are float64).
         rows_per_chunk: rows of dim 0 per log-softmax when autograd records nothing (``None``:
             as many as fit in 16 MiB of float32, at least one). Under autograd, one call.
+        with_entropy: also return each position's entropy and varentropy (``TokenLogprobs``), from
+            the same log-softmax: one more pass over the vocabulary, a few positions at a time
+            (16 MiB of float32 temporaries at most, whatever the vocabulary).
 
     Returns:
-        ``[B, T]`` logprobs on the logits' device, differentiable. The values do not depend
-        on ``rows_per_chunk`` (each row's log-softmax is computed alone).
+        ``[B, T]`` logprobs on the logits' device, differentiable (with ``with_entropy``, a
+        ``TokenLogprobs`` of three ``[B, T]`` tensors). The values do not depend on
+        ``rows_per_chunk`` (each row's log-softmax is computed alone).
 
     Example:
         >>> import torch
@@ -81,6 +99,7 @@ def token_logprobs(
         )
     if rows_per_chunk is not None:
         check_int("token_logprobs rows_per_chunk", rows_per_chunk, least=1)
+    check_bool("token_logprobs with_entropy", with_entropy)
     if dtype is None:
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     targets = target_tokens.long().unsqueeze(-1)
@@ -90,12 +109,34 @@ def token_logprobs(
     elif rows_per_chunk is None:
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, logits[:1].numel()))
     if rows_per_chunk >= rows:
-        return torch.log_softmax(logits, dim=-1, dtype=dtype).gather(-1, targets).squeeze(-1)
+        log_softmax = torch.log_softmax(logits, dim=-1, dtype=dtype)
+        logprobs = log_softmax.gather(-1, targets).squeeze(-1)
+        return TokenLogprobs(logprobs, *_entropy_and_varentropy(log_softmax)) if with_entropy else logprobs
     parts = [
-        torch.log_softmax(chunk, dim=-1, dtype=dtype).gather(-1, chunk_targets).squeeze(-1)
+        token_logprobs(chunk, chunk_targets.squeeze(-1), dtype=dtype, rows_per_chunk=rows, with_entropy=with_entropy)
         for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk))
     ]
+    if with_entropy:
+        return TokenLogprobs(*(torch.cat(column) for column in zip(*parts)))
     return torch.cat(parts)
+
+
+@torch.no_grad()
+def _entropy_and_varentropy(log_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and varentropy of each distribution of ``log_softmax`` ``[..., V]``, in float32 or wider,
+    a few positions at a time; a token of probability 0 (a logit of -inf) adds nothing."""
+    flat = log_softmax.detach().reshape(-1, log_softmax.shape[-1])
+    entropy = torch.empty(flat.shape[0], dtype=flat.dtype, device=flat.device)
+    varentropy = torch.empty_like(entropy)
+    step = max(1, _CHUNK_ELEMENTS // max(1, flat.shape[-1]))
+    for start in range(0, flat.shape[0], step):  # positions in chunks: the temporaries stay small
+        chunk = flat[start : start + step]
+        p = chunk.exp()
+        h = -torch.where(p > 0, p * chunk, 0.0).sum(-1)
+        entropy[start : start + step] = h
+        varentropy[start : start + step] = torch.where(p > 0, p * (chunk + h[:, None]).square(), 0.0).sum(-1)
+    shape = log_softmax.shape[:-1]
+    return entropy.reshape(shape), varentropy.reshape(shape)
 
 
 def _logits_of(logits: torch.Tensor | Any) -> torch.Tensor:

@@ -190,3 +190,29 @@ def test_the_head_and_logits_paths_share_the_formula_on_a_model() -> None:
     got, want = head.score(packed), general.score(packed)
     assert head.path == "output_head" and general.path == "logits"
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_entropy_and_varentropy_are_those_of_each_positions_distribution() -> None:
+    """H = -sum p log p and V = sum p (log p + H)^2 of the same float32 log-softmax, whatever the chunking;
+    a token of probability 0 adds nothing; the logprobs stay differentiable and equal to the plain call's."""
+    torch.manual_seed(8)
+    logits = (3 * torch.randn(3, 6, 50)).requires_grad_()
+    logits_with_a_zero = logits.detach().clone()
+    logits_with_a_zero[..., 0] = float("-inf")
+    targets = torch.randint(1, 50, (3, 6))
+    out = token_logprobs(logits, targets, with_entropy=True)
+    reference = torch.log_softmax(logits.detach().double(), -1)
+    p = reference.exp()
+    entropy = -(p * reference).sum(-1)
+    torch.testing.assert_close(out.entropy.double(), entropy, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.varentropy.double(), (p * (reference + entropy[..., None]) ** 2).sum(-1),
+                               rtol=0, atol=1e-4)
+    assert out.logprobs.requires_grad and not out.entropy.requires_grad
+    assert torch.equal(out.logprobs, token_logprobs(logits, targets))
+    with torch.no_grad():
+        chunked = token_logprobs(logits, targets, with_entropy=True, rows_per_chunk=1)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, out))
+    zero = token_logprobs(logits_with_a_zero, targets, with_entropy=True)
+    assert bool(zero.entropy.isfinite().all() and zero.varentropy.isfinite().all())
+    with pytest.raises(TypeError, match="with_entropy"):
+        token_logprobs(logits, targets, with_entropy="yes")
