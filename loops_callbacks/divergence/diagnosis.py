@@ -10,14 +10,15 @@ each cause's numbers look like and where the thresholds come from, is in the doc
 2. **The noise gate.** The gap is read relative to the spread of the sampler's logprobs,
    ``relative_gap`` = mean d² / var(s): rounding noise scales with the logits, so this stays level
    while a model sharpens and k3 grows 100-fold. A step whose relative gap is within the run's
-   noise bound (to 3 standard errors) is ``precision`` — or ``unclear`` when the gap sits on the
+   noise bound (its log above the bound's by less than 3 relative standard errors) is ``precision`` — or ``unclear`` when the gap sits on the
    completions' first tokens — and no other cause is named: at that size none would help anyone.
 3. Beyond noise: ``stale`` when the gap grows with the policy lag (per-datum ``policy_version``),
    when every datum is equally behind the trainer, or when the gap has grown step after step since it
    was last within noise (the run's history); then ``unrelated`` (Pearson < 0.3), ``truncation``,
    ``temperature`` (a slope of t on s at least 0.15 and 3 standard errors from 1, or a sign split
    that the slope agrees with), the first-token fade (``unclear``), and ``stale`` from token
-   identity (only once the run is calibrated: bf16 rounding of the weights leaves it too).
+   identity (bf16 rounding of the weights leaves it too: read once the run is calibrated, or
+   before that above ``NOISE_CEILING``, a gap no engine's rounding is taken to reach).
 
 **The noise floor** (``Calibration``). Before a run is calibrated the bound is the prior
 ``NOISE_PRIOR`` (1e-3). The floor is the median relative gap of the run's latest healthy steps
@@ -101,7 +102,7 @@ NOISE_FACTOR = 20.0
 NOISE_MIN = 1e-9
 """The smallest noise bound (float32 rounding alone leaves relative gaps near 1e-13)."""
 NOISE_SE = 3.0
-"""A gap is beyond noise when it exceeds the bound by this many standard errors."""
+"""A gap is beyond noise when its log exceeds the bound's by this many relative standard errors."""
 NOISE_CEILING = 1e-2
 """No step with a larger relative gap is taken as rounding noise, calibrated or not."""
 NOISE_SLOPE = 0.05
@@ -345,9 +346,16 @@ def _beyond_dropout(
 
 
 def _beyond_noise(sig: Mapping[str, float], noise_bound: float) -> bool:
-    """Whether the relative gap exceeds ``noise_bound`` by ``NOISE_SE`` standard errors (an unknown gap: yes)."""
+    """Whether the relative gap exceeds ``noise_bound`` beyond its error: log(gap / bound) above ``NOISE_SE``
+    relative standard errors (the gap's own error scaled to the bound, so a heavy-tailed step far above the
+    bound is still beyond it); an unknown gap: yes."""
     gap, gap_se = sig.get("relative_gap", math.nan), sig.get("relative_gap_se", math.nan)
-    return not gap - NOISE_SE * (gap_se if math.isfinite(gap_se) else 0.0) <= noise_bound
+    if math.isnan(gap):
+        return True
+    if gap <= noise_bound:
+        return False
+    relative_se = gap_se / gap if math.isfinite(gap_se) and gap > 0 else 0.0
+    return math.log(gap / noise_bound) > NOISE_SE * relative_se
 
 
 def _growing(
@@ -438,8 +446,10 @@ def _statistical_cause(
     # a slope off 1 with t and s tightly related: a mild temperature, or weights a few steps old
     # (training sharpens the policy as a temperature would); the numbers cannot tell them apart
     temperature_like = pearson >= 0.95 and off_one >= AMBIGUOUS_SLOPE
-    # token identity: bf16 rounding of the weights leaves it too, so it is read only against a calibrated floor
-    if calibrated and get("token_eta2") >= STALE_ETA2 and not temperature_like:
+    # token identity: bf16 rounding of the weights leaves it too, so it is read only beyond a calibrated floor,
+    # or, before the run is calibrated, above the gap no engine's rounding is taken to reach
+    identity_readable = calibrated or gap > NOISE_CEILING
+    if identity_readable and get("token_eta2") >= STALE_ETA2 and not temperature_like:
         evidence_numbers = {"token_eta2": get("token_eta2")} | noise
         return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence_numbers)
     return Diagnosis("unclear", 0.0, unclear)
