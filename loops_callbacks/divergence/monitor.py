@@ -33,7 +33,12 @@ from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
-from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
+from loops_callbacks.divergence.lightning_loop import (
+    accumulating,
+    check_loop_internals,
+    last_optimizer_step,
+    optimizer_step_index,
+)
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, nan_advantages_message, step_report
@@ -73,7 +78,9 @@ class KLSampleTrainMonitor(Callback):
             ranks together) or ``"forward_backward"`` (one log per micro-batch, as the SDK helper
             is called after each ``forward_backward``).
         log_every_n_steps: log every this many optimizer steps; ``None`` follows
-            ``Trainer(log_every_n_steps=...)`` (Lightning's rule: steps n-1, 2n-1, ...).
+            ``Trainer(log_every_n_steps=...)`` (Lightning's rule: steps n-1, 2n-1, ...). A fit that
+            would end without a judged step (``max_steps`` below the interval) also logs its last
+            step, where Lightning logs nothing, so a short run is judged too.
         prefix: prepended to every key.
         log_histogram: log the per-token diff histogram (W&B, TensorBoard).
         max_histogram_tokens: at most this many diffs in the histogram (evenly subsampled).
@@ -136,8 +143,9 @@ class KLSampleTrainMonitor(Callback):
     What the guard rail did, and the run's history (reset when a fit starts; kept by a later
     ``validate`` / ``test``):
 
-    * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NO_EXCEEDANCE``, ``WARNED``,
-      ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
+    * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NOTHING_JUDGED`` (no logged step
+      had masked-in action tokens, or none was logged: the summary says which), ``NO_EXCEEDANCE``,
+      ``WARNED``, ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
       warned at), ``None`` when it did not act;
     * ``stop_reason``: the guard rail's message when it stopped the run, else ``None``;
     * ``last_metrics`` and ``last_diagnosis``: those of the last logged step;
@@ -312,6 +320,12 @@ class KLSampleTrainMonitor(Callback):
         self._contract_checked = False
         self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not (the history counts finite ones)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._last_step: int | None = None  # the fit's last optimizer step, when Lightning can tell it
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = last_optimizer_step(trainer)
+        self.history.log_every_n_steps = self._every(trainer)
 
     @override
     def on_train_batch_end(
@@ -388,7 +402,8 @@ class KLSampleTrainMonitor(Callback):
 
     @property
     def verdict(self) -> Verdict:
-        """What the guard rail did in this run: ``OFF``, ``NO_EXCEEDANCE``, ``WARNED``, ``STOPPED`` or ``RAISED``."""
+        """What the guard rail did in this run: ``OFF``, ``NOTHING_JUDGED``, ``NO_EXCEEDANCE``, ``WARNED``,
+        ``STOPPED`` or ``RAISED``."""
         return self.history.verdict
 
     @property
@@ -420,8 +435,12 @@ class KLSampleTrainMonitor(Callback):
         self.exceeded_steps = state_dict.get("exceeded_steps", 0)
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
-        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
-        return every > 0 and (step + 1) % every == 0
+        """Lightning's rule (steps n-1, 2n-1, ...), and the fit's last step while the fit has judged none."""
+        every = self._every(trainer)
+        return (every > 0 and (step + 1) % every == 0) or (step == self._last_step and not self.history.judged_steps)
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
 
     def _generator(self, device: torch.device, rank: int) -> torch.Generator:
         """A private RNG for the percentile sample, so monitoring never moves the user's RNG.
@@ -462,6 +481,7 @@ class KLSampleTrainMonitor(Callback):
             deliver_text(trainer.loggers, key, report.diagnosis.message, step=step, warnings=self.warnings)
 
     def _deliver_summary(self, trainer: pl.Trainer) -> None:
+        self.history.steps_trained = trainer.global_step
         if trainer.is_global_zero:
             text, key = "\n".join(self.summary_lines()), self.prefix + RUN_SUMMARY_TEXT_KEY
             step = trainer.global_step  # at or after every logged step: W&B drops steps behind its counter

@@ -43,8 +43,10 @@ class Verdict(enum.Enum):
 
     OFF = "off"
     """No bound was set (``max_kl=None``): nothing was judged."""
+    NOTHING_JUDGED = "nothing judged"
+    """A bound was set but no logged step had masked-in action tokens, or no step was logged."""
     NO_EXCEEDANCE = "no exceedance"
-    """Every judged step stayed within the bound."""
+    """Every judged step (at least one) stayed within the bound."""
     WARNED = "warned"
     """Some steps exceeded and ``on_exceed="warn"`` let training go on."""
     STOPPED = "stopped"
@@ -68,24 +70,33 @@ class RunHistory:
     watched: str
     max_kl: float | None
     logged_steps: int = 0
+    judged_steps: int = 0  # logged steps with masked-in action tokens (finite or not): what the guard rail judged
     last_step: int | None = None
     causes: dict[str, CauseCount] = field(default_factory=dict)  # in order of first appearance
     last_step_with_action_tokens: int | None = None
     metrics_with_action_tokens: dict[str, float] = field(default_factory=dict)
     last_diagnosis: Diagnosis | None = None
     last_diagnosis_step: int | None = None
-    verdict: Verdict = Verdict.NO_EXCEEDANCE
+    action: Verdict | None = None  # what the guard rail did (WARNED, STOPPED, RAISED); None: nothing
     verdict_step: int | None = None
     verdict_reason: str | None = None
     times_acted: int = 0
+    log_every_n_steps: int | None = None  # the fit's logging interval, and the optimizer steps it ran
+    steps_trained: int | None = None  # (both set by the monitor, to say why nothing was judged)
 
-    def __post_init__(self) -> None:
+    @property
+    def verdict(self) -> Verdict:
+        """What the guard rail did; ``NO_EXCEEDANCE`` only when it judged at least one step."""
+        if self.action is not None:
+            return self.action
         if self.max_kl is None:
-            self.verdict = Verdict.OFF
+            return Verdict.OFF
+        return Verdict.NO_EXCEEDANCE if self.judged_steps else Verdict.NOTHING_JUDGED
 
     def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
         """Count one logged step: its cause (or ``no action tokens``), its metrics (bare names) when it had tokens."""
         self.logged_steps += 1
+        self.judged_steps += int(metrics.get("n_action_tokens", 0.0) + metrics.get("n_skipped_nonfinite", 0.0) > 0)
         self.last_step = step
         has_tokens = metrics.get("n_action_tokens", 0.0) > 0
         label = diagnosis.cause if diagnosis is not None else NOT_DIAGNOSED if has_tokens else NO_ACTION_TOKENS
@@ -102,9 +113,9 @@ class RunHistory:
     def acted(self, verdict: Verdict, step: int, reason: str) -> None:
         """The guard rail acted at ``step``: stopped, raised, or warned (the first warning is kept)."""
         self.times_acted += 1
-        if self.verdict is Verdict.WARNED and verdict is Verdict.WARNED:
+        if self.action is Verdict.WARNED and verdict is Verdict.WARNED:
             return
-        self.verdict, self.verdict_step, self.verdict_reason = verdict, step, reason
+        self.action, self.verdict_step, self.verdict_reason = verdict, step, reason
 
     def lines(self, prefix: str) -> list[str]:
         """The summary as plain text lines, the guard rail's verdict last; ``prefix``: the metrics' key prefix."""
@@ -134,9 +145,12 @@ class RunHistory:
         return lines
 
     def verdict_line(self) -> str:
-        """``Guard rail: ...``: off, no exceedance, warned, stopped or raised (at which step, and why)."""
+        """``Guard rail: ...``: off, nothing judged (why), no exceedance, warned, stopped or raised (at which
+        step, and why)."""
         if self.verdict is Verdict.OFF:
             return "Guard rail: off (max_kl not set)"
+        if self.verdict is Verdict.NOTHING_JUDGED:
+            return f"Guard rail: nothing judged ({self._why_nothing_judged()})"
         if self.verdict is Verdict.NO_EXCEEDANCE:
             return f"Guard rail: no exceedance ({self.watched} <= {self.max_kl:g} on every judged step)"
         if self.verdict is Verdict.WARNED:
@@ -147,3 +161,11 @@ class RunHistory:
         if self.verdict is Verdict.STOPPED:
             return f"Guard rail: stopped the run at step {self.verdict_step}: {self.verdict_reason}"
         return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"
+
+    def _why_nothing_judged(self) -> str:
+        if self.logged_steps:
+            return f"none of the {self.logged_steps} logged steps had masked-in action tokens"
+        return (
+            f"no step was logged: the fit ended after {self.steps_trained} optimizer step(s), before its first "
+            f"logged step (log_every_n_steps = {self.log_every_n_steps})"
+        )

@@ -160,3 +160,33 @@ def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_pat
     assert resumed.verdict is Verdict.NO_EXCEEDANCE
     assert resumed.summary_lines()[-1].startswith("Guard rail: no exceedance")
     assert not any("Stopped" in line or "stopped" in line for line in resumed.summary_lines())
+
+
+def test_a_run_shorter_than_the_logging_interval_judges_its_last_step() -> None:
+    recording, monitor = RecordingLogger(), KLSampleTrainMonitor(max_kl=0.05, on_exceed="warn")
+    trainer = quiet_trainer(max_steps=3, log_every_n_steps=50, logger=recording, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="exceeded max_kl = 0.05"):
+        trainer.fit(TinyPolicy(offset=5.0))  # the sampler 5 nats off
+    assert [step for step, metrics in recording.calls if PREFIX + "kl_sample_train_k3" in metrics] == [2]
+    assert monitor.verdict is Verdict.WARNED and monitor.verdict_step == 2
+    assert "1 logged steps" in monitor.summary_lines()[0]
+
+
+class StopsAtOnce(pl.Callback):
+    """Another callback that stops the fit after its first step, before the monitor's first logged step."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.should_stop = True
+
+
+@pytest.mark.parametrize(("model", "callbacks", "why"), [
+    (Scripted(empty_from=0), [], "none of the 2 logged steps had masked-in action tokens"),
+    (TinyPolicy(offset=5.0), [StopsAtOnce()], "no step was logged: the fit ended after 1 optimizer step(s), before its first logged step (log_every_n_steps = 50)"),
+], ids=["no action tokens", "stopped before the first logged step"])
+def test_a_run_that_judged_nothing_says_so_never_no_exceedance(model: Any, callbacks: list[Any], why: str) -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05, log_every_n_steps=1 if not callbacks else 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet_trainer(max_steps=2, callbacks=[monitor, *callbacks]).fit(model)
+    assert monitor.verdict is Verdict.NOTHING_JUDGED and monitor.verdict_step is None
+    assert monitor.summary_lines()[-1] == f"Guard rail: nothing judged ({why})"
