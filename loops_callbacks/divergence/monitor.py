@@ -190,9 +190,9 @@ class KLSampleTrainMonitor(Callback):
       lag 0 and counted in the stratum ``lag_ahead``, a negative group id goes to
       ``group_other``, string labels to the bucket ``zlib.crc32(label) % max_groups`` (the same
       on every rank; labels sharing a bucket are pooled), and anything else unusable (a key on
-      only some datums, a wrong count, a non-integer) turns that family off for the step; each is
-      one warning per run naming the key, a value and its datum (on an accelerator: the count,
-      after the step's host read).
+      only some datums, a wrong count, a non-integer, a tensor on the meta device) turns that
+      family off for the step; each is one warning per run naming the key, a value and its datum
+      (on an accelerator: the count, after the step's host read).
 
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
