@@ -42,7 +42,7 @@ from loops_callbacks.divergence.lightning_loop import (
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, nan_advantages_message, step_report
-from loops_callbacks.divergence.run_history import RunHistory, Verdict
+from loops_callbacks.divergence.run_history import RunHistory, Verdict, restore_fields, saved_fields
 from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
@@ -137,11 +137,13 @@ class KLSampleTrainMonitor(Callback):
     logged steps all have none gets one warning (the monitor is watching nothing). Logprobs above
     1e-4 (probabilities passed as logprobs?) and sentinels get one warning per run naming the key
     and an example position; such inputs are also the step's likely cause (``impossible_inputs``),
-    never a statistical cause they would mimic. The patience counter is saved in checkpoints; the
-    stop reason is not (it belongs to the run that stopped: a resumed run starts with none).
+    never a statistical cause they would mimic. Checkpoints hold what the monitor learned and saw:
+    the patience counter, the diagnosis' calibration and recent k3, the run's history (so resumed
+    steps are diagnosed as uninterrupted ones); not the verdict or the stop reason (they belong to the
+    fit that reached them: a resumed fit judges from its first step on).
 
-    What the guard rail did, and the run's history (reset when a fit starts; kept by a later
-    ``validate`` / ``test``):
+    What the guard rail did, and the run's history (reset when a fit starts, continued by a fit
+    resumed from a checkpoint; kept by a later ``validate`` / ``test``):
 
     * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NOTHING_JUDGED`` (no logged step
       had masked-in action tokens, or none was logged: the summary says which), ``NO_EXCEEDANCE``,
@@ -325,7 +327,7 @@ class KLSampleTrainMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = last_optimizer_step(trainer)
-        self.history.log_every_n_steps = self._every(trainer)
+        self.history.fit_start, self.history.log_every_n_steps = trainer.global_step, self._every(trainer)
 
     @override
     def on_train_batch_end(
@@ -427,12 +429,21 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"exceeded_steps": self.exceeded_steps}
+        """What the run learned and saw, as plain data: the patience counter, the diagnosis' calibration and
+        trend, the run's history (``run_history.saved_fields``; not the verdict: it belongs to the fit)."""
+        return {
+            "exceeded_steps": self.exceeded_steps,
+            "calibration": saved_fields(self.calibration, skip=("calibration_steps",)),
+            "history": saved_fields(self.history, skip=RunHistory.FIT_FIELDS),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the patience counter; a ``stop_reason`` saved by older versions belongs to the run that stopped."""
+        """Restore ``state_dict``'s state; older checkpoints lack some of it (a ``stop_reason`` they saved
+        belongs to the run that stopped)."""
         self.exceeded_steps = state_dict.get("exceeded_steps", 0)
+        restore_fields(self.calibration, state_dict.get("calibration", {}))
+        restore_fields(self.history, state_dict.get("history", {}))
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         """Lightning's rule (steps n-1, 2n-1, ...), and the fit's last step while the fit has judged none."""
