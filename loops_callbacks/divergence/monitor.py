@@ -49,6 +49,8 @@ from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR
 from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
 from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, key_label, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
+from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check_bool, check_int
 
@@ -71,7 +73,9 @@ class KLSampleTrainMonitor(Callback):
     The metrics are those of ``loops_log_kl_sample_train`` (same keys, same formulas), computed
     over all micro-batches of an accumulation window on every rank and logged once per optimizer
     step — the numbers ``loops_compute_kl_sample_train`` gives on the concatenation of those
-    micro-batches (rank 0's first). Steps that are not logged cost nothing.
+    micro-batches (rank 0's first). Steps that are not logged cost nothing. The ranks' monitors
+    must share their settings: they are compared once, at setup, and ranks that differ all raise a
+    ``RanksDisagreeError`` (a ``ValueError``) naming each setting and each rank's value.
 
     Args:
         interval: ``"optimizer_step"`` (one log per optimizer step, all its micro-batches and
@@ -276,6 +280,7 @@ class KLSampleTrainMonitor(Callback):
         check_bool("diagnose", diagnose)
         check_bool("log_strata", log_strata)
         self.strata = Strata(max_groups) if log_strata else None  # checks max_groups
+        self.max_groups = max_groups
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
@@ -307,8 +312,31 @@ class KLSampleTrainMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # validate / test after fit keep the fit's history and verdict
             check_loop_internals(trainer)
+            self._check_ranks_agree(trainer)
             self._start_run()
             self.warnings.reset()
+
+    def _check_ranks_agree(self, trainer: pl.Trainer) -> None:
+        """``RanksDisagreeError`` on every rank when the ranks' monitors differ in a setting they share (one
+        small gather, before any step): which steps log, what the ranks exchange, when the guard rail acts."""
+        group = Group()
+        if trainer.world_size == 1 or group.world_size != trainer.world_size:  # a strategy off torch.distributed
+            return
+        shared = {
+            "interval": self.interval, "log_every_n_steps": self._every(trainer), "prefix": self.prefix,
+            "top_n": self.top_n, "sample_size": self.sample_size, "diagnose": self.diagnosing,
+            "calibration_steps": self.calibration_steps, "log_strata": self.strata is not None,
+            "max_groups": self.max_groups, "corrections": [c.name for c in self.corrections], "keys": self.keys,
+            "max_kl": self.max_kl, "kl_metric": self.kl_metric, "patience": self.patience,
+            "on_exceed": self.on_exceed, "max_nonfinite_fraction": self.guard_rail.max_nonfinite_fraction,
+        }
+        listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
+        if listed:
+            raise RanksDisagreeError(
+                f"KLSampleTrainMonitor: the ranks' monitors have different settings ({listed}); every rank's "
+                "monitor must have the same ones: they decide which steps are logged, what the ranks exchange at "
+                "those steps and when the guard rail acts"
+            )
 
     def _start_run(self) -> None:
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
