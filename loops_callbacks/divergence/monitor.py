@@ -120,7 +120,9 @@ class KLSampleTrainMonitor(Callback):
             mean |d|, IS-ratio mean and tokens by sampler probability, by quartile of each
             datum's action tokens, by policy lag and by group.
         max_groups: groups kept apart in the strata (ids ``0`` to ``max_groups - 1``); datums with
-            a larger id are pooled in ``group_other``, with one warning per run.
+            a larger id are pooled in ``group_other``, with one warning per run. The cost follows
+            the groups given, not ``max_groups`` (across ranks: the largest group index given,
+            which string labels, hashed into ``max_groups`` buckets, may bring near it).
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"token_truncate:2.0"``, ``"geo:0.999_1.001"`` (YAML-friendly)
             or ``Correction`` objects. Each logged step logs what each would do, without applying
@@ -572,7 +574,7 @@ class KLSampleTrainMonitor(Callback):
             )
         if host.strata is not None:
             self._warn_about_partial_keys(host, step)
-        if host.strata is not None and host.strata["group_other"].n_tokens:
+        if host.strata is not None and "group_other" in host.strata:  # only groups with tokens are there
             self.warnings.warn(
                 "group_other",
                 f"KLSampleTrainMonitor, step {step}: datums with {self.keys['group']!r} >= max_groups = "
