@@ -350,7 +350,6 @@ class KLSampleTrainMonitor(Callback):
         self._last_flat: FlatBatch | None = None
         self._breakdown_keys: set[str] = set()  # the strata and shadow keys put in callback_metrics last
         self._contract_checked = False
-        self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not (the history counts finite ones)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._last_step: int | None = None  # the fit's last optimizer step, when Lightning can tell it
 
@@ -424,7 +423,7 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.history.logged_steps and not self._steps_with_action_tokens:
+        if self.history.fit_logged_steps and not self.history.judged_steps:
             self._warn_watching_nothing()
         self._deliver_summary(trainer)
 
@@ -535,12 +534,10 @@ class KLSampleTrainMonitor(Callback):
         self.history.observe(step, report.scalars, report.diagnosis)
         if report.diagnosis is not None:
             self.calibration.observe(report.diagnosis, report.scalars["kl_sample_train_k3"])
-        if report.has_action_tokens:
-            self._steps_with_action_tokens += 1
 
     def _warn_about_inputs(self, report: StepReport, step: int) -> None:
         """Say once per run that the monitor watches nothing, and once per problem that the inputs are impossible."""
-        if self.history.logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
+        if self.history.fit_logged_steps == _WATCHING_NOTHING_AFTER and not self.history.judged_steps:
             self._warn_watching_nothing()
         for problem, message in report.problems.items():
             if not self.warnings.said(problem):
@@ -606,7 +603,7 @@ class KLSampleTrainMonitor(Callback):
     def _warn_watching_nothing(self) -> None:
         self.warnings.warn(
             "watching_nothing",
-            f"KLSampleTrainMonitor: none of the {self.history.logged_steps} logged step(s) had an action token "
+            f"KLSampleTrainMonitor: none of the {self.history.fit_logged_steps} logged step(s) had an action token "
             f"({self.keys['mask']!r} > 0 with a non-zero {self.keys['advantages']!r}); the monitor is watching "
             "nothing — check the mask (1.0 on the tokens the policy sampled) and the advantages",
         )

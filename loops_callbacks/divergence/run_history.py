@@ -77,8 +77,8 @@ class RunHistory:
     resumed from a checkpoint continues the saved one, with a verdict of its own (``FIT_FIELDS``)."""
 
     FIT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "watched", "max_kl", "fit_start", "judged_steps", "action", "verdict_step", "verdict_reason",
-        "times_acted", "log_every_n_steps", "steps_trained",
+        "watched", "max_kl", "fit_start", "fit_logged_steps", "judged_steps", "action", "verdict_step",
+        "verdict_reason", "times_acted", "log_every_n_steps", "steps_trained",
     )
     """The settings and the guard rail's record of this fit: not saved in checkpoints."""
 
@@ -94,6 +94,7 @@ class RunHistory:
     last_diagnosis_step: int | None = None
     # this fit's: where it started, what the guard rail judged and did
     fit_start: int = 0
+    fit_logged_steps: int = 0
     judged_steps: int = 0  # logged steps with masked-in action tokens (finite or not)
     action: Verdict | None = None  # what the guard rail did (WARNED, STOPPED, RAISED); None: nothing
     verdict_step: int | None = None
@@ -114,6 +115,7 @@ class RunHistory:
     def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
         """Count one logged step: its cause (or ``no action tokens``), its metrics (bare names) when it had tokens."""
         self.logged_steps += 1
+        self.fit_logged_steps += 1
         self.judged_steps += int(metrics.get("n_action_tokens", 0.0) + metrics.get("n_skipped_nonfinite", 0.0) > 0)
         self.last_step = step
         has_tokens = metrics.get("n_action_tokens", 0.0) > 0
@@ -182,7 +184,7 @@ class RunHistory:
         return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"
 
     def _why_nothing_judged(self) -> str:
-        if self.last_step is not None and self.last_step >= self.fit_start:
+        if self.fit_logged_steps:
             return "no logged step had masked-in action tokens"
         return (
             f"no step was logged: the fit ended at optimizer step {self.steps_trained}, before its first logged "

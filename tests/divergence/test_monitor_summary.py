@@ -240,3 +240,19 @@ def test_a_checkpoint_of_an_older_version_still_loads() -> None:
     monitor = KLSampleTrainMonitor(max_kl=0.05)
     monitor.load_state_dict({"exceeded_steps": 2, "stop_reason": "an older version saved it"})
     assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_k3
+
+
+def test_a_resumed_fit_that_logs_nothing_says_so_and_not_that_the_run_watched_nothing(tmp_path: Any) -> None:
+    first = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(max_kl=0.5)])
+    first.fit(Scripted())
+    checkpoint = str(tmp_path / "two.ckpt")
+    first.save_checkpoint(checkpoint)
+    resumed = KLSampleTrainMonitor(max_kl=0.5, log_every_n_steps=50)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="KLSampleTrainMonitor")
+        quiet_trainer(max_steps=10, callbacks=[resumed, StopsAtOnce()]).fit(Scripted(), ckpt_path=checkpoint)
+    assert resumed.verdict is Verdict.NOTHING_JUDGED and resumed.summary_lines()[0].endswith(": 2 logged steps")
+    assert resumed.summary_lines()[-1] == (
+        "Guard rail: nothing judged (no step was logged: the fit ended at optimizer step 3, before its first "
+        "logged step (log_every_n_steps = 50))"
+    )
