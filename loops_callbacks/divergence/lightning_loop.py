@@ -1,11 +1,12 @@
-"""The two facts of Lightning's training loop the monitor needs, read in this one place.
+"""The facts of Lightning's training loop the monitor needs, read in this one place.
 
-Lightning has no public API for either, so they are read directly, as Lightning's own
+Lightning has no public API for the first two, so they are read directly, as Lightning's own
 ``LearningRateMonitor`` and ``ThroughputMonitor`` read loop internals:
 
 * ``fit_loop.epoch_loop._batches_that_stepped``: the optimizer step a micro-batch belongs to, the
   step Lightning logs its own metrics under;
-* ``fit_loop._should_accumulate()``: whether more micro-batches follow before the optimizer steps.
+* ``fit_loop._should_accumulate()``: whether more micro-batches follow before the optimizer steps;
+* the fit's last optimizer step, from the public ``Trainer.estimated_stepping_batches``.
 
 ``check_loop_internals`` runs at ``setup``: if a Lightning release renames them, the monitor fails
 there with the Lightning version in the message, instead of logging every micro-batch or under
@@ -21,10 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import lightning
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-__all__ = ["accumulating", "check_loop_internals", "optimizer_step_index"]
+__all__ = ["accumulating", "check_loop_internals", "last_optimizer_step", "optimizer_step_index"]
 
 
 def check_loop_internals(trainer: pl.Trainer) -> None:
@@ -56,3 +60,13 @@ def accumulating(trainer: pl.Trainer) -> bool:
     if not trainer.lightning_module.automatic_optimization:
         return False
     return bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def last_optimizer_step(trainer: pl.Trainer) -> int | None:
+    """The 0-based index of the fit's last optimizer step (``max_steps``, or the epochs' batches), or ``None``
+    when Lightning cannot tell it (an endless stream without ``max_steps``, an accumulation schedule)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except MisconfigurationException:
+        return None
+    return int(steps) - 1 if math.isfinite(steps) and steps >= 1 else None

@@ -33,17 +33,24 @@ from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
-from loops_callbacks.divergence.lightning_loop import accumulating, check_loop_internals, optimizer_step_index
+from loops_callbacks.divergence.lightning_loop import (
+    accumulating,
+    check_loop_internals,
+    last_optimizer_step,
+    optimizer_step_index,
+)
 from loops_callbacks.divergence.media import MediaOptions
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import StepReport, nan_advantages_message, step_report
-from loops_callbacks.divergence.run_history import RunHistory, Verdict
+from loops_callbacks.divergence.run_history import RunHistory, Verdict, restore_fields, saved_fields
 from loops_callbacks.divergence.shadow import no_advantage_message, parse_corrections, shadow_scalars
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
 from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, key_label, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
+from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check_bool, check_int
 
@@ -66,14 +73,18 @@ class KLSampleTrainMonitor(Callback):
     The metrics are those of ``loops_log_kl_sample_train`` (same keys, same formulas), computed
     over all micro-batches of an accumulation window on every rank and logged once per optimizer
     step — the numbers ``loops_compute_kl_sample_train`` gives on the concatenation of those
-    micro-batches (rank 0's first). Steps that are not logged cost nothing.
+    micro-batches (rank 0's first). Steps that are not logged cost nothing. The ranks' monitors
+    must share their settings: they are compared once, at setup, and ranks that differ all raise a
+    ``RanksDisagreeError`` (a ``ValueError``) naming each setting and each rank's value.
 
     Args:
         interval: ``"optimizer_step"`` (one log per optimizer step, all its micro-batches and
             ranks together) or ``"forward_backward"`` (one log per micro-batch, as the SDK helper
             is called after each ``forward_backward``).
         log_every_n_steps: log every this many optimizer steps; ``None`` follows
-            ``Trainer(log_every_n_steps=...)`` (Lightning's rule: steps n-1, 2n-1, ...).
+            ``Trainer(log_every_n_steps=...)`` (Lightning's rule: steps n-1, 2n-1, ...). A fit that
+            would end without a judged step (``max_steps`` below the interval) also logs its last
+            step, where Lightning logs nothing, so a short run is judged too.
         prefix: prepended to every key.
         log_histogram: log the per-token diff histogram (W&B, TensorBoard).
         max_histogram_tokens: at most this many diffs in the histogram (evenly subsampled).
@@ -110,7 +121,9 @@ class KLSampleTrainMonitor(Callback):
             mean |d|, IS-ratio mean and tokens by sampler probability, by quartile of each
             datum's action tokens, by policy lag and by group.
         max_groups: groups kept apart in the strata (ids ``0`` to ``max_groups - 1``); datums with
-            a larger id are pooled in ``group_other``, with one warning per run.
+            a larger id are pooled in ``group_other``, with one warning per run. The cost follows
+            the groups given, not ``max_groups`` (across ranks: the largest group index given,
+            which string labels, hashed into ``max_groups`` buckets, may bring near it).
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"token_truncate:2.0"``, ``"geo:0.999_1.001"`` (YAML-friendly)
             or ``Correction`` objects. Each logged step logs what each would do, without applying
@@ -132,14 +145,17 @@ class KLSampleTrainMonitor(Callback):
     logged steps all have none gets one warning (the monitor is watching nothing). Logprobs above
     1e-4 (probabilities passed as logprobs?) and sentinels get one warning per run naming the key
     and an example position; such inputs are also the step's likely cause (``impossible_inputs``),
-    never a statistical cause they would mimic. The patience counter is saved in checkpoints; the
-    stop reason is not (it belongs to the run that stopped: a resumed run starts with none).
+    never a statistical cause they would mimic. Checkpoints hold what the monitor learned and saw:
+    the patience counter, the diagnosis' calibration and recent k3, the run's history (so resumed
+    steps are diagnosed as uninterrupted ones); not the verdict or the stop reason (they belong to the
+    fit that reached them: a resumed fit judges from its first step on).
 
-    What the guard rail did, and the run's history (reset when a fit starts; kept by a later
-    ``validate`` / ``test``):
+    What the guard rail did, and the run's history (reset when a fit starts, continued by a fit
+    resumed from a checkpoint; kept by a later ``validate`` / ``test``):
 
-    * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NO_EXCEEDANCE``, ``WARNED``,
-      ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
+    * ``verdict``: a :class:`Verdict`: ``OFF`` (``max_kl=None``), ``NOTHING_JUDGED`` (no logged step
+      had masked-in action tokens, or none was logged: the summary says which), ``NO_EXCEEDANCE``,
+      ``WARNED``, ``STOPPED`` or ``RAISED``; ``verdict_step`` is the step it stopped or raised at (or first
       warned at), ``None`` when it did not act;
     * ``stop_reason``: the guard rail's message when it stopped the run, else ``None``;
     * ``last_metrics`` and ``last_diagnosis``: those of the last logged step;
@@ -184,9 +200,9 @@ class KLSampleTrainMonitor(Callback):
       lag 0 and counted in the stratum ``lag_ahead``, a negative group id goes to
       ``group_other``, string labels to the bucket ``zlib.crc32(label) % max_groups`` (the same
       on every rank; labels sharing a bucket are pooled), and anything else unusable (a key on
-      only some datums, a wrong count, a non-integer) turns that family off for the step; each is
-      one warning per run naming the key, a value and its datum (on an accelerator: the count,
-      after the step's host read).
+      only some datums, a wrong count, a non-integer, a tensor on the meta device) turns that
+      family off for the step; each is one warning per run naming the key, a value and its datum
+      (on an accelerator: the count, after the step's host read).
 
     Under manual optimization each ``training_step`` is one window: return the trainer logprobs
     of everything the step trained on.
@@ -268,6 +284,7 @@ class KLSampleTrainMonitor(Callback):
         check_bool("diagnose", diagnose)
         check_bool("log_strata", log_strata)
         self.strata = Strata(max_groups) if log_strata else None  # checks max_groups
+        self.max_groups = max_groups
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
@@ -299,8 +316,31 @@ class KLSampleTrainMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # validate / test after fit keep the fit's history and verdict
             check_loop_internals(trainer)
+            self._check_ranks_agree(trainer)
             self._start_run()
             self.warnings.reset()
+
+    def _check_ranks_agree(self, trainer: pl.Trainer) -> None:
+        """``RanksDisagreeError`` on every rank when the ranks' monitors differ in a setting they share (one
+        small gather, before any step): which steps log, what the ranks exchange, when the guard rail acts."""
+        group = Group()
+        if trainer.world_size == 1 or group.world_size != trainer.world_size:  # a strategy off torch.distributed
+            return
+        shared = {
+            "interval": self.interval, "log_every_n_steps": self._every(trainer), "prefix": self.prefix,
+            "top_n": self.top_n, "sample_size": self.sample_size, "diagnose": self.diagnosing,
+            "calibration_steps": self.calibration_steps, "log_strata": self.strata is not None,
+            "max_groups": self.max_groups, "corrections": [c.name for c in self.corrections], "keys": self.keys,
+            "max_kl": self.max_kl, "kl_metric": self.kl_metric, "patience": self.patience,
+            "on_exceed": self.on_exceed, "max_nonfinite_fraction": self.guard_rail.max_nonfinite_fraction,
+        }
+        listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
+        if listed:
+            raise RanksDisagreeError(
+                f"KLSampleTrainMonitor: the ranks' monitors have different settings ({listed}); every rank's "
+                "monitor must have the same ones: they decide which steps are logged, what the ranks exchange at "
+                "those steps and when the guard rail acts"
+            )
 
     def _start_run(self) -> None:
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
@@ -312,8 +352,13 @@ class KLSampleTrainMonitor(Callback):
         self._last_flat: FlatBatch | None = None
         self._breakdown_keys: set[str] = set()  # the strata and shadow keys put in callback_metrics last
         self._contract_checked = False
-        self._steps_with_action_tokens = 0  # masked-in action tokens, finite or not (the history counts finite ones)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._last_step: int | None = None  # the fit's last optimizer step, when Lightning can tell it
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = last_optimizer_step(trainer)
+        self.history.fit_start, self.history.log_every_n_steps = trainer.global_step, self._every(trainer)
 
     @override
     def on_train_batch_end(
@@ -381,7 +426,7 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.history.logged_steps and not self._steps_with_action_tokens:
+        if self.history.fit_logged_steps and not self.history.judged_steps:
             self._warn_watching_nothing()
         self._deliver_summary(trainer)
 
@@ -391,7 +436,8 @@ class KLSampleTrainMonitor(Callback):
 
     @property
     def verdict(self) -> Verdict:
-        """What the guard rail did in this run: ``OFF``, ``NO_EXCEEDANCE``, ``WARNED``, ``STOPPED`` or ``RAISED``."""
+        """What the guard rail did in this run: ``OFF``, ``NOTHING_JUDGED``, ``NO_EXCEEDANCE``, ``WARNED``,
+        ``STOPPED`` or ``RAISED``."""
         return self.history.verdict
 
     @property
@@ -415,16 +461,29 @@ class KLSampleTrainMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"exceeded_steps": self.exceeded_steps}
+        """What the run learned and saw, as plain data: the patience counter, the diagnosis' calibration and
+        trend, the run's history (``run_history.saved_fields``; not the verdict: it belongs to the fit)."""
+        return {
+            "exceeded_steps": self.exceeded_steps,
+            "calibration": saved_fields(self.calibration, skip=("calibration_steps",)),
+            "history": saved_fields(self.history, skip=RunHistory.FIT_FIELDS),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the patience counter; a ``stop_reason`` saved by older versions belongs to the run that stopped."""
+        """Restore ``state_dict``'s state; older checkpoints lack some of it (a ``stop_reason`` they saved
+        belongs to the run that stopped)."""
         self.exceeded_steps = state_dict.get("exceeded_steps", 0)
+        restore_fields(self.calibration, state_dict.get("calibration", {}))
+        restore_fields(self.history, state_dict.get("history", {}))
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
-        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
-        return every > 0 and (step + 1) % every == 0
+        """Lightning's rule (steps n-1, 2n-1, ...), and the fit's last step while the fit has judged none."""
+        every = self._every(trainer)
+        return (every > 0 and (step + 1) % every == 0) or (step == self._last_step and not self.history.judged_steps)
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
 
     def _generator(self, device: torch.device, rank: int) -> torch.Generator:
         """A private RNG for the percentile sample, so monitoring never moves the user's RNG.
@@ -465,6 +524,7 @@ class KLSampleTrainMonitor(Callback):
             deliver_text(trainer.loggers, key, report.diagnosis.message, step=step, warnings=self.warnings)
 
     def _deliver_summary(self, trainer: pl.Trainer) -> None:
+        self.history.steps_trained = trainer.global_step
         if trainer.is_global_zero:
             text, key = "\n".join(self.summary_lines()), self.prefix + RUN_SUMMARY_TEXT_KEY
             step = trainer.global_step  # at or after every logged step: W&B drops steps behind its counter
@@ -477,12 +537,10 @@ class KLSampleTrainMonitor(Callback):
         self.history.observe(step, report.scalars, report.diagnosis)
         if report.diagnosis is not None:
             self.calibration.observe(report.diagnosis, report.signatures)
-        if report.has_action_tokens:
-            self._steps_with_action_tokens += 1
 
     def _warn_about_inputs(self, report: StepReport, step: int) -> None:
         """Say once per run that the monitor watches nothing, and once per problem that the inputs are impossible."""
-        if self.history.logged_steps == _WATCHING_NOTHING_AFTER and not self._steps_with_action_tokens:
+        if self.history.fit_logged_steps == _WATCHING_NOTHING_AFTER and not self.history.judged_steps:
             self._warn_watching_nothing()
         for problem, message in report.problems.items():
             if not self.warnings.said(problem):
@@ -521,7 +579,7 @@ class KLSampleTrainMonitor(Callback):
             )
         if host.strata is not None:
             self._warn_about_partial_keys(host, step)
-        if host.strata is not None and host.strata["group_other"].n_tokens:
+        if host.strata is not None and "group_other" in host.strata:  # only groups with tokens are there
             self.warnings.warn(
                 "group_other",
                 f"KLSampleTrainMonitor, step {step}: datums with {self.keys['group']!r} >= max_groups = "
@@ -553,7 +611,7 @@ class KLSampleTrainMonitor(Callback):
     def _warn_watching_nothing(self) -> None:
         self.warnings.warn(
             "watching_nothing",
-            f"KLSampleTrainMonitor: none of the {self.history.logged_steps} logged step(s) had an action token "
+            f"KLSampleTrainMonitor: none of the {self.history.fit_logged_steps} logged step(s) had an action token "
             f"({self.keys['mask']!r} > 0 with a non-zero {self.keys['advantages']!r}); the monitor is watching "
             "nothing — check the mask (1.0 on the tokens the policy sampled) and the advantages",
         )

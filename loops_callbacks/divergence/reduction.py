@@ -15,10 +15,12 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
    zeros. The body also carries the diagnosis' sums, summed as they are (S = the 51
    ``SUMMED_TOTALS`` + 3 * TOKEN_BUCKETS per-token-id sums), so that the per-rank header stays small; their
    summation order is the collective's (exact for counts, and for any sum on 2 ranks). A monitor's
-   own declarations ride along at a size fixed by its options: the stratum sums (4 x (16 +
-   max_groups) values, ``strata``) and its corrections' shadow sums in the body, their extrema
-   (8 values) in the header. With the diagnosis on, the offset votes (``alignment.offset_sums``,
-   a fixed few hundred values) ride in the body too.
+   own declarations ride along at a size fixed by its options: the stratum sums (4 x 16 values,
+   ``strata``) and its corrections' shadow sums in the body, their extrema (8 values) in the
+   header. With the diagnosis on, the offset votes (``alignment.offset_sums``, a fixed few hundred
+   values) ride in the body too. The groups' sums (``strata.Strata.group_table``) ride in the body
+   by group index, 4 values for ``group_other`` and for each index up to the largest any rank saw
+   (none without a ``group`` key); each rank's header says the width it needs.
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
@@ -48,8 +50,9 @@ when ranks see data from the same distribution. While N <= sample_size every dif
 rank order, exactly as a merge keeps them.
 
 A single rank gets its statistics back unchanged. Host synchronizations: none on an accelerator
-when a ``sample_size`` is set (every shape is fixed); without one (every diff kept, as the plain
-functions do) the body's length is read from the headers, one synchronization.
+when a ``sample_size`` is set and no strata are kept (every shape is fixed); without one (every
+diff kept, as the plain functions do), or with strata (the groups' width), the body's length is
+read from the headers, one synchronization.
 
 Header and body are ``layout.Packing``s: their parts are read by name.
 
@@ -77,6 +80,7 @@ from loops_callbacks.divergence.layout import (
     TOTALS,
     Packing,
 )
+from loops_callbacks.divergence.strata import GROUP_ROWS
 
 if TYPE_CHECKING:  # statistics imports this module; the reduction only reads and replaces the fields
     from loops_callbacks.divergence.statistics import DivergenceStats
@@ -194,20 +198,25 @@ def as_collectives(collectives: Collectives | Any) -> Collectives:
     return _StrategyCollectives(strategy)
 
 
-def header_packing(top_n: int, extra_extrema: int = 0) -> Packing:
+def header_packing(top_n: int, extra_extrema: int = 0, group_width: int = 0) -> Packing:
     """A rank's header: its per-rank totals, extrema, the ``extra_extrema`` extrema the monitor declares
-    (``layout.ExtraStatistics``), its worst rows' |d| and one random number."""
+    (``layout.ExtraStatistics``), its worst rows' |d|, one random number and, with strata
+    (``group_width=1``: one value), the width its groups take in the body (``_group_columns``)."""
     return Packing(
-        totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), extra_extrema=extra_extrema, worst_abs=top_n, draw=1
+        totals=len(PER_RANK_TOTALS), extrema=len(EXTREMA), extra_extrema=extra_extrema, worst_abs=top_n, draw=1,
+        group_width=group_width,
     )
 
 
-def body_packing(top_n: int, capacity: int, strata: int = 0, extra_totals: int = 0, offsets: int = 0) -> Packing:
+def body_packing(
+    top_n: int, capacity: int, strata: int = 0, extra_totals: int = 0, offsets: int = 0, groups: int = 0
+) -> Packing:
     """The summed body: the worst rows, the summed totals, the per-token-id sums, the ``offsets``
     offset votes (``alignment.offset_sums``, with the diagnosis' sums), the ``strata`` stratum
     sums (``strata.Strata``) and the ``extra_totals`` sums the monitor declares
-    (``layout.ExtraStatistics``), a fixed number per monitor each, the sample and one slot that
-    takes every unchosen diff."""
+    (``layout.ExtraStatistics``), a fixed number per monitor each, the ``groups`` group sums by
+    index (as wide as the largest index any rank saw), the sample and one slot that takes every
+    unchosen diff."""
     return Packing(
         worst=top_n * ROW.WIDTH,
         totals=len(SUMMED_TOTALS),
@@ -215,6 +224,7 @@ def body_packing(top_n: int, capacity: int, strata: int = 0, extra_totals: int =
         offsets=offsets,
         strata=strata,
         extra_totals=extra_totals,
+        groups=groups,
         sample=capacity,
         unchosen=1,
     )
@@ -266,13 +276,16 @@ def reduce_across_ranks(
     top_n = stats.worst.shape[0]
     per_rank, summed = _total_indices(device)
     extra_totals, extra_extrema = stats.extras_or_empty()
-    header = header_packing(top_n, extra_extrema.numel())
+    kept_strata = stats.stratification is not None
+    columns = _group_columns(stats)  # where each of this rank's groups goes in the body
+    header = header_packing(top_n, extra_extrema.numel(), group_width=int(kept_strata))
     mine = header.pack(
         totals=stats.totals.index_select(0, per_rank),
         extrema=stats.extrema,
         extra_extrema=extra_extrema,
         worst_abs=stats.worst[:, ROW.ABS],
         draw=torch.rand(1, dtype=torch.float64, device=device, generator=generator),
+        group_width=_width_needed(columns, device) if kept_strata else stats.totals.new_zeros(0),
     )
     ranks = header.unpack(collectives.all_gather(mine))  # each part [world, ...]
     rank_totals = dict(zip(PER_RANK_TOTALS, ranks["totals"].unbind(1)))
@@ -286,7 +299,11 @@ def reduce_across_ranks(
         capacity = int(counts.sum())
     strata = stats.strata if stats.strata is not None else stats.totals.new_zeros(0)
     offsets = stats.offset_sums if stats.offset_sums is not None else stats.totals.new_zeros(0)
-    body = body_packing(top_n, capacity, strata.numel(), extra_totals.numel(), offsets.numel())
+    width = int(ranks["group_width"].max()) if kept_strata else 0  # the headers' one read for the groups
+    groups = torch.zeros(GROUP_ROWS - 1, width, dtype=torch.float64, device=device)
+    if columns is not None and stats.group_strata is not None:
+        groups.index_add_(1, columns, stats.group_strata[1:])
+    body = body_packing(top_n, capacity, strata.numel(), extra_totals.numel(), offsets.numel(), groups.numel())
     sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
     _add_sample(sample, stats, share[rank], start[rank])
     reduced = body.unpack(
@@ -298,6 +315,7 @@ def reduce_across_ranks(
                 offsets=offsets,
                 strata=strata,
                 extra_totals=extra_totals,
+                groups=groups,
                 sample=sample[:capacity],
                 unchosen=sample[capacity:],
             )
@@ -320,10 +338,38 @@ def reduce_across_ranks(
         sample_keys=keys,
         token_sums=reduced["token_sums"].reshape(3, TOKEN_BUCKETS),
         strata=None if stats.strata is None else reduced["strata"].reshape(stats.strata.shape),
+        group_strata=None if width == 0 else torch.cat(
+            [_group_indices(stats, width, device), reduced["groups"].reshape(GROUP_ROWS - 1, width)]
+        ),
         offset_sums=None if stats.offset_sums is None else reduced["offsets"],
         extra_totals=None if stats.extra_totals is None else reduced["extra_totals"],
         extra_extrema=None if stats.extra_extrema is None else ranks["extra_extrema"].amax(0),
     )
+
+
+def _group_columns(stats: DivergenceStats) -> torch.Tensor | None:
+    """The body column of each column of the rank's group table (int64; ``None`` without one): 0 for
+    ``group_other`` (index ``max_groups``), index + 1 for the others, so that the body is as wide as
+    the largest index given, whatever ``max_groups``."""
+    if stats.group_strata is None or stats.stratification is None:
+        return None
+    index = stats.group_strata[0].to(torch.int64)
+    return torch.where(index >= stats.stratification.max_groups, 0, index + 1)
+
+
+def _width_needed(columns: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[1]`` float64 on the device: the body columns the rank's groups need (0 without any)."""
+    if columns is None or columns.numel() == 0:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    return columns.max().add(1).to(torch.float64).reshape(1)
+
+
+def _group_indices(stats: DivergenceStats, width: int, device: torch.device) -> torch.Tensor:
+    """``[1, width]``: the group index of each body column (``_group_columns``), as a group table's first row."""
+    assert stats.stratification is not None
+    indices = torch.arange(-1, width - 1, dtype=torch.float64, device=device)
+    indices[0] = stats.stratification.max_groups
+    return indices[None]
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,11 +58,14 @@ from loops_callbacks.divergence.reduction import Collectives, reduce_across_rank
 from loops_callbacks.divergence.shadow import shadow_statistics, shadow_values
 from loops_callbacks.divergence.strata import (
     COLUMNS,
+    GROUP_ROWS,
     PROBABILITY_EDGES,
     Strata,
     StratumSums,
     TokenPlaces,
+    by_group,
     by_lag,
+    merged_groups,
 )
 from loops_callbacks.divergence.token_context import NO_TOKEN
 from loops_callbacks.validation import check_int
@@ -148,6 +151,7 @@ class DivergenceStats:
     token_sums: torch.Tensor | None = None  # float64 [3, TOKEN_BUCKETS]; None reads as zeros
     strata: torch.Tensor | None = None  # float64 [len(strata.COLUMNS), Strata.width]; None: not kept
     stratification: Strata | None = None  # which strata ``strata`` holds
+    group_strata: torch.Tensor | None = None  # float64 [strata.GROUP_ROWS, K], the groups seen; None: no group key
     offset_sums: torch.Tensor | None = None  # float64 [alignment.OFFSET_SIZE] with the signatures; None: not kept
     extra_totals: torch.Tensor | None = None  # float64 [len(extra.totals)]: the corrections' shadow sums
     extra_extrema: torch.Tensor | None = None  # float64 [len(extra.extrema)]: their maxima
@@ -257,12 +261,16 @@ class DivergenceStats:
         if valid is not None:
             k3.masked_fill_(~valid, 0.0)
         sums["sum_k3"] = k3.sum()
-        stratum_sums = None
+        stratum_sums = group_strata = None
         if strata is not None and places is not None:
             stratum_sums = strata.sums(
                 d=d, abs_d=abs_d, is_ratio=is_ratio, k3=k3, places=places, row_counts=row_counts,
-                lags=flat.lags, groups=flat.groups, valid=valid,
+                lags=flat.lags, valid=valid,
             )
+            if flat.groups is not None:
+                group_strata = strata.group_table(
+                    abs_d=abs_d, is_ratio=is_ratio, k3=k3, places=places, groups=flat.groups, valid=valid
+                )
         totals = pack_named(TOTALS, sums)
         inf = float("inf")
         max_d, neg_min_d = _max_and_negated_min(d, valid)
@@ -293,7 +301,9 @@ class DivergenceStats:
             keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
         token_sums = _token_sums(flat, d, valid, compact) if signatures else None
         offsets = _offset_sums(flat, compact) if signatures else None
-        stats = cls(totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata, offsets)
+        stats = cls(
+            totals, extrema, worst, d, keys, sample_size, token_sums, stratum_sums, strata, group_strata, offsets
+        )
         if corrections:
             extra = ExtraStatistics(shadow_statistics(corrections))
             extra_totals, extra_extrema = extra.pack(shadow_values(flat, corrections, flat.datum_advantages, rank=rank))
@@ -330,6 +340,7 @@ class DivergenceStats:
             token_sums=functools.reduce(_add_or_none, [part.token_sums for part in parts]),
             strata=functools.reduce(_add_or_none, [part.strata for part in parts]),
             stratification=first.stratification,
+            group_strata=merged_groups([part.group_strata for part in parts]),
             offset_sums=functools.reduce(_add_or_none, [part.offset_sums for part in parts]),
             extra_totals=functools.reduce(_add_or_none, [part.extra_totals for part in parts]),
             extra_extrema=functools.reduce(_max_or_none, [part.extra_extrema for part in parts]),
@@ -352,6 +363,7 @@ class DivergenceStats:
         """Everything on the host, in one device-to-host transfer."""
         token_sums = self.token_sums_or_zeros()
         strata = self.strata if self.strata is not None else self.totals.new_zeros(0)
+        groups = self.group_strata if self.group_strata is not None else self.totals.new_zeros(GROUP_ROWS, 0)
         extra_totals, extra_extrema = self.extras_or_empty()
         offsets = self.offset_sums if self.offset_sums is not None else self.totals.new_zeros(0)
         keys = self.sample_keys if self.sample_keys is not None else self.sample_values.new_zeros(0)
@@ -360,6 +372,7 @@ class DivergenceStats:
             extrema=len(EXTREMA),
             token_sums=token_sums.numel(),
             strata=strata.numel(),
+            groups=groups.numel(),
             offsets=offsets.numel(),
             extra_totals=extra_totals.numel(),
             extra_extrema=extra_extrema.numel(),
@@ -372,6 +385,7 @@ class DivergenceStats:
             extrema=self.extrema,
             token_sums=token_sums,
             strata=strata,
+            groups=groups,
             offsets=offsets,
             extra_totals=extra_totals,
             extra_extrema=extra_extrema,
@@ -379,7 +393,9 @@ class DivergenceStats:
             values=self.sample_values,
             keys=keys,
         )
-        part = {name: value.numpy() for name, value in transfer.unpack(packed.cpu()).items()}
+        parts = transfer.unpack(packed.cpu())
+        parts["groups"] = by_group(parts["groups"].reshape(GROUP_ROWS, -1))
+        part = {name: value.numpy() for name, value in parts.items()}
         worst = part["worst"].reshape(-1, ROW.WIDTH)
         extra = self.extra or ExtraStatistics()
         named_totals, named_extrema = extra.unpack(part["extra_totals"], part["extra_extrema"])
@@ -391,7 +407,9 @@ class DivergenceStats:
             token_sums=part["token_sums"].reshape(3, TOKEN_BUCKETS),
             strata=None
             if self.stratification is None
-            else self.stratification.host(part["strata"].reshape(len(COLUMNS), -1)),
+            else self.stratification.host(
+                part["strata"].reshape(len(COLUMNS), -1), part["groups"] if self.group_strata is not None else None
+            ),
             offset_sums=part["offsets"] if self.offset_sums is not None else None,
             extra_totals=named_totals,
             extra_extrema=named_extrema,

@@ -18,10 +18,11 @@ newest version in the step, because a whole batch that is equally stale (a sampl
 would otherwise read lag 0, hiding the fault the lag is for; the cost is that versions must count
 optimizer steps (a version ahead of the trainer cannot be: it is read as lag 0, with a warning).
 Monitoring never stops training over these keys: a value the strata cannot use (None, empty, 2-D,
-bools, a wrong count, a non-integer) is a warning (once per run and problem, naming the key, what
-was given, the datum and the micro-batch's size) and that family is off for the step. Advantages
-holding NaN are not read here: ``FlatBatch.advantage_nan`` marks them, the statistics count them on
-the batch's device, and the monitor says so from the step's totals of every rank.
+bools, a wrong count, a non-integer, a tensor on the meta device) is a warning (once per run and
+problem, naming the key, what was given, the datum and the micro-batch's size) and that family is
+off for the step. Advantages holding NaN are not read here: ``FlatBatch.advantage_nan`` marks them,
+the statistics count them on the batch's device, and the monitor says so from the step's totals of
+every rank.
 
 Example:
     >>> import torch
@@ -125,8 +126,8 @@ def read_step(
         flat = dataclasses.replace(flat, datum_advantages=_datum_advantages(step, data, flat, say))
     if optimizer_step is None:
         return flat
-    groups = _per_datum_groups(step, data, flat.n_datums, max_groups, say)
-    lags = _per_datum_lags(step, data, flat.n_datums, optimizer_step, say)
+    groups = _per_datum_groups(step, data, flat.n_datums, flat.device, max_groups, say)
+    lags = _per_datum_lags(step, data, flat.n_datums, flat.device, optimizer_step, say)
     if groups is None and lags is None:
         return flat
     return dataclasses.replace(
@@ -301,7 +302,7 @@ def _row_values(positions: torch.Tensor, flat: FlatBatch, key: str, say: RunWarn
 
 
 def _per_datum_groups(
-    step: _Step, data: Sequence[Any] | None, n_datums: int, max_groups: int, say: RunWarnings
+    step: _Step, data: Sequence[Any] | None, n_datums: int, device: torch.device, max_groups: int, say: RunWarnings
 ) -> torch.Tensor | None:
     """Int64 ``[B]`` group ids of the per-datum key ``group``; ``None`` when absent or unusable.
 
@@ -313,7 +314,7 @@ def _per_datum_groups(
     monitor says after the step's one host read that ``group_other`` has tokens).
     """
     key = _label(step, "group")
-    raw = _per_datum_raw(step, "group", data, n_datums, say)
+    raw = _per_datum_raw(step, "group", data, n_datums, device, say)
     if raw is None:
         return None
     if isinstance(raw, list):
@@ -345,7 +346,7 @@ def _per_datum_groups(
 
 
 def _per_datum_lags(
-    step: _Step, data: Sequence[Any] | None, n_datums: int, optimizer_step: int, say: RunWarnings
+    step: _Step, data: Sequence[Any] | None, n_datums: int, device: torch.device, optimizer_step: int, say: RunWarnings
 ) -> torch.Tensor | None:
     """Int64 ``[B]`` policy lags, ``optimizer_step - policy_version``; ``None`` when absent or unusable.
 
@@ -357,7 +358,7 @@ def _per_datum_lags(
     not seen (it reads as a lag past the trainer's step).
     """
     key = _label(step, "policy_version")
-    raw = _per_datum_raw(step, "policy_version", data, n_datums, say)
+    raw = _per_datum_raw(step, "policy_version", data, n_datums, device, say)
     if isinstance(raw, list):
         text = f"{key} must count optimizer steps, got labels (datum 0: {raw[0]!r})"
         say.warn("policy_version:labels", _unusable_message(text, "policy_version", n_datums))
@@ -396,17 +397,18 @@ def _on_accelerator(values: torch.Tensor) -> bool:
 
 
 def _per_datum_raw(
-    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, say: RunWarnings
+    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, device: torch.device, say: RunWarnings
 ) -> torch.Tensor | list[str] | None:
-    """The per-datum key ``name`` as given: a ``[B]`` tensor of numbers (on an accelerator only when it
-    holds ints), or a list of string labels.
+    """The per-datum key ``name`` as given: a ``[B]`` tensor of numbers (on an accelerator, the batch's
+    ``device``, only when it holds ints), or a list of string labels.
 
     ``None`` when absent, or, with one warning per run and problem (``_Unusable``: the key, what was
     given, the micro-batch's size), when it cannot be one value per datum: None, empty, 2-D, bools,
-    a wrong count, a key only some datums have, a kind that is not numbers or strings.
+    a wrong count, a key only some datums have, a kind that is not numbers or strings, a tensor that
+    cannot be read (the meta device holds no values).
     """
     try:
-        return _per_datum_given(step, name, data, n_datums)
+        return _per_datum_given(step, name, data, n_datums, device)
     except _Unusable as problem:
         say.warn(f"{name}:{problem.kind}", _unusable_message(problem.text, name, n_datums, given=problem.given))
         return None
@@ -459,7 +461,7 @@ def _label(step: _Step, name: str) -> str:
 
 
 def _per_datum_given(
-    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int
+    step: _Step, name: str, data: Sequence[Any] | None, n_datums: int, device: torch.device
 ) -> torch.Tensor | list[str] | None:
     """``_per_datum_raw`` without the warning: ``_Unusable`` for a value the strata cannot use."""
     label = _label(step, name)
@@ -491,8 +493,12 @@ def _per_datum_given(
         raise _Unusable("dtype", f"{label} must hold integers, got bools (dtype torch.bool)", given)
     if values.numel() != n_datums:
         raise _Unusable("count", f"{label} has {values.numel()} values for {n_datums} datums", given)
-    if _on_accelerator(values) and (values.is_floating_point() or values.is_complex()):
-        values = values.cpu()  # only int ids are used unread on the device; others are checked on the host
+    if _on_accelerator(values):  # int ids go where the batch is, unread; other values are checked on the host
+        where = device if not (values.is_floating_point() or values.is_complex()) else torch.device("cpu")
+        try:
+            values = values.to(where)
+        except (RuntimeError, NotImplementedError) as error:  # the meta device: no values to copy
+            raise _Unusable("device", f"{label} cannot be read from the {values.device} device ({error})", given)
     return values
 
 

@@ -17,13 +17,16 @@ batches' sums add up (micro-batches, ranks). The families:
 * ``group_0`` … ``group_{G-1}``, ``group_other``: the datum's group id (task, environment) when
   the step carries one; ids ≥ ``max_groups`` are pooled in ``group_other``.
 
-The sums are one float64 ``[len(COLUMNS), strata.width]`` array whose shape depends only on
-``max_groups``: it merges by addition and travels in the reduction's summed body.
+The first four families' sums are one float64 ``[len(COLUMNS), strata.width]`` array of fixed
+shape: it merges by addition and travels in the reduction's summed body. The groups' are a table
+(``group_table``) of the groups seen, ``[GROUP_ROWS, K]``: each column a group's index (row 0) and
+its sums, so that their cost follows the groups given, never ``max_groups``; none without a
+``group`` key. Tables merge by concatenation (``merged_groups``: one column per group on the CPU).
 
 Example:
     >>> strata = Strata(max_groups=2)
-    >>> strata.names[:5], strata.names[-3:]
-    (('p_lt_0.01', 'p_0.01_0.1', 'p_0.1_0.5', 'p_0.5_0.9', 'p_ge_0.9'), ('group_0', 'group_1', 'group_other'))
+    >>> strata.names[:5], strata.names[-1], strata.group_name(1), strata.group_name(2)
+    (('p_lt_0.01', 'p_0.01_0.1', 'p_0.1_0.5', 'p_0.5_0.9', 'p_ge_0.9'), 'lag_ahead', 'group_1', 'group_other')
     >>> stratum = StratumSums(n_tokens=4.0, sum_k3=0.2, sum_abs_d=2.0, sum_is_ratio=4.4)
     >>> stratum.k3, stratum.abs_d_mean, stratum.is_ratio_mean
     (0.05, 0.5, 1.1)
@@ -32,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +46,7 @@ from loops_callbacks.validation import check_int
 __all__ = [
     "AHEAD_STRATUM",
     "COLUMNS",
+    "GROUP_ROWS",
     "LAG_STRATA",
     "POSITION_STRATA",
     "PROBABILITY_EDGES",
@@ -51,14 +55,18 @@ __all__ = [
     "Strata",
     "StratumSums",
     "TokenPlaces",
+    "by_group",
     "datums_and_ranks",
     "lag_bucket",
+    "merged_groups",
     "probability_buckets",
     "stratum_scalars",
 ]
 
 COLUMNS = ("n_tokens", "sum_k3", "sum_abs_d", "sum_is_ratio")
 """The sums each stratum keeps, in the order of the array's rows."""
+GROUP_ROWS = 1 + len(COLUMNS)
+"""Rows of a group table (``Strata.group_table``): the group's index, then its ``COLUMNS``."""
 PROBABILITY_EDGES = (0.01, 0.1, 0.5, 0.9)
 """Edges of the sampler-probability buckets (a bucket holds its lower edge)."""
 PROBABILITY_STRATA = ("p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge_0.9")
@@ -199,8 +207,8 @@ class Strata:
 
     @property
     def names(self) -> tuple[str, ...]:
-        groups = tuple(f"group_{i}" for i in range(self.max_groups)) + ("group_other",)
-        return PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + (AHEAD_STRATUM,) + groups
+        """The strata of the fixed-shape array, in its order (the groups are named by ``group_name``)."""
+        return PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + (AHEAD_STRATUM,)
 
     @property
     def width(self) -> int:
@@ -211,8 +219,11 @@ class Strata:
         """Where each family's first stratum sits."""
         position = len(PROBABILITY_STRATA)
         lag = position + len(POSITION_STRATA)
-        ahead = lag + len(LAG_STRATA)
-        return {"p": 0, "pos": position, "lag": lag, "ahead": ahead, "group": ahead + 1}
+        return {"p": 0, "pos": position, "lag": lag, "ahead": lag + len(LAG_STRATA)}
+
+    def group_name(self, index: int) -> str:
+        """``group_<index>``, or ``group_other`` for ``max_groups`` (where larger and negative ids go)."""
+        return "group_other" if index >= self.max_groups else f"group_{index}"
 
     @torch.no_grad()
     def sums(
@@ -225,7 +236,6 @@ class Strata:
         places: TokenPlaces,
         row_counts: torch.Tensor,
         lags: torch.Tensor | None,
-        groups: torch.Tensor | None,
         valid: torch.Tensor | None,
     ) -> torch.Tensor:
         """Float64 ``[len(COLUMNS), width]`` of one chunk.
@@ -233,7 +243,7 @@ class Strata:
         ``d``, ``abs_d``, ``is_ratio``, ``k3`` (``e^d - 1 - d``, as the statistics computed it)
         and ``places`` hold the action tokens (``valid is None``) or
         every position with ``valid`` marking the action tokens, as in ``from_batch``;
-        ``row_counts`` is the action tokens per datum; ``lags`` / ``groups`` one int64 per datum
+        ``row_counts`` is the action tokens per datum; ``lags`` one int64 per datum
         (a negative lag: a version ahead of the trainer, at lag 0 and in ``lag_ahead``).
         Places that are not action tokens go to a last column that is dropped. Each family is one
         index per token; on the CPU its sums are four weighted ``bincount``s (the temporaries stay a
@@ -248,7 +258,7 @@ class Strata:
             weights = tuple(weight.masked_fill(~valid, 0.0) for weight in weights)
         out = torch.zeros(len(COLUMNS), trash + 1, dtype=torch.float64, device=device)
 
-        stacked = None if _bincount_here(device) else torch.stack([torch.ones_like(d), *weights])
+        stacked = None if _reads_free(device) else torch.stack([torch.ones_like(d), *weights])
 
         def add(index: torch.Tensor) -> None:
             if valid is not None:
@@ -267,17 +277,83 @@ class Strata:
         if lags is not None:
             add(lag_bucket(lags.clamp(min=0)).add_(offsets["lag"]).index_select(0, datum))
             add(torch.full_like(lags, trash).masked_fill_(lags < 0, offsets["ahead"]).index_select(0, datum))
-        if groups is not None:  # max_groups is group_other's place
-            add(groups.clamp(max=self.max_groups).add_(offsets["group"]).index_select(0, datum))
         return out[:, :trash]
 
-    def host(self, sums: np.ndarray) -> dict[str, StratumSums]:
-        """Each stratum's sums by name, from the array ``sums``."""
-        return {name: StratumSums(*map(float, sums[:, i])) for i, name in enumerate(self.names)}
+    @torch.no_grad()
+    def group_table(
+        self,
+        *,
+        abs_d: torch.Tensor,
+        is_ratio: torch.Tensor,
+        k3: torch.Tensor,
+        places: TokenPlaces,
+        groups: torch.Tensor,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Float64 ``[GROUP_ROWS, K]`` of one chunk: each group's index (row 0; ``max_groups`` for
+        ``group_other``) and its sums, from ``groups`` (one int64 id >= 0 per datum) and the tokens as
+        ``sums`` takes them. One column per datum, merged into one per group where that costs no host
+        read (``merged_groups``).
+
+        Example:
+            >>> places = TokenPlaces.of(torch.ones(3, dtype=torch.bool), torch.tensor([1, 2]), torch.tensor([1, 2]),
+            ...                         torch.zeros(3), compact=True)
+            >>> ones = torch.ones(3, dtype=torch.float64)
+            >>> Strata(2).group_table(abs_d=ones, is_ratio=ones, k3=ones, places=places, groups=torch.tensor([5, 5]),
+            ...                       valid=None).tolist()  # both datums in group_other
+            [[2.0], [3.0], [3.0], [3.0], [3.0]]
+        """
+        weights = torch.stack([torch.ones_like(k3), k3, abs_d, is_ratio])
+        if valid is not None:
+            weights.masked_fill_(~valid, 0.0)
+        table = torch.zeros(GROUP_ROWS, groups.numel(), dtype=torch.float64, device=k3.device)
+        table[0] = groups.clamp(max=self.max_groups)
+        table[1:].index_add_(1, places.datum, weights)
+        return merged_groups([table])
+
+    def host(self, sums: np.ndarray, groups: np.ndarray | None = None) -> dict[str, StratumSums]:
+        """Each stratum's sums by name, from the array ``sums`` and the group table ``groups`` (its groups
+        with tokens, in the order of their indices)."""
+        named = {name: StratumSums(*map(float, sums[:, i])) for i, name in enumerate(self.names)}
+        if groups is not None:
+            for index, *column in groups[:, groups[1] > 0].T.tolist():
+                named[self.group_name(int(index))] = StratumSums(*column)
+        return named
 
 
-def _bincount_here(device: torch.device) -> bool:
-    """Whether ``bincount`` is free of host synchronization here (the CPU)."""
+def merged_groups(tables: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The group tables' columns together (``None`` when there are none), one column per group in
+    ascending order on the CPU; elsewhere side by side, since finding the groups would read the host.
+
+    Example:
+        >>> a, b = torch.tensor([[1.0, 0.0], [2.0, 1.0]]), torch.tensor([[1.0], [5.0]])
+        >>> merged_groups([a, None, b]).tolist()
+        [[0.0, 1.0], [1.0, 7.0]]
+    """
+    present = [table for table in tables if table is not None]
+    if not present:
+        return None
+    table = torch.cat(present, dim=1) if len(present) > 1 else present[0]
+    return by_group(table) if _reads_free(table.device) else table
+
+
+def by_group(table: torch.Tensor) -> torch.Tensor:
+    """The group table with one column per group, in ascending order (their number is read: on the host).
+
+    Example:
+        >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
+        [[0.0, 1.0], [1.0, 7.0]]
+    """
+    indices, column = torch.unique(table[0], return_inverse=True)
+    merged = table.new_zeros(table.shape[0], indices.numel())
+    merged[0] = indices
+    merged[1:].index_add_(1, column, table[1:])
+    return merged
+
+
+def _reads_free(device: torch.device) -> bool:
+    """Whether a size that depends on the data (``bincount``'s, ``unique``'s) is free of host
+    synchronization here (the CPU)."""
     return device.type == "cpu"
 
 

@@ -17,20 +17,28 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from loops_callbacks.reference.collectives import Group, StallGuard
 from loops_callbacks.reference.packing import PackedTokens
 
-__all__ = ["RanksDisagreeError", "check_ranks_agree", "combined_digest", "item_digests", "token_digests"]
+__all__ = [
+    "RanksDisagreeError",
+    "check_ranks_agree",
+    "combined_digest",
+    "item_digests",
+    "settings_difference",
+    "token_digests",
+]
 
 _ITEM_DIGEST_SIZE = 16
 
 
 class RanksDisagreeError(ValueError):
-    """The ranks hold different data or settings; every rank raises it before anything is scored or cached."""
+    """The ranks hold different data or settings; every rank raises it before the collectives that need them
+    alike (anything scored or cached; a monitor's first step)."""
 
 
 def item_digests(items: Iterable[bytes]) -> np.ndarray:
@@ -91,13 +99,8 @@ def check_ranks_agree(
         guard.arrive(f"the check that every rank holds the same {what}")
     unit = unit or what
     summaries = group.all_gather_objects((count, digest, dict(settings or {})))
-    names = sorted({name for _, _, named in summaries for name in named})
-    differing = [name for name in names if len({named.get(name) for _, _, named in summaries}) > 1]
-    if differing:
-        listed = "; ".join(
-            f"{name}: " + ", ".join(f"rank {rank}: {named.get(name)}" for rank, (_, _, named) in enumerate(summaries))
-            for name in differing
-        )
+    listed = settings_difference([named for _, _, named in summaries])
+    if listed:
         raise RanksDisagreeError(
             f"the ranks use different settings for their {what} ({listed}). Every rank must use the same ones, or "
             "each scores and trains on other tokens; nothing was scored or cached"
@@ -116,6 +119,21 @@ def check_ranks_agree(
         f"{': ' + where if where else ''}. Every rank must read the same data (a node-local copy out of date? a "
         "nondeterministic pipeline?), or each trains on reference values made for other data; nothing was scored "
         "or cached"
+    )
+
+
+def settings_difference(per_rank: Sequence[Mapping[str, str]]) -> str:
+    """Each setting whose value differs between the ranks, with every rank's value; ``""`` when they agree.
+
+    Example:
+        >>> settings_difference([{"max_length": "64", "seed": "0"}, {"max_length": "48", "seed": "0"}])
+        'max_length: rank 0: 64, rank 1: 48'
+    """
+    names = sorted({name for named in per_rank for name in named})
+    differing = [name for name in names if len({named.get(name) for named in per_rank}) > 1]
+    return "; ".join(
+        f"{name}: " + ", ".join(f"rank {rank}: {named.get(name)}" for rank, named in enumerate(per_rank))
+        for name in differing
     )
 
 

@@ -5,6 +5,7 @@ across ranks, the same on the accelerator's fixed-shape path. The diagnosis' off
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Any
@@ -17,11 +18,11 @@ from hypothesis import strategies as st
 
 from loops_callbacks.divergence import statistics as statistics_module
 from loops_callbacks.divergence import strata as strata_module
-from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.step_input import data_keys, read_step
-from loops_callbacks.divergence.strata import LAG_LABELS, Strata, TokenPlaces
-from tests.helpers import as_datums, reduce_in_threads, rows
+from loops_callbacks.divergence.strata import GROUP_ROWS, LAG_LABELS, Strata, TokenPlaces
+from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows
 
 MAX_GROUPS = 3
 STRATA = Strata(MAX_GROUPS)
@@ -47,7 +48,8 @@ def stats_of(batch: list[dict[str, Any]], sample_size: int | None = None) -> Div
 
 
 def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
-    """Each stratum's (tokens, Σ k3, Σ |d|, Σ e^d), one token at a time."""
+    """Each stratum's (tokens, Σ k3, Σ |d|, Σ e^d), one token at a time: every fixed stratum, and each group
+    with tokens."""
     sums = {name: np.zeros(4) for name in STRATA.names}
     edges = [math.log(p) for p in (0.01, 0.1, 0.5, 0.9)]
     start = 0
@@ -69,12 +71,14 @@ def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
                 group = int(flat.groups[i])
                 names.append(f"group_{group}" if group < MAX_GROUPS else "group_other")
             for name in names:
+                sums.setdefault(name, np.zeros(4))
                 sums[name] += values
         start += length
     return sums
 
 
 def assert_strata_equal(got: Any, want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()  # the groups without tokens are not kept
     for name, values in want.items():
         stratum = got[name]
         assert stratum.n_tokens == values[0], name  # counts: exact
@@ -100,7 +104,7 @@ def test_stratum_sums_equal_a_token_by_token_loop(case: Any, masked: bool) -> No
     with pytest.MonkeyPatch.context() as patch:
         if masked:  # the accelerator's fixed-shape path (index_add_, no bincount), run on the CPU
             patch.setattr(statistics_module, "_on_host", lambda device: False)
-            patch.setattr(strata_module, "_bincount_here", lambda device: False)
+            patch.setattr(strata_module, "_reads_free", lambda device: False)
         host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
     assert_strata_equal(host.strata, loop_oracle(flat))
     assert [label for label in host.by_lag] == (list(LAG_LABELS) if host.strata["pos_q1"].n_tokens else [])
@@ -119,7 +123,7 @@ def test_lags_are_the_trainer_step_minus_the_version_and_by_lag_reads_them() -> 
     assert by_lag["4-7"].abs_d_mean == 0.25
     assert by_lag["0"].k3 == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2)
     plain = DivergenceStats.from_batch(flat_of(batch), strata=STRATA).to_host()
-    assert plain.by_lag == {} and plain.strata["group_0"].n_tokens == 0  # no versions, no groups: empty
+    assert plain.by_lag == {} and not any(name.startswith("group_") for name in plain.strata)  # no versions, no groups
 
 
 @settings(max_examples=40, deadline=None)
@@ -246,8 +250,38 @@ def test_the_strata_read_the_k3_the_statistics_computed() -> None:
                             torch.log(torch.tensor([0.005, 0.05, 0.95])), compact=True)
     sums = STRATA.sums(
         d=d, abs_d=d.abs(), is_ratio=is_ratio, k3=handed, places=places, row_counts=torch.tensor([3]),
-        lags=None, groups=None, valid=None,
+        lags=None, valid=None,
     )
     names = STRATA.names
     assert sums[1, names.index("p_lt_0.01")] == 1.0 and sums[1, names.index("p_ge_0.9")] == 4.0
     assert sums[1, : len(names)].sum() == 2 * 7.0  # the probability and the position families each hold all of it
+
+
+def test_what_the_groups_cost_follows_the_groups_given_never_max_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a ``group`` key nothing is kept for groups; with one, a column per group seen (and across
+    ranks as many as the largest index seen), whatever ``max_groups``."""
+    sent: list[int] = []
+    exchange = ThreadGroup.exchange
+    monkeypatch.setattr(ThreadGroup, "exchange", lambda group, rank, tensor: sent.append(tensor.numel()) or
+                        exchange(group, rank, tensor))
+    flat = flatten_padded(sampler_logprobs=torch.full((3, 4), -1.0), training_logprobs=torch.full((3, 4), -1.25),
+                          mask=torch.ones(3, 4))
+    grouped = dataclasses.replace(flat, groups=torch.tensor([7, 3, 7]))
+    pooled = dataclasses.replace(flat, groups=torch.tensor([0, 10**12, 0]))  # group_other: no wider
+    for max_groups in (8, 10**6):
+        plain = DivergenceStats.from_batch(flat, strata=Strata(max_groups))
+        assert plain.strata.shape == (4, len(STRATA.names)) and plain.group_strata is None
+        assert not any(name.startswith("group_") for name in plain.to_host().strata)
+        stats = DivergenceStats.from_batch(grouped, strata=Strata(max_groups))
+        assert stats.group_strata.shape == (GROUP_ROWS, 2)  # groups 3 and 7
+        host = stats.to_host().strata
+        assert [name for name in host if name.startswith("group_")] == ["group_3", "group_7"]
+        assert (host["group_3"].n_tokens, host["group_7"].n_tokens) == (4.0, 8.0)
+        sent.clear()
+        other = DivergenceStats.from_batch(pooled, strata=Strata(max_groups))
+        for result in reduce_in_threads([plain, stats, other]):
+            host = result.to_host().strata
+            assert (host["group_7"].n_tokens, host["group_0"].n_tokens, host["group_other"].n_tokens) == (8, 8, 4)
+        if max_groups == 8:
+            sizes = list(sent)
+        assert sent == sizes  # what the ranks exchange does not grow with max_groups

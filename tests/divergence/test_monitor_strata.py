@@ -150,6 +150,21 @@ def test_on_an_accelerator_the_keys_are_used_unread_and_what_they_hide_is_said_a
     assert last[PREFIX + "stratum/lag_ahead/n_tokens"] == last[PREFIX + "stratum/lag_0/n_tokens"] > 0
 
 
+def test_a_policy_version_on_the_meta_device_never_stops_training() -> None:
+    class OnMeta(TinyPolicy):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+            versions = torch.zeros(batch["input_ids"].shape[0], dtype=torch.int64, device="meta")
+            return {**super().training_step(batch, batch_idx), "policy_version": versions}
+
+    logger = RecordingLogger()
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    with pytest.warns(UserWarning, match="'policy_version' cannot be read from the meta device") as seen:
+        trainer.fit(OnMeta())
+    assert trainer.global_step == 2 and sum("meta device" in str(w.message) for w in seen) == 1
+    logged = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
+    assert len(logged) == 2 and not any("/stratum/lag_" in key for m in logged for key in m)
+
+
 def test_strata_off_logs_nothing_more() -> None:
     logger = RecordingLogger()
     monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_strata=False)

@@ -13,6 +13,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
+from loops_callbacks.demo.data import PromptDataModule
+from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.divergence.diagnosis import CAUSES
 from loops_callbacks.divergence.run_history import Verdict
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
@@ -158,5 +160,99 @@ def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_pat
     assert probe.seen == 1  # the patience counter survives the resume, as documented
     assert second.global_step == 4 and resumed.stop_reason is None
     assert resumed.verdict is Verdict.NO_EXCEEDANCE
-    assert resumed.summary_lines()[-1].startswith("Guard rail: no exceedance")
+    assert resumed.summary_lines()[-1].endswith("on every judged step since step 2)")  # the run's steps before too
+    assert resumed.summary_lines()[0].endswith(": 4 logged steps")
     assert not any("Stopped" in line or "stopped" in line for line in resumed.summary_lines())
+
+
+def test_a_run_shorter_than_the_logging_interval_judges_its_last_step() -> None:
+    recording, monitor = RecordingLogger(), KLSampleTrainMonitor(max_kl=0.05, on_exceed="warn")
+    trainer = quiet_trainer(max_steps=3, log_every_n_steps=50, logger=recording, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="exceeded max_kl = 0.05"):
+        trainer.fit(TinyPolicy(offset=5.0))  # the sampler 5 nats off
+    assert [step for step, metrics in recording.calls if PREFIX + "kl_sample_train_k3" in metrics] == [2]
+    assert monitor.verdict is Verdict.WARNED and monitor.verdict_step == 2
+    assert "1 logged steps" in monitor.summary_lines()[0]
+
+
+class StopsAtOnce(pl.Callback):
+    """Another callback that stops the fit after its first step, before the monitor's first logged step."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.should_stop = True
+
+
+@pytest.mark.parametrize(("model", "callbacks", "why"), [
+    (Scripted(empty_from=0), [], "no logged step had masked-in action tokens"),
+    (TinyPolicy(offset=5.0), [StopsAtOnce()],
+     "no step was logged: the fit ended at optimizer step 1, before its first logged step (log_every_n_steps = 50)"),
+], ids=["no action tokens", "stopped before the first logged step"])
+def test_a_run_that_judged_nothing_says_so_never_no_exceedance(model: Any, callbacks: list[Any], why: str) -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05, log_every_n_steps=1 if not callbacks else 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet_trainer(max_steps=2, callbacks=[monitor, *callbacks]).fit(model)
+    assert monitor.verdict is Verdict.NOTHING_JUDGED and monitor.verdict_step is None
+    assert monitor.summary_lines()[-1] == f"Guard rail: nothing judged ({why})"
+
+
+class StepSeeded(RLPolicyModule):
+    """The demo's RL module with prompts and samples drawn from the optimizer step's seed, so that a run
+    resumed from a checkpoint trains on what the uninterrupted run trained on at each step."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(self.global_step)
+        prompts = self.task.sample_prompts(len(batch["prompt_ids"]), torch.Generator().manual_seed(self.global_step))
+        return super().training_step({"prompt_ids": prompts}, batch_idx)
+
+
+def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: Any) -> None:
+    """What the monitor learned (the precision bound calibrated on the first healthy steps, the recent k3)
+    and the run's history are in its checkpoint state: the steps after a resume are diagnosed as the same
+    steps of the uninterrupted run. A bf16 sampler sampling at temperature 1.05 from step 4 on."""
+
+    def fit(max_steps: int, ckpt_path: Any = None) -> tuple[pl.Trainer, KLSampleTrainMonitor, list[tuple[int, str]]]:
+        torch.manual_seed(0)
+        logger = RecordingLogger()
+        monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_histogram=False, calibration_steps=3)
+        trainer = quiet_trainer(max_steps=max_steps, logger=logger, callbacks=[monitor])
+        module = StepSeeded(sampler_precision="bfloat16", sampler_temperature=1.05, faults_from_step=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, PromptDataModule(batch_size=4), ckpt_path=ckpt_path)
+        return trainer, monitor, causes_logged(logger)
+
+    _, whole, uninterrupted = fit(8)
+    first, _, before = fit(4)
+    checkpoint = tmp_path / "half.ckpt"
+    first.save_checkpoint(checkpoint)
+    saved = torch.load(checkpoint, weights_only=True)["callbacks"][whole.state_key]  # plain data
+    assert saved["calibration"]["healthy_k3"] and saved["history"]["logged_steps"] == 4
+    _, resumed, after = fit(8, ckpt_path=checkpoint)
+    assert [step for step, _ in after] == [4, 5, 6, 7]
+    assert before + after == uninterrupted
+    assert {cause for _, cause in uninterrupted[4:]}.isdisjoint({cause for _, cause in uninterrupted[:4]})
+    assert resumed.calibration == whole.calibration
+    assert resumed.summary_lines() == whole.summary_lines()
+
+
+def test_a_checkpoint_of_an_older_version_still_loads() -> None:
+    monitor = KLSampleTrainMonitor(max_kl=0.05)
+    monitor.load_state_dict({"exceeded_steps": 2, "stop_reason": "an older version saved it"})
+    assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_k3
+
+
+def test_a_resumed_fit_that_logs_nothing_says_so_and_not_that_the_run_watched_nothing(tmp_path: Any) -> None:
+    first = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(max_kl=0.5)])
+    first.fit(Scripted())
+    checkpoint = str(tmp_path / "two.ckpt")
+    first.save_checkpoint(checkpoint)
+    resumed = KLSampleTrainMonitor(max_kl=0.5, log_every_n_steps=50)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="KLSampleTrainMonitor")
+        quiet_trainer(max_steps=10, callbacks=[resumed, StopsAtOnce()]).fit(Scripted(), ckpt_path=checkpoint)
+    assert resumed.verdict is Verdict.NOTHING_JUDGED and resumed.summary_lines()[0].endswith(": 2 logged steps")
+    assert resumed.summary_lines()[-1] == (
+        "Guard rail: nothing judged (no step was logged: the fit ended at optimizer step 3, before its first "
+        "logged step (log_every_n_steps = 50))"
+    )

@@ -148,6 +148,17 @@ def test_usable_keys_are_read_without_a_word() -> None:
     assert said == [] and flat.lags.tolist() == [0, 1, 5] and flat.groups.tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_a_tensor_without_data_on_the_meta_device_is_one_warning_and_its_family_off(
+    name: str, dtype: torch.dtype
+) -> None:
+    flat, message = one_warning(padded(**{name: torch.zeros(B, dtype=dtype, device="meta")}))
+    assert flat.lags is None and flat.groups is None
+    assert f"'{name}' cannot be read from the meta device" in message and OFF[name] in message, message
+    assert f"a tensor of shape (3,) and dtype {dtype}" in message, message
+
+
 # --- advantages holding NaN -------------------------------------------------------------------
 
 NAN = float("nan")
