@@ -20,7 +20,8 @@ batches, rank 0's first, in two collectives, each on one packed float64 buffer:
    header. With the diagnosis on, the offset votes (``alignment.offset_sums``, a fixed few hundred
    values) ride in the body too. The groups' sums (``strata.Strata.group_table``) ride in the body
    by group index, 4 values for ``group_other`` and for each index up to the largest any rank saw
-   (none without a ``group`` key); each rank's header says the width it needs.
+   (none without a ``group`` key; each rank's header says the width it needs), and on an accelerator
+   for every index below ``max_groups``, so that nothing there waits for a host read.
 
 Bytes received per rank with W ranks, under the ring algorithms gloo and NCCL use for large
 buffers (``received_bytes``): ``8 * ((W - 1) * header + 2 * (W - 1) / W * body)``. With the
@@ -50,9 +51,9 @@ when ranks see data from the same distribution. While N <= sample_size every dif
 rank order, exactly as a merge keeps them.
 
 A single rank gets its statistics back unchanged. Host synchronizations: none on an accelerator
-when a ``sample_size`` is set and no strata are kept (every shape is fixed); without one (every
-diff kept, as the plain functions do), or with strata (the groups' width), the body's length is
-read from the headers, one synchronization.
+when a ``sample_size`` is set (every shape is fixed, the groups' width too); without one (every
+diff kept, as the plain functions do) the body's length is read from the headers, one
+synchronization.
 
 Header and body are ``layout.Packing``s: their parts are read by name.
 
@@ -299,7 +300,7 @@ def reduce_across_ranks(
         capacity = int(counts.sum())
     strata = stats.strata if stats.strata is not None else stats.totals.new_zeros(0)
     offsets = stats.offset_sums if stats.offset_sums is not None else stats.totals.new_zeros(0)
-    width = int(ranks["group_width"].max()) if kept_strata else 0  # the headers' one read for the groups
+    width = _body_group_width(stats, ranks["group_width"]) if kept_strata else 0
     groups = torch.zeros(GROUP_ROWS - 1, width, dtype=torch.float64, device=device)
     if columns is not None and stats.group_strata is not None:
         groups.index_add_(1, columns, stats.group_strata[1:])
@@ -355,6 +356,15 @@ def _group_columns(stats: DivergenceStats) -> torch.Tensor | None:
         return None
     index = stats.group_strata[0].to(torch.int64)
     return torch.where(index >= stats.stratification.max_groups, 0, index + 1)
+
+
+def _body_group_width(stats: DivergenceStats, widths: torch.Tensor) -> int:
+    """The body columns of the groups: on the CPU the largest any rank needs (the headers are on the host);
+    on an accelerator ``max_groups + 1``, fixed, so that no host read waits for the device."""
+    if widths.device.type == "cpu":
+        return int(widths.max())
+    assert stats.stratification is not None
+    return stats.stratification.max_groups + 1
 
 
 def _width_needed(columns: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -285,3 +285,24 @@ def test_what_the_groups_cost_follows_the_groups_given_never_max_groups(monkeypa
         if max_groups == 8:
             sizes = list(sent)
         assert sent == sizes  # what the ranks exchange does not grow with max_groups
+
+
+def test_on_an_accelerator_the_groups_width_is_fixed_and_the_reduction_gives_the_same_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the CPU the groups take max_groups + 1 body columns, so that no host read waits for the device;
+    the reduced groups are the same as with the width the headers give on the CPU."""
+    from loops_callbacks.divergence import reduction
+
+    assert reduction._body_group_width(DivergenceStats.from_batch(
+        flatten_padded(sampler_logprobs=torch.full((1, 2), -1.0), training_logprobs=torch.full((1, 2), -1.0),
+                       mask=torch.ones(1, 2)), strata=Strata(5)), torch.zeros(2, 1, device="meta")) == 6
+    flat = flatten_padded(sampler_logprobs=torch.full((3, 4), -1.0), training_logprobs=torch.full((3, 4), -1.25),
+                          mask=torch.ones(3, 4))
+    parts = [DivergenceStats.from_batch(dataclasses.replace(flat, groups=torch.tensor(groups)), strata=Strata(8))
+             for groups in ([7, 3, 7], [0, 10**12, 0])]
+    on_cpu = [result.to_host().strata for result in reduce_in_threads(parts)]
+    monkeypatch.setattr(reduction, "_body_group_width", lambda stats, widths: stats.stratification.max_groups + 1)
+    fixed = [result.to_host().strata for result in reduce_in_threads(parts)]
+    for cpu, accelerator in zip(on_cpu, fixed):
+        assert {k: v for k, v in accelerator.items() if v.n_tokens} == {k: v for k, v in cpu.items() if v.n_tokens}

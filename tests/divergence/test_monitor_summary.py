@@ -227,7 +227,7 @@ def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: An
     checkpoint = tmp_path / "half.ckpt"
     first.save_checkpoint(checkpoint)
     saved = torch.load(checkpoint, weights_only=True)["callbacks"][whole.state_key]  # plain data
-    assert saved["calibration"]["healthy_k3"] and saved["history"]["logged_steps"] == 4
+    assert saved["calibration"]["healthy_gaps"] and saved["history"]["logged_steps"] == 4
     _, resumed, after = fit(8, ckpt_path=checkpoint)
     assert [step for step, _ in after] == [4, 5, 6, 7]
     assert before + after == uninterrupted
@@ -239,7 +239,7 @@ def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: An
 def test_a_checkpoint_of_an_older_version_still_loads() -> None:
     monitor = KLSampleTrainMonitor(max_kl=0.05)
     monitor.load_state_dict({"exceeded_steps": 2, "stop_reason": "an older version saved it"})
-    assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_k3
+    assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_gaps
 
 
 def test_a_resumed_fit_that_logs_nothing_says_so_and_not_that_the_run_watched_nothing(tmp_path: Any) -> None:
