@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,8 @@ class FlatBatch:
     ``None`` when the batch has no advantages (``masked_in`` is then ``counted``), and both stay on
     the batch's device: the statistics count them, and the count reaches the host with the rest.
     ``tokens`` looks up token ids for the worst-tokens table; ``None`` when not asked for.
+    ``entropy`` and ``varentropy`` are the trainer's entropy and varentropy at each position
+    (``token_logprobs(with_entropy=True)``), for the check of what was sampled; ``None`` when not given.
     ``token_ids`` is the id of the token predicted at each position (``target_tokens``, else the
     next ``model_input`` / ``input_ids`` id; negative where unknown), for the per-token-id sums of
     the diagnosis; ``None`` when the batch has no token ids.
@@ -74,6 +77,8 @@ class FlatBatch:
     datum_advantages: torch.Tensor | None = None  # float64 [B], one advantage per datum; None: not read
     masked_in: torch.Tensor | None = None  # bool [L], mask > 0; None: no advantages (then ``counted``)
     advantage_nan: torch.Tensor | None = None  # bool [L], masked in with a NaN advantage; None: no advantages
+    entropy: torch.Tensor | None = None  # [L], the trainer's entropy at each position; None: not given
+    varentropy: torch.Tensor | None = None  # [L], the trainer's varentropy (Var log p) at each position
 
     @property
     def n_datums(self) -> int:
@@ -124,6 +129,8 @@ class FlatBatch:
             None if self.datum_advantages is None else self.datum_advantages[first:end],
             None if self.masked_in is None else self.masked_in[start:stop],
             None if self.advantage_nan is None else self.advantage_nan[start:stop],
+            None if self.entropy is None else self.entropy[start:stop],
+            None if self.varentropy is None else self.varentropy[start:stop],
         )
 
 
@@ -283,11 +290,17 @@ def flatten_padded(
     target_tokens: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
     with_tokens: bool = False,
+    training_entropy: torch.Tensor | None = None,
+    training_varentropy: torch.Tensor | None = None,
 ) -> FlatBatch:
     """Flatten right-padded ``[B, T]`` tensors (padding must have ``mask == 0``).
 
-    ``advantages`` is ``[B, T]`` or ``[B]`` (one value per row). Shapes must agree exactly.
+    ``advantages`` is ``[B, T]`` or ``[B]`` (one value per row); ``training_entropy`` and
+    ``training_varentropy`` (given together) the trainer's at each position. Shapes must agree exactly.
     """
+    if (training_entropy is None) != (training_varentropy is None):
+        given, missing = ("training_entropy", "training_varentropy")[:: 1 if training_varentropy is None else -1]
+        raise ValueError(f"{given!r} is given without {missing!r}: the check of what was sampled needs both")
     fields = {"logprobs": sampler_logprobs, "training_logprobs": training_logprobs, "mask": mask}
     for name, tensor in fields.items():
         if not isinstance(tensor, torch.Tensor):
@@ -295,7 +308,12 @@ def flatten_padded(
         if tensor.dim() != 2:
             raise ValueError(f"{name!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
     shape = training_logprobs.shape
-    for name, tensor in [*fields.items(), ("target_tokens", target_tokens), ("input_ids", input_ids)]:
+    optional = [("target_tokens", target_tokens), ("input_ids", input_ids), ("training_entropy", training_entropy),
+                ("training_varentropy", training_varentropy)]
+    for name, tensor in optional:
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} must be a [B, T] tensor, got {type(tensor).__name__}")
+    for name, tensor in [*fields.items(), *optional]:
         if tensor is not None and tuple(tensor.shape) != tuple(shape):
             raise ValueError(
                 f"{name!r} has shape {tuple(tensor.shape)} but 'training_logprobs' has {tuple(shape)}; "
@@ -327,7 +345,7 @@ def flatten_padded(
             None if input_ids is None else input_ids.detach().to(device),
             None if target_tokens is None else target_tokens.detach().to(device),
         )
-    return _build(
+    flat = _build(
         sampler=sampler_logprobs.detach().reshape(-1).to(device),
         trainer=training_logprobs.detach().reshape(-1),
         mask=mask.detach().reshape(-1).to(device),
@@ -335,6 +353,13 @@ def flatten_padded(
         row_lengths=torch.full((batch,), width, dtype=torch.int64, device=device),
         tokens=tokens,
         token_ids=token_ids,
+    )
+    if training_entropy is None or training_varentropy is None:
+        return flat
+    return dataclasses.replace(
+        flat,
+        entropy=training_entropy.detach().reshape(-1).to(device),
+        varentropy=training_varentropy.detach().reshape(-1).to(device),
     )
 
 

@@ -143,6 +143,12 @@ STATISTICS = (
     # Only their sum is read (the monitor's warning), so they ride in the body too; always counted:
     _total("n_masked_in", per_rank=False),  # positions with mask > 0, whatever their advantage
     _total("n_advantage_nan", per_rank=False),  # of those, with a NaN advantage (read as 0: not action tokens)
+    # What was sampled (``sampling_*`` metrics): over masked-in positions with a finite trainer logprob t, entropy H
+    # and varentropy V, whatever their advantage (a selection by reward would bias the check); zero without H and V
+    _total("n_sampling_tokens", per_rank=False),
+    _total("sum_sampling_gap", per_rank=False),  # sum of t + H: about 0 when the tokens were drawn from the trainer's
+    _total("sum_sampling_entropy", per_rank=False),  # sum of H
+    _total("sum_sampling_varentropy", per_rank=False),  # sum of V
     _extremum("max_d"),
     _extremum("neg_min_d"),
     _extremum("max_seq_mean_d"),

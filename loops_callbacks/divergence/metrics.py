@@ -33,6 +33,20 @@ The first 15 are the Loops SDK's keys and formulas (``SDK_METRICS``); the rest a
 (``EXTRA_METRICS``). With no action tokens only ``n_action_tokens`` (0.0) and the two counts are
 returned.
 
+With the trainer's entropy H and varentropy V at each position (``training_entropy`` and
+``training_varentropy``, from ``token_logprobs(with_entropy=True)``), over the masked-in positions
+whatever their advantage, the check of what was sampled adds (``SAMPLING_METRICS``):
+
+==============================  ====================================================================
+``sampling_z``                  Σ(t + H) / √ΣV: about standard normal when the tokens were drawn from
+                                the trainer's distribution; > 0 drawn sharper (T < 1, top-p, top-k),
+                                < 0 flatter
+``sampling_bias``               mean(t + H), nats per token
+``sampling_relative_bias``      Σ(t + H) / ΣH
+``sampling_temperature``        1 − Σ(t + H) / ΣV: the sampling temperature that would leave this bias
+                                (first order in T − 1; about 1 for an honest sampler)
+==============================  ====================================================================
+
 
 Example:
     >>> import numpy as np
@@ -57,7 +71,9 @@ __all__ = [
     "SDK_METRICS",
     "EXTRA_METRICS",
     "SCALAR_METRICS",
+    "SAMPLING_METRICS",
     "scalar_metrics",
+    "sampling_metrics",
     "histogram_values",
     "is_ratio",
     "is_ratio_mean",
@@ -103,6 +119,9 @@ EXTRA_METRICS = (
 SCALAR_METRICS = SDK_METRICS + EXTRA_METRICS
 """Every scalar key (after the prefix) a step with action tokens logs."""
 
+SAMPLING_METRICS = ("sampling_z", "sampling_bias", "sampling_relative_bias", "sampling_temperature")
+"""The keys of the check of what was sampled, logged when the trainer's entropy and varentropy are given."""
+
 _PERCENTILES = (50, 90, 99)
 
 
@@ -143,8 +162,34 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "frac_is_ratio_gt_2": t["n_is_ratio_gt_2"] / n,
         "frac_is_ratio_lt_0.5": t["n_is_ratio_lt_half"] / n,
         **counts,
+        **sampling_metrics(t),
     }
     return {prefix + name: float(value) for name, value in values.items()}
+
+
+def sampling_metrics(totals: Mapping[str, float]) -> dict[str, float]:
+    """The check of what was sampled (module docstring), or ``{}`` without the trainer's entropies.
+
+    Example (tokens drawn sharper than the trainer's distribution: their logprobs above -H):
+        >>> sums = {"n_sampling_tokens": 100.0, "sum_sampling_gap": 20.0, "sum_sampling_entropy": 150.0,
+        ...         "sum_sampling_varentropy": 64.0}
+        >>> {name: round(value, 3) for name, value in sampling_metrics(sums).items()}
+        {'sampling_z': 2.5, 'sampling_bias': 0.2, 'sampling_relative_bias': 0.133, 'sampling_temperature': 0.688}
+    """
+    n = totals.get("n_sampling_tokens", 0.0)
+    if not n > 0:
+        return {}
+    gap, entropy, varentropy = (totals[f"sum_sampling_{name}"] for name in ("gap", "entropy", "varentropy"))
+    if varentropy > 0:
+        z, temperature = gap / math.sqrt(varentropy), 1.0 - gap / varentropy
+    else:  # every distribution a point mass: only its one token could be drawn
+        z, temperature = (0.0, 1.0) if gap == 0 else (math.copysign(math.inf, gap), math.nan)
+    return {
+        "sampling_z": z,
+        "sampling_bias": gap / n,
+        "sampling_relative_bias": gap / entropy if entropy > 0 else math.nan,
+        "sampling_temperature": temperature,
+    }
 
 
 def abs_percentiles_linear(diffs: np.ndarray, percents: tuple[float, ...]) -> list[float]:

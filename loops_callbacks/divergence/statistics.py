@@ -247,6 +247,7 @@ class DivergenceStats:
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
             **_advantage_counts(flat),
+            **_sampling_sums(flat),
         }
         places = None  # each token's datum, rank and probability bucket, once for the strata and the diagnosis
         if signatures or strata is not None:
@@ -506,6 +507,20 @@ def _signature_sums(
     }
     sums.update(_shift_sums(flat))
     return sums
+
+
+def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """Sums for the check of what was sampled (``metrics.sampling_metrics``): over masked-in positions with a
+    finite trainer logprob t, entropy H and varentropy V, the count and the sums of t + H, H and V."""
+    names = ("n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy", "sum_sampling_varentropy")
+    if flat.entropy is None or flat.varentropy is None:
+        return dict.fromkeys(names, torch.zeros((), dtype=torch.float64, device=flat.device))
+    trainer = flat.trainer.to(torch.float64)
+    entropy, varentropy = flat.entropy.to(torch.float64), flat.varentropy.to(torch.float64)
+    masked_in = flat.masked_in if flat.masked_in is not None else flat.counted
+    drawn = masked_in & torch.isfinite(trainer) & torch.isfinite(entropy) & torch.isfinite(varentropy)
+    parts = (drawn.to(torch.float64), trainer + entropy, entropy, varentropy)
+    return {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, parts)}
 
 
 def _both_16_bit(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

@@ -67,6 +67,9 @@ DATA_KEYS = (
     "input_ids",
     "policy_version",
     "group",
+    "training_entropy",
+    "training_varentropy",
+    "sampler_facts",
 )
 """The names ``keys=`` may remap; by default each is read under its own name."""
 
@@ -144,6 +147,12 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
     if data is None and _is_datum_list(batch):
         data = batch
     if data is not None:
+        entropies = [keys[name] for name in ("training_entropy", "training_varentropy") if step.get(name) is not None]
+        if entropies:
+            raise ValueError(
+                f"KLSampleTrainMonitor: {entropies} are read with padded [B, T] tensors, not with a list of Datum; "
+                "return the batch's sampler 'logprobs' and 'mask' as [B, T] tensors to check what was sampled"
+            )
         flat = flatten_datums(
             data, step.trainer_logprobs(datums=True), with_tokens=with_tokens, with_token_ids=with_token_ids,
             advantages_key=keys["advantages"],
@@ -166,6 +175,8 @@ def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tup
         target_tokens=step.get("target_tokens"),
         input_ids=step.get("input_ids"),
         with_tokens=with_tokens,
+        training_entropy=step.get("training_entropy"),
+        training_varentropy=step.get("training_varentropy"),
     )
     return flat, None
 

@@ -1,0 +1,92 @@
+"""The check of what was sampled: Σ(t + H) / √ΣV is about standard normal when the tokens were drawn from the
+trainer's distribution, and far from it when they were drawn at another temperature or truncated, while the
+reported logprobs (raw, temperature 1) agree with the trainer's exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loops_callbacks import token_logprobs
+from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.metrics import sampling_metrics
+from loops_callbacks.divergence.statistics import DivergenceStats
+from tests.helpers import assert_totals_equal, reduce_in_threads
+
+B, T, V = 128, 64, 50  # a step of 128 sequences x 64 tokens
+
+
+def drawn(temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch whose tokens are drawn from the logits at ``temperature`` (and top-p), reported as raw logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(B, T, V, generator=g)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    tokens = torch.multinomial(probs.reshape(-1, V), 1, generator=g).reshape(B, T)
+    trainer = token_logprobs(logits, tokens, with_entropy=True)
+    return {
+        "sampler_logprobs": trainer.logprobs.clone(),  # raw logprobs: the trainer's own, whatever was sampled
+        "training_logprobs": trainer.logprobs,
+        "training_entropy": trainer.entropy,
+        "training_varentropy": trainer.varentropy,
+        "mask": torch.ones(B, T),
+    }
+
+
+def check(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    return sampling_metrics(DivergenceStats.from_batch(flatten_padded(**batch)).to_host().totals)
+
+
+def test_honest_draws_give_a_standard_normal_z() -> None:
+    zs = [check(drawn(seed=seed))["sampling_z"] for seed in range(40)]
+    mean, sd = sum(zs) / len(zs), math.sqrt(sum(z * z for z in zs) / len(zs))
+    assert abs(mean) < 0.6 and 0.6 < sd < 1.5 and max(map(abs, zs)) < 4.0
+    assert check(drawn(seed=1))["sampling_temperature"] == pytest.approx(1.0, abs=0.02)
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "sign"), [(0.7, 1.0, 1), (0.9, 1.0, 1), (1.2, 1.0, -1), (1.0, 0.9, 1)])
+def test_draws_at_another_temperature_or_truncated_are_far_from_normal(temperature: float, top_p: float, sign: int) -> None:
+    found = check(drawn(temperature, top_p))
+    assert sign * found["sampling_z"] > 8, found
+    assert sign * found["sampling_relative_bias"] > 0
+    if top_p == 1.0:  # the first-order estimate lands near the temperature drawn at
+        assert found["sampling_temperature"] == pytest.approx(temperature, abs=0.12)
+
+
+def test_padding_non_finite_logprobs_and_zero_advantages_are_handled() -> None:
+    """Masked positions and a trainer logprob of -inf (a token the trainer cannot draw) are left out; a token
+    with advantage 0 counts (the check reads every masked-in token: a selection by reward would bias it)."""
+    batch = drawn(seed=3)
+    whole = DivergenceStats.from_batch(flatten_padded(**batch)).to_host().totals
+    mask = torch.ones(B, T)
+    mask[:, -4:] = 0.0
+    trainer = batch["training_logprobs"].clone()
+    trainer[0, 0] = float("-inf")
+    advantages = torch.ones(B)
+    advantages[1] = 0.0
+    some = DivergenceStats.from_batch(flatten_padded(**(batch | {"mask": mask, "training_logprobs": trainer}),
+                                                     advantages=advantages)).to_host().totals
+    assert whole["n_sampling_tokens"] == B * T and some["n_sampling_tokens"] == B * (T - 4) - 1
+    assert some["n_action_tokens"] == (B - 1) * (T - 4) - 1
+
+
+def test_the_sums_merge_across_micro_batches_and_ranks() -> None:
+    batch = drawn(0.8, seed=4)
+    whole = DivergenceStats.from_batch(flatten_padded(**batch))
+    parts = [DivergenceStats.from_batch(flatten_padded(**{k: v[i::2] for k, v in batch.items()})) for i in range(2)]
+    assert_totals_equal(parts[0].merge(parts[1]).to_host(), whole.to_host())
+    for reduced in reduce_in_threads(parts):
+        assert check(batch)["sampling_z"] == pytest.approx(sampling_metrics(reduced.to_host().totals)["sampling_z"])
+
+
+def test_without_entropies_nothing_is_logged_and_one_of_the_two_alone_is_an_error() -> None:
+    batch = drawn(seed=5)
+    plain = {k: v for k, v in batch.items() if not k.startswith("training_") or k == "training_logprobs"}
+    assert check(plain) == {}
+    with pytest.raises(ValueError, match="'training_entropy' is given without 'training_varentropy'"):
+        flatten_padded(**{k: v for k, v in batch.items() if k != "training_varentropy"})
