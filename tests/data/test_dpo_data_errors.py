@@ -72,3 +72,13 @@ def test_in_memory_datums_keep_the_plain_message() -> None:
     with pytest.raises(OutOfVocabularyError, match=r"^pair 1: the chosen datum \(index 2\) has token id 40 at position 1"):
         data.setup("fit")
         data.scored_data  # noqa: B018
+
+
+@pytest.mark.parametrize("token", [2**70, 2**63, -3])
+def test_a_token_id_outside_int64_or_negative_names_the_file_line_key_and_value(tmp_path: Path, token: int) -> None:
+    path = pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), record([1, 4, 5], [1, 6, token])])
+    with pytest.raises(ValueError, match=re.escape(
+        f"pair 1 (line 2 of {path}): the rejected sequence has token id {token} at position 2; token ids are ints "
+        "in [0, 2**63)"
+    )):
+        read_dpo_jsonl(path)
