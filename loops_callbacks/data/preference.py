@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
     kinds = (_kind(chosen), _kind(rejected))
     if kinds == ("ids", "ids"):
         return PreferenceExample("", "", "", "token_ids", where, record=present)
+    for key in ("prompt", "chosen", "rejected"):
+        _check_unicode(present.get(key), key, where)
     if kinds == ("text", "text"):
         prompt = present.get("prompt")
         if prompt is None:
@@ -185,6 +188,34 @@ def _describe(value: Any) -> str:
         return f"a list of {type(first).__name__}"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any, key: str, where: str) -> None:
+    r"""A ``ValueError`` naming ``key`` when text in ``value`` holds a lone surrogate (JSON's ``"\ud800"``
+    escape without its pair reads as one): no tokenizer takes it.
+
+    Example:
+        >>> _check_unicode([{"role": "user", "content": "a" + chr(0xD800)}], "prompt", "line 2 of x.jsonl")
+        Traceback (most recent call last):
+        ...
+        ValueError: line 2 of x.jsonl: prompt[0]['content'] holds a lone surrogate '\ud800' at character 1 ...
+    """
+    if isinstance(value, str):
+        found = _LONE_SURROGATE.search(value)
+        if found:
+            raise ValueError(
+                f"{where}: {key} holds a lone surrogate {found.group()!r} at character {found.start()} (a JSON "
+                "escape \\ud800-\\udfff without its pair), which no tokenizer takes; give valid Unicode text"
+            )
+    elif isinstance(value, Mapping):
+        for name, item in value.items():
+            _check_unicode(item, f"{key}[{name!r}]", where)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{key}[{index}]", where)
 
 
 def _parse_tools(tools: Any, where: str) -> list[Any] | None:
