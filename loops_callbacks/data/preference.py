@@ -370,14 +370,13 @@ def _read_file(path: str) -> list[LocatedRecord]:
         parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
         rows = parquet.read_table(path).to_pylist()
         return [LocatedRecord(row, f"row {index} of {path}") for index, row in enumerate(rows)]
-    text = _read_utf8(path)
-    if kind == "json":
-        document = _json_document(text, path)
+    if kind == "json" and _first_character(path) in (b"[", b"{"):
+        document = _json_document(_read_utf8(path), path)  # one JSON document is parsed whole
         if isinstance(document, list):
             return [LocatedRecord(item, f"item {index} of {path}") for index, item in enumerate(document)]
         if isinstance(document, Mapping):
             return [LocatedRecord(document, f"the object in {path}")]
-    return list(_json_lines(text, path))
+    return list(_json_lines(path))
 
 
 def _check_regular_file(path: str) -> None:
@@ -419,8 +418,22 @@ def _json_document(text: str, path: str) -> Any:
         return None  # maybe one record per line
 
 
+MAX_LINE_BYTES = 32 << 20
+"""The longest line of a JSON Lines file (32 MiB): a longer one (a binary file, say) is refused once that much
+is read, so refusing any file takes about twice this in memory, never the whole file."""
+
+
+def _first_character(path: str) -> bytes:
+    """The first byte of ``path`` that is not ASCII whitespace (``b""`` when there is none), read in small chunks."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.lstrip():
+                return chunk.lstrip()[:1]
+    return b""
+
+
 def _read_utf8(path: str) -> str:
-    """The text of ``path``; a ``ValueError`` naming the pair and line of the first line that is not UTF-8."""
+    """The whole text of ``path``; a ``ValueError`` naming the pair and line of the first line that is not UTF-8."""
     with open(path, "rb") as file:
         raw = file.read()
     try:
@@ -429,44 +442,53 @@ def _read_utf8(path: str) -> str:
         pass
     pairs = 0
     for number, line in enumerate(raw.split(b"\n"), start=1):
-        try:
-            pairs += bool(line.decode("utf-8").strip())
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{pair_label(pairs, file_line(number, path))}: not UTF-8 text (byte {line[error.start]:#04x} at "
-                f"byte {error.start} of the line: {error.reason}); save the file as UTF-8"
-            ) from None
+        pairs += bool(_utf8_line(line, pair_label(pairs, file_line(number, path))).strip())
     raise AssertionError("unreachable: some line is not UTF-8")
 
 
-def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
-    """One record per non-blank line; lines end at "\\n" only (JSON strings may hold U+2028, U+0085)."""
+def _utf8_line(line: bytes, label: str) -> str:
+    """``line`` decoded; a ``ValueError`` naming ``label`` and the first byte that is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{label}: not UTF-8 text (byte {line[error.start]:#04x} at byte {error.start} of the line: "
+            f"{error.reason}); save the file as UTF-8"
+        ) from None
+
+
+def _json_lines(path: str) -> Iterator[LocatedRecord]:
+    """One record per non-blank line, read one line at a time; lines end at "\\n" only (JSON strings may hold
+    U+2028, U+0085), and a line longer than ``MAX_LINE_BYTES`` is an error before more of it is read."""
     count = 0
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = file_line(number, path)
-        try:
-            record = json.loads(line)
-        except RecursionError:
-            raise ValueError(
-                f"{pair_label(count, where)}: JSON nested deeper than Python's parser allows; flatten the record"
-            ) from None
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{pair_label(count, where)}: not valid JSON: {error}{_one_document_hint(text, path)}"
-            ) from None
-        yield LocatedRecord(record, where)
-        count += 1
+    with open(path, "rb") as file:
+        for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            label = pair_label(count, file_line(number, path))
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ValueError(
+                    f"{label}: longer than {MAX_LINE_BYTES >> 20} MiB without a line break, which no preference "
+                    "record is (a binary or damaged file?)"
+                )
+            line = _utf8_line(raw.removesuffix(b"\n"), label)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{label}: JSON nested deeper than Python's parser allows; flatten the record") from None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{label}: not valid JSON: {error}{_one_document_hint(path)}") from None
+            yield LocatedRecord(record, file_line(number, path))
+            count += 1
 
 
-def _one_document_hint(text: str, path: str) -> str:
-    """When a JSON Lines file is one JSON document over several lines (pretty-printed), say so."""
-    if not text.lstrip().startswith(("[", "{")):
+def _one_document_hint(path: str) -> str:
+    """When a JSON Lines file (of at most ``MAX_LINE_BYTES``) is one JSON document over several lines, say so."""
+    if os.path.getsize(path) > MAX_LINE_BYTES or _first_character(path) not in (b"[", b"{"):
         return ""
     try:
-        document = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        document = json.loads(_read_utf8(path))
+    except (ValueError, RecursionError):  # json.JSONDecodeError and a line that is not UTF-8 are ValueErrors
         return ""
     what = "an array" if isinstance(document, list) else "an object" if isinstance(document, Mapping) else "a value"
     return (
