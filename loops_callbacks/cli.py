@@ -24,18 +24,20 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import netrc
 import os
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -107,6 +109,30 @@ class LoopsCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None:
             _loggers_under_root_dir(config.get("trainer"))
+        self._constructors = _Constructors()
+        self.parser.add_instantiator(self._constructors, object)  # after Lightning's for the model and the data
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Makes the classes; a value a constructor of this package refuses exits 2 with one line naming its key.
+
+        What the constructors raise while fit runs is not caught here: that is still an error (exit 1).
+        """
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refused = _refusal(error, self._constructors.errors)
+            if refused is None:
+                raise
+            made, reason = refused
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            key = _config_key_of(config, made)
+            name = type(made).__name__
+            message = " ".join(str(reason).split("\n"))
+            where = (key or "the config") + ("" if message.startswith(name) else f" ({name})")
+            sys.stdout.flush()
+            print(f"loops-callbacks: error: {where}: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USAGE) from None
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -131,6 +157,87 @@ class LoopsCLI(LightningCLI):
             self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
+
+
+class _Constructors:
+    """jsonargparse's instantiator for every class but the model and the data (Lightning has its own for those),
+    keeping each ``ValueError`` / ``TypeError`` a constructor raises.
+
+    jsonargparse chains only the first alternative's error to the one it raises for a union type
+    (``str | Correction``), so what a constructor said of a later alternative is found here.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            self.errors.append(error)
+            raise
+
+
+def _refusal(error: BaseException, seen: list[Exception]) -> tuple[object, Exception] | None:
+    """The object a constructor of this package was making when it raised a ``ValueError`` / ``TypeError`` that
+    ``error`` comes from (its chain of causes, then what ``_Constructors`` saw), and that error."""
+    causes: list[BaseException] = []
+    while error is not None and error not in causes:
+        causes.append(error)
+        error = error.__cause__  # type: ignore[assignment]
+    for candidate in [*reversed(causes), *seen]:
+        made = _made_by_this_package(candidate) if isinstance(candidate, (ValueError, TypeError)) else None
+        if made is not None:
+            return made, candidate  # type: ignore[return-value]
+    return None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _made_by_this_package(error: BaseException) -> object | None:
+    """The object whose constructor (``__init__``, or a dataclass's ``__post_init__``) in this package raised ``error``:
+    the outermost such frame of its traceback."""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        code = frame.f_code
+        if code.co_name in ("__init__", "__post_init__") and code.co_filename.startswith(_PACKAGE_DIR):
+            return frame.f_locals.get("self")
+    return None
+
+
+def _config_key_of(config: Any, made: object) -> str | None:
+    """Where ``config`` gives the class of ``made``: ``model``, ``trainer.callbacks[0]``, ``...corrections[1]``.
+
+    A ``class_path`` naming its class marks it, or, for a dataclass given by its fields, those
+    fields' values.
+    """
+    for key, node in _config_nodes(config, ""):
+        if not isinstance(node, Namespace):
+            continue
+        fields = vars(node)
+        class_path = fields.get("class_path")
+        if isinstance(class_path, str):
+            module, _, name = class_path.rpartition(".")
+            if getattr(sys.modules.get(module), name, None) is type(made):
+                return key
+        elif dataclasses.is_dataclass(made) and fields:
+            if all(getattr(made, field, _NO_VALUE) == value for field, value in fields.items()):
+                return key
+    return None
+
+
+_NO_VALUE = object()
+
+
+def _config_nodes(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` for ``value`` and everything in it, keys as a config names them (``trainer.callbacks[0]``)."""
+    yield key, value
+    if isinstance(value, Namespace):
+        for name, item in vars(value).items():
+            yield from _config_nodes(item, f"{key}.{name}" if key else name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _config_nodes(item, f"{key}[{index}]")
 
 
 _started: list[Any] = []  # loggers of the trainers run_cli built, finished however the run ends

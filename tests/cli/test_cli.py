@@ -260,6 +260,41 @@ def test_bad_config_values_fail_at_parse_time_naming_the_key(override: list[str]
     assert message in capsys.readouterr().err
 
 
+CORRECTION_CLIP_MAX = """
+trainer:
+  callbacks:
+    - class_path: KLSampleTrainMonitor
+      init_args: {corrections: [{method: token_mask, params: {clip_max: -1}}]}
+"""
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (["--trainer.callbacks.init_args.corrections", "[geo, geo]"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): corrections ['geo'] are listed more than once"),
+        (["--trainer.callbacks.init_args.max_kl", "-1"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): max_kl must be a number >= 0 or None, got -1.0"),
+        (["--trainer.callbacks.init_args.kl_metric", "kl_foo"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo' is not a metric the monitor logs; use one"),
+        (["--config", "clip_max.yaml"],  # a dataclass in a union (str | Correction) given by its fields
+         "trainer.callbacks[0].init_args.corrections[0] (Correction): correction 'token_mask': 'clip_max' must be "
+         "positive, got -1.0"),
+    ],
+    ids=["corrections", "max_kl", "kl_metric", "a dataclass in yaml"],
+)
+def test_a_value_a_constructor_refuses_exits_2_with_one_line_naming_its_key(
+    override: list[str], line: str, capsys: Any
+) -> None:
+    Path("clip_max.yaml").write_text(CORRECTION_CLIP_MAX)
+    with pytest.raises(SystemExit) as exit_:
+        fit("rl_tiny.yaml", "--trainer.logger", "false", *override)
+    assert exit_.value.code == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"loops-callbacks: error: {line}"), error
+    assert not os.path.exists("runs")  # nothing ran
+
+
 def test_the_cli_imports_no_demo_and_no_logger_backend_until_a_config_names_them() -> None:
     import subprocess
     import sys

@@ -143,6 +143,18 @@ def test_a_spawning_strategy_with_a_monitor_is_refused_before_training(
     assert list(tmp_path.iterdir()) == []  # nothing ran
 
 
+def test_a_value_a_constructor_refuses_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.callbacks.init_args.kl_metric", "kl_foo",
+        cwd=tmp_path,
+    )
+    assert status == EXIT_USAGE, output[-3000:]
+    (last,) = last_lines(output, 1)
+    assert last.startswith("loops-callbacks: error: trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo'")
+    assert "Traceback" not in output and len(output.splitlines()) <= 2, output[-3000:]  # "Seed set to 0", the error
+    assert list(tmp_path.iterdir()) == []
+
+
 NO_HF_EXTRA = '''
 import importlib
 
