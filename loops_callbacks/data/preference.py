@@ -379,13 +379,26 @@ def _read_file(path: str) -> list[LocatedRecord]:
     return list(_json_lines(path))
 
 
+def relative_path_note(path: str | os.PathLike[str]) -> str:
+    """For a message about a relative ``path`` that was not found: where it was looked for.
+
+    Example:
+        >>> relative_path_note("/data/pairs.jsonl")
+        ''
+        >>> relative_path_note("configs/data/pairs.jsonl")  # doctest: +ELLIPSIS
+        ' (a relative path is taken from the working directory, ...)'
+    """
+    return "" if os.path.isabs(path) else f" (a relative path is taken from the working directory, {os.getcwd()})"
+
+
 def _check_regular_file(path: str) -> None:
     """A ``FileNotFoundError`` for a missing file, a ``ValueError`` for a directory, FIFO, device or symlink loop."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         target = f" (a symlink to {os.readlink(path)!r}, which does not exist)" if os.path.islink(path) else ""
-        raise FileNotFoundError(f"preference file {path!r} does not exist{target}") from None
+        where = target or relative_path_note(path)
+        raise FileNotFoundError(f"preference file {path!r} does not exist{where}") from None
     except OSError as error:  # ELOOP: a symlink loop; EACCES; ENAMETOOLONG ...
         raise ValueError(f"preference file {path!r} cannot be opened: {error.strerror}; give a readable file") from None
     if stat.S_ISREG(mode):
@@ -475,7 +488,9 @@ def _json_lines(path: str) -> Iterator[LocatedRecord]:
             try:
                 record = json.loads(line)
             except RecursionError:
-                raise ValueError(f"{label}: JSON nested deeper than Python's parser allows; flatten the record") from None
+                raise ValueError(
+                    f"{label}: JSON nested deeper than Python's parser allows; flatten the record"
+                ) from None
             except json.JSONDecodeError as error:
                 raise ValueError(f"{label}: not valid JSON: {error}{_one_document_hint(path)}") from None
             yield LocatedRecord(record, file_line(number, path))

@@ -155,6 +155,19 @@ def test_a_value_a_constructor_refuses_exits_2_with_one_line_and_no_traceback(tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_hf_config_run_outside_the_checkout_names_the_tokenizer_key_and_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """configs/dpo_hf.yaml's paths are relative to the checkout: elsewhere they are not found, and the error says so."""
+    status, output = run_command("fit", "--config", str(CONFIGS / "dpo_hf.yaml"), cwd=tmp_path)
+    assert status == EXIT_USAGE, output[-3000:]
+    assert last_lines(output, 1)[0].startswith(
+        "loops-callbacks: error: model: HFDPOModule model['tokenizer'] 'configs/data/chat_tokenizer' does not exist "
+        f"(a relative path is taken from the working directory, {tmp_path})"
+    ), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 NO_HF_EXTRA = '''
 import importlib
 
