@@ -39,7 +39,7 @@ from typing import Any
 
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
@@ -157,6 +157,40 @@ class LoopsCLI(LightningCLI):
             self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
+
+
+class _SaveConfigBesideTheLogs(SaveConfigCallback):
+    """Saves each run's ``config.yaml`` beside its own logs: in the version directory of its first CSV or
+    TensorBoard logger (``csv/version_3/config.yaml``), else in its W&B run's directory, else in ``default_root_dir``.
+
+    Lightning's ``trainer.log_dir`` is a first W&B logger's ``save_dir``, shared by every run of the
+    directory: each run overwrote the one ``config.yaml`` there.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, save_to_log_dir=False, **kwargs)
+
+    @override
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        directory = _run_directory(trainer)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, self.config_filename)
+        self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+
+
+def _run_directory(trainer: Trainer) -> str:
+    """The directory of this run's own logs (rank 0): see ``_SaveConfigBesideTheLogs``."""
+    versioned = [logger for logger in trainer.loggers if isinstance(logger, (CSVLogger, TensorBoardLogger))]
+    if versioned:
+        versioned[0].experiment  # makes its version directory now: a run started at the same time takes the next
+        return versioned[0].log_dir
+    wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    return _wandb_run_directory(wandb[0]) if wandb else trainer.default_root_dir
+
+
+def _wandb_run_directory(logger: WandbLogger) -> str:
+    """``<save_dir>/wandb/offline-run-...``, what ``wandb sync`` takes (the run starts if it has not)."""
+    return os.path.dirname(logger.experiment.dir)
 
 
 class _Constructors:
@@ -317,7 +351,7 @@ def run_summary(trainer: Trainer) -> str:
         if isinstance(logger, WandbLogger):
             if getattr(logger, "_experiment", None) is None:
                 continue  # never started: nothing was written
-            run_dir = _shown(os.path.dirname(logger.experiment.dir))
+            run_dir = _shown(_wandb_run_directory(logger))
             lines.append(f"  W&B run:      {run_dir}  (offline: upload with `wandb sync {shlex.quote(run_dir)}`)")
         elif isinstance(logger, TensorBoardLogger):
             lines.append(f"  TensorBoard:  tensorboard --logdir {shlex.quote(_shown(logger.log_dir))}")
@@ -483,6 +517,7 @@ def run_cli(args: Any = None) -> LoopsCLI:
                     LightningDataModule,
                     subclass_mode_model=True,
                     subclass_mode_data=True,
+                    save_config_callback=_SaveConfigBesideTheLogs,
                     save_config_kwargs={"overwrite": True},
                     args=args,
                 )

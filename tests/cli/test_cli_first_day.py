@@ -87,9 +87,9 @@ def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the
     # every log under the given root, nothing where the command ran
     assert files_under(here) == []
     written = {path.relative_to(root).parts[0] for path in files_under(root)}
-    assert {"csv", "tensorboard", "wandb", "config.yaml"} <= written, written
+    assert {"csv", "tensorboard", "wandb"} <= written, written
     # the saved config is the one given: rerun, it writes where it says again (not under root/root)
-    saved = yaml.safe_load((root / "config.yaml").read_text())["trainer"]
+    saved = yaml.safe_load((root / "csv" / "version_0" / "config.yaml").read_text())["trainer"]
     assert saved["default_root_dir"] == str(root) and {lg["init_args"]["save_dir"] for lg in saved["logger"]} == {"."}
 
 
@@ -118,6 +118,26 @@ def test_a_dpo_run_exits_0_logs_tensorboard_and_prints_its_summary_last(tmp_path
     metrics = {line.split()[0] for line in summary if line.startswith("  ") and "/" in line.split()[0]}
     assert {"train/dpo_loss", "train/dpo_accuracy", "val/dpo_loss", "val/dpo_accuracy"} <= metrics, summary
     assert "litlogger" not in output
+
+
+def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config(tmp_path: Path) -> None:
+    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [
+        subprocess.Popen(
+            [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.max_steps", "1",
+             "--model.init_args.lr", lr, "--trainer.enable_progress_bar", "false"],
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for lr in ("0.001", "0.002")
+    ]
+    for run in runs:
+        _, errors = run.communicate(timeout=TIMEOUT_S)
+        assert run.returncode == EXIT_OK, errors[-3000:]
+    root = tmp_path / "runs" / "rl_tiny"
+    saved = sorted(root.rglob("config.yaml"))
+    assert [path.relative_to(root).parent.as_posix() for path in saved] == ["csv/version_0", "csv/version_1"], saved
+    assert sorted(yaml.safe_load(path.read_text())["model"]["init_args"]["lr"] for path in saved) == [0.001, 0.002]
 
 
 def test_a_dpo_rerun_says_the_reference_came_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
