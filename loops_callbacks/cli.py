@@ -14,7 +14,8 @@ from, and each monitor's summary with the guard rail's verdict last.
 Exit status (``EXIT_STATUSES``): 0 training ended normally, 1 an error (a missing package is one
 line, the last printed), 2 a bad command line or config, 3 the guard rail stopped the run, 4 the
 guard rail raised ``SampleTrainDivergenceError``, 130 interrupted by Ctrl-C (the summary so far, then
-the step it stopped at).
+the step it stopped at), 137 a DDP rank was killed (SIGKILL; 128 + N for signal N: the summary so
+far, then the rank and the step).
 
 Example:
     loops-callbacks fit --config configs/rl_tiny.yaml
@@ -29,7 +30,9 @@ import logging
 import netrc
 import os
 import shlex
+import signal
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator
@@ -55,6 +58,7 @@ __all__ = [
     "EXIT_GUARD_RAIL_STOPPED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_RANK_KILLED",
     "EXIT_STATUSES",
     "EXIT_USAGE",
     "LoopsCLI",
@@ -70,6 +74,7 @@ EXIT_USAGE = 2
 EXIT_GUARD_RAIL_STOPPED = 3
 EXIT_GUARD_RAIL_RAISED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_RANK_KILLED = 128 + signal.SIGKILL  # 137, as shells report a process killed by the out-of-memory killer
 EXIT_STATUSES = {
     EXIT_OK: "training ended normally (max_steps, max_epochs, or a callback such as EarlyStopping)",
     EXIT_ERROR: "an error (a missing package: one line, the last printed)",
@@ -77,6 +82,8 @@ EXIT_STATUSES = {
     EXIT_GUARD_RAIL_STOPPED: "KLSampleTrainMonitor's guard rail stopped the run (on_exceed: stop)",
     EXIT_GUARD_RAIL_RAISED: "KLSampleTrainMonitor's guard rail raised SampleTrainDivergenceError (on_exceed: raise)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): the summary so far is printed, then 'Interrupted ... at step N'",
+    EXIT_RANK_KILLED: "a DDP rank was killed (SIGKILL; 128 + N for signal N): the summary so far, then 'Rank R was "
+    "killed by SIGKILL at step N'",
 }
 """The command's exit statuses, as ``--help`` and the README list them."""
 
@@ -91,9 +98,10 @@ CACHE_COMMAND = ("loops-callbacks cache list|prune DIR", "see and prune referenc
 
 
 class LoopsCLI(LightningCLI):
-    """LightningCLI whose loggers follow ``default_root_dir`` and that records a guard-rail raise."""
+    """LightningCLI whose loggers follow ``default_root_dir`` and that records a guard-rail raise or a killed rank."""
 
     guard_rail_error: SampleTrainDivergenceError | None = None
+    killed_rank: tuple[int, int] | None = None  # (rank, signal) of a DDP rank a signal killed during fit
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -152,11 +160,16 @@ class LoopsCLI(LightningCLI):
         return trainer
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
-        """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again)."""
+        """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again), and a
+        failure because a signal killed a DDP rank in ``killed_rank`` (``run_cli`` prints the summary so far)."""
         try:
             self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
+        except Exception:
+            self.killed_rank = _killed_rank(self.trainer)
+            if self.killed_rank is None:
+                raise
 
 
 class _SaveConfigBesideTheLogs(SaveConfigCallback):
@@ -371,6 +384,44 @@ def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
     return [c for c in trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
 
 
+PEER_STATUS_WAIT_S = 2.0
+"""How long a failed rank 0 waits to read the status of a rank that may have died (see ``_killed_rank``)."""
+
+
+def _killed_rank(trainer: Trainer) -> tuple[int, int] | None:
+    """``(rank, signal)`` of a DDP rank that this process launched and that a signal killed, if one did.
+
+    Its death reaches this process as an error of a collective (gloo: "Connection closed by peer"),
+    at times a moment before its status can be read: that is waited for, up to
+    ``PEER_STATUS_WAIT_S``. The other ranks are then killed, and Lightning's watcher of the ranks,
+    which reads the same list of processes, no longer kills this one (with SIGKILL: no summary).
+    """
+    launcher = getattr(trainer.strategy, "launcher", None)
+    children = getattr(launcher, "procs", None)  # Lightning's subprocess launcher: local ranks 1, 2, ...
+    if not children:
+        return None
+    deadline = time.monotonic() + PEER_STATUS_WAIT_S
+    while True:
+        statuses = [child.poll() for child in children]
+        killed = [(trainer.global_rank + index, -status) for index, status in enumerate(statuses, start=1)
+                  if status is not None and status < 0]
+        if killed or None not in statuses or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not killed:
+        return None
+    launcher.kill(signal.SIGKILL)
+    children.clear()
+    return killed[0]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _trains_in_spawned_processes(trainer: Trainer) -> bool:
     """Whether fit runs in child processes (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), not in this one.
 
@@ -505,7 +556,8 @@ def run_cli(args: Any = None) -> LoopsCLI:
     """Parse ``args`` (default: the command line), run the subcommand, return the CLI object.
 
     After ``fit`` (and W&B's shutdown) rank 0 prints ``run_summary``, the last thing of the run; a
-    guard-rail ``SampleTrainDivergenceError`` is raised again after it.
+    guard-rail ``SampleTrainDivergenceError`` is raised again after it. When a signal N killed a DDP
+    rank, the summary so far is followed by the rank and the step, and ``SystemExit(128 + N)``.
     """
     _wandb_offline_unless_logged_in()
     interrupted: Trainer | None = None
@@ -536,6 +588,11 @@ def run_cli(args: Any = None) -> LoopsCLI:
         raise SystemExit(EXIT_INTERRUPTED)
     if cli.subcommand == "fit" and cli.trainer.is_global_zero:
         print(run_summary(cli.trainer), flush=True)
+    if cli.killed_rank is not None:
+        rank, number = cli.killed_rank
+        print(f"Rank {rank} was killed by {_signal_name(number)} at step {cli.trainer.global_step}: the run did not "
+              "finish", flush=True)
+        raise SystemExit(128 + number)
     if cli.guard_rail_error is not None:
         raise cli.guard_rail_error
     return cli

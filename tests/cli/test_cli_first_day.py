@@ -7,6 +7,7 @@ output), every log under ``--trainer.default_root_dir``, a one-line missing-pack
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from loops_callbacks.cli import (
     EXIT_GUARD_RAIL_STOPPED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_RANK_KILLED,
     EXIT_STATUSES,
     EXIT_USAGE,
     run_cli,
@@ -325,3 +327,42 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:
     assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
     assert re.fullmatch(r"Interrupted \(Ctrl-C\) at step \d+: the run did not finish", last_lines(output, 1)[0])
     assert "Sampler-vs-trainer divergence" in output
+
+
+KILL_RANK_1 = """
+import os
+import signal
+
+from lightning.pytorch import Callback
+
+
+class KillRank1(Callback):
+    \"\"\"SIGKILLs rank 1 as step 3 starts, as the out-of-memory killer would.\"\"\"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+    """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
+    (tmp_path / "killer.py").write_text(KILL_RANK_1)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    process = subprocess.Popen(
+        [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+         "--trainer.callbacks+=killer.KillRank1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # rank 1 and anything left of the run, whatever happened
+    assert process.returncode == EXIT_RANK_KILLED == 137, output[-3000:]
+    assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 3: the run did not finish"], output[-3000:]
+    assert last_lines(output, 2)[0].startswith("Guard rail: "), output[-3000:]  # the monitor's summary, before it
+    assert "Traceback" not in output, output[-3000:]
+
