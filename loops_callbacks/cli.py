@@ -545,8 +545,11 @@ def _third_party_noise_filtered() -> Iterator[None]:
         with warnings.catch_warnings():
             # torch deprecated LeafSpec; Lightning's own pytree helper still builds one on every step
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            # jsonargparse APIs that LightningCLI itself still calls
+            # jsonargparse APIs that LightningCLI itself still calls (we call two of them as it does)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
+            warnings.filterwarnings(
+                "ignore", r"\s*(skip_none parameter|``ArgumentParser.add_instantiator``) was deprecated", DeprecationWarning
+            )
             yield
     finally:
         rank_zero_log.removeFilter(tip_filter)
