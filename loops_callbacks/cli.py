@@ -261,19 +261,23 @@ def _config_key_of(config: Any, made: object) -> str | None:
     for key, node in _config_nodes(config, ""):
         if not isinstance(node, Namespace):
             continue
-        fields = vars(node)
+        fields = {name: value for name, value in vars(node).items() if not name.startswith("__")}  # not __path__
         class_path = fields.get("class_path")
         if isinstance(class_path, str):
             module, _, name = class_path.rpartition(".")
             if getattr(sys.modules.get(module), name, None) is type(made):
                 return key
-        elif dataclasses.is_dataclass(made) and fields:
-            if all(getattr(made, field, _NO_VALUE) == value for field, value in fields.items()):
-                return key
+        elif dataclasses.is_dataclass(made) and fields and all(_equal(made, *item) for item in fields.items()):
+            return key
     return None
 
 
-_NO_VALUE = object()
+def _equal(made: object, field: str, value: Any) -> bool:
+    """Whether ``made`` holds ``value`` as ``field`` (``False`` for what cannot be compared, arrays for instance)."""
+    try:
+        return bool(hasattr(made, field) and getattr(made, field) == value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _config_nodes(value: Any, key: str) -> Iterator[tuple[str, Any]]:
