@@ -14,7 +14,8 @@ from, and each monitor's summary with the guard rail's verdict last.
 Exit status (``EXIT_STATUSES``): 0 training ended normally, 1 an error (a missing package is one
 line, the last printed), 2 a bad command line or config, 3 the guard rail stopped the run, 4 the
 guard rail raised ``SampleTrainDivergenceError``, 130 interrupted by Ctrl-C (the summary so far, then
-the step it stopped at).
+the step it stopped at), 137 a DDP rank was killed (SIGKILL; 128 + N for signal N: the summary so
+far, then the rank and the step).
 
 Example:
     loops-callbacks fit --config configs/rl_tiny.yaml
@@ -24,20 +25,24 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import netrc
 import os
 import shlex
+import signal
 import sys
+import time
+import traceback
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
@@ -53,6 +58,7 @@ __all__ = [
     "EXIT_GUARD_RAIL_STOPPED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_RANK_KILLED",
     "EXIT_STATUSES",
     "EXIT_USAGE",
     "LoopsCLI",
@@ -68,6 +74,7 @@ EXIT_USAGE = 2
 EXIT_GUARD_RAIL_STOPPED = 3
 EXIT_GUARD_RAIL_RAISED = 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+EXIT_RANK_KILLED = 128 + signal.SIGKILL  # 137, as shells report a process killed by the out-of-memory killer
 EXIT_STATUSES = {
     EXIT_OK: "training ended normally (max_steps, max_epochs, or a callback such as EarlyStopping)",
     EXIT_ERROR: "an error (a missing package: one line, the last printed)",
@@ -75,6 +82,8 @@ EXIT_STATUSES = {
     EXIT_GUARD_RAIL_STOPPED: "KLSampleTrainMonitor's guard rail stopped the run (on_exceed: stop)",
     EXIT_GUARD_RAIL_RAISED: "KLSampleTrainMonitor's guard rail raised SampleTrainDivergenceError (on_exceed: raise)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): the summary so far is printed, then 'Interrupted ... at step N'",
+    EXIT_RANK_KILLED: "a DDP rank was killed (SIGKILL; 128 + N for signal N): the summary so far, then 'Rank R was "
+    "killed by SIGKILL at step N'",
 }
 """The command's exit statuses, as ``--help`` and the README list them."""
 
@@ -89,9 +98,10 @@ CACHE_COMMAND = ("loops-callbacks cache list|prune DIR", "see and prune referenc
 
 
 class LoopsCLI(LightningCLI):
-    """LightningCLI whose loggers follow ``default_root_dir`` and that records a guard-rail raise."""
+    """LightningCLI whose loggers follow ``default_root_dir`` and that records a guard-rail raise or a killed rank."""
 
     guard_rail_error: SampleTrainDivergenceError | None = None
+    killed_rank: tuple[int, int] | None = None  # (rank, signal) of a DDP rank a signal killed during fit
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -107,6 +117,30 @@ class LoopsCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None:
             _loggers_under_root_dir(config.get("trainer"))
+        self._constructors = _Constructors()
+        self.parser.add_instantiator(self._constructors, object)  # after Lightning's for the model and the data
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Makes the classes; a value a constructor of this package refuses exits 2 with one line naming its key.
+
+        What the constructors raise while fit runs is not caught here: that is still an error (exit 1).
+        """
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refused = _refusal(error, self._constructors.errors)
+            if refused is None:
+                raise
+            made, reason = refused
+            config = self.config.get(self.subcommand) if self.subcommand else self.config
+            key = _config_key_of(config, made)
+            name = type(made).__name__
+            message = " ".join(str(reason).split("\n"))
+            where = (key or "the config") + ("" if message.startswith(name) else f" ({name})")
+            sys.stdout.flush()
+            print(f"loops-callbacks: error: {where}: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_USAGE) from None
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -126,11 +160,135 @@ class LoopsCLI(LightningCLI):
         return trainer
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
-        """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again)."""
+        """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again), and a
+        failure because a signal killed a DDP rank in ``killed_rank`` (``run_cli`` prints the summary so far)."""
         try:
             self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
+        except Exception:
+            self.killed_rank = _killed_rank(self.trainer)
+            if self.killed_rank is None:
+                raise
+
+
+class _SaveConfigBesideTheLogs(SaveConfigCallback):
+    """Saves each run's ``config.yaml`` beside its own logs: in the version directory of its first CSV or
+    TensorBoard logger (``csv/version_3/config.yaml``), else in its W&B run's directory, else in ``default_root_dir``.
+
+    Lightning's ``trainer.log_dir`` is a first W&B logger's ``save_dir``, shared by every run of the
+    directory: each run overwrote the one ``config.yaml`` there.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, save_to_log_dir=False, **kwargs)
+
+    @override
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        directory = _run_directory(trainer)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, self.config_filename)
+        self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+
+
+def _run_directory(trainer: Trainer) -> str:
+    """The directory of this run's own logs (rank 0): see ``_SaveConfigBesideTheLogs``."""
+    versioned = [logger for logger in trainer.loggers if isinstance(logger, (CSVLogger, TensorBoardLogger))]
+    if versioned:
+        versioned[0].experiment  # makes its version directory now: a run started at the same time takes the next
+        return versioned[0].log_dir
+    wandb = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+    return _wandb_run_directory(wandb[0]) if wandb else trainer.default_root_dir
+
+
+def _wandb_run_directory(logger: WandbLogger) -> str:
+    """``<save_dir>/wandb/offline-run-...``, what ``wandb sync`` takes (the run starts if it has not)."""
+    return os.path.dirname(logger.experiment.dir)
+
+
+class _Constructors:
+    """jsonargparse's instantiator for every class but the model and the data (Lightning has its own for those),
+    keeping each ``ValueError`` / ``TypeError`` a constructor raises.
+
+    jsonargparse chains only the first alternative's error to the one it raises for a union type
+    (``str | Correction``), so what a constructor said of a later alternative is found here.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            self.errors.append(error)
+            raise
+
+
+def _refusal(error: BaseException, seen: list[Exception]) -> tuple[object, Exception] | None:
+    """The object a constructor of this package was making when it raised a ``ValueError`` / ``TypeError`` that
+    ``error`` comes from (its chain of causes, then what ``_Constructors`` saw), and that error."""
+    causes: list[BaseException] = []
+    while error is not None and error not in causes:
+        causes.append(error)
+        error = error.__cause__  # type: ignore[assignment]
+    for candidate in [*reversed(causes), *seen]:
+        made = _made_by_this_package(candidate) if isinstance(candidate, (ValueError, TypeError)) else None
+        if made is not None:
+            return made, candidate  # type: ignore[return-value]
+    return None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _made_by_this_package(error: BaseException) -> object | None:
+    """The object whose constructor (``__init__``, or a dataclass's ``__post_init__``) in this package raised ``error``:
+    the outermost such frame of its traceback."""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        code = frame.f_code
+        if code.co_name in ("__init__", "__post_init__") and code.co_filename.startswith(_PACKAGE_DIR):
+            return frame.f_locals.get("self")
+    return None
+
+
+def _config_key_of(config: Any, made: object) -> str | None:
+    """Where ``config`` gives the class of ``made``: ``model``, ``trainer.callbacks[0]``, ``...corrections[1]``.
+
+    A ``class_path`` naming its class marks it, or, for a dataclass given by its fields, those
+    fields' values.
+    """
+    for key, node in _config_nodes(config, ""):
+        if not isinstance(node, Namespace):
+            continue
+        fields = {name: value for name, value in vars(node).items() if not name.startswith("__")}  # not __path__
+        class_path = fields.get("class_path")
+        if isinstance(class_path, str):
+            module, _, name = class_path.rpartition(".")
+            if getattr(sys.modules.get(module), name, None) is type(made):
+                return key
+        elif dataclasses.is_dataclass(made) and fields and all(_equal(made, *item) for item in fields.items()):
+            return key
+    return None
+
+
+def _equal(made: object, field: str, value: Any) -> bool:
+    """Whether ``made`` holds ``value`` as ``field`` (``False`` for what cannot be compared, arrays for instance)."""
+    try:
+        return bool(hasattr(made, field) and getattr(made, field) == value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _config_nodes(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` for ``value`` and everything in it, keys as a config names them (``trainer.callbacks[0]``)."""
+    yield key, value
+    if isinstance(value, Namespace):
+        for name, item in vars(value).items():
+            yield from _config_nodes(item, f"{key}.{name}" if key else name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _config_nodes(item, f"{key}[{index}]")
 
 
 _started: list[Any] = []  # loggers of the trainers run_cli built, finished however the run ends
@@ -210,7 +368,7 @@ def run_summary(trainer: Trainer) -> str:
         if isinstance(logger, WandbLogger):
             if getattr(logger, "_experiment", None) is None:
                 continue  # never started: nothing was written
-            run_dir = _shown(os.path.dirname(logger.experiment.dir))
+            run_dir = _shown(_wandb_run_directory(logger))
             lines.append(f"  W&B run:      {run_dir}  (offline: upload with `wandb sync {shlex.quote(run_dir)}`)")
         elif isinstance(logger, TensorBoardLogger):
             lines.append(f"  TensorBoard:  tensorboard --logdir {shlex.quote(_shown(logger.log_dir))}")
@@ -228,6 +386,44 @@ def run_summary(trainer: Trainer) -> str:
 
 def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
     return [c for c in trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
+
+
+PEER_STATUS_WAIT_S = 2.0
+"""How long a failed rank 0 waits to read the status of a rank that may have died (see ``_killed_rank``)."""
+
+
+def _killed_rank(trainer: Trainer) -> tuple[int, int] | None:
+    """``(rank, signal)`` of a DDP rank that this process launched and that a signal killed, if one did.
+
+    Its death reaches this process as an error of a collective (gloo: "Connection closed by peer"),
+    at times a moment before its status can be read: that is waited for, up to
+    ``PEER_STATUS_WAIT_S``. The other ranks are then killed, and Lightning's watcher of the ranks,
+    which reads the same list of processes, no longer kills this one (with SIGKILL: no summary).
+    """
+    launcher = getattr(trainer.strategy, "launcher", None)
+    children = getattr(launcher, "procs", None)  # Lightning's subprocess launcher: local ranks 1, 2, ...
+    if not children:
+        return None
+    deadline = time.monotonic() + PEER_STATUS_WAIT_S
+    while True:
+        statuses = [child.poll() for child in children]
+        killed = [(trainer.global_rank + index, -status) for index, status in enumerate(statuses, start=1)
+                  if status is not None and status < 0]
+        if killed or None not in statuses or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not killed:
+        return None
+    launcher.kill(signal.SIGKILL)
+    children.clear()
+    return killed[0]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _trains_in_spawned_processes(trainer: Trainer) -> bool:
@@ -353,8 +549,11 @@ def _third_party_noise_filtered() -> Iterator[None]:
         with warnings.catch_warnings():
             # torch deprecated LeafSpec; Lightning's own pytree helper still builds one on every step
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            # jsonargparse APIs that LightningCLI itself still calls
+            # jsonargparse APIs that LightningCLI itself still calls (we call two of them as it does)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
+            warnings.filterwarnings(
+                "ignore", r"\s*(skip_none parameter|``ArgumentParser.add_instantiator``) was deprecated", DeprecationWarning
+            )
             yield
     finally:
         rank_zero_log.removeFilter(tip_filter)
@@ -364,7 +563,8 @@ def run_cli(args: Any = None) -> LoopsCLI:
     """Parse ``args`` (default: the command line), run the subcommand, return the CLI object.
 
     After ``fit`` (and W&B's shutdown) rank 0 prints ``run_summary``, the last thing of the run; a
-    guard-rail ``SampleTrainDivergenceError`` is raised again after it.
+    guard-rail ``SampleTrainDivergenceError`` is raised again after it. When a signal N killed a DDP
+    rank, the summary so far is followed by the rank and the step, and ``SystemExit(128 + N)``.
     """
     _wandb_offline_unless_logged_in()
     interrupted: Trainer | None = None
@@ -376,6 +576,7 @@ def run_cli(args: Any = None) -> LoopsCLI:
                     LightningDataModule,
                     subclass_mode_model=True,
                     subclass_mode_data=True,
+                    save_config_callback=_SaveConfigBesideTheLogs,
                     save_config_kwargs={"overwrite": True},
                     args=args,
                 )
@@ -394,6 +595,11 @@ def run_cli(args: Any = None) -> LoopsCLI:
         raise SystemExit(EXIT_INTERRUPTED)
     if cli.subcommand == "fit" and cli.trainer.is_global_zero:
         print(run_summary(cli.trainer), flush=True)
+    if cli.killed_rank is not None:
+        rank, number = cli.killed_rank
+        print(f"Rank {rank} was killed by {_signal_name(number)} at step {cli.trainer.global_step}: the run did not "
+              "finish", flush=True)
+        raise SystemExit(128 + number)
     if cli.guard_rail_error is not None:
         raise cli.guard_rail_error
     return cli

@@ -72,8 +72,9 @@ def dpo_pair_datums(
     predicted, so its weight must be 0).
 
     Raises:
-        ValueError: empty sequences, a bad or missing ``prompt_length``, prompts that differ,
-            weights of the wrong length, negative or non-finite, or all zero.
+        ValueError: empty sequences, token ids that are not ints in [0, 2**63), a bad or missing
+            ``prompt_length``, prompts that differ, weights of the wrong length, negative or
+            non-finite, or all zero.
 
     Example:
         >>> chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4], chosen_weights=[0, 0, 1], rejected_weights=[0, 1])
@@ -109,6 +110,10 @@ def _token_list(tokens: Any, name: str) -> list[int]:
     for position, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise ValueError(f"the {name} sequence has {token!r} at position {position}; token ids must be ints")
+        if not 0 <= token < 2**63:  # what an int64 array holds (a JSON file may hold any int)
+            raise ValueError(
+                f"the {name} sequence has token id {token} at position {position}; token ids are ints in [0, 2**63)"
+            )
     if not tokens:
         raise ValueError(f"the {name} sequence is empty")
     return [int(token) for token in tokens]

@@ -17,10 +17,10 @@ from typing_extensions import override
 
 from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, check_dpo_pairs, collate_dpo_pairs
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import read_preference_records
+from loops_callbacks.data.preference import read_preference_records, relative_path_note
 from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
-from loops_callbacks.data.tokenization import TokenizationReport
+from loops_callbacks.data.tokenization import TokenizationReport, check_tokenizer_path
 from loops_callbacks.reference.across_ranks import DEFAULT_SCORING_TIMEOUT, ReferenceLogprobsReport
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.clients import SamplingClient
@@ -70,10 +70,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
     Args:
         data: records, a ``datasets.Dataset``, or interleaved datums.
         jsonl_path: a JSONL file of records (same as ``path``).
-        path: a ``.jsonl``, ``.json`` or ``.parquet`` file of records.
+        path: a ``.jsonl``, ``.json`` or ``.parquet`` file of records (a relative path is taken from
+            the working directory; one that does not exist is a ``ValueError`` when the module is made).
         dataset: ``datasets.load_dataset`` arguments, e.g. ``{"path": "json", "data_files": "pairs.jsonl",
             "split": "train"}``.
-        tokenizer: a Hugging Face tokenizer, or its name/path for ``AutoTokenizer.from_pretrained``.
+        tokenizer: a Hugging Face tokenizer, or its name/path for ``AutoTokenizer.from_pretrained`` (a
+            path that does not exist is a ``ValueError`` when the module is made).
         max_length: longest prompt + completion, in tokens.
         max_prompt_length: longest prompt, in tokens (less than ``max_length``).
         batch_size: pairs per batch.
@@ -188,6 +190,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         self.data = data if data is None or not isinstance(data, (list, tuple)) else list(data)
         file = path if path is not None else jsonl_path
         self.path = os.fspath(file) if file is not None else None
+        if not Group().distributed:  # ranks already in a group meet a missing file together, when they read it
+            if self.path is not None and not os.path.lexists(self.path):
+                name = "path" if path is not None else "jsonl_path"
+                raise ValueError(f"DPODataModule {name}={self.path!r} does not exist{relative_path_note(self.path)}")
+            if isinstance(tokenizer, (str, os.PathLike)):
+                check_tokenizer_path(os.fspath(tokenizer), "DPODataModule tokenizer")
         self.jsonl_path = self.path if jsonl_path is not None else None
         self.dataset = dict(dataset) if dataset is not None else None
         self.tokenizer = tokenizer

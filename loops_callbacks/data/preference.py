@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
     kinds = (_kind(chosen), _kind(rejected))
     if kinds == ("ids", "ids"):
         return PreferenceExample("", "", "", "token_ids", where, record=present)
+    for key in ("prompt", "chosen", "rejected"):
+        _check_unicode(present.get(key), key, where)
     if kinds == ("text", "text"):
         prompt = present.get("prompt")
         if prompt is None:
@@ -185,6 +188,34 @@ def _describe(value: Any) -> str:
         return f"a list of {type(first).__name__}"
     name = type(value).__name__
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any, key: str, where: str) -> None:
+    r"""A ``ValueError`` naming ``key`` when text in ``value`` holds a lone surrogate (JSON's ``"\ud800"``
+    escape without its pair reads as one): no tokenizer takes it.
+
+    Example:
+        >>> _check_unicode([{"role": "user", "content": "a" + chr(0xD800)}], "prompt", "line 2 of x.jsonl")
+        Traceback (most recent call last):
+        ...
+        ValueError: line 2 of x.jsonl: prompt[0]['content'] holds a lone surrogate '\ud800' at character 1 ...
+    """
+    if isinstance(value, str):
+        found = _LONE_SURROGATE.search(value)
+        if found:
+            raise ValueError(
+                f"{where}: {key} holds a lone surrogate {found.group()!r} at character {found.start()} (a JSON "
+                "escape \\ud800-\\udfff without its pair), which no tokenizer takes; give valid Unicode text"
+            )
+    elif isinstance(value, Mapping):
+        for name, item in value.items():
+            _check_unicode(item, f"{key}[{name!r}]", where)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{key}[{index}]", where)
 
 
 def _parse_tools(tools: Any, where: str) -> list[Any] | None:
@@ -339,14 +370,25 @@ def _read_file(path: str) -> list[LocatedRecord]:
         parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
         rows = parquet.read_table(path).to_pylist()
         return [LocatedRecord(row, f"row {index} of {path}") for index, row in enumerate(rows)]
-    text = _read_utf8(path)
-    if kind == "json":
-        document = _json_document(text, path)
+    if kind == "json" and _first_character(path) in (b"[", b"{"):
+        document = _json_document(_read_utf8(path), path)  # one JSON document is parsed whole
         if isinstance(document, list):
             return [LocatedRecord(item, f"item {index} of {path}") for index, item in enumerate(document)]
         if isinstance(document, Mapping):
             return [LocatedRecord(document, f"the object in {path}")]
-    return list(_json_lines(text, path))
+    return list(_json_lines(path))
+
+
+def relative_path_note(path: str | os.PathLike[str]) -> str:
+    """For a message about a relative ``path`` that was not found: where it was looked for.
+
+    Example:
+        >>> relative_path_note("/data/pairs.jsonl")
+        ''
+        >>> relative_path_note("configs/data/pairs.jsonl")  # doctest: +ELLIPSIS
+        ' (a relative path is taken from the working directory, ...)'
+    """
+    return "" if os.path.isabs(path) else f" (a relative path is taken from the working directory, {os.getcwd()})"
 
 
 def _check_regular_file(path: str) -> None:
@@ -355,7 +397,8 @@ def _check_regular_file(path: str) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         target = f" (a symlink to {os.readlink(path)!r}, which does not exist)" if os.path.islink(path) else ""
-        raise FileNotFoundError(f"preference file {path!r} does not exist{target}") from None
+        where = target or relative_path_note(path)
+        raise FileNotFoundError(f"preference file {path!r} does not exist{where}") from None
     except OSError as error:  # ELOOP: a symlink loop; EACCES; ENAMETOOLONG ...
         raise ValueError(f"preference file {path!r} cannot be opened: {error.strerror}; give a readable file") from None
     if stat.S_ISREG(mode):
@@ -388,8 +431,22 @@ def _json_document(text: str, path: str) -> Any:
         return None  # maybe one record per line
 
 
+MAX_LINE_BYTES = 32 << 20
+"""The longest line of a JSON Lines file (32 MiB): a longer one (a binary file, say) is refused once that much
+is read, so refusing any file takes about twice this in memory, never the whole file."""
+
+
+def _first_character(path: str) -> bytes:
+    """The first byte of ``path`` that is not ASCII whitespace (``b""`` when there is none), read in small chunks."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.lstrip():
+                return chunk.lstrip()[:1]
+    return b""
+
+
 def _read_utf8(path: str) -> str:
-    """The text of ``path``; a ``ValueError`` naming the pair and line of the first line that is not UTF-8."""
+    """The whole text of ``path``; a ``ValueError`` naming the pair and line of the first line that is not UTF-8."""
     with open(path, "rb") as file:
         raw = file.read()
     try:
@@ -398,44 +455,55 @@ def _read_utf8(path: str) -> str:
         pass
     pairs = 0
     for number, line in enumerate(raw.split(b"\n"), start=1):
-        try:
-            pairs += bool(line.decode("utf-8").strip())
-        except UnicodeDecodeError as error:
-            raise ValueError(
-                f"{pair_label(pairs, file_line(number, path))}: not UTF-8 text (byte {line[error.start]:#04x} at "
-                f"byte {error.start} of the line: {error.reason}); save the file as UTF-8"
-            ) from None
+        pairs += bool(_utf8_line(line, pair_label(pairs, file_line(number, path))).strip())
     raise AssertionError("unreachable: some line is not UTF-8")
 
 
-def _json_lines(text: str, path: str) -> Iterator[LocatedRecord]:
-    """One record per non-blank line; lines end at "\\n" only (JSON strings may hold U+2028, U+0085)."""
+def _utf8_line(line: bytes, label: str) -> str:
+    """``line`` decoded; a ``ValueError`` naming ``label`` and the first byte that is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{label}: not UTF-8 text (byte {line[error.start]:#04x} at byte {error.start} of the line: "
+            f"{error.reason}); save the file as UTF-8"
+        ) from None
+
+
+def _json_lines(path: str) -> Iterator[LocatedRecord]:
+    """One record per non-blank line, read one line at a time; lines end at "\\n" only (JSON strings may hold
+    U+2028, U+0085), and a line longer than ``MAX_LINE_BYTES`` is an error before more of it is read."""
     count = 0
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = file_line(number, path)
-        try:
-            record = json.loads(line)
-        except RecursionError:
-            raise ValueError(
-                f"{pair_label(count, where)}: JSON nested deeper than Python's parser allows; flatten the record"
-            ) from None
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{pair_label(count, where)}: not valid JSON: {error}{_one_document_hint(text, path)}"
-            ) from None
-        yield LocatedRecord(record, where)
-        count += 1
+    with open(path, "rb") as file:
+        for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            label = pair_label(count, file_line(number, path))
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ValueError(
+                    f"{label}: longer than {MAX_LINE_BYTES >> 20} MiB without a line break, which no preference "
+                    "record is (a binary or damaged file?)"
+                )
+            line = _utf8_line(raw.removesuffix(b"\n"), label)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except RecursionError:
+                raise ValueError(
+                    f"{label}: JSON nested deeper than Python's parser allows; flatten the record"
+                ) from None
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{label}: not valid JSON: {error}{_one_document_hint(path)}") from None
+            yield LocatedRecord(record, file_line(number, path))
+            count += 1
 
 
-def _one_document_hint(text: str, path: str) -> str:
-    """When a JSON Lines file is one JSON document over several lines (pretty-printed), say so."""
-    if not text.lstrip().startswith(("[", "{")):
+def _one_document_hint(path: str) -> str:
+    """When a JSON Lines file (of at most ``MAX_LINE_BYTES``) is one JSON document over several lines, say so."""
+    if os.path.getsize(path) > MAX_LINE_BYTES or _first_character(path) not in (b"[", b"{"):
         return ""
     try:
-        document = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        document = json.loads(_read_utf8(path))
+    except (ValueError, RecursionError):  # json.JSONDecodeError and a line that is not UTF-8 are ValueErrors
         return ""
     what = "an array" if isinstance(document, list) else "an object" if isinstance(document, Mapping) else "a value"
     return (

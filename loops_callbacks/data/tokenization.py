@@ -60,6 +60,7 @@ from loops_callbacks.data.preference import (
     PreferenceExample,
     parse_preference,
     read_preference_records,
+    relative_path_note,
     unusual_turns,
 )
 from loops_callbacks.data.token_window import common_prefix_length, shared_start, window_token_ids, worth_a_window
@@ -72,6 +73,7 @@ __all__ = [
     "TokenizationReport",
     "apply_length_limits",
     "check_chat_template_kwargs",
+    "check_tokenizer_path",
     "common_prefix_length",
     "load_tokenizer",
     "preference_datums",
@@ -186,16 +188,34 @@ def load_tokenizer(tokenizer: Any) -> Any:
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
 
 
+def check_tokenizer_path(name: str, what: str = "tokenizer") -> None:
+    """A ``ValueError`` now when ``name`` can only be a path (it is no Hub name) and is not a directory.
+
+    ``what`` names the setting in the message (``"DPODataModule tokenizer"``); a relative path is
+    said to be taken from the working directory.
+
+    Example:
+        >>> check_tokenizer_path("Qwen/Qwen2.5-0.5B-Instruct")  # a Hub name: looked up when it is loaded
+        >>> check_tokenizer_path("/no/such/tokenizer")
+        Traceback (most recent call last):
+        ...
+        ValueError: tokenizer '/no/such/tokenizer' does not exist: give the directory that holds tokenizer.json ...
+    """
+    hub_name = _HUB_NAME.fullmatch(name) and not name.startswith((".", "~"))
+    if os.path.isdir(name) or (hub_name and not os.path.exists(name)):
+        return
+    problem = "is a file, not a directory" if os.path.exists(name) else f"does not exist{relative_path_note(name)}"
+    raise ValueError(
+        f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
+        "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'"
+    )
+
+
 def _from_pretrained(auto: Any, name: str) -> Any:
     """``auto.from_pretrained(name)``, failing fast with the fix for a missing path or an uncached name offline."""
+    check_tokenizer_path(name)
     if os.path.isdir(name):
         return auto.from_pretrained(name)
-    if os.path.exists(name) or not _HUB_NAME.fullmatch(name) or name.startswith((".", "~")):
-        what = "is a file, not a directory" if os.path.exists(name) else "does not exist"
-        raise ValueError(
-            f"tokenizer {name!r} {what}: give the directory that holds tokenizer.json / tokenizer_config.json "
-            "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'"
-        )
     try:
         return auto.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):

@@ -39,6 +39,7 @@ from jsonargparse.typing import PositiveFloat
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
+from loops_callbacks.data.tokenization import check_tokenizer_path, load_tokenizer
 from loops_callbacks.optional import import_optional
 from loops_callbacks.logprobs import token_logprobs
 
@@ -243,9 +244,10 @@ class HFDPOModule(DPOModule):
                 raise ValueError(
                     f"HFDPOModule model config {sorted(config)} has no 'model_type' (e.g. 'llama', 'qwen2', 'gpt2')"
                 )
+            if self.tokenizer_name_or_path is not None:  # a missing path now, not when the data are read
+                check_tokenizer_path(self.tokenizer_name_or_path, "HFDPOModule model['tokenizer']")
             if "vocab_size" not in config and self.tokenizer_name_or_path is not None:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_name_or_path)
-                config["vocab_size"] = len(tokenizer)
+                config["vocab_size"] = len(load_tokenizer(self.tokenizer_name_or_path))
             model_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
             self.model = transformers.AutoModelForCausalLM.from_config(model_config)
         else:

@@ -388,14 +388,15 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
 def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
     """Every cache file in ``directory`` (told by its first bytes), newest first, from its header only.
 
-    Temporary files of writers (``*.tmp.*``) are not caches. A directory that does not exist holds
-    none; one that cannot be read is an ``OSError``.
+    Temporary files of writers (``*.tmp.*``) are not caches. An entry named ``*.cache`` that cannot
+    be read as a file (a broken link, a directory, a FIFO, no permission) is listed as damaged. A
+    directory that does not exist holds none; one that cannot be read is an ``OSError``.
     """
     try:
-        entries = [entry for entry in os.scandir(directory) if ".tmp." not in entry.name and entry.is_file()]
+        entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
     except FileNotFoundError:
         return []
-    infos = [info for info in (_info(entry.path) for entry in entries) if info is not None]
+    infos = [info for info in map(_info, entries) if info is not None]
     return sorted(infos, key=lambda info: (-info.modified, info.path))
 
 
@@ -528,8 +529,8 @@ def _info(path: str) -> CacheInfo | None:
         with os.fdopen(descriptor, "rb", buffering=0) as file:
             head = file.read(_PREFIX + _MAX_HEADER)
             modified = os.fstat(file.fileno()).st_mtime
-    except OSError:
-        return None
+    except OSError as error:
+        return _unreadable(path, error) if _named_as_a_cache(path) else None
     if not head.startswith(_MAGIC):
         return None
     header = _header(head, size)
@@ -538,3 +539,32 @@ def _info(path: str) -> CacheInfo | None:
     problem = f"truncated or damaged: {size} bytes, its header promises {header.file_size}"
     problem = "" if header.file_size == size else problem
     return CacheInfo(path, size, modified, header.key, header.num_datums, header.num_values, problem)
+
+
+def _named_as_a_cache(path: str) -> bool:
+    """``*.cache``, not hidden: ``~/.cache`` in a cache directory set to ``~`` is no cache of ours."""
+    name = os.path.basename(path)
+    return name.endswith(".cache") and not name.startswith(".")
+
+
+def _unreadable(path: str, error: OSError) -> CacheInfo | None:
+    """A damaged ``CacheInfo`` for an entry that cannot be opened as a file, saying what it is (never following a link).
+
+    Example:
+        >>> import tempfile
+        >>> _unreadable(tempfile.mkdtemp(), OSError(errno.EINVAL, "not a regular file")).problem
+        'it is a directory, not a cache file'
+    """
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return None  # gone meanwhile
+    if stat.S_ISLNK(status.st_mode) and not os.path.exists(path):
+        problem = f"it is a broken symbolic link (to {os.readlink(path)!r})"
+    elif os.path.isdir(path):
+        problem = "it is a directory, not a cache file"
+    elif not stat.S_ISREG(os.stat(path).st_mode):
+        problem = "it is not a regular file (a FIFO, socket or device)"
+    else:
+        problem = f"it cannot be read ({error.strerror or error})"
+    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem)

@@ -23,7 +23,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -91,7 +93,8 @@ def _days(text: str) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; returns the exit status (0: done, 2: bad arguments)."""
+    """The command line; returns the exit status (0: done, 1: an entry to prune was left, and why is said,
+    2: bad arguments)."""
     parser = argparse.ArgumentParser(
         prog=CACHE_TOOL,
         description="See and prune the reference-logprob caches of a directory (one file per reference weights, "
@@ -114,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
     caches = list_caches(args.directory)
     orphans = orphaned_temporaries(args.directory)
-    orphan_bytes = sum(os.path.getsize(orphan) for orphan in orphans)
+    orphan_bytes = sum(_size(orphan) for orphan in orphans)
     if args.command == "list":
         if not caches:
             print(f"no reference-logprob caches in {args.directory}")
@@ -130,18 +133,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         caches, older_than_days=args.older_than, keep_newest=args.keep_newest, damaged=args.damaged
     )
     verb = "would remove" if args.dry_run else "removed"
-    for info in chosen:
-        if not args.dry_run:
-            os.remove(info.path)
+    left: dict[str, str] = {}  # what could not be removed, and why
+    for path in [info.path for info in chosen] + (orphans if args.damaged else []):
+        why = "" if args.dry_run else _remove(path)
+        if why:
+            left[path] = why
+    removed = [info for info in chosen if info.path not in left]
+    for info in removed:
         print(f"{verb} {_line(info)}")
-    freed = sum(info.size for info in chosen) / (1 << 20)
-    print(f"{len(chosen)} of {len(caches)} caches {'selected' if args.dry_run else 'removed'} ({freed:.1f} MB)")
+    freed = sum(info.size for info in removed) / (1 << 20)
+    print(f"{len(removed)} of {len(caches)} caches {'selected' if args.dry_run else 'removed'} ({freed:.1f} MB)")
     if args.damaged and orphans:
-        for orphan in orphans:
-            if not args.dry_run:
-                os.remove(orphan)
-        print(f"{verb} {len(orphans)} temporary file(s) of killed writers ({orphan_bytes / (1 << 20):.1f} MB)")
-    return 0
+        gone = [orphan for orphan in orphans if orphan not in left]
+        print(f"{verb} {len(gone)} temporary file(s) of killed writers ({sum(map(_size, gone)) / (1 << 20):.1f} MB)")
+    for path, why in left.items():
+        print(f"left {os.path.basename(path)}: {why}")
+    return 1 if left else 0
+
+
+def _size(path: str) -> int:
+    """The bytes a directory entry holds: a regular file's size, 0 for a link (never followed) or a directory."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return 0
+    return status.st_size if stat.S_ISREG(status.st_mode) else 0
+
+
+def _remove(path: str) -> str:
+    """Remove a directory entry without following a link (a link goes, not its target); why not, if it stays.
+
+    A directory is removed only when empty: one that holds files was not made by a cache writer.
+    """
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        return ""  # gone meanwhile
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return "a directory that is not empty (not made by a cache writer): remove it yourself if it is not needed"
+        return f"it cannot be removed ({error.strerror or error})"
+    return ""
 
 
 if __name__ == "__main__":

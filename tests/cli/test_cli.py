@@ -260,6 +260,68 @@ def test_bad_config_values_fail_at_parse_time_naming_the_key(override: list[str]
     assert message in capsys.readouterr().err
 
 
+CORRECTION_CLIP_MAX = """
+trainer:
+  callbacks:
+    - class_path: KLSampleTrainMonitor
+      init_args: {corrections: [{method: token_mask, params: {clip_max: -1}}]}
+"""
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (["--trainer.callbacks.init_args.corrections", "[geo, geo]"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): corrections ['geo'] are listed more than once"),
+        (["--trainer.callbacks.init_args.max_kl", "-1"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): max_kl must be a number >= 0 or None, got -1.0"),
+        (["--trainer.callbacks.init_args.kl_metric", "kl_foo"],
+         "trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo' is not a metric the monitor logs; use one"),
+        (["--config", "clip_max.yaml"],  # a dataclass in a union (str | Correction) given by its fields
+         "trainer.callbacks[0].init_args.corrections[0] (Correction): correction 'token_mask': 'clip_max' must be "
+         "positive, got -1.0"),
+    ],
+    ids=["corrections", "max_kl", "kl_metric", "a dataclass in yaml"],
+)
+def test_a_value_a_constructor_refuses_exits_2_with_one_line_naming_its_key(
+    override: list[str], line: str, capsys: Any
+) -> None:
+    Path("clip_max.yaml").write_text(CORRECTION_CLIP_MAX)
+    with pytest.raises(SystemExit) as exit_:
+        fit("rl_tiny.yaml", "--trainer.logger", "false", *override)
+    assert exit_.value.code == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"loops-callbacks: error: {line}"), error
+    assert not os.path.exists("runs")  # nothing ran
+
+
+def dpo_config(path: str, **data: Any) -> str:
+    config = {
+        "trainer": {"logger": False, "max_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False},
+        "model": {"class_path": "loops_callbacks.demo.DPOPolicyModule"},
+        "data": {"class_path": "DPODataModule", "init_args": {"path": path, "progress": False, **data}},
+    }
+    Path("dpo.yaml").write_text(yaml.safe_dump(config))
+    return "dpo.yaml"
+
+
+def test_a_data_file_that_is_not_there_exits_2_naming_the_key_and_the_working_directory(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(["fit", "--config", dpo_config("data/pairs.jsonl")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "loops-callbacks: error: data: DPODataModule path='data/pairs.jsonl' does not exist (a relative path is taken "
+        f"from the working directory, {os.getcwd()})"
+    ]
+
+
+def test_a_value_refused_once_fit_runs_is_still_an_error() -> None:
+    """The phase decides: what a constructor refuses becomes exit 2, what fails in fit stays an exception (exit 1)."""
+    Path("pairs.jsonl").write_text('{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}\n' * 2)
+    with pytest.raises(ValueError, match="leaves no training pairs"):
+        run_cli(["fit", "--config", dpo_config("pairs.jsonl", val_fraction=0.9)])
+
+
 def test_the_cli_imports_no_demo_and_no_logger_backend_until_a_config_names_them() -> None:
     import subprocess
     import sys
@@ -272,6 +334,7 @@ def test_the_cli_imports_no_demo_and_no_logger_backend_until_a_config_names_them
 
 
 def test_the_package_classes_have_short_names_and_the_demo_full_paths(tmp_path: Path) -> None:
+    (tmp_path / "pairs.jsonl").write_text('{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}\n')
     config = tmp_path / "short.yaml"
     config.write_text(
         "trainer: {logger: false, callbacks: [{class_path: KLSampleTrainMonitor}]}\n"

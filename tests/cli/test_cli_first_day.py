@@ -7,6 +7,7 @@ output), every log under ``--trainer.default_root_dir``, a one-line missing-pack
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from loops_callbacks.cli import (
     EXIT_GUARD_RAIL_STOPPED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_RANK_KILLED,
     EXIT_STATUSES,
     EXIT_USAGE,
     run_cli,
@@ -87,9 +89,9 @@ def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the
     # every log under the given root, nothing where the command ran
     assert files_under(here) == []
     written = {path.relative_to(root).parts[0] for path in files_under(root)}
-    assert {"csv", "tensorboard", "wandb", "config.yaml"} <= written, written
+    assert {"csv", "tensorboard", "wandb"} <= written, written
     # the saved config is the one given: rerun, it writes where it says again (not under root/root)
-    saved = yaml.safe_load((root / "config.yaml").read_text())["trainer"]
+    saved = yaml.safe_load((root / "csv" / "version_0" / "config.yaml").read_text())["trainer"]
     assert saved["default_root_dir"] == str(root) and {lg["init_args"]["save_dir"] for lg in saved["logger"]} == {"."}
 
 
@@ -120,6 +122,26 @@ def test_a_dpo_run_exits_0_logs_tensorboard_and_prints_its_summary_last(tmp_path
     assert "litlogger" not in output
 
 
+def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config(tmp_path: Path) -> None:
+    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [
+        subprocess.Popen(
+            [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.max_steps", "1",
+             "--model.init_args.lr", lr, "--trainer.enable_progress_bar", "false"],
+            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        for lr in ("0.001", "0.002")
+    ]
+    for run in runs:
+        _, errors = run.communicate(timeout=TIMEOUT_S)
+        assert run.returncode == EXIT_OK, errors[-3000:]
+    root = tmp_path / "runs" / "rl_tiny"
+    saved = sorted(root.rglob("config.yaml"))
+    assert [path.relative_to(root).parent.as_posix() for path in saved] == ["csv/version_0", "csv/version_1"], saved
+    assert sorted(yaml.safe_load(path.read_text())["model"]["init_args"]["lr"] for path in saved) == [0.001, 0.002]
+
+
 def test_a_dpo_rerun_says_the_reference_came_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
@@ -141,6 +163,31 @@ def test_a_spawning_strategy_with_a_monitor_is_refused_before_training(
     assert exit_.value.code == EXIT_USAGE
     assert "Use --trainer.strategy ddp" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+def test_a_value_a_constructor_refuses_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    status, output = run_command(
+        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.callbacks.init_args.kl_metric", "kl_foo",
+        cwd=tmp_path,
+    )
+    assert status == EXIT_USAGE, output[-3000:]
+    (last,) = last_lines(output, 1)
+    assert last.startswith("loops-callbacks: error: trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo'")
+    assert "Traceback" not in output and len(output.splitlines()) <= 2, output[-3000:]  # "Seed set to 0", the error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_hf_config_run_outside_the_checkout_names_the_tokenizer_key_and_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    """configs/dpo_hf.yaml's paths are relative to the checkout: elsewhere they are not found, and the error says so."""
+    status, output = run_command("fit", "--config", str(CONFIGS / "dpo_hf.yaml"), cwd=tmp_path)
+    assert status == EXIT_USAGE, output[-3000:]
+    assert last_lines(output, 1)[0].startswith(
+        "loops-callbacks: error: model: HFDPOModule model['tokenizer'] 'configs/data/chat_tokenizer' does not exist "
+        f"(a relative path is taken from the working directory, {tmp_path})"
+    ), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
 
 
 NO_HF_EXTRA = '''
@@ -280,3 +327,42 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:
     assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
     assert re.fullmatch(r"Interrupted \(Ctrl-C\) at step \d+: the run did not finish", last_lines(output, 1)[0])
     assert "Sampler-vs-trainer divergence" in output
+
+
+KILL_RANK_1 = """
+import os
+import signal
+
+from lightning.pytorch import Callback
+
+
+class KillRank1(Callback):
+    \"\"\"SIGKILLs rank 1 as step 3 starts, as the out-of-memory killer would.\"\"\"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+    """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
+    (tmp_path / "killer.py").write_text(KILL_RANK_1)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    process = subprocess.Popen(
+        [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+         "--trainer.callbacks+=killer.KillRank1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # rank 1 and anything left of the run, whatever happened
+    assert process.returncode == EXIT_RANK_KILLED == 137, output[-3000:]
+    assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 3: the run did not finish"], output[-3000:]
+    assert last_lines(output, 2)[0].startswith("Guard rail: "), output[-3000:]  # the monitor's summary, before it
+    assert "Traceback" not in output, output[-3000:]
+

@@ -812,11 +812,13 @@ def test_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str)
         DPODataModule(**kwargs)
 
 
-def test_yaml_configs_parse() -> None:
+def test_yaml_configs_parse(tmp_path: Any) -> None:
+    pairs = tmp_path / "pairs.jsonl"  # made with the module: one that does not exist is refused then
+    pairs.write_text('{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}\n')
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(DPODataModule, "data")
     config = parser.parse_string(
-        "data:\n  jsonl_path: pairs.jsonl\n  reference: path/to.ckpt\n  scoring_dtype: bfloat16\n  batch_size: 4\n"
+        f"data:\n  jsonl_path: {pairs}\n  reference: path/to.ckpt\n  scoring_dtype: bfloat16\n  batch_size: 4\n"
     )
     assert config.data.reference == "path/to.ckpt" and config.data.scoring_dtype == "bfloat16"
     module = parser.instantiate(config).data

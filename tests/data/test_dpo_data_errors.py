@@ -72,3 +72,58 @@ def test_in_memory_datums_keep_the_plain_message() -> None:
     with pytest.raises(OutOfVocabularyError, match=r"^pair 1: the chosen datum \(index 2\) has token id 40 at position 1"):
         data.setup("fit")
         data.scored_data  # noqa: B018
+
+
+@pytest.mark.parametrize("token", [2**70, 2**63, -3])
+def test_a_token_id_outside_int64_or_negative_names_the_file_line_key_and_value(tmp_path: Path, token: int) -> None:
+    path = pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), record([1, 4, 5], [1, 6, token])])
+    with pytest.raises(ValueError, match=re.escape(
+        f"pair 1 (line 2 of {path}): the rejected sequence has token id {token} at position 2; token ids are ints "
+        "in [0, 2**63)"
+    )):
+        read_dpo_jsonl(path)
+
+
+PEAK_WHILE_REJECTING = """
+import resource, sys
+from loops_callbacks.data.preference import read_preference_records
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    read_preference_records(sys.argv[1])
+except ValueError as error:
+    print(error)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_rejecting_a_large_file_of_nuls_takes_bounded_memory(tmp_path: Path, suffix: str) -> None:
+    """128 MiB of NULs, one line: read whole, it took twice its size (bytes, then text) before its error."""
+    import subprocess
+    import sys
+
+    path = tmp_path / f"pairs{suffix}"
+    with open(path, "wb") as file:
+        file.truncate(128 << 20)  # sparse: no disk written
+    done = subprocess.run([sys.executable, "-c", PEAK_WHILE_REJECTING, str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *message, growth = done.stdout.splitlines()
+    assert float(growth) < 96, done.stdout  # MB of peak RSS growth: reading one line of 32 MiB takes 64
+    assert message == [f"pair 0 (line 1 of {path}): longer than 32 MiB without a line break, which no preference "
+                       "record is (a binary or damaged file?)"], done.stdout
+
+
+def test_a_line_longer_than_the_limit_is_named_and_shorter_ones_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loops_callbacks.data import preference
+
+    long = record([1] * 400, [1, 2])
+    monkeypatch.setattr(preference, "MAX_LINE_BYTES", len(long))
+    path = pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), long, long + b" "])
+    with pytest.raises(ValueError, match=re.escape(f"pair 2 (line 3 of {path}): longer than 0 MiB without")):
+        read_dpo_jsonl(path)
+    path.write_bytes(record([1, 2], [1, 3]) + b"\n" + long)  # at the limit, without a last line break
+    assert len(read_dpo_jsonl(path)) == 4

@@ -76,6 +76,22 @@ def test_template_variables_still_pass(tokenizer: Any) -> None:
     assert report.num_pairs == 1 and len(data) == 2
 
 
+@pytest.mark.parametrize(
+    "record, key",
+    [
+        ({"prompt": "Hi", "chosen": "fine \ud800 not", "rejected": "no"}, "chosen"),
+        (chat(rejected="fine \udfff not"), "rejected[0]['content']"),
+    ],
+)
+def test_text_with_a_lone_surrogate_names_the_file_line_and_key(
+    record: dict[str, Any], key: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    """JSON's "\\ud800" escape unpaired is a str no tokenizer takes (the tokenizer's TypeError named nothing)."""
+    path = jsonl(tmp_path / "pairs.jsonl", [chat(), record])  # json.dumps writes the escape
+    with pytest.raises(ValueError, match=re.escape(f"line 2 of {path}: {key} holds a lone surrogate")):
+        datums(str(path), tokenizer)
+
+
 # ----------------------------------------------------------------------------- warnings with a count
 
 

@@ -389,3 +389,43 @@ def test_cache_tool_names_a_bad_option_value(tmp_path: Path, capsys: pytest.Capt
             cache_tool(["prune", str(tmp_path), option, value])
         error = capsys.readouterr().err
         assert f"argument {option}: must be" in error and repr(value) in error and "_days" not in error
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symlinks, FIFOs and the liveness check are POSIX")
+def test_cache_tool_lists_and_prunes_entries_that_are_not_regular_files_without_following_links(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Broken links, directories and FIFOs where caches or writers' temporary files are: named, pruned, never a crash."""
+    cache_dir, outside = tmp_path / "cache", tmp_path / "outside"
+    cache_dir.mkdir()
+    outside.mkdir()
+    _, report, _ = score(cache_dir / CACHE_FILE_NAME, -0.5, "reference-a")  # one real cache, kept
+    dead = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    for process in dead:
+        process.wait()
+    host = socket.gethostname().replace(os.sep, "_")
+    link, directory = (cache_dir / f"ref_logprobs.0123456789abcdef.cache.tmp.{host}.{p.pid}" for p in dead)
+    link.symlink_to(tmp_path / "gone")  # temporary files of killed writers: a broken link,
+    directory.mkdir()  # and an empty directory
+    (cache_dir / "linked.cache").symlink_to(outside / "target.cache")  # caches that cannot be used
+    (outside / "target.cache").write_bytes(b"LOOPSREF" + b"\0" * 100)  # (the link's target is left alone)
+    os.mkfifo(cache_dir / "pipe.cache")
+    (cache_dir / "dangling.cache").symlink_to(tmp_path / "gone")
+    (cache_dir / "folder.cache").mkdir()
+    (cache_dir / "folder.cache" / "notes.txt").write_text("someone's")  # a directory holding files is not removed
+
+    assert cache_tool(["list", str(cache_dir)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    for name, problem in (("dangling.cache", "unreadable: it is a broken symbolic link"),
+                          ("folder.cache", "unreadable: it is a directory"),
+                          ("pipe.cache", "unreadable: it is not a regular file"),
+                          ("linked.cache", "unreadable: ")):
+        assert any(line.startswith(name) and problem in line for line in listed), (name, listed)
+    assert "2 temporary file(s) of killed writers (0.0 MB)" in listed[-1], listed
+    assert cache_tool(["prune", str(cache_dir), "--damaged"]) == 1  # one entry left, and why is said
+    pruned = capsys.readouterr().out
+    assert "3 of 5 caches removed" in pruned and "removed 2 temporary file(s)" in pruned, pruned
+    assert "left folder.cache: a directory that is not empty" in pruned, pruned
+    assert sorted(os.listdir(cache_dir)) == sorted([os.path.basename(report.cache_path), "folder.cache"])
+    assert (outside / "target.cache").read_bytes().startswith(b"LOOPSREF")  # a link is removed, not its target
+    assert (cache_dir / "folder.cache" / "notes.txt").read_text() == "someone's"
