@@ -55,8 +55,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loops_callbacks.divergence.evidence import DirectEvidence
-from loops_callbacks.divergence.metrics import SCALAR_METRICS
+from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
+from loops_callbacks.divergence.metrics import SAMPLING_METRICS, SCALAR_METRICS
 
 __all__ = [
     "CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics",
@@ -67,9 +67,13 @@ IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
 DROPOUT = "dropout"
 """The cause named when dropout is seen live in the trainer (``evidence``): an observation, not a guess."""
+SAMPLING = "sampling"
+"""The cause named when the tokens were drawn from another distribution than the logprobs describe."""
+PREFIX_CACHE = "prefix_cache"
+"""The cause named when the engine says its prefix cache outlived a weight reload (``SamplerFacts``)."""
 CAUSES = (
-    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", "unrelated", "truncation", "temperature", "precision", "stale",
-    "unclear",
+    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", SAMPLING, PREFIX_CACHE, "unrelated", "truncation", "temperature",
+    "precision", "stale", "unclear",
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
@@ -113,6 +117,8 @@ HEALTHY_STEPS = 16
 """The latest healthy steps whose median is the floor (it follows a floor that drifts as a model sharpens)."""
 SLOPE_SE = 3.0
 """A temperature's slope is at least this many standard errors from 1."""
+SAMPLING_Z = 5.0
+"""|sampling_z| from which the tokens are taken as drawn from another distribution (``metrics.sampling_metrics``)."""
 
 _WHAT = {
     IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
@@ -123,6 +129,8 @@ _WHAT = {
     "temperature": "a temperature is applied on one side only",
     "stale": "the sampler's weights are out of date",
     "precision": "numerical precision (e.g. bf16 kernels)",
+    SAMPLING: "the tokens were not drawn from the distribution the sampler's logprobs describe",
+    PREFIX_CACHE: "the sampler's prefix cache holds KV computed with older weights",
     "unclear": "unclear",
 }
 _CHECK = {
@@ -140,6 +148,10 @@ _CHECK = {
     "stale": "check that the sampler receives the trainer's weights every step (sync frequency, failed or "
     "partial weight loads)",
     "precision": "check the sampler's dtype and kernels; a gap at this level is usually harmless",
+    SAMPLING: "check the sampler's logprobs mode (vLLM: logprobs_mode='processed_logprobs') or the sampling "
+    "settings: the importance ratio of every correction is not the behaviour policy's",
+    PREFIX_CACHE: "reset the prefix cache after every weight update (vLLM: llm.reset_prefix_cache()) or salt it "
+    "per weight version",
     "unclear": "no single cause's signature fits; look at the worst-tokens table",
 }
 _FADE_WHAT = "unclear: the gap sits on each completion's first tokens and fades after them"
@@ -208,6 +220,9 @@ class Diagnosis:
             what, check = _WHAT[self.cause], _CHECK[self.cause]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
+        if self.cause == SAMPLING and math.isfinite(self.evidence.get("sampling_z", math.nan)):
+            side = "sharper" if self.evidence["sampling_z"] > 0 else "flatter"
+            what += f" (drawn {side}: effective temperature ≈ {self.evidence['sampling_temperature']:.1f})"
         if self.observed:
             what += f": {self.observed}"
         numbers = f" ({_format(self.evidence)})" if self.evidence else ""
@@ -303,6 +318,7 @@ def diagnose(
     n_tokens: float,
     noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
+    facts: SamplerFacts | None = None,
     by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
 ) -> Diagnosis:
@@ -312,14 +328,19 @@ def diagnose(
     before calibration: the prior bound, and token identity is not read). ``evidence`` is what was
     seen directly about the trainer (``evidence.observe_training``): live dropout is named as an
     observation with confidence 1, and beside it (``beyond``) what dropout cannot explain: an
-    offset, a gap growing with the policy lag or over the steps. ``by_lag`` is the step's divergence
+    offset, a gap growing with the policy lag or over the steps. ``facts`` is what the sampling engine
+    says about itself (``evidence.SamplerFacts``): raw logprobs reported while sampling at another
+    temperature or truncated, and a prefix cache kept across a weight reload, are named from it.
+    ``by_lag`` is the step's divergence
     by policy lag (``HostDivergence.by_lag``: label -> sums with ``n_tokens`` and ``abs_d_mean``);
     ``trend`` the relative gaps of the run's previous logged steps, oldest first
     (``Calibration.recent_gaps``).
     """
     sig = dict(signatures)
     bound = NOISE_PRIOR if noise_floor is None else max(NOISE_FACTOR * noise_floor, NOISE_MIN)
-    context = {"noise_bound": bound, "calibrated": noise_floor is not None, "by_lag": by_lag, "trend": trend}
+    context = {
+        "noise_bound": bound, "calibrated": noise_floor is not None, "facts": facts, "by_lag": by_lag, "trend": trend,
+    }
     statistical = _statistical_cause(sig, n_tokens=n_tokens, **context)
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
         return statistical  # no mismatch: live dropout does not reach these logprobs
@@ -380,10 +401,11 @@ def _statistical_cause(
     n_tokens: float,
     noise_bound: float,
     calibrated: bool,
+    facts: SamplerFacts | None,
     by_lag: Mapping[str, Any] | None,
     trend: Sequence[float],
 ) -> Diagnosis:
-    """``diagnose``'s rules in order (module docstring), on the numbers alone."""
+    """``diagnose``'s rules in order (module docstring), on the numbers and the engine's facts."""
 
     def get(name: str) -> float:
         return sig.get(name, math.nan)
@@ -395,17 +417,22 @@ def _statistical_cause(
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
+    sampling = _sampling(sig, facts)  # named only where the logprobs agree: were the tokens drawn from them?
     if get("frac_d_zero") >= zero_share:
-        return found("none", (get("frac_d_zero") - zero_share) / (sure_at - zero_share), "frac_d_zero")
+        return sampling or found("none", (get("frac_d_zero") - zero_share) / (sure_at - zero_share), "frac_d_zero")
     offset = _offset(sig)
     if offset is not None:
         return offset
     gap = get("relative_gap")
     noise = {"relative_gap": gap, "noise_bound": noise_bound, "k3": get("kl_sample_train_k3")}
     if not _beyond_noise(sig, noise_bound):  # within rounding noise: precision, unless the gap sits on the first tokens
+        if sampling is not None:
+            return sampling
         if get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z:
             return Diagnosis("unclear", 0.0, {name: get(name) for name in ("context_fade", "context_fade_z")} | noise)
         return Diagnosis("precision", _confidence(math.log10(noise_bound / max(gap, 1e-300))), noise)
+    if facts is not None and facts.stale_prefix_cache:  # the engine says so: a fact beside a gap beyond noise
+        return Diagnosis(PREFIX_CACHE, 1.0, noise, observed=_PREFIX_CACHE_SEEN)
     lags = _lag_growth(by_lag)
     if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
         return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
@@ -453,6 +480,31 @@ def _statistical_cause(
         evidence_numbers = {"token_eta2": get("token_eta2")} | noise
         return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), evidence_numbers)
     return Diagnosis("unclear", 0.0, unclear)
+
+
+_PREFIX_CACHE_SEEN = "its weights were reloaded after its prefix cache was last reset (the engine's own account)"
+
+
+def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis | None:
+    """``sampling`` when the tokens were drawn from another distribution than the logprobs describe: |z| of
+    what was sampled at least ``SAMPLING_Z``, or the engine says it reports raw logprobs while it samples at
+    another temperature or truncated (then an observation); None otherwise."""
+    z = sig.get("sampling_z", math.nan)
+    numbers = {name: sig.get(name, math.nan) for name in ("sampling_z", "sampling_relative_bias", "sampling_temperature")}
+    said = facts is not None and facts.samples_other_than_reported
+    if not (abs(z) >= SAMPLING_Z or said):
+        return None
+    observed = _sampling_settings(facts) if said and facts is not None else ""
+    confidence = 1.0 if said else _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z)
+    return Diagnosis(SAMPLING, confidence, {k: v for k, v in numbers.items() if not math.isnan(v)}, observed=observed)
+
+
+def _sampling_settings(facts: SamplerFacts) -> str:
+    settings = [f"temperature {facts.temperature:g}" if facts.temperature not in (None, 1.0) else "",
+                f"top-p {facts.top_p:g}" if facts.top_p is not None and facts.top_p < 1.0 else "",
+                f"top-k {facts.top_k}" if facts.top_k is not None and facts.top_k > 0 else ""]
+    engine = f"the {facts.engine} engine" if facts.engine else "the engine"
+    return f"{engine} reports {facts.logprobs_mode} while sampling with {', '.join(filter(None, settings))}"
 
 
 def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
@@ -570,7 +622,11 @@ def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, 
     metrics = {f"{prefix}diagnosis/{cause}": float(cause in named) for cause in CAUSES}
     metrics[f"{prefix}diagnosis/confidence"] = float(diagnosis.confidence)
     metrics.update(
-        {f"{prefix}signature/{name}": float(value) for name, value in signatures.items() if name not in SCALAR_METRICS}
+        {
+            f"{prefix}signature/{name}": float(value)
+            for name, value in signatures.items()
+            if name not in SCALAR_METRICS and name not in SAMPLING_METRICS
+        }
     )
     return metrics
 

@@ -10,6 +10,10 @@ be trusted — the guard rail treats what it cannot judge as unsafe:
 * a logprob is below ``LOGPROB_FLOOR`` (-1e4): a sentinel such as ``torch.finfo(float32).min``,
   whose diff overflows every formula.
 
+With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it (or
+not a number): the tokens were drawn from another distribution than the trainer's, which the
+logprobs alone cannot show (``metrics.sampling_metrics``; needs the trainer's entropies in the batch).
+
 A step without masked-in action tokens is not judged (nothing to compare); the monitor warns when
 every logged step of a run is like that. Logprobs above ``LOGPROB_CEILING`` (1e-4: probabilities
 passed as logprobs?) are reported by ``impossible_inputs`` as a warning and named in the message
@@ -79,6 +83,7 @@ class GuardRail:
     kl_metric: str
     prefix: InitVar[str] = ""
     max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
+    max_sampling_z: float | None = None  # a bound on |sampling_z|, the check of what was sampled; None: off
 
     def __post_init__(self, prefix: str) -> None:
         for name, value in (("kl_metric", self.kl_metric), ("prefix", prefix)):
@@ -90,6 +95,13 @@ class GuardRail:
         self.max_nonfinite_fraction = check_real(
             "max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0, most=1.0, what="a number in [0, 1]"
         )
+        if self.max_sampling_z is not None:
+            self.max_sampling_z = check_real("max_sampling_z", self.max_sampling_z, least=0.0, what="a number >= 0 or None")
+
+    @property
+    def judges(self) -> bool:
+        """Whether any bound is set (else the guard rail never exceeds)."""
+        return self.max_kl is not None or self.max_sampling_z is not None
 
     def untrusted(self, scalars: Mapping[str, float], host: HostDivergence) -> str | None:
         """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
@@ -119,16 +131,26 @@ class GuardRail:
 
         The message names the metric by its logged key, ``prefix + kl_metric``.
         """
-        if self.max_kl is None:
+        if not self.judges:
             return None
         reason = self.untrusted(scalars, host)
         if reason is not None:
             return f"the step cannot be trusted: {reason}"
         value = scalars.get(self.kl_metric)
-        if value is None or not value > self.max_kl:
-            return None
-        hint = _positive(host)
-        return f"{prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (f" ({hint})" if hint else "")
+        if self.max_kl is not None and value is not None and value > self.max_kl:
+            hint = _positive(host)
+            return f"{prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (
+                f" ({hint})" if hint else ""
+            )
+        z = scalars.get("sampling_z")
+        if self.max_sampling_z is not None and z is not None and not abs(z) <= self.max_sampling_z:
+            side = "sharper" if z > 0 else "flatter" if z < 0 else "unknown"
+            return (
+                f"{prefix}sampling_z = {z:.3g} exceeded max_sampling_z = {self.max_sampling_z:g}: the tokens were "
+                f"drawn {side} than the trainer's distribution (effective temperature "
+                f"{scalars.get('sampling_temperature', float('nan')):.3g})"
+            )
+        return None
 
 
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:

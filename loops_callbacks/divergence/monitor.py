@@ -31,7 +31,7 @@ from typing_extensions import override
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.action_tokens import FlatBatch
 from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
-from loops_callbacks.divergence.evidence import observe_training
+from loops_callbacks.divergence.evidence import SamplerFacts, observe_training
 from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
 from loops_callbacks.divergence.lightning_loop import (
     accumulating,
@@ -47,7 +47,7 @@ from loops_callbacks.divergence.shadow import no_advantage_message, parse_correc
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import LOGPROB_CEILING, LOGPROB_FLOOR, DivergenceStats, HostDivergence
 from loops_callbacks.divergence.strata import AHEAD_STRATUM, DEFAULT_MAX_GROUPS, Strata
-from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, key_label, read_step
+from loops_callbacks.divergence.step_input import DATA_KEYS, data_keys, key_label, read_sampler_facts, read_step
 from loops_callbacks.divergence.worst_tokens import Tokenizer
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
@@ -103,6 +103,9 @@ class KLSampleTrainMonitor(Callback):
         patience: logged steps in a row that exceed before acting.
         on_exceed: ``"warn"``, ``"stop"`` (end training cleanly, as ``EarlyStopping`` does) or
             ``"raise"`` (:class:`SampleTrainDivergenceError`).
+        max_sampling_z: guard rail: a bound on |``sampling_z``|, the check of what was sampled (off by
+            default; needs ``training_entropy`` and ``training_varentropy`` in the batch, from
+            ``token_logprobs(..., with_entropy=True)``): a step beyond it exceeds, as above ``max_kl``.
         max_nonfinite_fraction: a logged step whose masked-in action tokens had more than this
             share of missing, NaN or infinite logprobs exceeds (default 0.01; 0 skipped is the
             healthy case, and any skipped token is counted in ``n_skipped_nonfinite``).
@@ -260,6 +263,7 @@ class KLSampleTrainMonitor(Callback):
         patience: int = 1,
         on_exceed: Literal["warn", "stop", "raise"] = "stop",
         max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION,
+        max_sampling_z: float | None = None,
         keys: Mapping[str, str] | None = None,
         diagnose: bool = True,
         calibration_steps: int = 5,
@@ -294,7 +298,8 @@ class KLSampleTrainMonitor(Callback):
         self.media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
         self.top_n = top_n if log_worst_tokens else 0
         self.sample_size = sample_size
-        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction)  # checks these four
+        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction, max_sampling_z)  # checks them
+        self.max_sampling_z = self.guard_rail.max_sampling_z
         self.max_kl = self.guard_rail.max_kl
         self.kl_metric = self.guard_rail.kl_metric  # the bare name
         self.patience = patience
@@ -333,6 +338,7 @@ class KLSampleTrainMonitor(Callback):
             "max_groups": self.max_groups, "corrections": [c.name for c in self.corrections], "keys": self.keys,
             "max_kl": self.max_kl, "kl_metric": self.kl_metric, "patience": self.patience,
             "on_exceed": self.on_exceed, "max_nonfinite_fraction": self.guard_rail.max_nonfinite_fraction,
+            "max_sampling_z": self.max_sampling_z,
         }
         listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
         if listed:
@@ -345,11 +351,12 @@ class KLSampleTrainMonitor(Callback):
     def _start_run(self) -> None:
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.last_metrics: dict[str, float] = {}
-        self.history = RunHistory(self.kl_metric, self.max_kl)
+        self.history = RunHistory(self.kl_metric, self.max_kl, self.max_sampling_z)
         self.calibration = Calibration(self.calibration_steps)
         self.last_diagnosis: Diagnosis | None = None
         self._window: DivergenceStats | None = None
         self._last_flat: FlatBatch | None = None
+        self._facts: SamplerFacts | None = None  # what the sampling engine said about itself, last
         self._breakdown_keys: set[str] = set()  # the strata and shadow keys put in callback_metrics last
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -382,6 +389,7 @@ class KLSampleTrainMonitor(Callback):
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
             return
+        self._facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # the window's last micro-batch
         stats = DivergenceStats.from_batch(
             flat,
             top_n=self.top_n,
@@ -411,6 +419,7 @@ class KLSampleTrainMonitor(Callback):
             noise_floor=self.calibration.noise_floor,
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
             evidence=observe_training(trainer, pl_module) if self.diagnosing else None,
+            facts=self._facts,  # this rank's engine's own account
             by_lag=host.by_lag or None,
             offsets=host.offset_sums,
             trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
@@ -547,6 +556,14 @@ class KLSampleTrainMonitor(Callback):
                 self.warnings.warn(
                     problem, f"KLSampleTrainMonitor, step {step}: {message} ({self._example(problem)})"
                 )
+        if self.max_sampling_z is not None and report.has_action_tokens and "sampling_z" not in report.scalars:
+            entropies = [self.keys[name] for name in ("training_entropy", "training_varentropy")]
+            self.warnings.warn(
+                "sampling_z:missing",
+                f"KLSampleTrainMonitor, step {step}: max_sampling_z = {self.max_sampling_z:g} is set but the step has "
+                f"no {entropies[0]!r} and {entropies[1]!r} (token_logprobs(..., with_entropy=True) returns them): "
+                "what was sampled is not checked",
+            )
 
     def _warn_about_advantages(self, host: HostDivergence, step: int) -> None:
         """Say once per run that advantages held NaN on masked-in positions (``report.nan_advantages_message``),

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose, diagnosis_metrics
-from loops_callbacks.divergence.evidence import DirectEvidence
+from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.media import MediaOptions, StepMedia, step_media
 from loops_callbacks.divergence.metrics import scalar_metrics
@@ -70,6 +70,7 @@ def step_report(
     diagnosing: bool,
     noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
+    facts: SamplerFacts | None = None,
     by_lag: Mapping[str, Any] | None = None,
     offsets: np.ndarray | None = None,
     trend: Sequence[float] = (),
@@ -78,7 +79,8 @@ def step_report(
 
     ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read
     them as something else); ``noise_floor`` is the run's calibrated noise floor (``Calibration``); ``evidence``
-    what was seen directly about the trainer (``evidence.observe_training``); ``by_lag`` the
+    what was seen directly about the trainer (``evidence.observe_training``), ``facts`` what the sampling
+    engine says about itself (``evidence.SamplerFacts``); ``by_lag`` the
     step's divergence by policy lag (``HostDivergence.by_lag``; ``None`` reads ``host.by_lag``
     when the statistics have it), ``offsets`` the host ``alignment.offset_sums`` vector (``None``
     reads ``host.offset_sums`` when present; else not measured) and ``trend`` the relative gaps of the
@@ -95,6 +97,7 @@ def step_report(
             host.totals["n_action_tokens"],
             noise_floor=noise_floor,
             evidence=evidence,
+            facts=facts,
             by_lag=by_lag if by_lag is not None else getattr(host, "by_lag", None),
             trend=trend,
         )

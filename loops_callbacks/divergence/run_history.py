@@ -84,6 +84,7 @@ class RunHistory:
 
     watched: str
     max_kl: float | None
+    max_sampling_z: float | None = None
     # the run's steps, carried across a resume
     logged_steps: int = 0
     last_step: int | None = None
@@ -108,7 +109,7 @@ class RunHistory:
         """What the guard rail did; ``NO_EXCEEDANCE`` only when it judged at least one step."""
         if self.action is not None:
             return self.action
-        if self.max_kl is None:
+        if self.max_kl is None and self.max_sampling_z is None:
             return Verdict.OFF
         return Verdict.NO_EXCEEDANCE if self.judged_steps else Verdict.NOTHING_JUDGED
 
@@ -173,7 +174,9 @@ class RunHistory:
             return f"Guard rail: nothing judged ({self._why_nothing_judged()})"
         if self.verdict is Verdict.NO_EXCEEDANCE:
             since = f" since step {self.fit_start}" if self.fit_start else ""
-            return f"Guard rail: no exceedance ({self.watched} <= {self.max_kl:g} on every judged step{since})"
+            bounds = [f"{self.watched} <= {self.max_kl:g}"] if self.max_kl is not None else []
+            bounds += [f"|sampling_z| <= {self.max_sampling_z:g}"] if self.max_sampling_z is not None else []
+            return f"Guard rail: no exceedance ({' and '.join(bounds)} on every judged step{since})"
         if self.verdict is Verdict.WARNED:
             return (
                 f"Guard rail: warned on {self.times_acted} logged step(s), first at step {self.verdict_step} "

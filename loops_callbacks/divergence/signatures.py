@@ -36,6 +36,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
 ``left_aligned_ratio``  capped mean |t[k] − s[k − first]| / mean |t[k] − s[k]| (completion-only logprobs at 0)
 ``left_aligned_share``  share of rows (first action position > 0) whose vote is −first
+``sampling_*``          the check of what was sampled (``metrics.sampling_metrics``), with the trainer's entropies
 ======================  ============================================================================
 
 The last five need the step's ``alignment.offset_sums`` (``offsets=``, or ``host.offset_sums``);
@@ -65,7 +66,7 @@ import numpy as np
 
 from loops_callbacks.divergence.alignment import read_offsets
 from loops_callbacks.divergence.layout import context_total
-from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3
+from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3, sampling_metrics
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.strata import PROBABILITY_STRATA
 
@@ -158,6 +159,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
         **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),
         **_offset_numbers(offsets),
+        **sampling_metrics(t),  # the check of what was sampled, when the trainer's entropies were given
     }
 
 

@@ -50,11 +50,12 @@ from loops_callbacks.divergence.action_tokens import (
     flatten_padded,
     trainer_logprobs_from_output,
 )
+from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.strata import DEFAULT_MAX_GROUPS
 from loops_callbacks.fields import datum_loss_fn_inputs, field_length, field_to_tensor
 from loops_callbacks.run_warnings import RunWarnings
 
-__all__ = ["DATA_KEYS", "data_keys", "key_label", "read_step"]
+__all__ = ["DATA_KEYS", "data_keys", "key_label", "read_sampler_facts", "read_step"]
 
 DATA_KEYS = (
     "data",
@@ -138,6 +139,27 @@ def read_step(
         lags=None if lags is None else lags.to(flat.device),
         groups=None if groups is None else groups.to(flat.device),
     )
+
+
+def read_sampler_facts(outputs: Any, batch: Any, keys: Mapping[str, str], warnings: RunWarnings) -> SamplerFacts | None:
+    """The sampling engine's ``SamplerFacts`` under ``keys["sampler_facts"]`` (the output first, then the
+    batch); anything else there is one warning per run and ``None``: facts never stop training.
+
+    Example:
+        >>> facts = SamplerFacts(engine="vllm", logprobs_mode="processed_logprobs")
+        >>> read_sampler_facts({"sampler_facts": facts}, {}, data_keys(None), RunWarnings()) is facts
+        True
+    """
+    found = _Step(outputs, batch, keys).get("sampler_facts")
+    if found is None or isinstance(found, SamplerFacts):
+        return found
+    key = keys["sampler_facts"]
+    warnings.warn(
+        f"sampler_facts:{key}",
+        f"KLSampleTrainMonitor: {key!r} holds a {type(found).__name__}, not a "
+        "loops_callbacks.divergence.evidence.SamplerFacts; it is not read",
+    )
+    return None
 
 
 def _read_positions(step: _Step, with_tokens: bool, with_token_ids: bool) -> tuple[FlatBatch, Sequence[Any] | None]:

@@ -5,15 +5,21 @@ reported logprobs (raw, temperature 1) agree with the trainer's exactly."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from loops_callbacks import token_logprobs
+from loops_callbacks import KLSampleTrainMonitor, token_logprobs
 from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.diagnosis import diagnose
+from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.metrics import sampling_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats
-from tests.helpers import assert_totals_equal, reduce_in_threads
+from tests.helpers import TinyPolicy, assert_totals_equal, quiet_trainer, reduce_in_threads
+from tests.oracle import PREFIX
 
 B, T, V = 128, 64, 50  # a step of 128 sequences x 64 tokens
 
@@ -90,3 +96,77 @@ def test_without_entropies_nothing_is_logged_and_one_of_the_two_alone_is_an_erro
     assert check(plain) == {}
     with pytest.raises(ValueError, match="'training_entropy' is given without 'training_varentropy'"):
         flatten_padded(**{k: v for k, v in batch.items() if k != "training_varentropy"})
+
+
+class DrawingPolicy(pl.LightningModule):
+    """A policy whose sampler draws its tokens at ``temperature`` and reports the raw (temperature-1) logprobs,
+    as vLLM's default logprobs_mode does: the reported logprobs equal the trainer's."""
+
+    def __init__(self, temperature: float, facts: SamplerFacts | None = None) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, V)
+        self.temperature, self.facts = temperature, facts
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.randn(6, 128, 24, 8, generator=torch.Generator().manual_seed(0)), batch_size=None)
+
+    def training_step(self, features: torch.Tensor, batch_idx: int) -> dict[str, Any]:
+        logits = 3.0 * self.head(features)
+        with torch.no_grad():
+            probs = torch.softmax(logits / self.temperature, -1)
+            tokens = torch.multinomial(probs.reshape(-1, V), 1, generator=torch.Generator().manual_seed(batch_idx))
+        trainer = token_logprobs(logits, tokens.reshape(logits.shape[:-1]), with_entropy=True)
+        out = {"loss": -trainer.logprobs.mean(), "training_logprobs": trainer.logprobs,
+               "logprobs": trainer.logprobs.detach().clone(), "mask": torch.ones(logits.shape[:-1]),
+               "training_entropy": trainer.entropy, "training_varentropy": trainer.varentropy}
+        return out | ({"sampler_facts": self.facts} if self.facts is not None else {})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_the_monitor_names_draws_at_another_temperature_and_logs_the_check() -> None:
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    quiet_trainer(max_steps=3, callbacks=[monitor]).fit(DrawingPolicy(0.7))
+    found = monitor.last_diagnosis
+    assert found.cause == "sampling" and "drawn sharper: effective temperature ≈ 0.7" in found.message, found.message
+    assert "logprobs_mode='processed_logprobs'" in found.message
+    assert monitor.last_metrics[PREFIX + "sampling_z"] > 20 and PREFIX + "sampling_temperature" in monitor.last_metrics
+    honest = KLSampleTrainMonitor(log_worst_tokens=False)
+    quiet_trainer(max_steps=3, callbacks=[honest]).fit(DrawingPolicy(1.0))
+    assert honest.last_diagnosis.cause == "none" and abs(honest.last_metrics[PREFIX + "sampling_z"]) < 4
+
+
+def test_the_engines_own_account_of_raw_logprobs_is_named_as_observed() -> None:
+    facts = SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=1.0, top_p=0.9)
+    found = diagnose({"frac_d_zero": 0.2, "relative_gap": 1e-6, "relative_gap_se": 1e-8}, n_tokens=1000, facts=facts)
+    assert found.cause == "sampling" and found.confidence == 1.0
+    assert "the vllm engine reports raw_logprobs while sampling with top-p 0.9" in found.message
+
+
+def test_a_prefix_cache_kept_across_a_weight_reload_is_named_from_the_engines_account() -> None:
+    sig = {"frac_d_zero": 0.0, "relative_gap": 0.3, "relative_gap_se": 0.01, "pearson": 0.9, "temperature": 1.0}
+    found = diagnose(sig, n_tokens=1000, facts=SamplerFacts(engine="vllm", stale_prefix_cache=True))
+    assert found.cause == "prefix_cache" and "prefix cache holds KV computed with older weights" in found.message
+    assert "llm.reset_prefix_cache()" in found.message
+    assert diagnose(sig, n_tokens=1000, facts=SamplerFacts(engine="vllm", stale_prefix_cache=False)).cause != (
+        "prefix_cache"
+    )
+    within_noise = sig | {"relative_gap": 1e-5}  # the cache outlived a reload but the logprobs agree: not the cause
+    assert diagnose(within_noise, n_tokens=1000, facts=SamplerFacts(stale_prefix_cache=True)).cause == "precision"
+
+
+def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() -> None:
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    trainer = quiet_trainer(max_steps=3, callbacks=[monitor])
+    trainer.fit(DrawingPolicy(0.7))
+    assert trainer.should_stop and "sampling_z" in monitor.stop_reason and "exceeded max_sampling_z = 6" in (
+        monitor.stop_reason
+    )
+    assert "drawn sharper" in monitor.stop_reason
+    missing = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    with pytest.warns(UserWarning, match="max_sampling_z = 6 is set but the step has no 'training_entropy'"):
+        quiet_trainer(max_steps=2, callbacks=[missing]).fit(TinyPolicy())
+    assert not missing.stop_reason and "|sampling_z| <= 6" in missing.summary_lines()[-1]
+    with pytest.raises(ValueError, match="max_sampling_z"):
+        KLSampleTrainMonitor(max_sampling_z=-1.0)
