@@ -21,7 +21,8 @@ each cause's numbers look like and where the thresholds come from, is in the doc
    before that above ``NOISE_CEILING``, a gap no engine's rounding is taken to reach).
 
 **The noise floor** (``Calibration``). Before a run is calibrated the bound is the prior
-``NOISE_PRIOR`` (1e-3). The floor is the median relative gap of the run's latest healthy steps
+``NOISE_PRIOR`` (1e-3; 1e-8 when the engine says its weights are float32 and the trainer computes
+in full precision). The floor is the median relative gap of the run's latest healthy steps
 (named ``none`` or ``precision``), and the bound ``NOISE_FACTOR`` (20) times it; it follows a floor
 that drifts. A bf16 engine's healthy gap can sit above the prior: while not yet calibrated, an
 ``unclear`` step whose every number is rounding noise's (``noise_shaped``: a relative gap at most
@@ -101,6 +102,9 @@ TREND_STEPS = 32
 STALE_ETA2 = 0.1
 NOISE_PRIOR = 1e-3
 """The largest relative gap taken as rounding noise before the run is calibrated."""
+NOISE_PRIOR_FULL_PRECISION = 1e-8
+"""The same, when the engine says its weights are float32 or float64 and the trainer computes in full precision
+(float32 rounding alone leaves relative gaps near 1e-13; an fp32 vLLM engine against a HF forward about 1e-10)."""
 NOISE_FACTOR = 20.0
 """Once calibrated, a gap within this many times the run's noise floor is rounding noise."""
 NOISE_MIN = 1e-9
@@ -337,7 +341,12 @@ def diagnose(
     (``Calibration.recent_gaps``).
     """
     sig = dict(signatures)
-    bound = NOISE_PRIOR if noise_floor is None else max(NOISE_FACTOR * noise_floor, NOISE_MIN)
+    full_precision = (
+        facts is not None and facts.dtype in ("float32", "float64")
+        and not (evidence is not None and evidence.reduced_precision)
+    )
+    prior = NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR
+    bound = prior if noise_floor is None else max(NOISE_FACTOR * noise_floor, NOISE_MIN)
     context = {
         "noise_bound": bound, "calibrated": noise_floor is not None, "facts": facts, "by_lag": by_lag, "trend": trend,
     }

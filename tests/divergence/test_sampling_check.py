@@ -170,3 +170,16 @@ def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() ->
     assert not missing.stop_reason and "|sampling_z| <= 6" in missing.summary_lines()[-1]
     with pytest.raises(ValueError, match="max_sampling_z"):
         KLSampleTrainMonitor(max_sampling_z=-1.0)
+
+
+def test_an_engine_that_says_it_computes_in_float32_has_a_float32_prior() -> None:
+    """Before calibration a gap a bf16 engine can leave is precision; from an engine that says it is float32,
+    with a full-precision trainer, it is beyond noise."""
+    from loops_callbacks.divergence.evidence import DirectEvidence
+
+    sig = {"frac_d_zero": 0.0, "relative_gap": 1e-4, "relative_gap_se": 1e-6, "pearson": 0.9999, "temperature": 1.0}
+    assert diagnose(sig, n_tokens=1000).cause == "precision"
+    fp32 = SamplerFacts(engine="vllm", dtype="float32")
+    assert diagnose(sig, n_tokens=1000, facts=fp32).cause == "unclear"
+    bf16_trainer = DirectEvidence(precision="bf16-mixed")
+    assert diagnose(sig, n_tokens=1000, facts=fp32, evidence=bf16_trainer).cause == "precision"
