@@ -31,7 +31,7 @@ __all__ = ["TokenLogprobs", "token_logprobs"]
 
 class TokenLogprobs(NamedTuple):
     """``token_logprobs(..., with_entropy=True)``: each position's target logprob, and the entropy H and
-    varentropy V = Var(log p) = E_p[(log p + H)²] of its whole distribution (float32, no gradient).
+    varentropy V = Var(log p) = E_p[(log p)²] - H² of its whole distribution (float32, no gradient).
 
     If the target was drawn from that distribution, E[logprob] = -H and Var[logprob] = V: the monitor
     checks what was sampled with them (``training_entropy`` and ``training_varentropy`` in the batch).
@@ -41,9 +41,15 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor
     varentropy: torch.Tensor
 
+    @property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The three under the keys ``KLSampleTrainMonitor`` reads from ``training_step``'s output."""
+        return {"training_logprobs": self.logprobs, "training_entropy": self.entropy, "training_varentropy": self.varentropy}
+
 # Float32 log-probabilities made at a time when nothing is recorded for a backward pass: at most
 # this many elements (16 MiB; at least one row of dim 0), small next to the model's own logits.
 _CHUNK_ELEMENTS = 1 << 22
+_LOG_ZERO = -1e4  # a log-probability below it has probability 0 in float32
 
 
 def token_logprobs(
@@ -123,18 +129,19 @@ def token_logprobs(
 
 @torch.no_grad()
 def _entropy_and_varentropy(log_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy and varentropy of each distribution of ``log_softmax`` ``[..., V]``, in float32 or wider,
-    a few positions at a time; a token of probability 0 (a logit of -inf) adds nothing."""
+    """Entropy H = -sum p log p and varentropy E[(log p)^2] - H^2 of each distribution of ``log_softmax``
+    ``[..., V]``, in its dtype (float32 or wider), a few positions at a time; a token of probability 0 (a
+    logit of -inf) adds nothing. Two fused multiply-sums per chunk (``vecdot``), one exp."""
     flat = log_softmax.detach().reshape(-1, log_softmax.shape[-1])
     entropy = torch.empty(flat.shape[0], dtype=flat.dtype, device=flat.device)
-    varentropy = torch.empty_like(entropy)
+    second = torch.empty_like(entropy)
     step = max(1, _CHUNK_ELEMENTS // max(1, flat.shape[-1]))
     for start in range(0, flat.shape[0], step):  # positions in chunks: the temporaries stay small
-        chunk = flat[start : start + step]
-        p = chunk.exp()
-        h = -torch.where(p > 0, p * chunk, 0.0).sum(-1)
-        entropy[start : start + step] = h
-        varentropy[start : start + step] = torch.where(p > 0, p * (chunk + h[:, None]).square(), 0.0).sum(-1)
+        logp = flat[start : start + step].clamp(min=_LOG_ZERO)  # exp(-1e4) is 0 and its square stays finite
+        p = logp.exp()
+        entropy[start : start + step] = torch.linalg.vecdot(p, logp).neg_()
+        second[start : start + step] = torch.linalg.vecdot(p.mul_(logp), logp)
+    varentropy = second.sub_(entropy.square()).clamp_(min=0.0)
     shape = log_softmax.shape[:-1]
     return entropy.reshape(shape), varentropy.reshape(shape)
 

@@ -486,6 +486,20 @@ class KLSampleTrainMonitor(Callback):
         restore_fields(self.calibration, state_dict.get("calibration", {}))
         restore_fields(self.history, state_dict.get("history", {}))
 
+    @staticmethod
+    def logs_this_step(trainer: pl.Trainer) -> bool:
+        """Whether a ``KLSampleTrainMonitor`` of ``trainer`` logs the optimizer step being trained, so that what
+        only the monitor reads is computed only then (the trainer's entropies cost one more pass over the
+        vocabulary)::
+
+            if KLSampleTrainMonitor.logs_this_step(self.trainer):
+                fields = token_logprobs(logits, targets, with_entropy=True).outputs
+            else:
+                fields = {"training_logprobs": token_logprobs(logits, targets)}
+        """
+        step = optimizer_step_index(trainer)
+        return any(isinstance(c, KLSampleTrainMonitor) and c._logs_at(trainer, step) for c in trainer.callbacks)
+
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         """Lightning's rule (steps n-1, 2n-1, ...), and the fit's last step while the fit has judged none."""
         every = self._every(trainer)

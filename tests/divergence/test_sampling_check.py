@@ -183,3 +183,23 @@ def test_an_engine_that_says_it_computes_in_float32_has_a_float32_prior() -> Non
     assert diagnose(sig, n_tokens=1000, facts=fp32).cause == "unclear"
     bf16_trainer = DirectEvidence(precision="bf16-mixed")
     assert diagnose(sig, n_tokens=1000, facts=fp32, evidence=bf16_trainer).cause == "precision"
+
+
+def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
+    """``logs_this_step`` answers for the optimizer step being trained, so the extra pass runs only when read."""
+    asked: list[bool] = []
+
+    class OnLoggedSteps(DrawingPolicy):
+        def training_step(self, features: torch.Tensor, batch_idx: int) -> dict[str, Any]:
+            logs = KLSampleTrainMonitor.logs_this_step(self.trainer)
+            asked.append(logs)
+            out = super().training_step(features, batch_idx)
+            if not logs:
+                out = {k: v for k, v in out.items() if not k.startswith("training_") or k == "training_logprobs"}
+            return out
+
+    monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_every_n_steps=2)
+    quiet_trainer(max_steps=4, callbacks=[monitor]).fit(OnLoggedSteps(0.7))
+    assert asked == [False, True, False, True] and monitor.last_diagnosis.cause == "sampling"
+    scored = token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), with_entropy=True)
+    assert set(scored.outputs) == {"training_logprobs", "training_entropy", "training_varentropy"}
