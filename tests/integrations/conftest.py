@@ -5,7 +5,9 @@ heads (head dim 64: the CPU attention kernel refuses 16), 2 layers, a 512-token 
 tokenizer, and an output head scaled up so the distributions are peaked like a trained model's.
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in float32 with prefix
 caching on; its teardown shuts it down and restores the environment and ``torch.distributed`` as
-they were, so the tests that follow in the session see no trace of it.
+they were, so the tests that follow in the session see no trace of it. vLLM's cache and config
+directories are in the session's tmp dir and its usage statistics are off: nothing is written
+elsewhere and nothing is sent.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ import torch
 VOCAB = 512
 BOS, EOS = 0, 1
 MAX_MODEL_LEN = 1024
+
+
+VLLM_ENVIRONMENT = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path setup
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module imports vLLM: its files under the session's tmp dir, no usage report."""
+    root = config._tmp_path_factory.mktemp("vllm")
+    VLLM_ENVIRONMENT.update(VLLM_CACHE_ROOT=str(root / "cache"), VLLM_CONFIG_ROOT=str(root / "config"))
+    os.environ.update(VLLM_ENVIRONMENT)
 
 
 @pytest.fixture(scope="session")
