@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import sys
 import time
@@ -644,6 +645,17 @@ def _reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> li
     return sorted(expected - set(loaded[0]))
 
 
+class _RotaryCacheRestored(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged at every in-place reload: the layer has no
+    weights in a checkpoint and its cos/sin cache is put back as it was (the push checks every parameter)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
 class VLLMWeightSync:
     """Pushes a trainer's weights into a vLLM engine in place, resets its prefix cache and counts versions.
 
@@ -686,6 +698,9 @@ class VLLMWeightSync:
         self.version = 0
         self.stale_prefix_cache = False
         self.last_push_seconds: float | None = None
+        reload_logger = logging.getLogger(_RELOAD_LOGGER)
+        if not any(isinstance(f, _RotaryCacheRestored) for f in reload_logger.filters):
+            reload_logger.addFilter(_RotaryCacheRestored())
 
     def push(self, module: nn.Module, *, version: int | None = None) -> int:
         """Load ``module``'s weights into the engine in place; returns the new ``version``."""

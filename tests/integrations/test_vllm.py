@@ -8,6 +8,7 @@ about 2e-5 nats at most), and 1e-4 is the bound. Runs whenever ``vllm`` imports.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -130,6 +131,19 @@ def test_a_push_updates_the_engine_in_place_from_a_lightning_module(
     assert all(torch.equal(tensor, before[name]) for name, tensor in policy.state_dict().items())
     assert batch["policy_version"].tolist() == [1] * 4 and sync.stale_prefix_cache is False
     assert sync.last_push_seconds is not None and sync.last_push_seconds < 30
+
+
+def test_a_push_logs_no_false_alarm_about_the_rotary_cache(engine_back: Any, hf_model: Any) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    logger.addHandler(handler)
+    try:
+        VLLMWeightSync(engine_back).push(hf_model)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r.getMessage() for r in records if "Failed to load weights" in r.getMessage()]
 
 
 def test_a_partial_push_names_the_parameters_it_left_behind(engine_back: Any, hf_model: Any) -> None:
