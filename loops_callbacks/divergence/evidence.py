@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,10 +55,10 @@ class DropoutSeen:
         return f"{self.count} {self.kind} module{plural} with p = {self.p:g}"
 
 
-@dataclass(frozen=True)
-class SamplerFacts:
+class SamplerFacts(NamedTuple):
     """What the sampling engine says about itself, handed to the monitor under the batch key ``sampler_facts``
-    (``loops_callbacks.integrations.vllm`` fills it; any engine can): facts, not guesses.
+    (``loops_callbacks.integrations.vllm`` fills it; any engine can): facts, not guesses. A named tuple, so
+    that Lightning's batch transfer (``apply_to_collection``) carries it through unchanged.
 
     ``dtype`` the engine's weights (``"bfloat16"``); ``logprobs_mode`` what its logprobs are (vLLM's
     ``"raw_logprobs"``: the model's distribution at temperature 1, whatever was sampled from;
