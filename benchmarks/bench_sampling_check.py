@@ -128,9 +128,10 @@ def vllm_steps(sampling_set: SamplingSet, dtype: str, setting: str, steps: int, 
     folder = workdir / f"llama-{sampling_set.seed}"
     if not (folder / "config.json").exists():
         trainer_model.save_pretrained(folder)
+        _word_level_tokenizer(sampling_set.vocab).save_pretrained(folder)
     engine = _engines.get((folder, dtype))
     if engine is None:
-        engine = LLM(model=str(folder), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+        engine = LLM(model=str(folder), dtype=dtype, enforce_eager=True,
                      gpu_memory_utilization=0.05, max_model_len=256, seed=seed, logprobs_mode="raw_logprobs")
         _engines[(folder, dtype)] = engine
     temperature, top_p = SETTINGS[setting]
@@ -148,6 +149,16 @@ def vllm_steps(sampling_set: SamplingSet, dtype: str, setting: str, steps: int, 
 
 
 _engines: dict = {}
+
+
+def _word_level_tokenizer(vocab: int):
+    """A tokenizer of ``vocab`` words ``t0`` ... for the engine's checkpoint (it never reads text here)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=word_level, bos_token="t0", eos_token="t1", unk_token="t2")
 
 
 def table(which: str, engines: list[str], healthy_steps: int, fault_steps: int, workdir: Path) -> None:
