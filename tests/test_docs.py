@@ -1,0 +1,41 @@
+"""The docs site builds with ``mkdocs build --strict`` (every page, every API page rendered from the docstrings),
+and every ``python`` code block of its pages runs as written, in a temporary working directory."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BLOCKS = [
+    pytest.param(page, index, block, id=f"{page.name}:{index}")
+    for page in sorted(DOCS.glob("*.md"))
+    for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S))
+]
+
+
+def test_the_site_builds_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+@pytest.mark.parametrize(("page", "index", "block"), BLOCKS)
+def test_every_python_block_runs(page: Path, index: int, block: str, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a block that writes (logs, caches) writes under the test's tmp dir
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, f"{page.name}, block {index}", "exec"), {"__name__": "docs"})
