@@ -67,3 +67,16 @@ def test_bench_correction_demo_runs_and_prints_the_comparison(tmp_path: Path) ->
     for variant in ("synced every step", "synced every 16 steps, Loops' ratio", "synced every 16 steps, token_truncate"):
         assert f"| {variant}" in out, out[-3000:]
     assert curves.read_text().startswith("variant,seed,step,sampled_reward,policy_reward,k3")
+
+
+def test_gpu_checks_without_cuda_say_so_in_one_line_and_write_nothing(tmp_path: Path) -> None:
+    before = sorted(p.name for p in ROOT.iterdir())
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(tmp_path / "out")], cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "no CUDA device" in done.stderr
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in ROOT.iterdir()) == before
