@@ -71,8 +71,11 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     chat = DPODataModule(path=CHAT, tokenizer=tokenizer, progress=False)
 
     def again(module: DPODataModule) -> Callable[[], Any]:
+        if "_packed" not in vars(module):
+            raise AttributeError("DPODataModule keeps its pairs elsewhere than _packed: the timing would read them")
+
         def load() -> Any:
-            module._datums = None  # read, check and tokenize again
+            module._packed = None  # the pairs dpo_data() keeps: read, check and tokenize again
             return module.dpo_data()
 
         return load
