@@ -21,6 +21,7 @@ Setup and use (from the repository root)::
     python benchmarks/bench_demo.py                        # the three demos, once each
     python benchmarks/bench_demo.py --no-native-bf16 --repeats 3
     python benchmarks/bench_demo.py --configs rl_tiny --keep runs_bench
+    python benchmarks/bench_demo.py --configs dpo_tiny --max-steps 2 --skip-startup   # a smoke run
 """
 
 from __future__ import annotations
@@ -176,11 +177,16 @@ def _figures(rows: list[dict[str, str]], output: str, status: int) -> str:
     return "; ".join(parts) or "(nothing logged)"
 
 
-def run_demo(cli: str, config: str, env: dict[str, str], keep: Path | None, clock: bool) -> dict[str, Any]:
-    """One run of ``loops-callbacks fit --config configs/<config>.yaml`` in a fresh directory."""
+def run_demo(
+    cli: str, config: str, env: dict[str, str], keep: Path | None, clock: bool, max_steps: int | None = None
+) -> dict[str, Any]:
+    """One run of ``loops-callbacks fit --config configs/<config>.yaml`` in a fresh directory
+    (``max_steps``: with ``--trainer.max_steps``)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench_demo_{config}_"))
     clock_file = run_dir / "clock.jsonl"
     command = [cli, "fit", "--config", str(ROOT / "configs" / f"{config}.yaml")]
+    if max_steps is not None:
+        command += ["--trainer.max_steps", str(max_steps)]
     env = dict(env)
     if clock:
         command.append("--trainer.callbacks+=bench_demo.StepClock")
@@ -215,8 +221,9 @@ def main() -> None:
     parser.add_argument("--skip-startup", action="store_true", help="skip --help, import and importtime")
     parser.add_argument("--keep", type=Path, help="copy each run's directory (logs) under this folder")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--max-steps", type=int, help="end each run after this many steps (a smoke run)")
     args = parser.parse_args()
-    cli = shutil.which("loops-callbacks") or shutil.which("loops-callbacks", path=str(Path(sys.executable).parent))
+    cli = shutil.which("loops-callbacks", path=str(Path(sys.executable).parent)) or shutil.which("loops-callbacks")
     if cli is None:
         raise SystemExit('no loops-callbacks command: pip install torch==2.13.0 -e ".[dev]"')
 
@@ -252,7 +259,7 @@ def main() -> None:
     print("\n| config | wall s | CPU s | to first step s | s/step | steps | logged |\n|---|---|---|---|---|---|---|")
     for config in args.configs:
         for _ in range(args.repeats):
-            result = run_demo(cli, config, env, args.keep, clock=not args.no_clock)
+            result = run_demo(cli, config, env, args.keep, clock=not args.no_clock, max_steps=args.max_steps)
             results["runs"].append(result)
             print(
                 f"| {config} | {result['wall_s']:.1f} | {result['cpu_s']:.1f} | "

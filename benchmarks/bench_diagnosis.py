@@ -22,7 +22,7 @@ most that many optimizer steps behind (a gap below precision noise).
     python benchmarks/bench_diagnosis.py --signatures         # also print the mean signature per fault
     python benchmarks/bench_diagnosis.py --tables             # the tuning table and both held-out sets' tables
     python benchmarks/bench_diagnosis.py --tables --heldout-sets 1   # the tuning table and held-out set 1's
-    python benchmarks/bench_diagnosis.py --tables --quick     # all, tiny (a smoke run, a few minutes)
+    python benchmarks/bench_diagnosis.py --tables --quick     # all tables, tiny (a smoke run, seconds)
 
 ``--tables`` prints confusion tables (rows: the true cause, columns: the named cause, per-cause
 recall, and per named cause its precision): the tuning one above (these faults, seeds 0-2), then
@@ -285,19 +285,33 @@ class ReplayModule(pl.LightningModule):
         return torch.optim.SGD([self.anchor], lr=0.0)
 
 
+def quick_faults(heldout_set: heldout_faults.HeldoutSet) -> tuple[heldout_faults.Fault, ...]:
+    """``--quick``'s faults of ``heldout_set``: its healthy engines and its first fault of each true
+    cause, a stale prefix cache apart (a row of its own), in the set's order."""
+    engines = {healthy_engine(heldout_set, f.sampler_dtype) for f in heldout_set.faults if f.cause != "template"}
+    first: dict[tuple[str, bool], heldout_faults.Fault] = {}
+    for fault in heldout_set.faults:
+        first.setdefault((fault.cause, fault.stale_prefix > 0), fault)
+    return tuple(f for f in heldout_set.faults if f in engines or f in first.values())
+
+
 def heldout_counts(
-    heldout_set: heldout_faults.HeldoutSet, steps: int, batch: int, pretrain_steps: int, cache_dir: str | None
+    heldout_set: heldout_faults.HeldoutSet, steps: int, batch: int, pretrain_steps: int, cache_dir: str | None,
+    faults: tuple[heldout_faults.Fault, ...] | None = None,
 ) -> tuple[dict[str, collections.Counter[str]], dict[str, collections.Counter[str]], set[str]]:
-    """One held-out set's counts, by true cause (``truth_row``) and by variant and fault setting,
-    and the inputs the monitor gave ``step_report`` that were set on some step (``Recorder.inputs``)."""
+    """One held-out set's counts (of ``faults``, default: all of the set's), by true cause
+    (``truth_row``) and by variant and fault setting, and the inputs the monitor gave ``step_report``
+    that were set on some step (``Recorder.inputs``)."""
+    faults = heldout_set.faults if faults is None else faults
     inputs: set[str] = set()
     table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     per_fault: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for variant in heldout_faults.VARIANTS:
         data = heldout_faults.cached_fault_steps(
-            heldout_set, variant, steps=steps, batch=batch, pretrain_steps=pretrain_steps, cache_dir=cache_dir
+            heldout_set, variant, steps=steps, batch=batch, pretrain_steps=pretrain_steps, cache_dir=cache_dir,
+            faults=faults,
         )
-        for fault in heldout_set.faults:
+        for fault in faults:
             monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
             # a healthy engine calibrates on its own first steps, which are then not counted (they were seen)
             own = fault.cause != "template" and healthy_engine(heldout_set, fault.sampler_dtype) == fault
@@ -364,7 +378,8 @@ def main() -> None:
     parser.add_argument("--tables", action="store_true", help="the tuning table, then each held-out set's table")
     parser.add_argument("--heldout-sets", type=int, nargs="+", choices=sorted(heldout_faults.SETS),
                         default=sorted(heldout_faults.SETS), help="with --tables: the held-out sets (default: all)")
-    parser.add_argument("--quick", action="store_true", help="with --tables: tiny settings (a smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny settings and, with --tables, one fault of each kind per set (a smoke run)")
     parser.add_argument("--heldout-steps", type=int, default=None,
                         help="monitor steps per held-out fault (default: the set's monitor_steps)")
     parser.add_argument("--heldout-batch", type=int, default=128, help="sequences per held-out monitor step")
@@ -374,8 +389,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     if args.quick:
-        args.base_steps, args.steps, args.skip, args.seeds = 20, 3, 1, [0]
-        args.heldout_steps, args.heldout_batch, args.heldout_pretrain = 3, 32, 20
+        args.base_steps, args.steps, args.skip, args.seeds = 2, 2, 0, [0]
+        args.heldout_steps, args.heldout_batch, args.heldout_pretrain = 2, 2, 1
     faults = OTHER_FAULTS if args.other else FAULTS
     print(f"CPU: {cpu_name()}")
     table, per_fault, by_fault = tuning_counts(args.base_steps, args.steps, args.skip, args.seeds, faults)
@@ -392,15 +407,19 @@ def main() -> None:
     if not args.tables:
         return
     for number in args.heldout_sets:
-        print_heldout_set(number, args.heldout_steps, args.heldout_batch, args.heldout_pretrain, args.cache_dir)
+        print_heldout_set(number, args.heldout_steps, args.heldout_batch, args.heldout_pretrain, args.cache_dir,
+                          args.quick)
 
 
-def print_heldout_set(number: int, steps: int | None, batch: int, pretrain_steps: int, cache_dir: str | None) -> None:
+def print_heldout_set(
+    number: int, steps: int | None, batch: int, pretrain_steps: int, cache_dir: str | None, quick: bool = False
+) -> None:
     """Held-out set ``number``'s heading, confusion table and per-fault lines (``steps`` ``None``:
-    the set's ``monitor_steps``)."""
+    the set's ``monitor_steps``; ``quick``: of ``quick_faults`` only)."""
     heldout_set = heldout_faults.SETS[number]
     steps = heldout_set.monitor_steps if steps is None else steps
-    table, per_fault, inputs = heldout_counts(heldout_set, steps, batch, pretrain_steps, cache_dir)
+    faults = quick_faults(heldout_set) if quick else None
+    table, per_fault, inputs = heldout_counts(heldout_set, steps, batch, pretrain_steps, cache_dir, faults)
     print(f"\nHeld-out set {number}, {HELDOUT_LABELS.get(number, 'held out')}: benchmarks/heldout_faults.py "
           f"SETS[{number}] \"{heldout_set.name}\": {heldout_set.summary()}; {pretrain_steps} checkpoint steps; per "
           f"fault and variant {steps} monitor steps of {batch} sequences. The monitor gave step_report: "

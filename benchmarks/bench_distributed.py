@@ -54,6 +54,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from loops_callbacks.divergence.action_tokens import flatten_padded  # noqa: E402
+from loops_callbacks.divergence.alignment import OFFSET_SIZE  # noqa: E402
 from loops_callbacks.divergence.reduction import (  # noqa: E402
     ProcessGroupCollectives,
     body_length,
@@ -105,9 +106,15 @@ def current_received_bytes(world: int, top_n: int = TOP_N, sample_size: int = SA
     return BYTES * (world - 1) * (len(TOTALS) + len(EXTREMA) + top_n * ROW.WIDTH + 2 * sample_size)
 
 
+def new_received_bytes(world: int) -> int:
+    """Bytes one rank receives in the new scheme: ``received_bytes`` and the diagnosis' offset votes
+    (``OFFSET_SIZE`` values), which the summed body carries when the signatures are on (the default)."""
+    return received_bytes(world, TOP_N, SAMPLE_SIZE) + round(BYTES * 2 * (world - 1) / world * OFFSET_SIZE)
+
+
 MODEL = {  # scheme: (collectives per logged step, bytes received per rank as a function of W)
     "current": (5, current_received_bytes),
-    "new": (2, lambda world: received_bytes(world, TOP_N, SAMPLE_SIZE)),
+    "new": (2, new_received_bytes),
 }
 
 
@@ -364,10 +371,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model-worlds", type=int, nargs="+", default=[64, 256, 1024], help="ranks of the cost model")
+    parser.add_argument("--model-repeats", type=int, default=3, help="repeats of each cost-model compute time")
     parser.add_argument("--quick", action="store_true", help="2 and 4 processes, 2 repeats, small model sweep")
     args = parser.parse_args()
-    worlds, repeats = (([2, 4], 2) if args.quick else (args.worlds, args.repeats))
-    model_repeats = 1 if args.quick else 3
+    if args.quick:
+        args.worlds, args.repeats, args.model_worlds, args.model_repeats = [2, 4], 2, [64, 256], 1
+    worlds, repeats, model_repeats = args.worlds, args.repeats, args.model_repeats
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; top_n={TOP_N}, sample_size={SAMPLE_SIZE:,}")
 
     print("\n## Part 1: gloo processes on this CPU (per logged step, per rank; median of "
@@ -406,8 +416,7 @@ def main() -> None:
     print("| ranks | tokens/step | scheme | collectives | received per rank (MB) | network (ms) "
           "| compute (ms) | total (ms) | network, 10 us per ring step (ms) |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-    sweep = [64, 256] if args.quick else [64, 256, 1024]
-    for world in sweep:
+    for world in args.model_worlds:
         for tokens in (1_000_000, 16_000_000):
             for scheme, (calls, received) in MODEL.items():
                 network = calls * LATENCY_S + received(world) / BANDWIDTH_BPS
@@ -417,9 +426,9 @@ def main() -> None:
                 print(f"| {world:,} | {tokens / 1e6:.0f}M | {scheme} | {calls} | {mb(received(world))} | "
                       f"{network * 1e3:.2f} | {local * 1e3:.1f} | {(network + local) * 1e3:.1f} | {per_step * 1e3:.1f} |")
     print(f"\nBytes received per rank, new scheme: 8 x ((W-1) x {header_length(TOP_N)} + 2 (W-1)/W x "
-          f"{body_length(TOP_N, SAMPLE_SIZE):,}); current: 8 x (W-1) x "
+          f"{body_length(TOP_N, SAMPLE_SIZE) + OFFSET_SIZE:,}); current: 8 x (W-1) x "
           f"{len(TOTALS) + len(EXTREMA) + TOP_N * ROW.WIDTH + 2 * SAMPLE_SIZE:,}.")
-    bound = received_bytes(1024, TOP_N, SAMPLE_SIZE)
+    bound = new_received_bytes(1024)
     assert bound <= 4_000_000
     print(f"At 1,024 ranks the new scheme receives {mb(bound)} MB per rank (bound: 4 MB).")
 

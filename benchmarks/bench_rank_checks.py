@@ -18,6 +18,7 @@ the CPU time is the figure to read, the work each rank does):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
@@ -59,7 +60,8 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     from loops_callbacks.data.preference import read_preference_records
     from loops_callbacks.data.tokenization import preference_datums
     from loops_callbacks.demo.data import ReversePairsDataModule
-    from loops_callbacks.reference.across_ranks import _check_same_tokens, _Digest
+    from loops_callbacks.reference.across_ranks import _check_same_tokens
+    from loops_callbacks.reference.cache import data_fingerprint
     from loops_callbacks.reference.collectives import Group, StallGuard
     from loops_callbacks.reference.packing import PackedTokens
 
@@ -69,8 +71,11 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     chat = DPODataModule(path=CHAT, tokenizer=tokenizer, progress=False)
 
     def again(module: DPODataModule) -> Callable[[], Any]:
+        if "_packed" not in vars(module):
+            raise AttributeError("DPODataModule keeps its pairs elsewhere than _packed: the timing would read them")
+
         def load() -> Any:
-            module._datums = None  # read, check and tokenize again
+            module._packed = None  # the pairs dpo_data() keeps: read, check and tokenize again
             return module.dpo_data()
 
         return load
@@ -85,7 +90,7 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     group = Group()
     guard = StallGuard(group, 600.0)
     rows["demo 2,048 datums: token-id check before scoring"] = _median_ms(
-        lambda: _check_same_tokens(packed, _Digest(packed), group, guard, str), repeats
+        lambda: _check_same_tokens(packed, functools.partial(data_fingerprint, packed), group, guard, str), repeats
     )
     rows["chat 512 records: dpo_data() on 2 ranks (checks + half each)"] = _median_ms(again(chat), repeats)
     rows["chat 512 records: preference_datums on all (each rank, before)"] = _median_ms(

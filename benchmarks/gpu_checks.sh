@@ -8,26 +8,29 @@
 #
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
 #
+# Every step runs with $PYTHON (default: python3 from PATH), e.g. PYTHON=.venv/bin/python.
+#
 # Exit status: 0 every check ran, 1 a check failed (its log says which), 3 no CUDA device here
 # (one line, and nothing is written).
 set -uo pipefail
 out=${1:-gpu_checks_out}
-if ! python3 -c "import torch" 2>/dev/null; then
-  echo "gpu_checks.sh: $(command -v python3) cannot import torch; install the checkout first: pip install -e \".[dev]\"" >&2
+python=${PYTHON:-python3}
+if ! "$python" -c "import torch" 2>/dev/null; then
+  echo "gpu_checks.sh: $(command -v "$python") cannot import torch; install the checkout first: pip install -e \".[dev]\"" >&2
   exit 1
 fi
-if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_checks.sh: no CUDA device here (torch.cuda.is_available() is False); nothing was run or written" >&2
   exit 3
 fi
 mkdir -p "$out"
 failed=0
 export PYTHONPATH=$PWD WANDB_MODE=offline PYTHONUNBUFFERED=1
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.log" || failed=1
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tail -15 | tee "$out/test_cuda.log" || failed=1
-python3 benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16 --skip-remote --budgets 8192 16384 2>&1 | tee "$out/bench_reference_medium_bf16.log" || failed=1
-python3 benchmarks/bench_reference.py --device cuda --dtype bfloat16 --head-memory 2>&1 | tee "$out/bench_reference_head_memory.log" || failed=1
-python3 benchmarks/bench_reference.py --device cuda --budgets 4096 16384 2>&1 | tee "$out/bench_reference.log" || failed=1
-python3 benchmarks/bench_rl_metrics.py --device cuda 2>&1 | tee "$out/bench_rl_metrics.log" || failed=1
-python3 benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tail -6 | tee "$out/bench_callback.log" || failed=1
+"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.log" || failed=1
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tail -15 | tee "$out/test_cuda.log" || failed=1
+"$python" benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16 --skip-remote --budgets 8192 16384 2>&1 | tee "$out/bench_reference_medium_bf16.log" || failed=1
+"$python" benchmarks/bench_reference.py --device cuda --dtype bfloat16 --head-memory 2>&1 | tee "$out/bench_reference_head_memory.log" || failed=1
+"$python" benchmarks/bench_reference.py --device cuda --budgets 4096 16384 2>&1 | tee "$out/bench_reference.log" || failed=1
+"$python" benchmarks/bench_rl_metrics.py --device cuda 2>&1 | tee "$out/bench_rl_metrics.log" || failed=1
+"$python" benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tail -6 | tee "$out/bench_callback.log" || failed=1
 exit $failed

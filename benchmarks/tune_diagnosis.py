@@ -9,6 +9,7 @@ run this on the held-out generator: thresholds are set here and reported there.
 
     python benchmarks/tune_diagnosis.py --seeds 0 1 --steps 20
     python benchmarks/tune_diagnosis.py --seeds 0 1 --steps 20 --other
+    python benchmarks/tune_diagnosis.py --base-steps 2 --steps 2 --skip 0 --seeds 0   # a smoke run
 """
 
 from __future__ import annotations
@@ -91,11 +92,14 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=bench_diagnosis.HEALTHY_STEPS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--other", action="store_true")
+    parser.add_argument("--base-steps", type=int, default=None,
+                        help="fault-free steps of the base policy (default 150; 300 with --other)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     faults = bench_diagnosis.OTHER_FAULTS if args.other else bench_diagnosis.FAULTS
-    base = bench_diagnosis.train_base(300 if args.other else 150, seed=12345)
+    base_steps = args.base_steps if args.base_steps is not None else 300 if args.other else 150
+    base = bench_diagnosis.train_base(base_steps, seed=12345)
     variants = {
         "every rule": (True, True),
         "trend, no token identity": (True, False),

@@ -1,8 +1,8 @@
 """The ``loops-callbacks`` command as a new user runs it: through the console script, in a subprocess.
 
 Exit statuses a script can act on, the summary as the last thing printed (after W&B's shutdown
-output), every log under ``--trainer.default_root_dir``, a one-line missing-package error, a
-``--help`` that lists the shipped configs, and ``benchmarks/gpu_checks.sh`` without CUDA.
+output), every log under ``--trainer.default_root_dir``, a one-line missing-package error
+and a ``--help`` that lists the shipped configs.
 """
 
 from __future__ import annotations
@@ -252,18 +252,6 @@ def test_every_shipped_logger_writes_under_default_root_dir(path: str) -> None:
         assert logger["init_args"]["save_dir"] == ".", logger  # relative: under default_root_dir
         kinds.add(logger["class_path"].rsplit(".", 1)[1])
     assert "TensorBoardLogger" in kinds and "CSVLogger" in kinds
-
-
-def test_gpu_checks_without_cuda_say_so_in_one_line_and_write_nothing(tmp_path: Path) -> None:
-    before = sorted(p.name for p in ROOT.iterdir())
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_checks.sh"), str(tmp_path / "out")], cwd=ROOT,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 3, done.stdout + done.stderr
-    assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "no CUDA device" in done.stderr
-    assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in ROOT.iterdir()) == before
 
 
 def test_only_an_import_error_that_caused_the_failure_is_reported_as_a_missing_package() -> None:
