@@ -20,11 +20,13 @@ from loops_callbacks.rl_metrics import loops_compute_kl_sample_train, loops_log_
 from loops_callbacks.types import Datum, EncodedTextChunk, ForwardBackwardOutput, ModelInput, TensorData
 
 __all__ = [
+    "DPODataModule",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
     "KLSampleTrainMonitor",
     "ModelInput",
+    "ReferenceLogprobsMixin",
     "SampleTrainDivergenceError",
     "SamplingClient",
     "TensorData",
@@ -35,13 +37,18 @@ __all__ = [
     "token_logprobs",
 ]
 
-_LIGHTNING_NAMES = {"KLSampleTrainMonitor", "SampleTrainDivergenceError"}
+_LIGHTNING_NAMES = {
+    "KLSampleTrainMonitor": "loops_callbacks.divergence.monitor",
+    "SampleTrainDivergenceError": "loops_callbacks.divergence.monitor",
+    "DPODataModule": "loops_callbacks.data",
+    "ReferenceLogprobsMixin": "loops_callbacks.data",
+}
 
 
 def __getattr__(name: str) -> object:
-    """The Lightning callback is imported on first use, so the plain functions load without Lightning."""
+    """The Lightning plugins are imported on first use, so the plain functions load without Lightning."""
     if name in _LIGHTNING_NAMES:
-        from loops_callbacks.divergence import monitor
+        import importlib
 
-        return getattr(monitor, name)
+        return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
     raise AttributeError(f"module 'loops_callbacks' has no attribute {name!r}")

@@ -36,6 +36,11 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
 def test_every_python_block_runs(page: Path, index: int, block: str, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # a block that writes (logs, caches) writes under the test's tmp dir
+    if "from vllm import" in block:
+        pytest.importorskip("vllm", reason="the block runs a vLLM engine")
+        for name in ("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT"):  # vLLM's own files under the tmp dir too
+            monkeypatch.setenv(name, str(tmp_path / name.lower()))
+        monkeypatch.setenv("VLLM_NO_USAGE_STATS", "1")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(block, f"{page.name}, block {index}", "exec"), {"__name__": "docs"})

@@ -241,16 +241,18 @@ def test_the_off_policy_mask_needs_advantages() -> None:
     assert unjudged.keep.tolist() == [[False] * 3, [True] * 3]  # a NaN advantage cannot be judged: not kept
 
 
-def test_the_readme_block_runs_as_written() -> None:
-    """README's "Rollout corrections as functions" example, executed on a small batch."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if "apply_correction(" in b]
+def test_the_docs_block_weights_the_loss_as_written() -> None:
+    """docs/corrections.md's two lines (the correction, then the loss), run on a batch where some sequences are
+    above TRL's cap: their tokens get no gradient, padding none either."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "corrections.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL) if "apply_correction(" in b]
     assert len(blocks) == 1
+    lines = "\n".join(line for line in blocks[0].splitlines() if line.startswith(("from ", "result =", "loss =")))
     inputs = batch(seed=2)
     trainer = inputs["trainer"].clone().requires_grad_(True)
     namespace = {"trainer_logprobs": trainer, "sampler_logprobs": inputs["sampler"], "mask": inputs["mask"],
                  "advantages": inputs["advantages"]}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(lines, "docs/corrections.md", "exec"), namespace)
     namespace["loss"].backward()
     assert torch.isfinite(trainer.grad).all() and trainer.grad[inputs["mask"] == 0].eq(0).all()
     dropped = (inputs["mask"] > 0) & ~namespace["result"].keep
