@@ -234,7 +234,7 @@ def after_steps(step: dict[str, Any], count: int) -> dict[str, Any]:
     return {**step, "policy_version": step["policy_version"] + count}
 
 
-BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "precision_max_k3"}
+BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "noise_floor"}
 """``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
 
 

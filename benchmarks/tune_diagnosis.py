@@ -2,7 +2,7 @@
 
 Runs the seeded faults of ``bench_diagnosis`` (``FAULTS``, or ``OTHER_FAULTS`` with ``--other``)
 through ``KLSampleTrainMonitor``, keeps each logged step's signatures and k3, and names each step
-three ways: with every rule, with the run's k3 trend as the only evidence of staleness that is
+three ways: with every rule, with the run's trend (of the relative gap) as the only evidence of staleness that is
 not a policy version (token identity off), and with token identity only (no trend). The demo
 carries no policy versions, so the per-lag rule is exercised by the unit tests, not here. Never
 run this on the held-out generator: thresholds are set here and reported there.
@@ -39,7 +39,7 @@ from loops_callbacks.divergence.signatures import signature_numbers  # noqa: E40
 def record(
     base: dict[str, torch.Tensor], options: dict[str, Any], steps: int, seed: int, skip: int = 0
 ) -> list[dict[str, Any]]:
-    """Each logged step's signatures, token count, precision bound and whether the sampler was just synced;
+    """Each logged step's signatures, token count, noise floor and whether the sampler was just synced;
     the faults start after ``skip`` healthy steps (``bench_diagnosis.with_healthy_start``)."""
     pl.seed_everything(seed, verbose=False)
     module = RLPolicyModule(**bench_diagnosis.with_healthy_start(options, skip))
@@ -52,7 +52,7 @@ def record(
             {
                 "signatures": signature_numbers(host),
                 "n_tokens": host.totals["n_action_tokens"],
-                "bound": report_options.get("precision_max_k3", diagnosis.PRECISION_MAX_K3),
+                "noise_floor": report_options.get("noise_floor"),
                 "fresh": module.sampler_synced_at_step == module.trainer.global_step - 1,
             }
         )
@@ -76,10 +76,10 @@ def named(steps: list[dict[str, Any]], *, trend: bool, token_identity: bool) -> 
         for step in steps:
             sig = step["signatures"]
             found = diagnosis.diagnose(
-                sig, n_tokens=step["n_tokens"], precision_max_k3=step["bound"],
+                sig, n_tokens=step["n_tokens"], noise_floor=step["noise_floor"],
                 trend=tuple(history[-diagnosis.TREND_STEPS :]) if trend else (),
             )
-            history.append(sig["kl_sample_train_k3"])
+            history.append(sig["relative_gap"])
             causes.append(found.cause)
     finally:
         diagnosis.STALE_ETA2 = eta2
