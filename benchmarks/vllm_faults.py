@@ -66,7 +66,9 @@ from user_loops import HEALTHY_CAUSES, Step, _diagnoses  # noqa: E402
 from loops_callbacks import token_logprobs  # noqa: E402
 from loops_callbacks.demo.vllm_rl import ENGINE_ENVIRONMENT  # noqa: E402
 from loops_callbacks.divergence.evidence import SamplerFacts  # noqa: E402
-from loops_callbacks.integrations.vllm import VLLMWarning, VLLMWeightSync, generate_rollouts, shutdown_engine  # noqa: E402
+from loops_callbacks.integrations.vllm import (  # noqa: E402
+    VLLMWarning, VLLMWeightSync, generate_rollouts, shutdown_engine,
+)
 
 VOCAB, BOS, EOS = 512, 0, 1
 MAX_MODEL_LEN = 1024
@@ -136,7 +138,8 @@ def settings(**sizes: Any) -> list[Setting]:
         Setting("16 prompts a step", "healthy", prompts=16),
         Setting("128 prompts a step", "healthy", prompts=128),
         Setting("256-token shared prefix, cache reset", "healthy", system_prefix=256),
-        Setting("256-token shared prefix, cache not reset", "prefix_cache", system_prefix=256, reset_prefix_cache=False),
+        Setting("256-token shared prefix, cache not reset", "prefix_cache", system_prefix=256,
+                reset_prefix_cache=False),
         Setting("raw logprobs, T 0.7 top-p 0.9 top-k 20", "sampling", **truncated),
         Setting("float32 engine, never synced", "stale", sync_every=None),
         Setting("float32 engine, synced every 4 steps", "stale", sync_every=4),
@@ -392,17 +395,18 @@ def main() -> None:
                         torch.save({"setting": dataclasses.asdict(setting), "steps": kept},
                                    Path(args.save_dir) / kept_file_name(setting))
                     results.append((setting, steps, time.perf_counter() - start))
-                    dump.append({"setting": dataclasses.asdict(setting), "steps": [dataclasses.asdict(s) for s in steps]})
+                    dump.append({"setting": dataclasses.asdict(setting),
+                                 "steps": [dataclasses.asdict(s) for s in steps]})
             finally:
                 if llm is not None:
                     shutdown_engine(llm)
     minutes = (time.perf_counter() - started) / 60
     source = f"replayed from {args.replay}" if args.replay else "sampled by vLLM"
-    print(f"# vLLM faults, {args.healthy_steps} healthy + {args.steps} fault steps per setting, {source}; {cpu_name()}; "
-          f"{minutes:.1f} min")
+    print(f"# vLLM faults, {args.healthy_steps} healthy + {args.steps} fault steps per setting, {source}; "
+          f"{cpu_name()}; {minutes:.1f} min")
     print("\n" + "\n".join(confusion_lines([(s, steps) for s, steps, _ in results])))
-    print("\n| setting | true cause | judged | named, healthy steps | named, fault steps | right, healthy | right, fault "
-          "| s |\n|---|---|---:|---|---|---:|---:|---:|")
+    print("\n| setting | true cause | judged | named, healthy steps | named, fault steps | right, healthy "
+          "| right, fault | s |\n|---|---|---:|---|---|---:|---:|---:|")
     for setting, steps, seconds in results:
         print(setting_line(setting, steps, seconds))
         if args.show:
