@@ -6,17 +6,20 @@ The rules, in the order they are tried (d = trainer − sampler logprob; the ful
 each cause's numbers look like and where the thresholds come from, is in the docs):
 
 1. ``unclear`` with fewer than 64 action tokens; ``none`` when d = 0 exactly on half the tokens
-   (99% when both sides came as 16-bit floats); ``shift`` when the logprobs match at an offset.
+   (99% when both sides came as 16-bit floats) and the rest is within noise; ``shift`` when the
+   logprobs match at an offset.
 2. **The noise gate.** The gap is read relative to the spread of the sampler's logprobs,
    ``relative_gap`` = mean d² / var(s): rounding noise scales with the logits, so this stays level
    while a model sharpens and k3 grows 100-fold. A step whose relative gap is within the run's
-   noise bound (its log above the bound's by less than 3 relative standard errors) is ``precision`` — or ``unclear`` when the gap sits on the
-   completions' first tokens — and no other cause is named: at that size none would help anyone.
+   noise bound (its log above the bound's by less than 3 relative standard errors) is ``precision``
+   — or ``unclear`` when the gap sits on the completions' first tokens — and no other cause is named:
+   at that size none would help anyone; but where the versions show every datum behind the trainer
+   and the gap is beyond 3x the calibrated floor itself, ``stale``.
 3. Beyond noise: ``stale`` when the gap grows with the policy lag (per-datum ``policy_version``),
    when every datum is equally behind the trainer, or when the gap has grown step after step since it
    was last within noise (the run's history); then ``unrelated`` (Pearson < 0.3), ``truncation``,
-   ``temperature`` (a slope of t on s at least 0.15 and 3 standard errors from 1, or a sign split
-   that the slope agrees with), the first-token fade (``unclear``), and ``stale`` from token
+   ``temperature`` (a slope of t on s at least 0.15 — 0.05 where the versions show every datum
+   current — and 3 standard errors from 1, or a sign split that the slope agrees with), the first-token fade (``unclear``), and ``stale`` from token
    identity (bf16 rounding of the weights leaves it too: read once the run is calibrated, or
    before that above ``NOISE_CEILING``, a gap no engine's rounding is taken to reach).
 
@@ -121,6 +124,10 @@ HEALTHY_STEPS = 16
 """The latest healthy steps whose median is the floor (it follows a floor that drifts as a model sharpens)."""
 SLOPE_SE = 3.0
 """A temperature's slope is at least this many standard errors from 1."""
+CURRENT_TEMPERATURE_SLOPE = 0.05
+"""The slope's distance from 1 that names a temperature where the versions show every datum current."""
+LAG_NOISE_FACTOR = 3.0
+"""Where the versions show every datum behind, a gap beyond this many times the calibrated floor is staleness."""
 SAMPLING_Z = 5.0
 """|sampling_z| from which the tokens are taken as drawn from another distribution (``metrics.sampling_metrics``)."""
 
@@ -226,7 +233,9 @@ class Diagnosis:
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
         if self.cause == SAMPLING and math.isfinite(self.evidence.get("sampling_z", math.nan)):
             side = "sharper" if self.evidence["sampling_z"] > 0 else "flatter"
-            what += f" (drawn {side}: effective temperature ≈ {self.evidence['sampling_temperature']:.1f})"
+            temperature = self.evidence.get("sampling_temperature", math.nan)
+            estimate = f": effective temperature ≈ {temperature:.1f}" if 0.2 <= temperature <= 5.0 else ""
+            what += f" (drawn {side}{estimate})"
         if self.observed:
             what += f": {self.observed}"
         numbers = f" ({_format(self.evidence)})" if self.evidence else ""
@@ -347,8 +356,10 @@ def diagnose(
     )
     prior = NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR
     bound = prior if noise_floor is None else max(NOISE_FACTOR * noise_floor, NOISE_MIN)
+    lag_bound = bound if noise_floor is None else max(LAG_NOISE_FACTOR * noise_floor, NOISE_MIN)
     context = {
-        "noise_bound": bound, "calibrated": noise_floor is not None, "facts": facts, "by_lag": by_lag, "trend": trend,
+        "noise_bound": bound, "lag_bound": lag_bound, "calibrated": noise_floor is not None, "facts": facts,
+        "by_lag": by_lag, "trend": trend,
     }
     statistical = _statistical_cause(sig, n_tokens=n_tokens, **context)
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
@@ -409,6 +420,7 @@ def _statistical_cause(
     *,
     n_tokens: float,
     noise_bound: float,
+    lag_bound: float,
     calibrated: bool,
     facts: SamplerFacts | None,
     by_lag: Mapping[str, Any] | None,
@@ -427,14 +439,20 @@ def _statistical_cause(
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
     sampling = _sampling(sig, facts)  # named only where the logprobs agree: were the tokens drawn from them?
-    if get("frac_d_zero") >= zero_share:
+    within_noise = not _beyond_noise(sig, noise_bound)
+    # most tokens exactly equal and the rest within noise (a collapsed policy matches exactly where p = 1)
+    if get("frac_d_zero") >= zero_share and within_noise:
         return sampling or found("none", (get("frac_d_zero") - zero_share) / (sure_at - zero_share), "frac_d_zero")
     offset = _offset(sig)
     if offset is not None:
         return offset
     gap = get("relative_gap")
     noise = {"relative_gap": gap, "noise_bound": noise_bound, "k3": get("kl_sample_train_k3")}
-    if not _beyond_noise(sig, noise_bound):  # within rounding noise: precision, unless the gap sits on the first tokens
+    behind = _common_lag(by_lag)
+    if within_noise:  # within rounding noise: precision, unless something more direct says otherwise
+        # every datum behind the trainer and the gap beyond the floor itself: staleness a bf16 floor would hide
+        if behind and _beyond_noise(sig, lag_bound):
+            return Diagnosis("stale", _confidence(math.log10(gap / lag_bound) / 2), {"lag": float(behind)} | noise)
         if sampling is not None:
             return sampling
         if get("context_fade") >= CONTEXT_FADE and get("context_fade_z") >= CONTEXT_Z:
@@ -445,7 +463,6 @@ def _statistical_cause(
     lags = _lag_growth(by_lag)
     if lags is not None and lags["lag_growth"] >= LAG_GROWTH:
         return Diagnosis("stale", _confidence((lags["lag_growth"] - LAG_GROWTH) / LAG_GROWTH), lags)
-    behind = _common_lag(by_lag)
     if behind:  # every datum equally behind the trainer, and a gap beyond noise
         return Diagnosis("stale", _confidence(math.log10(gap / noise_bound) / 2), {"lag": float(behind)} | noise)
     # weights a few steps old look like a mild temperature, far out of date like unrelated distributions
@@ -465,9 +482,11 @@ def _statistical_cause(
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     significant = off_one >= SLOPE_SE * slope_se  # a slope within its error of 1 is not a temperature
-    if pearson >= TEMPERATURE_PEARSON and off_one >= TEMPERATURE_SLOPE and significant:
-        margin = (off_one - TEMPERATURE_SLOPE) / TEMPERATURE_SLOPE
-        return found("temperature", margin, "temperature", "temperature_se", "pearson", "sd_ratio")
+    # the margin kept against weights a few steps old (a sharpening policy moves the slope too) is not needed
+    # where the versions show every datum current
+    margin = CURRENT_TEMPERATURE_SLOPE if behind == 0 else TEMPERATURE_SLOPE
+    if pearson >= TEMPERATURE_PEARSON and off_one >= margin and significant:
+        return found("temperature", (off_one - margin) / margin, "temperature", "temperature_se", "pearson", "sd_ratio")
     # d of one sign on likely tokens and the other on unlikely ones, with the slope off 1 the same way
     agrees = significant and (slope < 1.0) == (get("temperature_sign") < 0)
     if get("sign_split") >= SIGN_SPLIT and agrees:

@@ -148,3 +148,35 @@ def test_token_identity_at_the_level_of_rounding_noise_is_not_staleness() -> Non
     assert diagnose(sig | {"token_eta2": 0.25}, n_tokens=1000, noise_floor=1e-5).cause == "stale"
     # at the level of the run's own noise, token identity is not read at all
     assert diagnose(sig | {"token_eta2": 0.25}, n_tokens=1000, noise_floor=1e-4).cause == "precision"
+
+
+def test_exact_matches_on_most_tokens_are_no_mismatch_only_when_the_rest_is_within_noise() -> None:
+    """A collapsed policy gives both sides logprob 0 on most tokens: the gap on the rest still counts."""
+    sig = {"frac_d_zero": 0.9, "relative_gap": 80.0, "relative_gap_se": 5.0, "pearson": 0.5, "temperature": 1.0,
+           "kl_sample_train_k3": 0.5}
+    assert diagnose(sig, n_tokens=1000).cause != "none"
+    assert diagnose(sig | {"relative_gap": 1e-6}, n_tokens=1000).cause == "none"
+
+
+def test_every_datum_behind_at_a_gap_a_bf16_floor_would_hide_is_stale_once_calibrated() -> None:
+    """A bf16 engine one step behind: the gap is 5x the run's floor, within the 20x that rounding may vary,
+    but the versions say every datum is behind: stale. Current datums at that gap stay precision."""
+    sig = {"frac_d_zero": 0.0, "relative_gap": 1e-3, "relative_gap_se": 3e-5, "pearson": 0.999, "temperature": 1.0,
+           "kl_sample_train_k3": 1.5e-3}
+    one_behind = {"0": Lag(0, float("nan")), "1": Lag(4096, 0.02)}
+    found = diagnose(sig, n_tokens=4096, by_lag=one_behind, noise_floor=2e-4)
+    assert found.cause == "stale" and "lag 1" in found.message
+    assert diagnose(sig, n_tokens=4096, by_lag={"0": Lag(4096, 0.02)}, noise_floor=2e-4).cause == "precision"
+    assert diagnose(sig, n_tokens=4096, by_lag=one_behind).cause == "precision"  # no floor yet: the prior decides
+
+
+def test_with_every_datum_current_a_slope_clearly_off_one_is_a_temperature_below_the_usual_margin() -> None:
+    """The 0.15 margin keeps weights a few steps old from reading as a temperature; versions that show every
+    datum current rule that out, so a slope 0.9 +- 0.004 is a temperature there (processed logprobs at T 0.7
+    with top-p and top-k on a real vLLM engine)."""
+    sig = {"frac_d_zero": 0.0, "relative_gap": 0.13, "relative_gap_se": 0.005, "pearson": 0.97, "temperature": 0.9,
+           "temperature_se": 0.004, "frac_d_pos": 0.09, "is_ratio_mean": 0.83, "is_ratio_se": 0.01,
+           "sign_split": 0.8, "temperature_sign": -1.0, "token_eta2": 0.2, "kl_sample_train_k3": 0.04}
+    current = {"0": Lag(4096, 0.3)}
+    assert diagnose(sig, n_tokens=4096, by_lag=current, noise_floor=1e-9).cause == "temperature"
+    assert diagnose(sig, n_tokens=4096, noise_floor=1e-9).cause != "temperature"  # no versions: the margin holds

@@ -203,3 +203,12 @@ def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
     assert asked == [False, True, False, True] and monitor.last_diagnosis.cause == "sampling"
     scored = token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), with_entropy=True)
     assert set(scored.outputs) == {"training_logprobs", "training_entropy", "training_varentropy"}
+
+
+def test_an_effective_temperature_is_said_only_where_the_first_order_estimate_means_one() -> None:
+    from loops_callbacks.divergence.diagnosis import Diagnosis
+
+    far = Diagnosis("sampling", 0.9, {"sampling_z": -2e5, "sampling_temperature": 2e5}).message
+    assert "drawn flatter)" in far and "effective temperature" not in far
+    near = Diagnosis("sampling", 0.9, {"sampling_z": 30.0, "sampling_temperature": 0.68}).message
+    assert "drawn sharper: effective temperature ≈ 0.7" in near
