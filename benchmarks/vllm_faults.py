@@ -366,12 +366,16 @@ def main() -> None:
     parser.add_argument("--json", help="write every logged step's diagnosis and numbers to this file")
     parser.add_argument("--save-dir", help="save each loop's batch fields (for replaying them) in this folder")
     parser.add_argument("--replay", help="replay the batches saved in this folder instead of training")
+    parser.add_argument("--seed", type=int, default=0, help="another seed is another set (model, prompts, draws)")
+    parser.add_argument("--sharpness", type=float, default=20.0, help="the output layer's scale")
+    parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="lightning")
     warnings.filterwarnings("ignore", category=VLLMWarning)  # the raw-logprobs setting is meant to be warned about
     sizes = {"healthy_steps": args.healthy_steps, "fault_steps": args.steps, "group": args.group,
-             "completion": args.completion, **({"prompts": args.prompts} if args.prompts else {})}
+             "completion": args.completion, "seed": args.seed, "sharpness": args.sharpness, "lr": args.lr,
+             **({"prompts": args.prompts} if args.prompts else {})}
     chosen = [s for s in settings(**sizes) if args.only in s.name]
     started = time.perf_counter()
     results, shown, dump = [], [], []
@@ -402,7 +406,8 @@ def main() -> None:
                     shutdown_engine(llm)
     minutes = (time.perf_counter() - started) / 60
     source = f"replayed from {args.replay}" if args.replay else "sampled by vLLM"
-    print(f"# vLLM faults, {args.healthy_steps} healthy + {args.steps} fault steps per setting, {source}; "
+    print(f"# vLLM faults, seed {args.seed}, output scale {args.sharpness:g}, lr {args.lr:g}, "
+          f"{args.healthy_steps} healthy + {args.steps} fault steps per setting, {source}; "
           f"{cpu_name()}; {minutes:.1f} min")
     print("\n" + "\n".join(confusion_lines([(s, steps) for s, steps, _ in results])))
     print("\n| setting | true cause | judged | named, healthy steps | named, fault steps | right, healthy "
