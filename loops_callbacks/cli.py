@@ -239,7 +239,7 @@ def _refusal(error: BaseException, seen: list[Exception]) -> tuple[object, Excep
     return None
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__)) + os.sep
 
 
 def _made_by_this_package(error: BaseException) -> object | None:
@@ -247,7 +247,8 @@ def _made_by_this_package(error: BaseException) -> object | None:
     the outermost such frame of its traceback."""
     for frame, _ in traceback.walk_tb(error.__traceback__):
         code = frame.f_code
-        if code.co_name in ("__init__", "__post_init__") and code.co_filename.startswith(_PACKAGE_DIR):
+        in_package = os.path.realpath(code.co_filename).startswith(_PACKAGE_DIR)  # imported as benchmarks/../ too
+        if code.co_name in ("__init__", "__post_init__") and in_package:
             return frame.f_locals.get("self")
     return None
 

@@ -295,6 +295,21 @@ def test_a_value_a_constructor_refuses_exits_2_with_one_line_naming_its_key(
     assert not os.path.exists("runs")  # nothing ran
 
 
+def test_a_refusal_is_found_when_the_package_was_imported_through_another_spelling_of_its_path() -> None:
+    """A benchmark that put ``benchmarks/..`` on ``sys.path`` made frames read ``.../benchmarks/../loops_callbacks``:
+    their constructors' refusals were tracebacks instead of one line."""
+    import loops_callbacks
+    from loops_callbacks.cli import _made_by_this_package
+
+    package = os.path.dirname(loops_callbacks.__file__)
+    spelled = os.path.join(os.path.dirname(package), "benchmarks", "..", "loops_callbacks", "made.py")
+    namespace: dict[str, Any] = {}
+    exec(compile("class Made:\n    def __init__(self):\n        raise ValueError('no')\n", spelled, "exec"), namespace)
+    with pytest.raises(ValueError) as refused:
+        namespace["Made"]()
+    assert type(_made_by_this_package(refused.value)).__name__ == "Made"
+
+
 def dpo_config(path: str, **data: Any) -> str:
     config = {
         "trainer": {"logger": False, "max_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False},
