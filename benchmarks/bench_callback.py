@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo.model import TinyCausalLM  # noqa: E402
