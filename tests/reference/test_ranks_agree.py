@@ -50,12 +50,16 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> str:
 
 
 class PerRankFile(DPODataModule):
-    """Rank r reads ``path.format(rank=r)`` (a node-local copy out of sync), and writes what it raised."""
+    """Rank r reads ``template.format(rank=r)`` (a node-local copy out of sync), and writes what it raised."""
+
+    def __init__(self, template: str, **kwargs: Any) -> None:
+        super().__init__(path=template.format(rank=0), **kwargs)  # each rank names its own file in setup
+        self.template = template
 
     @override
     def setup(self, stage: str) -> None:
         rank = self.trainer.global_rank
-        template = self.path
+        template = self.template
         self.path = template.format(rank=rank)
         try:
             super().setup(stage)
@@ -89,7 +93,7 @@ def test_ranks_reading_different_files_stop_with_the_first_differing_pair(tmp_pa
     write_jsonl(files / "pairs.0.jsonl", token_records(8))
     write_jsonl(files / "pairs.1.jsonl", token_records(rank1_pairs, changed=5 if rank1_pairs == 8 else None))
     cache = tmp_path / "cache"
-    module = PerRankFile(path=str(files / "pairs.{rank}.jsonl"), batch_size=2, cache_dir=str(cache), progress=False)
+    module = PerRankFile(str(files / "pairs.{rank}.jsonl"), batch_size=2, cache_dir=str(cache), progress=False)
 
     with pytest.raises(Exception, match="different"):
         fit_two_ranks(module, tmp_path)
