@@ -103,6 +103,7 @@ def _rank(rank: int, port: int, repeats: int) -> None:
         for name in rows:
             (wall, cpu0), (_, cpu1) = everyone[0][name], everyone[1][name]
             print(f"  {name:<68} {wall:8.1f} | {cpu0:8.1f} {cpu1:8.1f}")
+    torch.distributed.barrier()  # rank 0 holds the store: no rank leaves while another still reads it
     torch.distributed.destroy_process_group()
 
 
