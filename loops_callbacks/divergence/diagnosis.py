@@ -202,8 +202,9 @@ class Diagnosis:
 
     @property
     def is_observation(self) -> bool:
-        """Whether the cause was seen directly (impossible inputs, live dropout), not inferred from statistics."""
-        return self.cause in (IMPOSSIBLE_INPUTS, DROPOUT)
+        """Whether the cause was seen directly (impossible inputs, live dropout, the engine's own account of its
+        prefix cache or sampling settings), not inferred from statistics."""
+        return self.cause in (IMPOSSIBLE_INPUTS, DROPOUT) or bool(self.observed)
 
     @property
     def label(self) -> str:

@@ -700,6 +700,8 @@ def _advice(report: StepReport) -> str:
         cause = Diagnosis.impossible_inputs(report.problems.values())
     if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
         return f"{cause.message}."  # a fact about the inputs, not a hint
+    if cause is not None and cause.is_observation:
+        return f"{cause.message} (observed)."  # seen directly, not inferred: no confidence to weigh
     if cause is not None and cause.cause not in ("unclear", "none"):
         return f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
     return (

@@ -130,6 +130,7 @@ def test_the_monitor_names_draws_at_another_temperature_and_logs_the_check() -> 
     quiet_trainer(max_steps=3, callbacks=[monitor]).fit(DrawingPolicy(0.7))
     found = monitor.last_diagnosis
     assert found.cause == "sampling" and "drawn sharper: effective temperature ≈ 0.7" in found.message, found.message
+    assert not found.is_observation  # inferred from what was sampled, not said by the engine
     assert "logprobs_mode='processed_logprobs'" in found.message
     assert monitor.last_metrics[PREFIX + "sampling_z"] > 20 and PREFIX + "sampling_temperature" in monitor.last_metrics
     honest = KLSampleTrainMonitor(log_worst_tokens=False)
@@ -140,7 +141,7 @@ def test_the_monitor_names_draws_at_another_temperature_and_logs_the_check() -> 
 def test_the_engines_own_account_of_raw_logprobs_is_named_as_observed() -> None:
     facts = SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=1.0, top_p=0.9)
     found = diagnose({"frac_d_zero": 0.2, "relative_gap": 1e-6, "relative_gap_se": 1e-8}, n_tokens=1000, facts=facts)
-    assert found.cause == "sampling" and found.confidence == 1.0
+    assert found.cause == "sampling" and found.confidence == 1.0 and found.is_observation
     assert "the vllm engine reports raw_logprobs while sampling with top-p 0.9" in found.message
 
 
@@ -148,7 +149,7 @@ def test_a_prefix_cache_kept_across_a_weight_reload_is_named_from_the_engines_ac
     sig = {"frac_d_zero": 0.0, "relative_gap": 0.3, "relative_gap_se": 0.01, "pearson": 0.9, "temperature": 1.0}
     found = diagnose(sig, n_tokens=1000, facts=SamplerFacts(engine="vllm", stale_prefix_cache=True))
     assert found.cause == "prefix_cache" and "prefix cache holds KV computed with older weights" in found.message
-    assert "llm.reset_prefix_cache()" in found.message
+    assert "llm.reset_prefix_cache()" in found.message and found.is_observation
     assert diagnose(sig, n_tokens=1000, facts=SamplerFacts(engine="vllm", stale_prefix_cache=False)).cause != (
         "prefix_cache"
     )
@@ -163,7 +164,11 @@ def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() ->
     assert trainer.should_stop and "sampling_z" in monitor.stop_reason and "exceeded max_sampling_z = 6" in (
         monitor.stop_reason
     )
-    assert "drawn sharper" in monitor.stop_reason
+    assert "drawn sharper" in monitor.stop_reason and "(a hint, confidence" in monitor.stop_reason  # inferred
+    told = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    facts = SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=0.7)
+    quiet_trainer(max_steps=3, callbacks=[told]).fit(DrawingPolicy(0.7, facts))
+    assert told.last_diagnosis.is_observation and told.stop_reason.endswith("(observed)."), told.stop_reason
     missing = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
     with pytest.warns(UserWarning, match="max_sampling_z = 6 is set but the step has no 'training_entropy'"):
         quiet_trainer(max_steps=2, callbacks=[missing]).fit(TinyPolicy())
