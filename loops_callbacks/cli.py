@@ -36,7 +36,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,8 @@ class LoopsCLI(LightningCLI):
         """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again), and a
         failure because a signal killed a DDP rank in ``killed_rank`` (``run_cli`` prints the summary so far)."""
         try:
-            self.trainer.fit(model, **kwargs)
+            with _rank_deaths_reported(self.trainer):
+                self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
         except Exception:
@@ -391,6 +392,42 @@ def _monitors(trainer: Trainer) -> list[KLSampleTrainMonitor]:
 
 PEER_STATUS_WAIT_S = 2.0
 """How long a failed rank 0 waits to read the status of a rank that may have died (see ``_killed_rank``)."""
+
+
+@contextmanager
+def _rank_deaths_reported(trainer: Trainer) -> Iterator[None]:
+    """While fit runs, Lightning's watcher of the DDP ranks says which rank a signal killed, and the summary so far,
+    before it ends this process.
+
+    The watcher (``_ChildProcessObserver``) SIGKILLs this process within 5 s of a rank's death: a rank 0
+    waiting in the store (the reference scoring's stall guard) rather than in a gloo collective never saw an
+    error, and ended without a word. Here, rank 0 prints what ``run_cli`` prints after a killed rank, then
+    exits 128 + N itself; any other death is the watcher's as before.
+    """
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    observer = subprocess_script._ChildProcessObserver
+    terminate_all = observer._terminate_all
+
+    def report_then_terminate(watcher: Any) -> None:
+        killed = [(rank, -proc.returncode) for rank, proc in enumerate(watcher._child_processes, start=1)
+                  if proc.returncode is not None and proc.returncode < 0]
+        if not killed or not trainer.is_global_zero:
+            return terminate_all(watcher)
+        for proc in watcher._child_processes:
+            proc.kill()
+        rank, number = killed[0]
+        with suppress(Exception):  # what can be said: the process ends whatever happens
+            print(run_summary(trainer), flush=True)
+        print(f"Rank {rank} was killed by {_signal_name(number)} at step {trainer.global_step}: the run did not "
+              "finish", flush=True)
+        os._exit(128 + number)
+
+    observer._terminate_all = report_then_terminate
+    try:
+        yield
+    finally:
+        observer._terminate_all = terminate_all
 
 
 def _killed_rank(trainer: Trainer) -> tuple[int, int] | None:
