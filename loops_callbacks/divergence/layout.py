@@ -156,6 +156,8 @@ STATISTICS = (
     _extremum("neg_min_sampler"),
     _extremum("max_trainer"),
     _extremum("neg_min_trainer"),
+    _extremum("max_sampling_gap"),  # the one token's t + H furthest above 0, and (negated) below: sampling_z_trimmed
+    _extremum("neg_min_sampling_gap"),
 )
 """Every total and extremum, in the order they are stored."""
 

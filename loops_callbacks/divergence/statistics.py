@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -224,6 +225,7 @@ class DivergenceStats:
         sampler = _select(flat.sampler, active) if compact else flat.sampler.masked_fill(~active, 0.0)
         trainer = _select(flat.trainer, active) if compact else flat.trainer.masked_fill(~active, 0.0)
         device = d.device
+        sampling_sums, sampling_extrema = _sampling_sums(flat)
         sums: dict[str, torch.Tensor] = {
             "n_datums": torch.full((), float(flat.n_datums), dtype=torch.float64, device=device),
             "n_scored_datums": torch.count_nonzero(scored),
@@ -247,7 +249,7 @@ class DivergenceStats:
             "n_sampler_below_floor": torch.count_nonzero(sampler < LOGPROB_FLOOR),
             "n_trainer_below_floor": torch.count_nonzero(trainer < LOGPROB_FLOOR),
             **_advantage_counts(flat),
-            **_sampling_sums(flat),
+            **sampling_sums,
         }
         places = None  # each token's datum, rank and probability bucket, once for the strata and the diagnosis
         if signatures or strata is not None:
@@ -287,6 +289,7 @@ class DivergenceStats:
                 "neg_min_sampler": neg_min_sampler,
                 "max_trainer": max_trainer,
                 "neg_min_trainer": neg_min_trainer,
+                **sampling_extrema,
             },
         )
         worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=device)
@@ -509,18 +512,23 @@ def _signature_sums(
     return sums
 
 
-def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
-    """Sums for the check of what was sampled (``metrics.sampling_metrics``): over masked-in positions with a
-    finite trainer logprob t, entropy H and varentropy V, the count and the sums of t + H, H and V."""
+def _sampling_sums(flat: FlatBatch) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Totals and extrema for the check of what was sampled (``metrics.sampling_metrics``): over masked-in
+    positions with a finite trainer logprob t, entropy H and varentropy V, the count and the sums of t + H, H
+    and V; and the largest t + H and the smallest (negated), -inf without such positions."""
     names = ("n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy", "sum_sampling_varentropy")
     if flat.entropy is None or flat.varentropy is None:
-        return dict.fromkeys(names, torch.zeros((), dtype=torch.float64, device=flat.device))
+        zero, none = (torch.full((), value, dtype=torch.float64, device=flat.device) for value in (0.0, -math.inf))
+        return dict.fromkeys(names, zero), {"max_sampling_gap": none, "neg_min_sampling_gap": none}
     trainer = flat.trainer.to(torch.float64)
     entropy, varentropy = flat.entropy.to(torch.float64), flat.varentropy.to(torch.float64)
     masked_in = flat.masked_in if flat.masked_in is not None else flat.counted
     drawn = masked_in & torch.isfinite(trainer) & torch.isfinite(entropy) & torch.isfinite(varentropy)
-    parts = (drawn.to(torch.float64), trainer + entropy, entropy, varentropy)
-    return {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, parts)}
+    gap = trainer + entropy
+    parts = (drawn.to(torch.float64), gap, entropy, varentropy)
+    sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, parts)}
+    highest, neg_lowest = _max_and_negated_min(gap, drawn)
+    return sums, {"max_sampling_gap": highest, "neg_min_sampling_gap": neg_lowest}
 
 
 def _both_16_bit(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
