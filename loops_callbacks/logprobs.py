@@ -131,16 +131,16 @@ def token_logprobs(
 def _entropy_and_varentropy(log_softmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy H = -sum p log p and varentropy E[(log p)^2] - H^2 of each distribution of ``log_softmax``
     ``[..., V]``, in its dtype (float32 or wider), a few positions at a time; a token of probability 0 (a
-    logit of -inf) adds nothing. Two fused multiply-sums per chunk (``vecdot``), one exp."""
+    logit of -inf) adds nothing. One exp, one product, one sum and one fused multiply-sum (``vecdot``) per chunk."""
     flat = log_softmax.detach().reshape(-1, log_softmax.shape[-1])
     entropy = torch.empty(flat.shape[0], dtype=flat.dtype, device=flat.device)
     second = torch.empty_like(entropy)
     step = max(1, _CHUNK_ELEMENTS // max(1, flat.shape[-1]))
     for start in range(0, flat.shape[0], step):  # positions in chunks: the temporaries stay small
         logp = flat[start : start + step].clamp(min=_LOG_ZERO)  # exp(-1e4) is 0 and its square stays finite
-        p = logp.exp()
-        entropy[start : start + step] = torch.linalg.vecdot(p, logp).neg_()
-        second[start : start + step] = torch.linalg.vecdot(p.mul_(logp), logp)
+        p_logp = logp.exp().mul_(logp)
+        entropy[start : start + step] = p_logp.sum(-1).neg_()
+        second[start : start + step] = torch.linalg.vecdot(p_logp, logp)
     varentropy = second.sub_(entropy.square()).clamp_(min=0.0)
     shape = log_softmax.shape[:-1]
     return entropy.reshape(shape), varentropy.reshape(shape)
