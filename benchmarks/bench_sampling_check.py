@@ -162,14 +162,15 @@ def _word_level_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=word_level, bos_token="t0", eos_token="t1", unk_token="t2")
 
 
-def table(which: str, engines: list[str], healthy_steps: int, fault_steps: int, workdir: Path) -> None:
+def table(which: str, engines: list[str], healthy_steps: int, fault_steps: int, workdir: Path,
+          dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
     sampling_set = SETS[which]
     print(f"\nSet {which!r}: {sampling_set}; {SHAPE['sequences']} sequences x {SHAPE['tokens']} tokens a step; "
           f"alarm at |sampling_z| >= {SAMPLING_Z:g} with and without its most extreme token\n")
     print("| engine | sampler | drawn | steps | alarms | median z | z range | median T_eff | median rel. bias |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     for engine in engines:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in dtypes:
             for setting in SETTINGS:
                 steps = healthy_steps if setting == "honest" else fault_steps
                 if not steps:
@@ -230,6 +231,7 @@ def main() -> None:
     parser.add_argument("--fault-steps", type=int, default=10)
     parser.add_argument("--sequences", type=int, default=SHAPE["sequences"])
     parser.add_argument("--tokens", type=int, default=SHAPE["tokens"])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both", help="the sampler's")
     parser.add_argument("--cost", action="store_true", help="measure the entropy pass instead")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", default="/tmp/bench_sampling_check", help="where the vLLM model is written")
@@ -241,7 +243,8 @@ def main() -> None:
         cost(args.repeats)
         return
     engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
-    table(args.set, engines, args.healthy_steps, args.fault_steps, Path(args.workdir))
+    dtypes = ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,)
+    table(args.set, engines, args.healthy_steps, args.fault_steps, Path(args.workdir), dtypes)
 
 
 if __name__ == "__main__":
