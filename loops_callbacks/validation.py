@@ -39,16 +39,23 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 """The floating-point dtypes a model may be scored or sampled in, by their YAML names (the one table)."""
 
 
-def check(name: str, value: Any, kind: type | tuple[type, ...], what: str, valid: Callable[[Any], bool] | None = None) -> Any:
-    """``value`` if it is a ``kind`` (a bool only where ``kind`` is ``bool``) and ``valid(value)`` holds;
-    else a ``TypeError`` (not a ``kind``) or a ``ValueError`` (not valid) saying what ``name`` must be.
+def check(
+    name: str, value: Any, kind: type | tuple[type, ...], what: str, valid: Callable[[Any], bool] | None = None,
+    *, optional: bool = False,
+) -> Any:
+    """``value`` if it is a ``kind`` (a bool only where ``kind`` is ``bool``) and ``valid(value)`` holds, or ``None``
+    when ``optional``; else a ``TypeError`` (not a ``kind``) or a ``ValueError`` (not valid) saying what ``name``
+    must be.
 
     Example:
-        >>> check("max_kl", "0.05", numbers.Real, "a number >= 0 or None")
+        >>> check("max_kl", "0.05", numbers.Real, "a number >= 0", optional=True)
         Traceback (most recent call last):
         ...
         TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
     """
+    if optional and value is None:
+        return None
+    what += " or None" if optional else ""
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
     if valid is not None and not valid(value):
@@ -56,8 +63,9 @@ def check(name: str, value: Any, kind: type | tuple[type, ...], what: str, valid
     return value
 
 
-def check_int(name: str, value: Any, *, least: int | None, what: str = "") -> int:
-    """``value`` if it is an int ``>= least`` (any int when ``least`` is ``None``); ``what`` adds its meaning.
+def check_int(name: str, value: Any, *, least: int | None, what: str = "", optional: bool = False) -> int | None:
+    """``value`` if it is an int ``>= least`` (any int when ``least`` is ``None``), or ``None`` when ``optional``;
+    ``what`` adds its meaning.
 
     Example:
         >>> check_int("max_histogram_tokens", 1.5, least=None, what=" (<= 0: no cap)")
@@ -66,12 +74,16 @@ def check_int(name: str, value: Any, *, least: int | None, what: str = "") -> in
         TypeError: max_histogram_tokens must be an int (<= 0: no cap), got 1.5 (float)
     """
     bound = "" if least is None else f" >= {least}"
-    return check(name, value, int, f"an int{bound}{what}", lambda v: least is None or v >= least)
+    return check(name, value, int, f"an int{bound}{what}", lambda v: least is None or v >= least, optional=optional)
 
 
-def check_real(name: str, value: Any, *, least: float, most: float = math.inf, what: str) -> float:
-    """``value`` as a float if it is a real number in ``[least, most]`` (NaN is in no range)."""
-    return float(check(name, value, numbers.Real, what, lambda v: least <= v <= most))
+def check_real(
+    name: str, value: Any, *, least: float, most: float = math.inf, what: str, optional: bool = False
+) -> float | None:
+    """``value`` as a float if it is a real number in ``[least, most]`` (NaN is in no range), or ``None`` when
+    ``optional``."""
+    checked = check(name, value, numbers.Real, what, lambda v: least <= v <= most, optional=optional)
+    return None if checked is None else float(checked)
 
 
 def check_bool(name: str, value: Any) -> bool:
