@@ -45,22 +45,8 @@ from typing_extensions import override
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.cli.refusals import Constructors, missing_package, refusal_line
-from loops_callbacks.cli.summary import (  # noqa: F401  (the exit statuses, imported from here)
-    EXIT_ERROR,
-    EXIT_GUARD_RAIL_RAISED,
-    EXIT_GUARD_RAIL_STOPPED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_RANK_KILLED,
-    EXIT_STATUSES,
-    EXIT_USAGE,
-    exit_status,
-    killed_rank,
-    monitors_of,
-    run_summary,
-    shown,
-    wandb_run_directory,
-)
+from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT_INTERRUPTED, EXIT_STATUSES, EXIT_USAGE
+from loops_callbacks.cli.summary import exit_status, killed_rank, monitors_of, run_summary, shown, wandb_run_directory
 from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
 from loops_callbacks.reference import cache_tool
 
@@ -286,9 +272,8 @@ def _third_party_noise_filtered() -> Iterator[None]:
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             # jsonargparse APIs that LightningCLI itself still calls (we call two of them as it does)
             warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli")
-            warnings.filterwarnings(
-                "ignore", r"\s*(skip_none parameter|``ArgumentParser.add_instantiator``) was deprecated", DeprecationWarning
-            )
+            deprecated = r"\s*(skip_none parameter|``ArgumentParser.add_instantiator``) was deprecated"
+            warnings.filterwarnings("ignore", deprecated, DeprecationWarning)
             yield
     finally:
         rank_zero_log.removeFilter(_no_litlogger_tip)
