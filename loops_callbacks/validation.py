@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -38,6 +39,9 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 }
 """The floating-point dtypes a model may be scored or sampled in, by their YAML names (the one table)."""
 
+_SHOWN = reprlib.Repr()  # a refused value as it is, a huge one abridged (a list of a million token ids)
+_SHOWN.maxstring = _SHOWN.maxother = 300
+
 
 def check(
     name: str, value: Any, kind: type | tuple[type, ...], what: str, valid: Callable[[Any], bool] | None = None,
@@ -52,14 +56,18 @@ def check(
         Traceback (most recent call last):
         ...
         TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
+        >>> check("prompt", list(range(10**6)), str, "text")
+        Traceback (most recent call last):
+        ...
+        TypeError: prompt must be text, got [0, 1, 2, 3, 4, 5, ...] (list)
     """
     if optional and value is None:
         return None
     what += " or None" if optional else ""
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be {what}, got {_SHOWN.repr(value)} ({type(value).__name__})")
     if valid is not None and not valid(value):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {_SHOWN.repr(value)}")
     return value
 
 
