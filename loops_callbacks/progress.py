@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProgressBar"]
+__all__: list[str] = []  # the package's one progress display: nothing here is for users to import
 
 
 class ProgressBar:
