@@ -299,13 +299,9 @@ def run_cli(args: Any = None) -> LoopsCLI:
         try:
             with _third_party_noise_filtered():
                 cli = LoopsCLI(
-                    LightningModule,
-                    LightningDataModule,
-                    subclass_mode_model=True,
-                    subclass_mode_data=True,
+                    LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
                     save_config_callback=_SaveConfigBesideTheLogs,
                     save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
-                    args=args,
                 )
         except SystemExit:  # Lightning exits 1 after a Ctrl-C has shut the run down
             interrupted = next((trainer for trainer in _trainers if trainer.interrupted), None)

@@ -275,15 +275,8 @@ class RLPolicyModule(LightningModule):
         loss = policy_gradient_loss(training_logprobs, sampler_logprobs, mask, advantages, self.correction)
         self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=len(prompts))
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(prompts))
-        return {
-            "loss": loss,
-            "training_logprobs": training_logprobs,
-            "logprobs": sampler_logprobs,
-            "mask": mask,
-            "advantages": advantages,
-            "input_ids": input_ids,
-            "target_tokens": target_tokens,
-        }
+        return {"loss": loss, "training_logprobs": training_logprobs, "logprobs": sampler_logprobs, "mask": mask,
+                "advantages": advantages, "input_ids": input_ids, "target_tokens": target_tokens}
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -314,10 +307,7 @@ def group_advantages(
 
 
 def policy_gradient_loss(
-    training_logprobs: torch.Tensor,
-    sampler_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
+    training_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
     correction: Any = None,
 ) -> torch.Tensor:
     """Mean over action tokens of ``-weight * advantage``, the weight carrying the gradient.

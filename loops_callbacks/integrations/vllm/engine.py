@@ -59,12 +59,7 @@ def engine_facts(
     """
     model = engine_config(llm).model_config
     return SamplerFacts(
-        engine="vllm",
-        dtype=str(model.dtype).removeprefix("torch."),
-        logprobs_mode=str(model.logprobs_mode),
-        temperature=float(sampling_params.temperature),
-        top_p=float(sampling_params.top_p),
-        top_k=int(sampling_params.top_k),
-        weight_version=weight_version,
-        stale_prefix_cache=stale_prefix_cache,
+        engine="vllm", dtype=str(model.dtype).removeprefix("torch."), logprobs_mode=str(model.logprobs_mode),
+        temperature=float(sampling_params.temperature), top_p=float(sampling_params.top_p),
+        top_k=int(sampling_params.top_k), weight_version=weight_version, stale_prefix_cache=stale_prefix_cache,
     )

@@ -44,7 +44,7 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
                 raise ValueError(
                     f"prompt {index} is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)"
                 )
-            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
         else:
             try:
                 ids = model_input_tokens(prompt)
@@ -57,15 +57,8 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
 
 
 def generate_rollouts(
-    llm: Any,
-    prompts: Sequence[Any],
-    sampling_params: Any,
-    *,
-    tokenizer: Any = None,
-    weight_sync: Any = None,
-    pad_id: int = 0,
-    groups: Sequence[int] | None = None,
-    device: str | torch.device | None = None,
+    llm: Any, prompts: Sequence[Any], sampling_params: Any, *, tokenizer: Any = None, weight_sync: Any = None,
+    pad_id: int = 0, groups: Sequence[int] | None = None, device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """``llm.generate`` on ``prompts`` (``prompt_token_ids``), as ``rollout_batch`` with the engine's facts.
 
@@ -81,13 +74,8 @@ def generate_rollouts(
 
 
 def rollout_batch(
-    outputs: Sequence[Any],
-    *,
-    facts: SamplerFacts | None = None,
-    policy_version: int | None = None,
-    groups: Sequence[int] | None = None,
-    pad_id: int = 0,
-    device: str | torch.device | None = None,
+    outputs: Sequence[Any], *, facts: SamplerFacts | None = None, policy_version: int | None = None,
+    groups: Sequence[int] | None = None, pad_id: int = 0, device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """The monitor's padded batch from ``LLM.generate``'s ``RequestOutput``s (the package docstring says how).
 
@@ -156,19 +144,13 @@ def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarr
     wrong = np.flatnonzero(ids != tokens)
     if wrong.size:
         k = int(wrong[0])
-        raise ValueError(f"{where}: position {k} has a logprob for token {int(ids[k])}, not for its token {int(tokens[k])}")
+        raise ValueError(f"{where}: position {k} has a logprob for token {ids[k]}, not for its token {tokens[k]}")
     return np.asarray(logprobs.logprobs, dtype=np.float64)[starts]
 
 
 def _padded_batch(
-    prompts: list[Sequence[int]],
-    completions: list[np.ndarray],
-    logprobs: list[np.ndarray],
-    counts: list[int],
-    facts: SamplerFacts | None,
-    policy_version: int | None,
-    groups: Sequence[int] | None,
-    pad_id: int,
+    prompts: list[Sequence[int]], completions: list[np.ndarray], logprobs: list[np.ndarray], counts: list[int],
+    facts: SamplerFacts | None, policy_version: int | None, groups: Sequence[int] | None, pad_id: int,
     device: str | torch.device | None,
 ) -> dict[str, Any]:
     """Rows ``prompt + completion``, right-padded; the completion's tokens are the action tokens, and

@@ -22,16 +22,8 @@ _TOKEN_ID_PREFIX = "token_id:"
 
 
 def completions_request(
-    prompts: Sequence[Any],
-    *,
-    max_tokens: int,
-    n: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    stop_token_ids: Sequence[int] | None = None,
-    model: str | None = None,
-    **options: Any,
+    prompts: Sequence[Any], *, max_tokens: int, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+    top_k: int = -1, stop_token_ids: Sequence[int] | None = None, model: str | None = None, **options: Any,
 ) -> dict[str, Any]:
     """The JSON body of a ``/v1/completions`` request for ``prompts`` (token ids) whose answer ``completions_batch``
     reads: ``"logprobs": 0`` and ``"return_tokens_as_token_ids": true`` (tokens come back as ``"token_id:N"``).
@@ -96,14 +88,8 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
 
 
 def completions_batch(
-    request: Mapping[str, Any],
-    response: Mapping[str, Any],
-    *,
-    logprobs_mode: str = "raw_logprobs",
-    dtype: str | None = None,
-    weight_version: int | None = None,
-    groups: Sequence[int] | None = None,
-    pad_id: int = 0,
+    request: Mapping[str, Any], response: Mapping[str, Any], *, logprobs_mode: str = "raw_logprobs",
+    dtype: str | None = None, weight_version: int | None = None, groups: Sequence[int] | None = None, pad_id: int = 0,
     device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """The monitor's padded batch (as ``rollout_batch``) from a ``/v1/completions`` ``response`` to ``request``.

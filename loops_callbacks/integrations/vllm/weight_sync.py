@@ -1,4 +1,4 @@
-"""The trainer's weights pushed into a vLLM engine in place, under their checkpoint names, with the prefix cache reset."""
+"""The trainer's weights pushed into a vLLM engine in place, under their checkpoint names; the prefix cache reset."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def checkpoint_weights(module: nn.Module, *, prefix: str | None = None) -> dict[
     chosen = {name[len(prefix) :]: tensor for name, tensor in weights.items() if name.startswith(prefix)}
     if not chosen:
         heads = sorted({name.split(".", 1)[0] + "." for name in weights})[:8]
-        raise ValueError(f"no weight of {type(module).__name__} starts with prefix {prefix!r}; its names start with {heads}")
+        name = type(module).__name__
+        raise ValueError(f"no weight of {name} starts with prefix {prefix!r}; its names start with {heads}")
     return chosen
 
 
@@ -142,18 +143,21 @@ class VLLMWeightSync:
             (name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
             for name, tensor in checkpoint_weights(module, prefix=self.prefix).items()
         ]
-        missing = sorted({name for names in self.llm.collective_rpc(_reload_in_place, args=(weights,)) for name in names})
+        left = self.llm.collective_rpc(_reload_in_place, args=(weights,))  # per worker, what the load did not reach
+        missing = sorted({name for names in left for name in names})
         self.stale_prefix_cache = self.prefix_caching
         if missing:
             raise ValueError(
-                f"the push left {len(missing)} of the engine's parameters as they were (no pushed weight reached them): "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; the pushed names must be the checkpoint's "
+                f"the push left {len(missing)} of the engine's parameters as they were (no pushed weight reached "
+                f"them): {missing[:5]}{' ...' if len(missing) > 5 else ''}; the pushed names must be the checkpoint's "
                 f"(checkpoint_weights(module) gave {sorted(name for name, _ in weights)[:3]} ...; pass prefix=)"
             )
         if self.reset_prefix_cache:
             self.clear_prefix_cache()
         trainer = getattr(module, "_trainer", None)
-        self.version = version if version is not None else (trainer.global_step if trainer is not None else self.version + 1)
+        if version is None:
+            version = trainer.global_step if trainer is not None else self.version + 1
+        self.version = version
         self.last_push_seconds = time.perf_counter() - start
         return self.version
 
@@ -164,8 +168,8 @@ class VLLMWeightSync:
             self.stale_prefix_cache = False
         else:
             run_warnings.warn(
-                "vLLM did not reset its prefix cache (requests were running?): prompts sharing a prefix may be served KV "
-                "computed with older weights until it is reset",
+                "vLLM did not reset its prefix cache (requests were running?): prompts sharing a prefix may be served "
+                "KV computed with older weights until it is reset",
                 VLLMWarning,
             )
         return reset
