@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "check_bool", "check_dtype", "check_int", "check_real"]
+__all__ = ["FLOAT_DTYPES", "check_bool", "check_dtype", "check_int", "check_real", "check_type"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -89,3 +89,17 @@ def check_dtype(name: str, value: Any, allowed: tuple[str, ...] = tuple(FLOAT_DT
     if (isinstance(value, (str, torch.dtype))) and key in allowed:
         return FLOAT_DTYPES[key]
     raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+
+
+def check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is an instance of ``types``; ``TypeError`` naming ``name``, ``what`` it must be and the value.
+
+    Example:
+        >>> check_type("cache_dir", 3, (str, type(None)), "a path or None")
+        Traceback (most recent call last):
+        ...
+        TypeError: cache_dir must be a path or None, got 3
+    """
+    if not isinstance(value, types):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    return value
