@@ -31,9 +31,9 @@ Example:
     >>> records = [{"prompt": [{"role": "user", "content": "Hi"}],
     ...             "chosen": [{"role": "assistant", "content": "Hello!"}],
     ...             "rejected": [{"role": "assistant", "content": "Go away."}]}]
-    >>> datums, report = preference_datums(records, tokenizer, progress=False)
+    >>> pairs, report = preference_pairs(records, tokenizer, progress=False)
     >>> prompt = tokenizer.apply_chat_template(records[0]["prompt"], add_generation_prompt=True)["input_ids"]
-    >>> datums[0].model_input.to_ints()[: len(prompt)] == prompt, report.num_pairs
+    >>> pairs.input_ids[: len(prompt)].tolist() == prompt, report.num_pairs
     (True, 1)
 """
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks import run_warnings
-from loops_callbacks.data.dpo import _checked_row, _record_pair, prompt_pair_rows
+from loops_callbacks.data.dpo import pair_rows, prompt_rows
 from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import (
@@ -67,22 +66,19 @@ from loops_callbacks.data.token_window import common_prefix_length, shared_start
 from loops_callbacks.optional import import_optional
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import Datum
+from loops_callbacks.validation import check_int
 
 __all__ = [
     "PreferenceDataWarning",
     "TokenizationReport",
     "apply_length_limits",
-    "check_chat_template_kwargs",
+    "check_limits",
     "check_tokenizer_path",
-    "common_prefix_length",
     "load_tokenizer",
-    "preference_datums",
     "preference_pairs",
     "read_dpo_jsonl",
-    "tokenize_preferences",
+    "tokenize_records",
 ]
-
-log = logging.getLogger(__name__)
 
 _CHUNK = 256  # records per batched tokenizer call
 
@@ -524,25 +520,6 @@ def apply_length_limits(
     return chosen, rejected, prompt_length, events
 
 
-def preference_datums(
-    source: Any,
-    tokenizer: Any = None,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    progress: bool = True,
-    warn: bool = True,
-) -> tuple[list[Datum], TokenizationReport]:
-    """Interleaved Loops DPO datums (chosen at even indices, rejected at odd) from preference records.
-
-    The datums of ``preference_pairs`` (the same arguments): ``model_input``, ``target_tokens`` and ``weights``.
-    """
-    pairs, report = preference_pairs(
-        source, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, progress=progress, warn=warn
-    )
-    return pairs.datums(), report
-
-
 def preference_pairs(
     source: Any,
     tokenizer: Any = None,
@@ -568,8 +545,30 @@ def preference_pairs(
         ValueError: a record that fits no format (naming its file and line, or row, and its keys),
             bad limits, a missing tokenizer or chat template, or no pair left.
     """
-    _check_limits(max_length, max_prompt_length)
-    located = list(source) if _is_located(source) else read_preference_records(source)
+    check_limits(max_length, max_prompt_length)
+    is_located = isinstance(source, list) and bool(source) and isinstance(source[0], LocatedRecord)
+    located = list(source) if is_located else read_preference_records(source)
+    pairs, report = tokenize_records(located, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
+                                     progress=progress)
+    return kept_pairs(pairs, report, warn=warn)
+
+
+def kept_pairs(pairs: PackedPairs, report: TokenizationReport, *, warn: bool = True
+               ) -> tuple[PackedPairs, TokenizationReport]:
+    """``pairs`` and ``report``, when any pair was kept (a ``ValueError`` saying why none was otherwise), after the one
+    ``PreferenceDataWarning`` of what was truncated, dropped or doubtful (``warn``)."""
+    message = report.warning()
+    if not len(pairs):
+        raise ValueError(f"no preference pair left out of {report.num_records} record(s): {message or 'the data are empty'}")
+    if message and warn:
+        run_warnings.warn(message, PreferenceDataWarning)
+    return pairs, report
+
+
+def tokenize_records(located: Sequence[LocatedRecord], tokenizer: Any, *, max_length: int | None = None,
+                     max_prompt_length: int | None = None, progress: bool = False
+                     ) -> tuple[PackedPairs, TokenizationReport]:
+    """``preference_pairs`` of located records without its last step (``kept_pairs``): they may keep no pair."""
     report = TokenizationReport(num_records=len(located))
     examples = [parse_preference(item.record, item.where) for item in located]
     for example in examples:
@@ -580,41 +579,31 @@ def preference_pairs(
     tokenized: dict[int, tuple[list[int], list[int], list[int]]] = {}
     if text:
         if tokenizer is None:
-            raise ValueError(
-                f"{examples[text[0]].where}: {examples[text[0]].format} records are text and need a tokenizer "
-                "(a Hugging Face tokenizer, or its name/path)"
-            )
+            raise ValueError(f"{examples[text[0]].where}: {examples[text[0]].format} records are text and need a "
+                             "tokenizer (a Hugging Face tokenizer, or its name/path)")
         tokenizer = load_tokenizer(tokenizer)
-        tokenized = dict(
-            zip(
-                text,
-                tokenize_preferences(
-                    [examples[i] for i in text],
-                    tokenizer,
-                    progress=progress,
-                    max_length=max_length,
-                    max_prompt_length=max_prompt_length,
-                ),
-            )
-        )
-
+        ids = tokenize_preferences([examples[i] for i in text], tokenizer, progress=progress, max_length=max_length,
+                                   max_prompt_length=max_prompt_length)
+        tokenized = dict(zip(text, ids))
     rows: list[dict[str, np.ndarray]] = []
     limited = max_length is not None or max_prompt_length is not None
     for index, example in enumerate(examples):
         split: int | None = None
         if example.format == "token_ids":
-            label = pair_label(index, example.where)
-            pair = _record_pair(example.record, label)  # checks the record
-            if not limited or example.record.get("prompt_length") is None:
+            record, label = example.record or {}, pair_label(index, example.where)
+            try:
+                pair = pair_rows(record["chosen"], record["rejected"], record.get("prompt_length"),
+                                 chosen_weights=record.get("chosen_weights"),
+                                 rejected_weights=record.get("rejected_weights"))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{label}: {error}") from None
+            if not limited or record.get("prompt_length") is None:
                 if limited:
-                    _check_weighted_within_limits(example.record, label, max_length, max_prompt_length)
-                if _same_datums(*pair):
-                    report.note("identical", example.where)
-                rows.extend(_checked_row(datum, 0)[0] for datum in pair)
-                report.record_indices.append(index)
+                    _check_weighted_within_limits(record, label, max_length, max_prompt_length)
+                _keep(rows, report, index, example.where, pair)
                 continue
-            chosen, rejected = list(example.record["chosen"]), list(example.record["rejected"])
-            prompt_length = int(example.record["prompt_length"])
+            chosen, rejected = list(record["chosen"]), list(record["rejected"])
+            prompt_length = int(record["prompt_length"])
         else:
             prompt_ids, chosen, rejected = tokenized[index]
             prompt_length = min(common_prefix_length(prompt_ids, chosen), common_prefix_length(prompt_ids, rejected))
@@ -632,58 +621,40 @@ def preference_pairs(
             _note_prompt_split(report, example.where, prompt_ids, split, tokenizer)
         for event in events:
             report.note(event, example.where)
-        if any(event.startswith("dropped") for event in events):
-            continue
-        if chosen == rejected:
-            report.note("identical", example.where)
-        rows.extend(prompt_pair_rows(chosen, rejected, prompt_length))
-        report.record_indices.append(index)
+        if not any(event.startswith("dropped") for event in events):
+            _keep(rows, report, index, example.where, prompt_rows(chosen, rejected, prompt_length))
     report.num_pairs = len(rows) // 2
-    if not rows:
-        raise ValueError(
-            f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
-        )
-    message = report.warning()
-    if message and warn:
-        run_warnings.warn(message, PreferenceDataWarning)
-    log.info("preference pairs: %d of %d kept, formats %s", report.num_pairs, report.num_records, report.formats)
-    return PackedPairs.from_rows(rows), report
+    where = tuple(located[index].where for index in report.record_indices)
+    return PackedPairs.from_rows(rows, where=where), report
+
+
+def _keep(rows: list[dict[str, np.ndarray]], report: TokenizationReport, index: int, where: str,
+          pair: list[dict[str, np.ndarray]]) -> None:
+    """Record ``index``'s pair kept, counted ``identical`` when its two sequences hold the same tokens and weights."""
+    if all(np.array_equal(pair[0][key], pair[1][key]) for key in ("input_ids", "weights")):
+        report.note("identical", where)
+    rows.extend(pair)
+    report.record_indices.append(index)
 
 
 def read_dpo_jsonl(path: str | os.PathLike[str]) -> list[Datum]:
     """Interleaved datums from a JSONL file of token-id records, as ``DPODataModule(path=...)`` reads it.
 
     The records are ``{"chosen", "rejected", "prompt_length"}`` (or the two weights), blank lines
-    skipped; they go through the DataModule's own reader (``read_preference_records``, then
-    ``preference_datums``), so the errors are the same: a ``ValueError`` naming the pair and the
-    line of the file (also for text that is not UTF-8).
+    skipped; they go through the DataModule's own reader (``preference_pairs``), so the errors are
+    the same: a ``ValueError`` naming the pair and the line of the file (also for text that is not UTF-8).
     """
-    data, _ = preference_datums(os.fspath(path), progress=False)
-    return data
+    return preference_pairs(os.fspath(path), progress=False)[0].datums()
 
 
-def _note_prompt_split(
-    report: TokenizationReport, where: str, prompt_ids: list[int], split: int, tokenizer: Any
-) -> None:
+def _note_prompt_split(report: TokenizationReport, where: str, prompt_ids: list[int], split: int,
+                       tokenizer: Any) -> None:
     """TRL's warning: the completion starts at token ``split``, inside the tokenized prompt (its end is shown)."""
-    shown = tokenizer.decode(prompt_ids[split:])
-    report.note("prompt_not_prefix", f"{where}, prompt end {shown!r} left out")
+    report.note("prompt_not_prefix", f"{where}, prompt end {tokenizer.decode(prompt_ids[split:])!r} left out")
 
 
-def _same_datums(chosen: Datum, rejected: Datum) -> bool:
-    """The two datums of a pair hold the same tokens and the same weights: the pair gives no gradient."""
-    return chosen.model_input.to_ints() == rejected.model_input.to_ints() and (
-        chosen.loss_fn_inputs["weights"].data == rejected.loss_fn_inputs["weights"].data
-    )
-
-
-def _is_located(source: Any) -> bool:
-    return isinstance(source, list) and bool(source) and isinstance(source[0], LocatedRecord)
-
-
-def _check_weighted_within_limits(
-    record: Mapping[str, Any], label: str, max_length: int | None, max_prompt_length: int | None
-) -> None:
+def _check_weighted_within_limits(record: Mapping[str, Any], label: str, max_length: int | None,
+                                  max_prompt_length: int | None) -> None:
     """A record given by per-token weights has no prompt to cut: it must fit the limits as it is."""
     for name in ("chosen", "rejected"):
         length = len(record[name])
@@ -698,12 +669,19 @@ def _check_weighted_within_limits(
             )
 
 
-def _check_limits(max_length: int | None, max_prompt_length: int | None) -> None:
-    for name, value, low in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"{name}={value!r} must be an int >= {low} or None")
+def check_limits(max_length: Any, max_prompt_length: Any, owner: str = "") -> None:
+    """``max_length`` (>= 2) and ``max_prompt_length`` (>= 1, less than ``max_length``), each an int or ``None``;
+    ``owner`` starts the messages (``"DPODataModule "``).
+
+    Example:
+        >>> check_limits(8, 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_prompt_length=8 must be less than max_length=8, or a prompt cut to max_prompt_length leaves no room for the completion
+    """
+    for name, value, least in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
+        if value is not None:
+            check_int(f"{owner}{name} (or None)", value, least=least)
     if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
-        raise ValueError(
-            f"max_prompt_length={max_prompt_length} must be less than max_length={max_length}, or a prompt cut to "
-            "max_prompt_length leaves no room for the completion"
-        )
+        raise ValueError(f"{owner}max_prompt_length={max_prompt_length} must be less than max_length={max_length}, or "
+                         "a prompt cut to max_prompt_length leaves no room for the completion")

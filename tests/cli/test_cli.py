@@ -97,7 +97,7 @@ def test_rl_configs_run_and_leave_an_offline_wandb_run_with_the_table(
 def test_dpo_config_attaches_reference_logprobs_and_trains(capsys: Any) -> None:
     cli = fit("dpo_tiny.yaml", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
     datamodule = cli.datamodule
-    assert all("ref_logprobs" in d.loss_fn_inputs for d in datamodule.scored_data)
+    assert all("ref_logprobs" in d.loss_fn_inputs for d in datamodule.scored_pairs.datums())
     assert "train/dpo_accuracy" in cli.trainer.callback_metrics
     wandb_run_dir("runs/dpo_tiny")
     assert glob.glob("runs/dpo_tiny/reference_logprobs/*")  # the cache a rerun loads

@@ -55,7 +55,7 @@ def test_an_out_of_vocabulary_id_names_the_pair_and_the_line_of_the_file(tmp_pat
     data = DPODataModule(path=str(path), reference=SmallVocabulary(), use_cache=False, progress=False)
     with pytest.raises(OutOfVocabularyError) as error:
         data.setup("fit")
-        data.scored_data  # noqa: B018  (with a lazily scored reference, the check runs here)
+        data.scored_pairs  # noqa: B018  (with a lazily scored reference, the check runs here)
     assert str(error.value) == (
         f"pair 2 (line 4 of {path}): the chosen datum (index 4) has token id 99 at position 2, "
         "outside the reference's vocabulary [0, 16)"
@@ -71,7 +71,7 @@ def test_in_memory_datums_keep_the_plain_message() -> None:
                          reference=SmallVocabulary(), use_cache=False, progress=False)
     with pytest.raises(OutOfVocabularyError, match=r"^pair 1: the chosen datum \(index 2\) has token id 40 at position 1"):
         data.setup("fit")
-        data.scored_data  # noqa: B018
+        data.scored_pairs  # noqa: B018
 
 
 @pytest.mark.parametrize("token", [2**70, 2**63, -3])
