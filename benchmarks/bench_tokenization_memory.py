@@ -1,7 +1,7 @@
 """Peak memory of tokenizing one huge preference record with ``max_length``: a window of its text vs the whole text.
 
 Each measurement runs in its own subprocess: it builds the record, reads its peak RSS
-(``ru_maxrss``), runs ``preference_datums`` with the shipped tokenizer
+(``ru_maxrss``), runs ``preference_pairs`` with the shipped tokenizer
 (``configs/data/chat_tokenizer``) and reports the growth of the peak RSS and the time. "window" is
 the package's path (a window of the text, ``loops_callbacks.data.token_window``); "whole"
 tokenizes the whole text first, as before (windows switched off). The whole text of a 50 MB
@@ -39,11 +39,11 @@ if mode == "whole":
     tokenization.worth_a_window = lambda *args: False
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
-data, report = tokenization.preference_datums([record], tokenizer, max_length=max_length, progress=False, warn=False)
+data, report = tokenization.preference_pairs([record], tokenizer, max_length=max_length, progress=False, warn=False)
 seconds = time.perf_counter() - started
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_mb": (after - before) / 1024, "seconds": seconds,
-                  "ids": [d.model_input.to_ints() for d in data]}))
+                  "ids": [d.model_input.to_ints() for d in data.datums()]}))
 """
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["standard", "conversational"])
     parser.add_argument("--tokenizer", default=str(ROOT / "configs" / "data" / "chat_tokenizer"))
     args = parser.parse_args()
-    print(f"max_length={args.max_length}; peak RSS growth (ru_maxrss) of preference_datums on one record")
+    print(f"max_length={args.max_length}; peak RSS growth (ru_maxrss) of preference_pairs on one record")
     print(f"{'format':<15} {'path':<7} {'record MB':>9} {'peak RSS growth MB':>19} {'seconds':>8}  same ids")
     for fmt in args.formats:
         reference = measure("window", fmt, min(args.whole_mb), args.max_length, args.tokenizer)
