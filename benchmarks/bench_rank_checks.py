@@ -56,7 +56,7 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     from transformers import AutoTokenizer
 
     from loops_callbacks.data import DPODataModule
-    from loops_callbacks.data.preference import read_preference_records
+    from loops_callbacks.data.sources import read_preference_records
     from loops_callbacks.data.tokenization import preference_pairs
     from loops_callbacks.demo.data import ReversePairsDataModule
     from loops_callbacks.reference.cache import data_fingerprint

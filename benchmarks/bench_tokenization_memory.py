@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, resource, sys, time
-from loops_callbacks.data import tokenization
+from loops_callbacks.data import tokenization, tokenizer as tokenizing
 
 mode, fmt, megabytes, max_length = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-tokenizer = tokenization.load_tokenizer(sys.argv[5])
+tokenizer = tokenizing.load_tokenizer(sys.argv[5])
 sentence = "The quick brown fox jumps over the lazy dog 1234 times, naïvely. "
 text = sentence * int(megabytes * 1e6 / len(sentence.encode()))
 if fmt == "standard":
@@ -36,7 +36,7 @@ else:
     record = {"prompt": [{"role": "user", "content": "Write a very long story."}],
               "chosen": [{"role": "assistant", "content": text}], "rejected": [{"role": "assistant", "content": "No."}]}
 if mode == "whole":
-    tokenization.worth_a_window = lambda *args: False
+    tokenizing.worth_a_window = lambda *args: False
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
 data, report = tokenization.preference_pairs([record], tokenizer, max_length=max_length, progress=False, warn=False)

@@ -2,9 +2,10 @@
 
 - ``dpo``: the Loops DPO convention (``dpo_pair_datums``), the checks (``check_dpo_pairs``), batches;
 - ``packed_pairs``: ``PackedPairs``, the pairs back to back in flat arrays, from tokenization to the batches;
-- ``preference``: preference records from files, data sets and memory, in TRL's formats;
+- ``sources``: preference records from files, data sets and memory; ``preference``: their format (TRL's);
+- ``tokenizer``: loading it, and calling it as TRL does (``token_window``: a window of a very long record);
 - ``tokenization``: records to pairs as TRL's ``DPOTrainer`` tokenizes them (``preference_pairs``),
-  within ``max_length`` / ``max_prompt_length``; ``token_window`` for very long records;
+  within ``max_length`` / ``max_prompt_length``;
 - ``records_across_ranks``: the records compared across ranks, each rank tokenizing its share;
 - ``reference_mixin``: ``ReferenceLogprobsMixin`` for any DataModule (the pairs checked once, then
   scored with ``loops_callbacks.reference``);
@@ -28,7 +29,7 @@ from loops_callbacks.conventions import from_tinker_convention
 from loops_callbacks.data.dpo import DPOPairDataset, check_dpo_pairs, collate_dpo_pairs, dpo_pair_datums
 from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import read_preference_records
+from loops_callbacks.data.sources import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
 from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_pairs, read_dpo_jsonl
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport

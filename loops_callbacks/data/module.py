@@ -17,10 +17,11 @@ from typing_extensions import override
 
 from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import read_preference_records, relative_path_note
+from loops_callbacks.data.sources import read_preference_records, relative_path_note
 from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
-from loops_callbacks.data.tokenization import TokenizationReport, check_limits, check_tokenizer_path
+from loops_callbacks.data.tokenization import TokenizationReport, check_limits
+from loops_callbacks.data.tokenizer import check_tokenizer_path
 from loops_callbacks.reference.clients import SamplingClient
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ScoringDtype

@@ -16,7 +16,7 @@ Lightning's sampler the whole data set). Each rank reads the records, then, in o
 In one process it is ``preference_pairs`` itself.
 
 Example:
-    >>> from loops_callbacks.data.preference import read_preference_records
+    >>> from loops_callbacks.data.sources import read_preference_records
     >>> records = read_preference_records([{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}])
     >>> pairs, report = tokenize_across_ranks(records, None, progress=False)
     >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), report.record_indices
@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -35,18 +34,14 @@ from typing import Any
 import numpy as np
 
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import LocatedRecord, parse_preference
-from loops_callbacks.data.tokenization import (
-    TokenizationReport,
-    kept_pairs,
-    load_tokenizer,
-    preference_pairs,
-    tokenize_records,
-)
+from loops_callbacks.data.preference import parse_preference
+from loops_callbacks.data.sources import LocatedRecord
+from loops_callbacks.data.tokenization import TokenizationReport, kept_pairs, preference_pairs, tokenize_records
+from loops_callbacks.data.tokenizer import load_tokenizer, tokenizer_digests
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
-__all__ = ["record_digests", "tokenize_across_ranks", "tokenizer_digests"]
+__all__ = ["record_digests", "tokenize_across_ranks"]
 
 
 def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
@@ -68,37 +63,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     return repr(value)
-
-
-def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
-    """Short digests of what makes a tokenizer's ids: its vocabulary and rules, its special tokens, its chat template.
-
-    Example:
-        >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
-        >>> tokenizer = build_chat_tokenizer()
-        >>> before = tokenizer_digests(tokenizer)
-        >>> tokenizer.chat_template = tokenizer.chat_template + " "
-        >>> [name for name, digest in tokenizer_digests(tokenizer).items() if digest != before[name]]
-        ['chat template']
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        rules = backend.to_str()
-    else:
-        vocabulary = getattr(tokenizer, "get_vocab", None)
-        rules = json.dumps(sorted(vocabulary().items())) if callable(vocabulary) else repr(tokenizer)
-    special = {
-        "class": type(tokenizer).__qualname__,
-        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
-        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
-    }
-    parts = {
-        "tokenizer vocabulary and rules": rules,
-        "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
-        "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str),
-    }
-    return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 
 
 def tokenize_across_ranks(

@@ -40,7 +40,7 @@ from jsonargparse.typing import PositiveFloat
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
-from loops_callbacks.data.tokenization import check_tokenizer_path, load_tokenizer
+from loops_callbacks.data.tokenizer import check_tokenizer_path, load_tokenizer
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.optional import import_optional
 from loops_callbacks.validation import check_real, check_type

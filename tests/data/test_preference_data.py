@@ -20,13 +20,14 @@ datasets = pytest.importorskip("datasets")
 parquet = pytest.importorskip("pyarrow.parquet")
 import pyarrow  # noqa: E402
 
-from loops_callbacks.data.preference import parse_preference, read_preference_records  # noqa: E402
+from loops_callbacks.data.preference import parse_preference  # noqa: E402
+from loops_callbacks.data.sources import read_preference_records  # noqa: E402
 from loops_callbacks.data.tokenization import (  # noqa: E402
     PreferenceDataWarning,
     apply_length_limits,
-    load_tokenizer,
     preference_pairs,
 )
+from loops_callbacks.data.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(ROOT / "configs" / "data" / "chat_tokenizer")

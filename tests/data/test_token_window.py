@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from loops_callbacks.data import tokenization  # noqa: E402
+from loops_callbacks.data import tokenizer as tokenizing  # noqa: E402
 from tests.data.test_preference_data import preference_datums  # noqa: E402
 from loops_callbacks.data.token_window import shared_start, window_token_ids, worth_a_window  # noqa: E402
 
@@ -99,10 +99,10 @@ def test_a_window_gives_the_whole_texts_datums(
 ) -> None:
     max_length, max_prompt_length = limit
     with monkeypatch_module.context() as patch:  # a window for every record, long or short
-        patch.setattr(tokenization, "worth_a_window", lambda *args: True)
+        patch.setattr(tokenizing, "worth_a_window", lambda *args: True)
         windowed = datums_and_report(record, max_length, max_prompt_length)
     with monkeypatch_module.context() as patch:
-        patch.setattr(tokenization, "worth_a_window", lambda *args: False)
+        patch.setattr(tokenizing, "worth_a_window", lambda *args: False)
         whole = datums_and_report(record, max_length, max_prompt_length)
     assert windowed == whole
 
