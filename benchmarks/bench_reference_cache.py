@@ -26,7 +26,7 @@ from loops_callbacks.reference.cache import CacheKey, write_cache
 LOAD = """
     import sys, time
     import numpy as np
-    from loops_callbacks.reference.cache import CacheKey, _checksum, _header, read_cache
+    from loops_callbacks.reference.cache import CacheKey, checksum, read_cache, read_header
 
     def rss():
         fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -40,10 +40,10 @@ LOAD = """
         flat = read_cache(path, CacheKey("r", "d", "float32"), lengths).flat
     else:  # a memory map (copy-on-write), the same header and checksum read from it
         blob = np.memmap(path, dtype=np.uint8, mode="c")
-        header = _header(bytes(blob[: 1 << 20]), len(blob))
+        header = read_header(bytes(blob[: 1 << 20]), len(blob))
         (_, first, stop), (_, first_lengths, stop_lengths) = header.tensors["values"], header.tensors["lengths"]
         flat = blob[first:stop].view("<f4")
-        assert _checksum(blob[first_lengths:stop_lengths].view("<i8"), flat) == header.checksum
+        assert checksum(blob[first_lengths:stop_lengths].view("<i8"), flat) == header.checksum
     total = float(flat.sum(dtype=np.float64))  # every value is touched, as training does over an epoch
     seconds = time.perf_counter() - start
     after = rss()

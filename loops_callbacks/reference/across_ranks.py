@@ -49,9 +49,8 @@ from loops_callbacks import run_warnings
 from loops_callbacks.fields import datum_model_input
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.reference.attach import score_prompts
-from loops_callbacks.reference.cache import (
-    CACHE_FILE_NAME, CACHE_TOOL, CacheKey, data_fingerprint, find_cache, read_cache, write_cache,
-)
+from loops_callbacks.reference.cache import CACHE_FILE_NAME, CACHE_TOOL, CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.reference.cache_tool import find_cache
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.config import ReferenceConfig

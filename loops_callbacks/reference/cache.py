@@ -6,10 +6,10 @@ one per datum), whose metadata hold the key the values were computed for (``refe
 reference weights' fingerprint, ``data``: the token data's, ``dtype``: the scoring dtype), the
 format and ``sha256``, the checksum of the two tensors' bytes. Each key has its own file beside the
 cache's base path (``cache_file``: ``ref_logprobs.<16 hex digits of the key>.cache``), so runs that
-share a directory never replace each other's values. ``find_cache`` and ``read_cache`` return the
-values only when the file is whole, its checksum right, its key the one asked for and its lengths
-the data's; otherwise they say why, naming the caches the directory holds, and the caller scores
-again. A file of an earlier version (the ``LOOPSREF`` format) is named as such and scored again.
+share a directory never replace each other's values. ``read_cache`` returns the values only when the
+file is whole, its checksum right, its key the one asked for and its lengths the data's; otherwise
+it says why, and the caller scores again (``cache_tool.find_cache`` looks through the directory).
+A file of an earlier version (the ``LOOPSREF`` format) is named as such.
 
 The file is read into this process's memory once and checked there, the values being views of
 those bytes: a file copied over, truncated or removed while a job runs cannot change that job's
@@ -23,12 +23,12 @@ Example:
     >>> key = CacheKey(reference="r", data=data_fingerprint([[1, 2], [3]]), dtype="float32")
     >>> base = os.path.join(tempfile.mkdtemp(), CACHE_FILE_NAME)
     >>> write_cache(cache_file(base, key), key, [np.array([-0.5, 0.0]), np.array([0.0])])
-    >>> lookup = find_cache(base, key, [2, 1])
+    >>> lookup = read_cache(cache_file(base, key), key, [2, 1])
     >>> lookup.status, lookup.flat.tolist(), lookup.flat.dtype
     ('hit', [-0.5, 0.0, 0.0], dtype('float32'))
-    >>> miss = find_cache(base, CacheKey("other", key.data, "float32"), [2, 1])
-    >>> miss.status, "the reference weights changed" in miss.reason
-    ('stale', True)
+    >>> miss = read_cache(cache_file(base, key), CacheKey("r", key.data, "bfloat16"), [2, 1])
+    >>> miss.status, miss.reason
+    ('stale', 'the scoring dtype changed')
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import json
 import os
 import socket
 import stat
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,8 +48,8 @@ import numpy as np
 
 from loops_callbacks.reference.packing import PackedTokens
 
-__all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "CacheInfo", "CacheKey", "CacheLookup", "cache_file", "data_fingerprint",
-           "find_cache", "list_caches", "orphaned_temporaries", "read_cache", "write_cache"]
+__all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "MAX_HEADER_BYTES", "CacheKey", "CacheLookup", "cache_file", "checksum",
+           "data_fingerprint", "open_regular", "orphaned_temporaries", "read_cache", "read_header", "write_cache"]
 
 CACHE_FILE_NAME = "ref_logprobs.cache"
 """The cache's base name in its directory; each key's file is ``cache_file(base, key)`` beside it."""
@@ -58,10 +57,9 @@ CACHE_TOOL = "loops-callbacks cache"
 """The command that lists (``list DIR``) and removes (``prune DIR ...``) caches."""
 _FORMAT = "loops-callbacks reference logprobs 3"
 _EARLIER_FORMAT = b"LOOPSREF"  # the first bytes of the files of earlier versions
-_MAX_HEADER = 1 << 20  # a real header is a few hundred bytes
+MAX_HEADER_BYTES = 1 << 20  # a real header is a few hundred bytes
 _KEY_NAMES = {"reference": "the reference weights", "data": "the data", "dtype": "the scoring dtype"}
 _HOST = socket.gethostname().replace(os.sep, "_") or "host"  # in temporary file names: pids are per host
-_LISTED = 8  # caches named in a message about a miss (the rest are counted)
 
 
 @dataclass(frozen=True)
@@ -85,30 +83,6 @@ class CacheKey:
         """
         return [words for name, words in _KEY_NAMES.items()
                 if getattr(self, name) is not None and getattr(other, name) != getattr(self, name)]
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    """One file of a cache directory, from its header only (``list_caches``); ``key`` is ``None`` (and
-    ``problem`` says why) for a file whose header cannot be read."""
-
-    path: str
-    size: int
-    modified: float
-    key: CacheKey | None
-    num_datums: int | None = None
-    num_values: int | None = None
-    problem: str = ""
-
-    def describe(self) -> str:
-        """``name (size, date)``, as messages and ``cache_tool list`` show it.
-
-        Example:
-            >>> CacheInfo("/c/ref_logprobs.cache", 3 << 20, 0.0, None).describe()
-            'ref_logprobs.cache (3.0 MB, 1970-01-01 00:00 UTC)'
-        """
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.modified))
-        return f"{os.path.basename(self.path)} ({self.size / (1 << 20):.1f} MB, {when})"
 
 
 @dataclass
@@ -159,7 +133,7 @@ def cache_file(base: str | os.PathLike[str], key: CacheKey) -> str:
     return f"{stem}.{name}{suffix}"
 
 
-def _checksum(lengths: np.ndarray, values: np.ndarray) -> str:
+def checksum(lengths: np.ndarray, values: np.ndarray) -> str:
     """sha256 of the lengths' bytes, then the values' (the file's ``sha256`` metadata)."""
     digest = hashlib.sha256(memoryview(np.ascontiguousarray(lengths)))
     digest.update(memoryview(np.ascontiguousarray(values)))
@@ -187,7 +161,7 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
     sizes, flat = np.asarray(lengths, dtype="<i8"), np.ascontiguousarray(values, dtype="<f4").reshape(-1)
     if int(sizes.sum()) != flat.size:
         raise ValueError(f"write_cache: the lengths add up to {int(sizes.sum())} values, the array holds {flat.size}")
-    metadata = {"format": _FORMAT, **dataclasses.asdict(key), "sha256": _checksum(sizes, flat)}
+    metadata = {"format": _FORMAT, **dataclasses.asdict(key), "sha256": checksum(sizes, flat)}
     blob = save({"values": flat, "lengths": sizes}, metadata=metadata)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     for orphan in orphaned_temporaries(os.path.dirname(path) or ".", os.path.basename(path)):
@@ -278,79 +252,6 @@ def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
     return lookup
 
 
-def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
-    """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
-
-    Any other file of the directory whose metadata hold ``key`` is used when whole. With
-    ``key.reference=None`` a whole file of these data and dtype is used, unless files of them by
-    several references are there (which one is meant cannot be told: a miss). A miss names every
-    cache in the directory and what differs (``reason``); ``path`` is then the file ``key``'s values belong in.
-    """
-    directory = os.path.dirname(os.fspath(base)) or "."
-    path = None
-    if key.reference is not None:
-        path = cache_file(base, key)
-        lookup = read_cache(path, key, lengths)
-        if lookup.status == "stale":  # a whole file, but not the one its name says
-            lookup = CacheLookup("corrupt", f"it is named for this key but was made for another ({lookup.reason})",
-                                 path=path)
-        if lookup.status != "missing":
-            return lookup
-    try:
-        others = [info for info in list_caches(directory) if info.path != path]
-    except OSError as error:
-        return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
-    candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
-    references = {info.key.reference for info in candidates if info.key is not None}
-    if len(references) > 1:
-        named = "; ".join(f"{info.describe()}: reference {str(info.key and info.key.reference)[:12]}"
-                          for info in candidates)
-        return CacheLookup("stale", f"{len(candidates)} caches in {directory} hold these data and dtype, made by "
-                           f"{len(references)} references ({named}), and which one is meant is not known (no "
-                           f"reference fingerprint was given); remove the ones not wanted (`{CACHE_TOOL} list "
-                           f"{directory}`)")
-    unusable: dict[str, str] = {}
-    for info in candidates:
-        found = read_cache(info.path, key, lengths)
-        if found.status == "hit":
-            return found
-        unusable[info.path] = found.reason
-    if not others:
-        return CacheLookup("missing", path=path)
-    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path)
-
-
-def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
-    """Every cache file in ``directory`` (told by its header), newest first, from its header only.
-
-    Temporary files of writers (``*.tmp.*``) are not caches. An entry named ``*.cache`` that cannot
-    be read as a file (a broken link, a directory, a FIFO, no permission) is listed as damaged. A
-    directory that does not exist holds none; one that cannot be read is an ``OSError``.
-    """
-    try:
-        entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
-    except FileNotFoundError:
-        return []
-    infos = [info for info in map(_info, entries) if info is not None]
-    return sorted(infos, key=lambda info: (-info.modified, info.path))
-
-
-def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str, str], directory: str) -> str:
-    """``reason`` of a miss: each cache of the directory (the closest first) and why it is not this run's."""
-
-    def why(info: CacheInfo) -> str:
-        if info.key is None:
-            return f"unreadable: {info.problem}"
-        changed = key.differences(info.key)
-        return " and ".join(changed) + " changed" if changed else f"damaged: {unusable.get(info.path, info.problem)}"
-
-    closest = sorted(others, key=lambda info: (len(key.differences(info.key)) if info.key else 4, -info.modified))
-    named = [f"{info.describe()}: {why(info)}" for info in closest[:_LISTED]]
-    more = f"; and {len(others) - _LISTED} more" if len(others) > _LISTED else ""
-    return (f"none of the {len(others)} cache(s) in {directory} holds these values ({'; '.join(named)}{more}); "
-            f"see or prune them with `{CACHE_TOOL} list {directory}`")
-
-
 @dataclass(frozen=True)
 class _Header:
     key: CacheKey
@@ -365,13 +266,13 @@ class _Header:
 _TENSORS = {"values": ("F32", np.dtype("<f4")), "lengths": ("I64", np.dtype("<i8"))}
 
 
-def _header(head: bytes, file_size: int) -> _Header | str:
+def read_header(head: bytes, file_size: int) -> _Header | str:
     """The header of a file whose first bytes are ``head`` (and whose size is ``file_size``), or why it is no cache."""
     if head.startswith(_EARLIER_FORMAT):
         return ("it is a cache of an earlier version of loops-callbacks (the LOOPSREF format), which this version "
                 "does not read; it is scored again into a safetensors file")
     size = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
-    if not 0 < size <= min(_MAX_HEADER, file_size - 8) or len(head) < 8 + size:
+    if not 0 < size <= min(MAX_HEADER_BYTES, file_size - 8) or len(head) < 8 + size:
         return (f"it is not a reference-logprob cache, or it is truncated: a header of {size} bytes does not fit "
                 f"in its {file_size} bytes")
     try:
@@ -396,7 +297,7 @@ def _header(head: bytes, file_size: int) -> _Header | str:
 
 
 def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest: str | None) -> CacheLookup:
-    header = _header(bytes(blob[: 8 + _MAX_HEADER]), len(blob))
+    header = read_header(bytes(blob[: 8 + MAX_HEADER_BYTES]), len(blob))
     if isinstance(header, str):
         return CacheLookup("corrupt", reason=header)
     if len(blob) != header.file_size:
@@ -405,7 +306,7 @@ def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest
     arrays = {name: np.require(blob[start:stop].view(_TENSORS[name][1]), requirements="A")  # aligned: a view
               for name, (_, start, stop) in header.tensors.items()}
     stored_lengths, flat = arrays["lengths"], arrays["values"]
-    digest = _checksum(stored_lengths, flat)
+    digest = checksum(stored_lengths, flat)
     if digest != header.checksum:
         return CacheLookup("corrupt", reason="its checksum does not match its contents")
     if expected_digest is not None and digest != expected_digest:
@@ -420,7 +321,7 @@ def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest
     return CacheLookup("hit", flat=flat, digest=digest, key=header.key)
 
 
-def _open_regular(path: str) -> tuple[int, int]:
+def open_regular(path: str) -> tuple[int, int]:
     """A read-only descriptor of ``path`` and its size; ``OSError`` unless a regular file (never waits on a FIFO)."""
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     status = os.fstat(descriptor)
@@ -432,7 +333,7 @@ def _open_regular(path: str) -> tuple[int, int]:
 
 def _read_whole(path: str) -> np.ndarray:
     """Every byte of the file, in this process's memory (``OSError`` if it changes size while being read)."""
-    descriptor, size = _open_regular(path)
+    descriptor, size = open_regular(path)
     with os.fdopen(descriptor, "rb", buffering=0) as file:
         blob = np.empty(size, dtype=np.uint8)
         view, done = memoryview(blob), 0
@@ -441,49 +342,3 @@ def _read_whole(path: str) -> np.ndarray:
         if done != size or file.read(1):
             raise OSError(errno.EIO, f"it changed while being read ({size} bytes when opened, {done} read)", path)
     return blob
-
-
-def _info(path: str) -> CacheInfo | None:
-    """What ``path``'s header says (``None``: not a cache file at all)."""
-    try:
-        descriptor, size = _open_regular(path)
-        with os.fdopen(descriptor, "rb", buffering=0) as file:
-            head = file.read(8 + _MAX_HEADER)
-            modified = os.fstat(file.fileno()).st_mtime
-    except OSError as error:
-        return _unreadable(path, error) if _named_as_a_cache(path) else None
-    header = _header(head, size)
-    if isinstance(header, str):
-        return CacheInfo(path, size, modified, None, problem=header) if _named_as_a_cache(path) else None
-    problem = "" if header.file_size == size else f"truncated or damaged: {size} bytes, its header promises more"
-    counts = (header.tensors["lengths"][0], header.tensors["values"][0])
-    return CacheInfo(path, size, modified, header.key, *counts, problem=problem)
-
-
-def _named_as_a_cache(path: str) -> bool:
-    """``*.cache``, not hidden: ``~/.cache`` in a cache directory set to ``~`` is no cache of ours."""
-    name = os.path.basename(path)
-    return name.endswith(".cache") and not name.startswith(".")
-
-
-def _unreadable(path: str, error: OSError) -> CacheInfo | None:
-    """A damaged ``CacheInfo`` for an entry that cannot be opened as a file, saying what it is (never following a link).
-
-    Example:
-        >>> import tempfile
-        >>> _unreadable(tempfile.mkdtemp(), OSError(errno.EINVAL, "not a regular file")).problem
-        'it is a directory, not a cache file'
-    """
-    try:
-        status = os.lstat(path)
-    except OSError:
-        return None  # gone meanwhile
-    if stat.S_ISLNK(status.st_mode) and not os.path.exists(path):
-        problem = f"it is a broken symbolic link (to {os.readlink(path)!r})"
-    elif os.path.isdir(path):
-        problem = "it is a directory, not a cache file"
-    elif not stat.S_ISREG(os.stat(path).st_mode):
-        problem = "it is not a regular file (a FIFO, socket or device)"
-    else:
-        problem = f"it cannot be read ({error.strerror or error})"
-    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem)

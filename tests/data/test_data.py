@@ -36,7 +36,8 @@ from loops_callbacks.data import (
 from loops_callbacks.fields import field_to_tensor, model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, score_across_ranks
-from loops_callbacks.reference.cache import CacheKey, data_fingerprint, list_caches, read_cache, write_cache
+from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.reference.cache_tool import list_caches
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.helpers import CleanDistributedExit, ToyDPO
