@@ -271,7 +271,7 @@ def test_fsdp_with_configure_model_is_its_own_reference_on_one_gpu(tmp_path: Any
     trainer, module = run()
     assert module.reference_report.source == "scored"
     want = TorchSamplingClient(_tiny_llama().cuda()).compute_logprobs_batch([d.model_input for d in data])
-    for datum, expected in zip(module.scored_data, want):
+    for datum, expected in zip(module.scored_pairs.datums(), want):
         row = datum.loss_fn_inputs["ref_logprobs"]
         assert abs(row[:-1] - torch.tensor(expected[1:]).numpy()).max() < 1e-4
     # a resumed run (under FSDP the weights are restored after the strategy's setup) takes the cache

@@ -28,7 +28,7 @@ from loops_callbacks.integrations.vllm import (
     generate_rollouts,
     rollout_batch,
 )
-from loops_callbacks.reference import ScoringOptions, score_packed_across_ranks
+from loops_callbacks.reference import ReferenceConfig, score_across_ranks
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.types import Datum, ModelInput
@@ -221,9 +221,9 @@ def test_the_dpo_scoring_path_caches_the_engine_values_under_its_fingerprint(
     fingerprint = client.fingerprint()
     assert client.fingerprint() == fingerprint and len(fingerprint) == 64
     packed = PackedTokens.from_sequences(random_prompts(5, torch.Generator().manual_seed(6), longest=40))
-    options = ScoringOptions(cache_path=str(tmp_path / "ref.npz"), progress=False)
-    values, report = score_packed_across_ranks(packed, client, options)
-    again, second = score_packed_across_ranks(packed, client, options)
+    config = ReferenceConfig(cache_dir=str(tmp_path), progress=False)
+    values, report = score_across_ranks(packed, client, config)
+    again, second = score_across_ranks(packed, client, config)
     assert (report.source, report.cache_written, second.source) == ("scored", True, "cache")
     assert torch.equal(torch.as_tensor(values), torch.as_tensor(again))
     VLLMWeightSync(engine_back).push(Policy(updated_model))
