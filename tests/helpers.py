@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks import loops_compute_kl_sample_train
-from loops_callbacks.divergence.action_tokens import flatten_datums
+from loops_callbacks.divergence.flat_batch import flatten_datums
+from loops_callbacks.divergence.reduction import reduce_across_ranks
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.oracle import PREFIX as P
@@ -325,7 +326,7 @@ def reduce_in_threads(parts: list[DivergenceStats], seed: int = 0) -> list[Diver
 
     def run(rank: int) -> None:
         generator = torch.Generator().manual_seed(seed + rank)
-        results[rank] = parts[rank].reduce_across_ranks(group.for_rank(rank), generator=generator)
+        results[rank] = reduce_across_ranks(parts[rank], group.for_rank(rank), generator=generator)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
     for thread in threads:

@@ -2,7 +2,7 @@
 
 For a list of corrections (``loops_callbacks.correction``) and one ``FlatBatch``, ``shadow_values``
 gives mergeable sums, counts and maxima (0-d float64 tensors, by name); ``shadow_statistics`` declares
-each name with its reduction (``layout.Statistic``: sums add, maxima take the max, minima are stored
+each name with its reduction (``states.State``: sums add, maxima take the max, minima are stored
 negated), so micro-batches and ranks merge exactly; ``shadow_scalars`` turns merged values into
 the logged scalars:
 
@@ -26,7 +26,7 @@ its tokens), the functions ``apply_correction`` uses: what is logged is what app
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
     ...                       mask=torch.ones(1, 2))
     >>> values = shadow_values(flat, ["token_mask:2.0"])
@@ -54,8 +54,8 @@ from loops_callbacks.correction import (
     correct_rows,
     parse_correction,
 )
-from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.layout import Statistic
+from loops_callbacks.divergence.flat_batch import FlatBatch
+from loops_callbacks.divergence.states import State
 
 __all__ = ["no_advantage_message", "parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
 
@@ -99,7 +99,7 @@ def _key(correction: Correction | None, stat: str) -> str:
     return f"correction:{'' if correction is None else correction.name}:{stat}"
 
 
-def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statistic, ...]:
+def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, ...]:
     """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
 
     Example:
@@ -110,8 +110,7 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statisti
     if not parsed:
         return ()
     totals = [_key(None, s) for s in SHARED_TOTALS] + [_key(c, s) for c in parsed for s in PER_CORRECTION_TOTALS]
-    extrema = [Statistic(_key(None, s), "max", per_rank=True) for s in SHARED_EXTREMA]
-    return (*(Statistic(n, "sum") for n in totals), *extrema)
+    return (*(State(n, "sum") for n in totals), *(State(_key(None, s), "max") for s in SHARED_EXTREMA))
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.correction import apply_correction, parse_correction
-from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.shadow import no_advantage_message, shadow_scalars, shadow_statistics, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput
@@ -148,8 +148,7 @@ def test_a_batch_without_action_tokens_logs_nothing() -> None:
     flat = flatten_padded(sampler_logprobs=torch.zeros(2, 3), training_logprobs=torch.zeros(2, 3),
                           mask=torch.zeros(2, 3))
     assert scalars_of(shadow_values(flat, CORRECTIONS, torch.ones(2))) == {}
-    empty = FlatBatch(*(torch.zeros(0),) * 3, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool),
-                      torch.zeros(0, dtype=torch.int64))
+    empty = flatten_padded(sampler_logprobs=torch.zeros(0, 3), training_logprobs=torch.zeros(0, 3), mask=torch.zeros(0, 3))
     assert scalars_of(shadow_values(empty, CORRECTIONS, torch.zeros(0))) == {}
 
 

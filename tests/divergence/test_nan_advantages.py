@@ -20,7 +20,7 @@ import torch
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import statistics
-from loops_callbacks.divergence.action_tokens import flatten_datums, flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import CleanDistributedExit, TinyPolicy, quiet_trainer
 
@@ -82,7 +82,7 @@ def test_without_advantages_every_masked_in_position_is_counted_and_none_is_nan(
     batch = ragged_padded()
     del batch["advantages"]
     flat = flatten_padded(**batch)
-    assert flat.advantage_nan is None and flat.masked_in is None
+    assert flat.advantage_nan is None and torch.equal(flat.masked_in, flat.counted)
     assert totals(flat) == (0.0, 8.0)
 
 
