@@ -44,20 +44,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from loops_callbacks.correction import (
-    Correction,
-    CorrectionInput,
-    FlatCorrection,
-    RowCorrection,
-    Segments,
-    correct_flat,
-    correct_rows,
-    parse_correction,
-)
+from loops_callbacks.correction import Correction, parse_correction
+from loops_callbacks.correction.compute import CorrectionInput, Segments, Weights, correct_flat, correct_rows
 from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.states import State
 
-__all__ = ["no_advantage_message", "parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
@@ -157,11 +148,11 @@ def shadow_values(
     return values
 
 
-def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Tensor, scored: torch.Tensor
+def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, scored: torch.Tensor
                     ) -> dict[str, torch.Tensor]:
     """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
     dropped, clipped = scored & ~rows.keep, scored & rows.clipped
-    weight = rows.weight * scored  # a row without action tokens is no sequence; its weight never applies
+    weight = rows.weights * scored  # a row without action tokens is no sequence; its weight never applies
     return {
         _key(correction, "n_tokens_masked"): (count * dropped).sum(),
         _key(correction, "n_tokens_clipped"): (count * clipped).sum(),
@@ -174,7 +165,7 @@ def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Te
     }
 
 
-def _token_level(correction: Correction, result: FlatCorrection, x: CorrectionInput) -> dict[str, torch.Tensor]:
+def _token_level(correction: Correction, result: Weights, x: CorrectionInput) -> dict[str, torch.Tensor]:
     """The statistics of a token-level correction over ``x.finite``; a sequence's weight is its tokens' mean."""
     weights, clipped = result.weights * x.finite, result.clipped & x.finite
     seq_weight = x.rows.sum(weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens
