@@ -51,7 +51,6 @@ import torch
 
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, FlatBatch
 
-__all__ = ["OFFSET_BINS", "OFFSET_SIZE", "OFFSET_WINDOW", "Offsets", "offset_sums", "read_offsets"]
 
 OFFSET_WINDOW = 2048
 """Positions read from the start of each row (all of a shorter row): an action token beyond

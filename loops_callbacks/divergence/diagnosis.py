@@ -59,10 +59,6 @@ from typing import Any
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import SAMPLING_METRICS, SCALAR_METRICS
 
-__all__ = [
-    "CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics",
-    "noise_shaped",
-]
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
