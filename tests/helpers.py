@@ -372,14 +372,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_two_ranks(worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, what: str) -> list[Any]:
+def run_two_ranks(
+    worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, what: str, seconds: float = 120
+) -> list[Any]:
     """Run ``worker(rank, *args)`` in two spawned processes and load what each saved as ``out_dir/rank<r>.pt``.
 
-    A rank still running after two minutes fails the test (``what`` says which case hung) instead
+    A rank still running after ``seconds`` fails the test (``what`` says which case hung) instead
     of hanging the suite.
     """
     context = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
-    for _ in range(240):
+    for _ in range(int(2 * seconds)):
         if context.join(timeout=0.5):
             break
     else:

@@ -1,19 +1,18 @@
 """Statistics reduced across ranks equal those of the union, in two fixed-size collectives.
 
-Real processes (``torch.multiprocessing`` + gloo, two ranks) with uneven token counts and a rank
-without action tokens; threads for the many generated cases; the sample's allocation on its own.
+Real processes (two ranks on gloo, ``two_ranks``) with uneven token counts and a rank without action
+tokens; threads for the many generated cases; the sample's allocation on its own.
 """
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -68,26 +67,10 @@ class CountingCollectives:
         return self.inner.all_reduce_sum(tensor)
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for name, specs in SCENARIOS.items():
-            for sample_size in (100_000, 7):
-                stats = stats_of(synthetic_rows(*specs[rank]), top_n=5, sample_size=sample_size)
-                collectives = CountingCollectives(ProcessGroupCollectives())
-                result = reduce_across_ranks(stats, collectives, generator=torch.Generator().manual_seed(rank))
-                saved[name, sample_size] = (result, collectives.calls)
-        torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    out = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_gloo_worker, args=(2, str(out / "store"), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+def gloo_results(two_rank_runs: tuple[Path, Any]) -> list[dict[Any, Any]]:
+    """Each rank's reduction of every scenario (``two_ranks.reductions``), on a real gloo process group."""
+    return [torch.load(two_rank_runs[0] / "reductions" / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

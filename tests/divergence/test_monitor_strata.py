@@ -7,11 +7,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import per_datum, step_warnings
@@ -19,7 +19,7 @@ from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.shadow import shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.metrics import stratum_scalars
-from tests.helpers import CleanDistributedExit, RecordingLogger, TinyPolicy, quiet_trainer
+from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
 MAX_GROUPS = 2
@@ -245,14 +245,8 @@ def test_bad_corrections_are_named_at_construction_and_missing_advantages_never_
         KLSampleTrainMonitor(corrections="geo")  # type: ignore[arg-type]
 
 
-def test_two_ranks_log_the_strata_and_shadow_metrics_of_the_global_window(tmp_path: Any) -> None:
-    logger = CSVLogger(str(tmp_path), name="csv", version=0)
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS, corrections=CORRECTIONS)
-    trainer = quiet_trainer(
-        strategy="ddp_spawn", devices=2, max_steps=2, accumulate_grad_batches=2, logger=logger,
-        callbacks=[monitor, CleanDistributedExit()],
-    )
-    trainer.fit(VersionedPolicy(str(tmp_path)))
+def test_two_ranks_log_the_strata_and_shadow_metrics_of_the_global_window(two_rank_runs: tuple[Path, Any]) -> None:
+    tmp_path = two_rank_runs[0] / "strata_and_shadow"  # two_ranks.strata_and_shadow: 2 steps of 2 micro-batches
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
         logged = [row for row in csv.DictReader(handle) if row.get(PREFIX + "stratum/pos_q1/k3")]
