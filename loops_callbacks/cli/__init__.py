@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-import signal
 import sys
 import warnings
 from collections.abc import Iterator
@@ -46,7 +45,8 @@ import loops_callbacks.data  # noqa: F401  (registers the DataModules for short 
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.cli.refusals import Constructors, missing_package, refusal_line
 from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT_INTERRUPTED, EXIT_STATUSES, EXIT_USAGE
-from loops_callbacks.cli.summary import exit_status, killed_rank, monitors_of, run_summary, shown, wandb_run_directory
+from loops_callbacks.cli.summary import exit_status, killed_line, killed_rank, monitors_of, rank_deaths_reported
+from loops_callbacks.cli.summary import run_summary, shown, wandb_run_directory
 from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
 from loops_callbacks.reference import cache_tool
 
@@ -126,7 +126,8 @@ class LoopsCLI(LightningCLI):
         """``trainer.fit``; a guard-rail raise is kept in ``guard_rail_error`` (``run_cli`` raises it again), and a
         failure because a signal killed a DDP rank in ``killed_rank`` (``run_cli`` prints the summary so far)."""
         try:
-            self.trainer.fit(model, **kwargs)
+            with rank_deaths_reported(self.trainer):
+                self.trainer.fit(model, **kwargs)
         except SampleTrainDivergenceError as error:
             self.guard_rail_error = error
         except Exception:
@@ -321,8 +322,7 @@ def run_cli(args: Any = None) -> LoopsCLI:
         print(run_summary(cli.trainer), flush=True)
     if cli.killed_rank is not None:
         rank, number = cli.killed_rank
-        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
-        print(f"Rank {rank} was killed by {name} at step {cli.trainer.global_step}: the run did not finish", flush=True)
+        print(killed_line(rank, number, cli.trainer.global_step), flush=True)
         raise SystemExit(128 + number)
     if cli.guard_rail_error is not None:
         raise cli.guard_rail_error

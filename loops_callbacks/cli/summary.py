@@ -7,6 +7,8 @@ import os
 import shlex
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from lightning.pytorch import Trainer
@@ -126,6 +128,50 @@ def killed_rank(trainer: Trainer) -> tuple[int, int] | None:
     launcher.kill(signal.SIGKILL)
     children.clear()
     return killed[0]
+
+
+def killed_line(rank: int, number: int, step: int) -> str:
+    """The line printed last after a signal killed a DDP rank: ``Rank 1 was killed by SIGKILL at step 4: ...``."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    return f"Rank {rank} was killed by {name} at step {step}: the run did not finish"
+
+
+@contextmanager
+def rank_deaths_reported(trainer: Trainer) -> Iterator[None]:
+    """While fit runs, Lightning's watcher of the DDP ranks says which rank a signal killed, and the summary so far,
+    before it ends this process.
+
+    The watcher (``_ChildProcessObserver``) SIGKILLs this process within 5 s of a rank's death: a rank 0
+    waiting in the store (the reference scoring's stall guard) rather than in a gloo collective never saw an
+    error, and ended without a word. Here, rank 0 prints what ``run_cli`` prints after a killed rank, then
+    exits 128 + N itself; any other death is the watcher's as before.
+    """
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    observer = subprocess_script._ChildProcessObserver
+    terminate_all = observer._terminate_all
+
+    def report_then_terminate(watcher: Any) -> None:
+        killed = [(rank, -proc.returncode) for rank, proc in enumerate(watcher._child_processes, start=1)
+                  if proc.returncode is not None and proc.returncode < 0]
+        if not killed or not trainer.is_global_zero:
+            return terminate_all(watcher)
+        for proc in watcher._child_processes:
+            proc.kill()
+        rank, number = killed[0]
+        with suppress(Exception):  # what can be said: the process ends whatever happens
+            print(run_summary(trainer), flush=True)
+        print(killed_line(rank, number, trainer.global_step), flush=True)
+        os._exit(128 + number)
+
+    observer._terminate_all = report_then_terminate
+    try:
+        yield
+    finally:
+        observer._terminate_all = terminate_all
 
 
 def wandb_run_directory(logger: WandbLogger) -> str:

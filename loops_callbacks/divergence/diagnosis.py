@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
-from loops_callbacks.divergence.metrics import SAMPLING_METRICS, SCALAR_METRICS
+from loops_callbacks.divergence.metrics import SAMPLING_METRICS, SCALAR_METRICS, held_sampling_z
 
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
@@ -428,6 +428,9 @@ def _statistical_cause(
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
     sampling = _sampling(sig, facts)  # named only where the logprobs agree: were the tokens drawn from them?
+    if sampling is not None and not sampling.observed and facts is not None and facts.stale_prefix_cache:
+        # KV from older weights: the draws came from another distribution, as the engine itself says
+        sampling = Diagnosis(PREFIX_CACHE, 1.0, dict(sampling.evidence), observed=_PREFIX_CACHE_SEEN)
     within_noise = not _beyond_noise(sig, noise_bound)
     # most tokens exactly equal and the rest within noise (a collapsed policy matches exactly where p = 1)
     if get("frac_d_zero") >= zero_share and within_noise:
@@ -504,10 +507,12 @@ _PREFIX_CACHE_SEEN = "its weights were reloaded after its prefix cache was last 
 
 def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis | None:
     """``sampling`` when the tokens were drawn from another distribution than the logprobs describe: |z| of
-    what was sampled at least ``SAMPLING_Z``, or the engine says it reports raw logprobs while it samples at
-    another temperature or truncated (then an observation); None otherwise."""
-    z = sig.get("sampling_z", math.nan)
-    numbers = {name: sig.get(name, math.nan) for name in ("sampling_z", "sampling_relative_bias", "sampling_temperature")}
+    what was sampled at least ``SAMPLING_Z`` with and without its most extreme token (``held_sampling_z``), or
+    the engine says it reports raw logprobs while it samples at another temperature or truncated (then an
+    observation); None otherwise."""
+    z = held_sampling_z(sig)
+    names = ("sampling_z", "sampling_z_trimmed", "sampling_relative_bias", "sampling_temperature")
+    numbers = {name: sig.get(name, math.nan) for name in names}
     said = facts is not None and facts.samples_other_than_reported
     if not (abs(z) >= SAMPLING_Z or said):
         return None

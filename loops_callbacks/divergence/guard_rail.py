@@ -10,8 +10,8 @@ be trusted — the guard rail treats what it cannot judge as unsafe:
 * a logprob is below ``LOGPROB_FLOOR`` (-1e4): a sentinel such as ``torch.finfo(float32).min``,
   whose diff overflows every formula.
 
-With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it (or
-not a number): the tokens were drawn from another distribution than the trainer's, which the
+With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it with
+and without its most extreme token (``metrics.held_sampling_z``), or is not a number: the tokens were drawn from another distribution than the trainer's, which the
 logprobs alone cannot show (``metrics.sampling_metrics``; needs the trainer's entropies in the batch).
 
 A step without masked-in action tokens is not judged (nothing to compare); the monitor warns when
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
 
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR
-from loops_callbacks.divergence.metrics import SCALAR_METRICS
+from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.validation import check_real
 
@@ -141,10 +141,12 @@ class GuardRail:
                 f" ({hint})" if hint else ""
             )
         z = scalars.get("sampling_z")
-        if self.max_sampling_z is not None and z is not None and not abs(z) <= self.max_sampling_z:
+        held = held_sampling_z(scalars) if z is not None else None  # one unlikely token does not stop a run
+        if self.max_sampling_z is not None and held is not None and not abs(held) <= self.max_sampling_z:
             side = "sharper" if z > 0 else "flatter" if z < 0 else "unknown"
             return (
-                f"{prefix}sampling_z = {z:.3g} exceeded max_sampling_z = {self.max_sampling_z:g}: the tokens were "
+                f"{prefix}sampling_z = {z:.3g} ({held:.3g} without its most extreme token) exceeded max_sampling_z = "
+                f"{self.max_sampling_z:g}: the tokens were "
                 f"drawn {side} than the trainer's distribution (effective temperature "
                 f"{scalars.get('sampling_temperature', float('nan')):.3g})"
             )

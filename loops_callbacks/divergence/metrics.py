@@ -41,6 +41,8 @@ whatever their advantage, the check of what was sampled adds (``SAMPLING_METRICS
 ``sampling_z``                  Σ(t + H) / √ΣV: about standard normal when the tokens were drawn from
                                 the trainer's distribution; > 0 drawn sharper (T < 1, top-p, top-k),
                                 < 0 flatter
+``sampling_z_trimmed``          the same without the one token that moved the sum furthest its way: a
+                                shift of the whole distribution survives it, one unlikely draw does not
 ``sampling_bias``               mean(t + H), nats per token
 ``sampling_relative_bias``      Σ(t + H) / ΣH
 ``sampling_temperature``        1 − Σ(t + H) / ΣV: the sampling temperature that would leave this bias
@@ -105,7 +107,9 @@ EXTRA_METRICS = (
 SCALAR_METRICS = SDK_METRICS + EXTRA_METRICS
 """Every scalar key (after the prefix) a step with action tokens logs."""
 
-SAMPLING_METRICS = ("sampling_z", "sampling_bias", "sampling_relative_bias", "sampling_temperature")
+SAMPLING_METRICS = (
+    "sampling_z", "sampling_z_trimmed", "sampling_bias", "sampling_relative_bias", "sampling_temperature"
+)
 """The keys of the check of what was sampled, logged when the trainer's entropy and varentropy are given."""
 
 STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
@@ -150,34 +154,58 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "frac_is_ratio_gt_2": t["n_is_ratio_gt_2"] / n,
         "frac_is_ratio_lt_0.5": t["n_is_ratio_lt_half"] / n,
         **counts,
-        **sampling_metrics(t),
+        **sampling_metrics(t, e),
     }
     return {prefix + name: float(value) for name, value in values.items()}
 
 
-def sampling_metrics(totals: Mapping[str, float]) -> dict[str, float]:
+def sampling_metrics(totals: Mapping[str, float], extrema: Mapping[str, float]) -> dict[str, float]:
     """The check of what was sampled (module docstring), or ``{}`` without the trainer's entropies.
 
-    Example (tokens drawn sharper than the trainer's distribution: their logprobs above -H):
+    Example (tokens drawn sharper than the trainer's distribution: their logprobs above -H; the one token
+    furthest above, 0.5 nats, left out of ``sampling_z_trimmed``):
         >>> sums = {"n_sampling_tokens": 100.0, "sum_sampling_gap": 20.0, "sum_sampling_entropy": 150.0,
         ...         "sum_sampling_varentropy": 64.0}
-        >>> {name: round(value, 3) for name, value in sampling_metrics(sums).items()}
-        {'sampling_z': 2.5, 'sampling_bias': 0.2, 'sampling_relative_bias': 0.133, 'sampling_temperature': 0.688}
+        >>> extrema = {"max_sampling_gap": 0.5, "neg_min_sampling_gap": 3.0}
+        >>> metrics = sampling_metrics(sums, extrema)
+        >>> [round(metrics[name], 3) for name in ("sampling_z", "sampling_z_trimmed", "sampling_temperature")]
+        [2.5, 2.438, 0.688]
     """
     n = totals.get("n_sampling_tokens", 0.0)
     if not n > 0:
         return {}
     gap, entropy, varentropy = (totals[f"sum_sampling_{name}"] for name in ("gap", "entropy", "varentropy"))
+    # the one token that moved the sum furthest its way: a draw a heavy tail allows must not decide alone
+    extreme = extrema["max_sampling_gap"] if gap > 0 else -extrema["neg_min_sampling_gap"] if gap < 0 else 0.0
     if varentropy > 0:
         z, temperature = gap / math.sqrt(varentropy), 1.0 - gap / varentropy
+        trimmed = (gap - extreme) / math.sqrt(varentropy)
     else:  # every distribution a point mass: only its one token could be drawn
         z, temperature = (0.0, 1.0) if gap == 0 else (math.copysign(math.inf, gap), math.nan)
+        trimmed = z
     return {
         "sampling_z": z,
+        "sampling_z_trimmed": trimmed,
         "sampling_bias": gap / n,
         "sampling_relative_bias": gap / entropy if entropy > 0 else math.nan,
         "sampling_temperature": temperature,
     }
+
+
+def held_sampling_z(scalars: Mapping[str, float]) -> float:
+    """The part of ``sampling_z`` that ``sampling_z_trimmed`` keeps: the smaller of the two when they agree in
+    sign, 0 when leaving one token out turns it round, NaN without the check. What the diagnosis and the guard
+    rail judge, so one unlikely token is never the whole case.
+
+    Example:
+        >>> held_sampling_z({"sampling_z": -7.9, "sampling_z_trimmed": 0.4}), held_sampling_z({"sampling_z": 30.0,
+        ...     "sampling_z_trimmed": 29.5})
+        (0.0, 29.5)
+    """
+    z, trimmed = scalars.get("sampling_z", math.nan), scalars.get("sampling_z_trimmed", math.nan)
+    if math.isnan(z) or math.isnan(trimmed):
+        return z
+    return math.copysign(min(abs(z), abs(trimmed)), z) if z * trimmed > 0 else 0.0
 
 
 def abs_percentiles_linear(diffs: np.ndarray, percents: tuple[float, ...]) -> list[float]:

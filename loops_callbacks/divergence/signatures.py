@@ -155,7 +155,7 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
         **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),
         **_offset_numbers(offsets),
-        **sampling_metrics(t),  # the check of what was sampled, when the trainer's entropies were given
+        **sampling_metrics(t, host.extrema),  # the check of what was sampled, when the trainer's entropies were given
     }
 
 

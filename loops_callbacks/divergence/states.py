@@ -84,6 +84,8 @@ MAIN = (
     *_sums("sum_sampling_varentropy"),
     *(State(name, "max") for name in ("max_d", "neg_min_d", "max_seq_mean_d", "max_sampler", "neg_min_sampler",
                                       "max_trainer", "neg_min_trainer")),
+    # the one token's t + H furthest above 0, and (negated) below: sampling_z_trimmed
+    State("max_sampling_gap", "max"), State("neg_min_sampling_gap", "max"),
 )
 """What every step keeps (``metrics.scalar_metrics``' inputs)."""
 SIGNATURES = (

@@ -163,13 +163,17 @@ def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampl
 
 def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
     """Over masked-in positions with a finite trainer logprob t, entropy H and varentropy V (whatever their
-    advantage: a selection by reward would bias the check), the count and the sums of t + H, H and V."""
+    advantage: a selection by reward would bias the check), the count and the sums of t + H, H and V; and the
+    largest t + H and the smallest (negated), -inf without such positions."""
     names = ("n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy", "sum_sampling_varentropy")
+    extrema = ("max_sampling_gap", "neg_min_sampling_gap")
     if flat.entropy is None or flat.varentropy is None:
-        return dict.fromkeys(names, torch.zeros((), dtype=torch.float64, device=flat.device))
+        zero, none = (torch.full((), value, dtype=torch.float64, device=flat.device) for value in (0.0, -math.inf))
+        return dict.fromkeys(names, zero) | dict.fromkeys(extrema, none)
     t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
     drawn = flat.masked_in & torch.isfinite(t) & torch.isfinite(h) & torch.isfinite(v)
-    return {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), t + h, h, v))}
+    sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), t + h, h, v))}
+    return sums | dict(zip(extrema, _max_and_negated_min(t + h, drawn)))
 
 
 def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, valid: torch.Tensor | None

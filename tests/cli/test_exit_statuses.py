@@ -345,6 +345,44 @@ class KillRank1(Callback):
 """
 
 
+KILL_RANK_1_WHILE_SCORING = """
+import os
+import signal
+
+from loops_callbacks.demo import ReversePairsDataModule
+
+
+class KillRank1WhileScoring(ReversePairsDataModule):
+    \"\"\"SIGKILLs rank 1 as the reference scoring starts: rank 0 waits for it in the store, not in gloo.\"\"\"
+
+    def setup(self, stage):
+        if self.trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().setup(stage)
+"""
+
+
+def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+    """Lightning's watcher of the ranks SIGKILLed rank 0 there: exit 137 and not a word of what happened."""
+    (tmp_path / "killer.py").write_text(KILL_RANK_1_WHILE_SCORING)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    process = subprocess.Popen(
+        [console_script(), "fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+         "--data", "killer.KillRank1WhileScoring"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == EXIT_RANK_KILLED, output[-3000:]
+    assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 0: the run did not finish"], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
 def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
     """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
     (tmp_path / "killer.py").write_text(KILL_RANK_1)

@@ -16,7 +16,8 @@ from loops_callbacks import KLSampleTrainMonitor, token_logprobs
 from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import SamplerFacts
-from loops_callbacks.divergence.metrics import sampling_metrics
+from loops_callbacks.divergence.guard_rail import GuardRail
+from loops_callbacks.divergence.metrics import sampling_metrics, scalar_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import TinyPolicy, assert_totals_equal, quiet_trainer, reduce_in_threads
 from tests.oracle import PREFIX
@@ -45,7 +46,8 @@ def drawn(temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict[s
 
 
 def check(batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    return sampling_metrics(DivergenceStats.from_batch(flatten_padded(**batch)).to_host().totals)
+    host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
+    return sampling_metrics(host.totals, host.extrema)
 
 
 def test_honest_draws_give_a_standard_normal_z() -> None:
@@ -87,7 +89,44 @@ def test_the_sums_merge_across_micro_batches_and_ranks() -> None:
     parts = [DivergenceStats.from_batch(flatten_padded(**{k: v[i::2] for k, v in batch.items()})) for i in range(2)]
     assert_totals_equal(parts[0].merge(parts[1]).to_host(), whole.to_host())
     for reduced in reduce_in_threads(parts):
-        assert check(batch)["sampling_z"] == pytest.approx(sampling_metrics(reduced.to_host().totals)["sampling_z"])
+        host = reduced.to_host()
+        for name in ("sampling_z", "sampling_z_trimmed"):
+            assert check(batch)[name] == pytest.approx(sampling_metrics(host.totals, host.extrema)[name])
+
+
+def one_unlikely_draw() -> dict[str, torch.Tensor]:
+    """A collapsed policy (p of its mode 1 - 1e-6 at every position: 128 one-token completions) whose honest
+    draw picked a token of p ~ 1e-3 once: a heavy tail allows it, and alone it moves sampling_z to about -9."""
+    logits = torch.zeros(128, 1, V)
+    logits[..., 0] = 17.0  # the mode: every other token e^-17 / (1 + 49 e^-17)
+    logits[7, 0, 1] = 10.0  # at one position a token of p ~ 1e-3, which was drawn
+    tokens = torch.zeros(128, 1, dtype=torch.long)
+    tokens[7, 0] = 1
+    trainer = token_logprobs(logits, tokens, with_entropy=True)
+    return {"sampler_logprobs": trainer.logprobs.clone(), "training_logprobs": trainer.logprobs,
+            "training_entropy": trainer.entropy, "training_varentropy": trainer.varentropy, "mask": torch.ones(128, 1)}
+
+
+def test_one_unlikely_token_of_a_collapsed_policy_is_no_sampling_fault() -> None:
+    host = DivergenceStats.from_batch(flatten_padded(**one_unlikely_draw())).to_host()
+    found = sampling_metrics(host.totals, host.extrema)
+    assert found["sampling_z"] < -5 and abs(found["sampling_z_trimmed"]) < 1, found
+    sig = {"frac_d_zero": 1.0, "relative_gap": 0.0, "relative_gap_se": 0.0, **found}
+    assert diagnose(sig, n_tokens=128).cause == "none"
+    scalars = scalar_metrics(host, prefix="")
+    rail = GuardRail(max_kl=None, kl_metric="kl_sample_train_k3", max_sampling_z=5.0)
+    assert rail.exceeds(scalars, host) is None  # nor does it stop the run
+    shifted = check(drawn(1.2))  # the whole distribution drawn flatter: leaving one token out changes little
+    assert shifted["sampling_z_trimmed"] < -8 and shifted["sampling_z_trimmed"] > shifted["sampling_z"]
+
+
+def test_a_sampling_anomaly_beside_a_stale_prefix_cache_is_the_cache() -> None:
+    """KV computed with older weights draws from another distribution: the engine's account explains it."""
+    sig = {"frac_d_zero": 0.96, "relative_gap": 1e-6, "relative_gap_se": 1e-8, "sampling_z": -18.0,
+           "sampling_z_trimmed": -17.0}
+    assert diagnose(sig, n_tokens=1000).cause == "sampling"
+    found = diagnose(sig, n_tokens=1000, facts=SamplerFacts(engine="vllm", stale_prefix_cache=True))
+    assert found.cause == "prefix_cache" and found.is_observation and "sampling z -18" in found.message
 
 
 def test_without_entropies_nothing_is_logged_and_one_of_the_two_alone_is_an_error() -> None:
