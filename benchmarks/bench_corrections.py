@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks.correction import METHODS  # noqa: E402

@@ -61,7 +61,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402

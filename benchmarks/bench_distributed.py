@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
 from loops_callbacks.divergence.reduction import (  # noqa: E402

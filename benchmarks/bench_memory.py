@@ -26,7 +26,7 @@ import resource
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COLUMNS = 2048
 TARGET_COPIES = 6.0

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 CHAT = os.path.join(ROOT, "configs", "data", "chat_preferences.jsonl")
 TOKENIZER = os.path.join(ROOT, "configs", "data", "chat_tokenizer")

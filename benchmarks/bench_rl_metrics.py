@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loops_callbacks import loops_compute_kl_sample_train, loops_log_kl_sample_train  # noqa: E402
 from loops_callbacks.types import Datum, ModelInput, TensorData  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 from loops_callbacks.logprobs import token_logprobs
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.logprobs_before import policy_before, reference_before  # noqa: E402
 
 

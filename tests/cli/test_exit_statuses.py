@@ -362,36 +362,14 @@ class KillRank1WhileScoring(ReversePairsDataModule):
 """
 
 
-def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
-    """Lightning's watcher of the ranks SIGKILLed rank 0 there: exit 137 and not a word of what happened."""
-    (tmp_path / "killer.py").write_text(KILL_RANK_1_WHILE_SCORING)
+def run_two_ranks_with(tmp_path: Path, killer: str, config: str, *args: str) -> tuple[int, str]:
+    """The command's status and output for a 2-rank DDP run of ``config`` with ``killer`` importable as ``killer``."""
+    (tmp_path / "killer.py").write_text(killer)
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     process = subprocess.Popen(
-        [console_script(), "fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.devices", "2",
-         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-         "--data", "killer.KillRank1WhileScoring"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == EXIT_RANK_KILLED, output[-3000:]
-    assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 0: the run did not finish"], output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-
-
-def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
-    """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
-    (tmp_path / "killer.py").write_text(KILL_RANK_1)
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    process = subprocess.Popen(
-        [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.devices", "2",
-         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-         "--trainer.callbacks+=killer.KillRank1"],
+        [console_script(), "fit", "--config", str(CONFIGS / config), "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -399,7 +377,22 @@ def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tm
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # rank 1 and anything left of the run, whatever happened
-    assert process.returncode == EXIT_RANK_KILLED == 137, output[-3000:]
+    return process.returncode, output
+
+
+def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+    """Lightning's watcher of the ranks SIGKILLed rank 0 there: exit 137 and not a word of what happened."""
+    status, output = run_two_ranks_with(tmp_path, KILL_RANK_1_WHILE_SCORING, "dpo_tiny.yaml",
+                                        "--data", "killer.KillRank1WhileScoring")
+    assert status == EXIT_RANK_KILLED, output[-3000:]
+    assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 0: the run did not finish"], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+    """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
+    status, output = run_two_ranks_with(tmp_path, KILL_RANK_1, "rl_tiny.yaml", "--trainer.callbacks+=killer.KillRank1")
+    assert status == EXIT_RANK_KILLED == 137, output[-3000:]
     assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 3: the run did not finish"], output[-3000:]
     assert last_lines(output, 2)[0].startswith("Guard rail: "), output[-3000:]  # the monitor's summary, before it
     assert "Traceback" not in output, output[-3000:]
