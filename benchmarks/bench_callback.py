@@ -138,10 +138,9 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
     """
     import dataclasses
 
-    from loops_callbacks.divergence.action_tokens import flatten_padded
+    from loops_callbacks.divergence.flat_batch import flatten_padded
     from loops_callbacks.divergence.shadow import parse_corrections
     from loops_callbacks.divergence.statistics import DivergenceStats
-    from loops_callbacks.divergence.strata import Strata
 
     items = [RandomTokens()[i] for i in range(BATCH)]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
@@ -155,9 +154,9 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
     configurations: dict[str, tuple[Any, dict[str, Any]]] = {
         "base": (flat, {}),
         "no diagnosis": (flat, {"signatures": False}),
-        "p, pos": (flat, {"strata": Strata()}),
-        "p, pos, lag": (versioned, {"strata": Strata()}),
-        "all strata": (grouped, {"strata": Strata()}),
+        "p, pos": (flat, {"max_groups": 8}),
+        "p, pos, lag": (versioned, {"max_groups": 8}),
+        "all strata": (grouped, {"max_groups": 8}),
         **{c.name: (flat, {"corrections": [c]}) for c in parse_corrections(CORRECTIONS)},
     }
     times: dict[str, list[float]] = {name: [] for name in configurations}

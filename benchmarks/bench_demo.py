@@ -43,7 +43,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from loops_callbacks.cli import EXIT_GUARD_RAIL_STOPPED, EXIT_OK
+from loops_callbacks.cli.summary import EXIT_GUARD_RAIL_STOPPED, EXIT_OK
 from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]

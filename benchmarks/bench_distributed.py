@@ -5,8 +5,8 @@ Two schemes, on the same statistics (monitor defaults: ``top_n=20``, ``sample_si
 * current: every rank gathers every rank's totals, extrema, worst rows and full padded sample
   (values and keys: five all-gathers), then merges the parts one by one (the scheme
   ``DivergenceStats.all_gather`` used, kept here as ``gather_everything``);
-* new: ``DivergenceStats.reduce_across_ranks``: an all-gather of a 50-value header per rank and
-  one all-reduce of a fixed body (see ``loops_callbacks/divergence/reduction.py``).
+* new: ``reduction.reduce_across_ranks``: an all-gather of a small header per rank and one
+  all-reduce of a fixed body (see ``loops_callbacks/divergence/reduction.py``).
 
 Part 1 runs both on W gloo processes on the CPU (small tensors: ranks hold uneven numbers of
 tokens, the last rank none), checks that every rank's result equals the single-process
@@ -53,16 +53,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from loops_callbacks.divergence.action_tokens import flatten_padded  # noqa: E402
-from loops_callbacks.divergence.alignment import OFFSET_SIZE  # noqa: E402
+from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
 from loops_callbacks.divergence.reduction import (  # noqa: E402
     ProcessGroupCollectives,
-    body_length,
-    header_length,
+    message_sizes,
     received_bytes,
     reduce_across_ranks,
 )
-from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTAL_INDEX, TOTALS, DivergenceStats  # noqa: E402
+from loops_callbacks.divergence.states import ROW  # noqa: E402
+from loops_callbacks.divergence.statistics import DivergenceStats, layout_of  # noqa: E402
 
 TOP_N, SAMPLE_SIZE, LENGTH = 20, 100_000, 64
 LATENCY_S, BANDWIDTH_BPS = 10e-6, 100e9  # the issue's network: 10 us per collective, 100 GB/s
@@ -75,17 +74,17 @@ BYTES = 8
 def gather_everything(stats: DivergenceStats, collectives: Any) -> DivergenceStats:
     """The current scheme: gather every rank's statistics, merge them in rank order (a loop over W)."""
     gather = collectives.all_gather
-    length = stats.sample_values.shape[0]
+    length = stats.sample.shape[0]
     size = stats.sample_size
     if size is None:
-        size = int(gather(torch.tensor([length], device=stats.totals.device)).max())
-    keys = stats.sample_keys if stats.sample_keys is not None else torch.zeros_like(stats.sample_values)
-    values = torch.nn.functional.pad(stats.sample_values, (0, size - length))
+        size = int(gather(torch.tensor([length], device=stats.sums.device)).max())
+    keys = stats.keys if stats.keys is not None else torch.zeros_like(stats.sample)
+    values = torch.nn.functional.pad(stats.sample, (0, size - length))
     keys = torch.nn.functional.pad(keys, (0, size - length), value=float("inf"))
-    parts = zip(gather(stats.totals), gather(stats.extrema), gather(stats.worst), gather(values), gather(keys))
+    parts = zip(gather(stats.sums), gather(stats.maxima), gather(stats.worst), gather(values), gather(keys))
     merged: DivergenceStats | None = None
-    for totals, extrema, worst, part_values, part_keys in parts:
-        part = DivergenceStats(totals, extrema, worst, part_values, part_keys, stats.sample_size)
+    for sums, maxima, worst, part_values, part_keys in parts:
+        part = DivergenceStats(sums, maxima, worst, part_values, part_keys, stats.layout, stats.sample_size)
         merged = part if merged is None else merged.merge(part)
     assert merged is not None
     return merged
@@ -103,18 +102,13 @@ SCHEMES: dict[str, Callable[[DivergenceStats, Any], DivergenceStats]] = {
 
 def current_received_bytes(world: int, top_n: int = TOP_N, sample_size: int = SAMPLE_SIZE) -> int:
     """Bytes one rank receives in the current scheme: (W - 1) copies of every part."""
-    return BYTES * (world - 1) * (len(TOTALS) + len(EXTREMA) + top_n * ROW.WIDTH + 2 * sample_size)
-
-
-def new_received_bytes(world: int) -> int:
-    """Bytes one rank receives in the new scheme: ``received_bytes`` and the diagnosis' offset votes
-    (``OFFSET_SIZE`` values), which the summed body carries when the signatures are on (the default)."""
-    return received_bytes(world, TOP_N, SAMPLE_SIZE) + round(BYTES * 2 * (world - 1) / world * OFFSET_SIZE)
+    sizes = layout_of().sizes
+    return BYTES * (world - 1) * (sizes["sum"] + sizes["max"] + top_n * ROW.WIDTH + 2 * sample_size)
 
 
 MODEL = {  # scheme: (collectives per logged step, bytes received per rank as a function of W)
     "current": (5, current_received_bytes),
-    "new": (2, new_received_bytes),
+    "new": (2, lambda world: received_bytes(world, TOP_N, SAMPLE_SIZE, layout_of())),
 }
 
 
@@ -223,7 +217,7 @@ def tcp_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, in
 def check_equal_to_union(result: DivergenceStats, world: int, scheme: str) -> None:
     """Counts, extrema and rows exactly, sums to float64 order, every diff in rank order."""
     got, want = result.to_host(), union_stats(world).to_host()
-    for name in TOTALS:
+    for name in want.totals:
         if name.startswith("n_"):
             assert got.totals[name] == want.totals[name], (scheme, name)
         else:
@@ -239,7 +233,7 @@ def check_capped_shares(world: int, rank: int, collectives: Any) -> None:
     parts = [stats_of(rank_batch(r, world), cap, seed=r) for r in range(world)]
     result = reduce_across_ranks(parts[rank], collectives, generator=torch.Generator().manual_seed(rank))
     kept = result.to_host().diffs
-    counts = np.array([part.totals[TOTAL_INDEX["n_action_tokens"]].item() for part in parts])
+    counts = np.array([part.to_host().totals["n_action_tokens"] for part in parts])
     assert kept.shape == (cap,)
     source = np.full(cap, -1)
     for r, part in enumerate(parts):
@@ -285,7 +279,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_file: str, repeats: i
                 start = time.perf_counter()
                 run(stats, MirrorCollectives(rank, world))
                 local.append(time.perf_counter() - start)
-            packed = torch.cat([result.totals, result.extrema, result.worst.reshape(-1), result.sample_values])
+            packed = torch.cat([result.sums, result.maxima, result.worst.reshape(-1), result.sample])
             everyone = plain.all_gather(packed)
             assert bool((everyone == packed).all()), f"{scheme}: ranks differ"
             rows[scheme] = {
@@ -320,15 +314,16 @@ def synthetic_rank_stats(tokens: int, seed: int) -> DivergenceStats:
     """A rank's statistics after a step of ``tokens`` action tokens: its sample is min(tokens, cap) long."""
     generator = torch.Generator().manual_seed(seed)
     kept = min(tokens, SAMPLE_SIZE)
-    totals = torch.rand(len(TOTALS), dtype=torch.float64, generator=generator)
-    totals[TOTAL_INDEX["n_action_tokens"]] = tokens
-    totals[TOTAL_INDEX["n_datums"]] = max(1, tokens // 512)
+    layout = layout_of()
+    sums = torch.rand(layout.sizes["sum"], dtype=torch.float64, generator=generator)
+    sums[layout.index("n_action_tokens")] = tokens
+    sums[layout.index("n_datums")] = max(1, tokens // 512)
     worst = torch.rand(TOP_N, ROW.WIDTH, dtype=torch.float64, generator=generator)
     worst[:, ROW.ABS] = worst[:, ROW.ABS].sort(descending=True).values
     keys = torch.rand(kept, dtype=torch.float64, generator=generator) * kept / max(tokens, 1)
     values = torch.randn(kept, dtype=torch.float64, generator=generator)
-    extrema = torch.rand(len(EXTREMA), dtype=torch.float64, generator=generator)
-    return DivergenceStats(totals, extrema, worst, values, keys, SAMPLE_SIZE)
+    maxima = torch.rand(layout.sizes["max"], dtype=torch.float64, generator=generator)
+    return DivergenceStats(sums, maxima, worst, values, keys, layout, SAMPLE_SIZE)
 
 
 def compute_seconds(scheme: str, world: int, tokens_per_step: int, repeats: int) -> float:
@@ -425,10 +420,11 @@ def main() -> None:
                 local = compute_seconds(scheme, world, tokens, model_repeats)
                 print(f"| {world:,} | {tokens / 1e6:.0f}M | {scheme} | {calls} | {mb(received(world))} | "
                       f"{network * 1e3:.2f} | {local * 1e3:.1f} | {(network + local) * 1e3:.1f} | {per_step * 1e3:.1f} |")
-    print(f"\nBytes received per rank, new scheme: 8 x ((W-1) x {header_length(TOP_N)} + 2 (W-1)/W x "
-          f"{body_length(TOP_N, SAMPLE_SIZE) + OFFSET_SIZE:,}); current: 8 x (W-1) x "
-          f"{len(TOTALS) + len(EXTREMA) + TOP_N * ROW.WIDTH + 2 * SAMPLE_SIZE:,}.")
-    bound = new_received_bytes(1024)
+    header, body = message_sizes(layout_of(), TOP_N, SAMPLE_SIZE)
+    sizes = layout_of().sizes
+    print(f"\nBytes received per rank, new scheme: 8 x ((W-1) x {header} + 2 (W-1)/W x {body:,}); current: "
+          f"8 x (W-1) x {sizes['sum'] + sizes['max'] + TOP_N * ROW.WIDTH + 2 * SAMPLE_SIZE:,}.")
+    bound = received_bytes(1024, TOP_N, SAMPLE_SIZE, layout_of())
     assert bound <= 4_000_000
     print(f"At 1,024 ranks the new scheme receives {mb(bound)} MB per rank (bound: 4 MB).")
 

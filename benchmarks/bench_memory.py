@@ -37,16 +37,14 @@ def logged_step(batch: dict, strata: bool) -> None:
     import torch
 
     from loops_callbacks.divergence.guard_rail import GuardRail
-    from loops_callbacks.divergence.media import MediaOptions
-    from loops_callbacks.divergence.report import step_report
+    from loops_callbacks.divergence.report import MediaOptions, step_report
     from loops_callbacks.divergence.statistics import DivergenceStats
-    from loops_callbacks.divergence.step_input import data_keys, read_step
-    from loops_callbacks.divergence.strata import Strata
+    from loops_callbacks.divergence.inputs import data_keys, read_step
 
     flat = read_step({}, batch, data_keys(None), with_tokens=True, optimizer_step=10 if strata else None)
     stats = DivergenceStats.from_batch(
         flat, top_n=20, sample_size=100_000, generator=torch.Generator().manual_seed(0),
-        strata=Strata() if strata else None,
+        max_groups=8 if strata else None,
     )
     step_report(
         stats.to_host(),

@@ -6,11 +6,11 @@ the CPU time is the figure to read, the work each rank does):
 * the demo's data (``dpo_tiny``: 1,024 token-id pairs of the reverse-digits task): the whole
   ``DPODataModule.dpo_data()`` on two ranks (records compared across ranks, limits and tokenizer
   compared, each rank building half of the pairs, the halves gathered) against what every rank
-  did before, ``preference_datums`` on all of them;
+  did before, ``preference_pairs`` on all of them;
 * the check of the datums' token ids that ``score_across_ranks`` runs before scoring (a count and
-  a digest per rank; ``_check_same_tokens``), on the demo's 2,048 datums;
+  a digest per rank; ``check_ranks_agree``), on the demo's 2,048 datums;
 * the shipped chat data (512 records, the shipped tokenizer): ``dpo_data()`` on two ranks (each
-  tokenizes half) against ``preference_datums`` on all of them in each rank.
+  tokenizes half) against ``preference_pairs`` on all of them in each rank.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_rank_checks.py [--repeats 5]
 """
@@ -18,7 +18,6 @@ the CPU time is the figure to read, the work each rank does):
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import socket
 import statistics
@@ -57,13 +56,12 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     from transformers import AutoTokenizer
 
     from loops_callbacks.data import DPODataModule
-    from loops_callbacks.data.preference import read_preference_records
-    from loops_callbacks.data.tokenization import preference_datums
+    from loops_callbacks.data.sources import read_preference_records
+    from loops_callbacks.data.tokenization import preference_pairs
     from loops_callbacks.demo.data import ReversePairsDataModule
-    from loops_callbacks.reference.across_ranks import _check_same_tokens
     from loops_callbacks.reference.cache import data_fingerprint
     from loops_callbacks.reference.collectives import Group, StallGuard
-    from loops_callbacks.reference.packing import PackedTokens
+    from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
     demo = ReversePairsDataModule(num_pairs=1024, progress=False)
     records = demo.data
@@ -71,30 +69,33 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     chat = DPODataModule(path=CHAT, tokenizer=tokenizer, progress=False)
 
     def again(module: DPODataModule) -> Callable[[], Any]:
-        if "_packed" not in vars(module):
-            raise AttributeError("DPODataModule keeps its pairs elsewhere than _packed: the timing would read them")
+        if "_read" not in vars(module):
+            raise AttributeError("DPODataModule keeps its pairs elsewhere than _read: the timing would read them")
 
         def load() -> Any:
-            module._packed = None  # the pairs dpo_data() keeps: read, check and tokenize again
+            module._read = None  # read, check and tokenize again
             return module.dpo_data()
 
         return load
 
     rows = {
         "demo 1,024 pairs: dpo_data() on 2 ranks (checks + half each)": _median_ms(again(demo), repeats),
-        "demo 1,024 pairs: preference_datums on all (each rank, before)": _median_ms(
-            lambda: preference_datums(records, progress=False, warn=False), repeats
+        "demo 1,024 pairs: preference_pairs on all (each rank, before)": _median_ms(
+            lambda: preference_pairs(records, progress=False, warn=False), repeats
         ),
     }
-    packed = PackedTokens.from_sequences([d.model_input.to_ints() for d in demo.dpo_data()])
+    packed = demo.dpo_data().tokens
     group = Group()
     guard = StallGuard(group, 600.0)
-    rows["demo 2,048 datums: token-id check before scoring"] = _median_ms(
-        lambda: _check_same_tokens(packed, functools.partial(data_fingerprint, packed), group, guard, str), repeats
-    )
+
+    def check_tokens() -> None:  # what score_across_ranks runs before scoring
+        check_ranks_agree(group, what="datums", count=len(packed), digest=data_fingerprint(packed),
+                          item_digests=lambda: token_digests(packed), item_name=str, guard=guard)
+
+    rows["demo 2,048 datums: token-id check before scoring"] = _median_ms(check_tokens, repeats)
     rows["chat 512 records: dpo_data() on 2 ranks (checks + half each)"] = _median_ms(again(chat), repeats)
-    rows["chat 512 records: preference_datums on all (each rank, before)"] = _median_ms(
-        lambda: preference_datums(read_preference_records(CHAT), tokenizer, progress=False, warn=False), repeats
+    rows["chat 512 records: preference_pairs on all (each rank, before)"] = _median_ms(
+        lambda: preference_pairs(read_preference_records(CHAT), tokenizer, progress=False, warn=False), repeats
     )
     everyone: list[Any] = [None, None]
     torch.distributed.all_gather_object(everyone, rows)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402
 
 from loops_callbacks import token_logprobs  # noqa: E402
-from loops_callbacks.divergence.action_tokens import flatten_padded  # noqa: E402
+from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
 from loops_callbacks.divergence.diagnosis import SAMPLING_Z  # noqa: E402
 from loops_callbacks.divergence.metrics import held_sampling_z, sampling_metrics  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402

@@ -1,7 +1,7 @@
 """Peak memory of tokenizing one huge preference record with ``max_length``: a window of its text vs the whole text.
 
 Each measurement runs in its own subprocess: it builds the record, reads its peak RSS
-(``ru_maxrss``), runs ``preference_datums`` with the shipped tokenizer
+(``ru_maxrss``), runs ``preference_pairs`` with the shipped tokenizer
 (``configs/data/chat_tokenizer``) and reports the growth of the peak RSS and the time. "window" is
 the package's path (a window of the text, ``loops_callbacks.data.token_window``); "whole"
 tokenizes the whole text first, as before (windows switched off). The whole text of a 50 MB
@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, resource, sys, time
-from loops_callbacks.data import tokenization
+from loops_callbacks.data import tokenization, tokenizer as tokenizing
 
 mode, fmt, megabytes, max_length = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-tokenizer = tokenization.load_tokenizer(sys.argv[5])
+tokenizer = tokenizing.load_tokenizer(sys.argv[5])
 sentence = "The quick brown fox jumps over the lazy dog 1234 times, naïvely. "
 text = sentence * int(megabytes * 1e6 / len(sentence.encode()))
 if fmt == "standard":
@@ -39,14 +39,14 @@ else:
     record = {"prompt": [{"role": "user", "content": "Write a very long story."}],
               "chosen": [{"role": "assistant", "content": text}], "rejected": [{"role": "assistant", "content": "No."}]}
 if mode == "whole":
-    tokenization.worth_a_window = lambda *args: False
+    tokenizing.worth_a_window = lambda *args: False
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.perf_counter()
-data, report = tokenization.preference_datums([record], tokenizer, max_length=max_length, progress=False, warn=False)
+data, report = tokenization.preference_pairs([record], tokenizer, max_length=max_length, progress=False, warn=False)
 seconds = time.perf_counter() - started
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"growth_mb": (after - before) / 1024, "seconds": seconds,
-                  "ids": [d.model_input.to_ints() for d in data]}))
+                  "ids": [d.model_input.to_ints() for d in data.datums()]}))
 """
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["standard", "conversational"])
     parser.add_argument("--tokenizer", default=str(ROOT / "configs" / "data" / "chat_tokenizer"))
     args = parser.parse_args()
-    print(f"max_length={args.max_length}; peak RSS growth (ru_maxrss) of preference_datums on one record")
+    print(f"max_length={args.max_length}; peak RSS growth (ru_maxrss) of preference_pairs on one record")
     print(f"{'format':<15} {'path':<7} {'record MB':>9} {'peak RSS growth MB':>19} {'seconds':>8}  same ids")
     for fmt in args.formats:
         smallest = min(args.whole_mb)

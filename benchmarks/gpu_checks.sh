@@ -15,14 +15,14 @@
 set -uo pipefail
 out=${1:-gpu_checks_out}
 python=${PYTHON:-python3}
-if ! "$python" -c "import torch" 2>/dev/null; then
-  echo "gpu_checks.sh: $(command -v "$python") cannot import torch; install the checkout first: pip install -e \".[dev]\"" >&2
-  exit 1
-fi
-if ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_checks.sh: no CUDA device here (torch.cuda.is_available() is False); nothing was run or written" >&2
-  exit 3
-fi
+"$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null  # one import of torch
+case $? in
+  0) ;;
+  3) echo "gpu_checks.sh: no CUDA device here (torch.cuda.is_available() is False); nothing was run or written" >&2
+     exit 3 ;;
+  *) echo "gpu_checks.sh: $(command -v "$python") cannot import torch; install the checkout first: pip install -e \".[dev]\"" >&2
+     exit 1 ;;
+esac
 mkdir -p "$out"
 failed=0
 export PYTHONPATH=$PWD WANDB_MODE=offline PYTHONUNBUFFERED=1

@@ -2,7 +2,8 @@
 
 Two pipelines: ``loops_callbacks.divergence`` (sampler-vs-trainer logprob divergence, the
 ``KLSampleTrainMonitor`` callback and its guard rail) and ``loops_callbacks.reference`` (reference
-logprobs for DPO), with ``loops_callbacks.data`` for DPO DataModules. ``token_logprobs`` is the
+logprobs for DPO), with ``loops_callbacks.data`` for DPO data (``DPODataModule``, and
+``ReferenceLogprobsMixin`` for a DataModule of your own). ``token_logprobs`` is the
 one target-token log-probability formula (a ``training_step``'s, the DPO policy's and the reference
 scorer's). The SDK's import paths ``loops_callbacks.rl_metrics`` and ``loops_callbacks.helpers.datum``
 are kept.
@@ -11,7 +12,12 @@ Example:
     >>> from loops_callbacks import KLSampleTrainMonitor, attach_reference_logprobs
     >>> KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop").on_exceed
     'stop'
+    >>> from loops_callbacks import DPODataModule, ReferenceLogprobsMixin
+    >>> issubclass(DPODataModule, ReferenceLogprobsMixin)
+    True
 """
+
+import importlib
 
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.attach import attach_reference_logprobs
@@ -46,9 +52,7 @@ _LIGHTNING_NAMES = {
 
 
 def __getattr__(name: str) -> object:
-    """The Lightning plugins are imported on first use, so the plain functions load without Lightning."""
+    """The Lightning classes are imported on first use, so the plain functions load without Lightning."""
     if name in _LIGHTNING_NAMES:
-        import importlib
-
         return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
     raise AttributeError(f"module 'loops_callbacks' has no attribute {name!r}")

@@ -32,14 +32,8 @@ import torch
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
 from loops_callbacks.types import Datum, ModelInput, TensorData
 
-__all__ = [
-    "TINKER_CONVENTION_FIX",
-    "TinkerConventionWarning",
-    "describe_indices",
-    "from_tinker_convention",
-    "tinker_convention_message",
-    "weighted_last_positions",
-]
+__all__ = ["TinkerConventionWarning", "from_tinker_convention"]
+
 
 class TinkerConventionWarning(UserWarning):
     """Datums in Tinker's convention were scored under the Loops rule, losing their last token's reference logprob."""

@@ -18,14 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = [
-    "field_to_tensor",
-    "field_length",
-    "datum_model_input",
-    "datum_loss_fn_inputs",
-    "model_input_length",
-    "model_input_tokens",
-]
+__all__: list[str] = []  # the package's field readers: nothing here is for users to import
 
 
 def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:

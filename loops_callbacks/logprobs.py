@@ -53,12 +53,8 @@ _LOG_ZERO = -1e4  # a log-probability below it has probability 0 in float32
 
 
 def token_logprobs(
-    logits: torch.Tensor | Any,
-    target_tokens: torch.Tensor,
-    *,
-    dtype: torch.dtype | None = None,
-    rows_per_chunk: int | None = None,
-    with_entropy: bool = False,
+    logits: torch.Tensor | Any, target_tokens: torch.Tensor, *, dtype: torch.dtype | None = None,
+    rows_per_chunk: int | None = None, with_entropy: bool = False,
 ) -> torch.Tensor | TokenLogprobs:
     """``out[b, k] = log softmax(logits[b, k])[target_tokens[b, k]]``, computed in float32.
 

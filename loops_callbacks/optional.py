@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HF_EXTRA_HINT", "HF_EXTRA_PACKAGES", "import_optional"]
+__all__: list[str] = []  # the package's optional imports: nothing here is for users to import
 
 HF_EXTRA_PACKAGES = ("transformers>=4.56", "datasets>=3.0", "pyarrow>=15")
 """The 'hf' extra of pyproject.toml, for a package installed from a wheel (no checkout to install from)."""

@@ -17,20 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ProgressBar"]
+__all__: list[str] = []  # the package's one progress display: nothing here is for users to import
 
 
 class ProgressBar:
     """A tqdm bar, a callable ``progress(done, total)``, or nothing; a context manager that closes the bar."""
 
     def __init__(
-        self,
-        progress: bool | Callable[[int, int], None],
-        total: int,
-        *,
-        desc: str,
-        unit: str,
-        unit_scale: bool = False,
+        self, progress: bool | Callable[[int, int], None], total: int, *, desc: str, unit: str, unit_scale: bool = False
     ) -> None:
         self.total, self.done = total, 0
         self.callback = progress if callable(progress) else None

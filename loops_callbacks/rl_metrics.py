@@ -1,15 +1,13 @@
-"""``loops_compute_kl_sample_train`` and ``loops_log_kl_sample_train``, as in the Loops SDK.
+"""``loops_compute_kl_sample_train`` and ``loops_log_kl_sample_train``, as in the Loops SDK (``loops.rl_metrics``).
 
-Both are thin wrappers over ``loops_callbacks.divergence``: flatten the batch once
-(``action_tokens``), read it into statistics (``statistics``), turn those into the metrics dict
-(``metrics``) and, for the logging variant, build the W&B histogram and worst-tokens table
-(``media``). The import path matches the SDK's (``loops.rl_metrics``).
+Both read the batch once into its statistics (``loops_callbacks.divergence``: ``flatten_datums``,
+``DivergenceStats``), turn them into the metrics dict (``metrics``) and, for the logging variant,
+build the W&B histogram and worst-tokens table.
 
 Example:
     >>> import torch
     >>> from loops_callbacks.types import Datum, ModelInput
-    >>> datum = Datum(ModelInput.from_ints([1, 2, 3]),
-    ...               {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
+    >>> datum = Datum(ModelInput.from_ints([1, 2, 3]), {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
     >>> metrics = loops_compute_kl_sample_train([datum], [torch.tensor([0.0, -1.5, -2.0])])
     >>> metrics["optim/train-sample-div/kl_sample_train_v1_loops"]
     0.25
@@ -23,34 +21,31 @@ from typing import Any
 
 import torch
 
-from loops_callbacks.divergence.action_tokens import flatten_datums, trainer_logprobs_from_output
-from loops_callbacks.divergence.guard_rail import impossible_inputs
-from loops_callbacks.divergence.media import MediaOptions, step_media, wandb_media
-from loops_callbacks.divergence.metrics import DEFAULT_PREFIX, scalar_metrics
+from loops_callbacks.divergence.flat_batch import flatten_datums
+from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
+from loops_callbacks.divergence.inputs import trainer_logprobs_from_output
+from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
+from loops_callbacks.divergence.report import MediaOptions, Tokenizer, step_report, wandb_media
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
-from loops_callbacks.divergence.worst_tokens import Tokenizer
 
-__all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train", "DEFAULT_PREFIX"]
+__all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train"]
 
 logger = logging.getLogger("loops_callbacks")
 
 
 def loops_compute_kl_sample_train(
-    data: Sequence[Any],
-    training_logprobs: Sequence[Any] | torch.Tensor,
-    *,
-    prefix: str = DEFAULT_PREFIX,
+    data: Sequence[Any], training_logprobs: Sequence[Any] | torch.Tensor, *, prefix: str = DEFAULT_PREFIX
 ) -> dict[str, float]:
     """Sampler-vs-trainer divergence scalars over the action tokens of ``data``.
 
-    ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask``
-    (optional ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per
-    datum (or one right-padded ``[B, T]`` tensor). The keys and their formulas are listed in
+    ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask`` (optional
+    ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per datum (or one
+    right-padded ``[B, T]`` tensor). The keys and their formulas are listed in
     ``loops_callbacks.divergence.metrics``. Impossible inputs (trainer logprobs all exactly 0.0,
     logprobs above 0 or below -1e4) are logged as warnings on the ``loops_callbacks`` logger; the
     numbers are returned anyway.
     """
-    return scalar_metrics(_read(data, training_logprobs, top_n=0), prefix=prefix)
+    return _report(data, training_logprobs, MediaOptions(log_histogram=False, log_worst_tokens=False), prefix)[0]
 
 
 def loops_log_kl_sample_train(
@@ -74,16 +69,13 @@ def loops_log_kl_sample_train(
     ``.log(metrics, step=...)`` or ``None``; the dict is returned either way. A failing
     ``wandb_run.log`` is logged as a warning, never raised: monitoring must not stop training.
     """
-    if top_n < 0:
-        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, top_n, tokenizer)
     if training_logprobs is None:
         if forward_backward_output is None:
             raise ValueError("pass either forward_backward_output or training_logprobs")
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
-    host = _read(data, training_logprobs, top_n=top_n if log_worst_tokens else 0)
-    metrics: dict[str, Any] = scalar_metrics(host, prefix=prefix)
-    options = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, tokenizer)
-    metrics.update(wandb_media(step_media(host, options), prefix=prefix))
+    scalars, report = _report(data, training_logprobs, media, prefix)
+    metrics: dict[str, Any] = {**scalars, **wandb_media(report, prefix)}
     if wandb_run is not None:
         try:
             wandb_run.log(metrics, step=step)
@@ -92,13 +84,15 @@ def loops_log_kl_sample_train(
     return metrics
 
 
-def _read(data: Sequence[Any], training_logprobs: Sequence[Any] | torch.Tensor, *, top_n: int) -> HostDivergence:
-    """The batch's statistics on the host, impossible inputs logged as warnings.
+def _report(data: Sequence[Any], training_logprobs: Any, media: MediaOptions, prefix: str) -> tuple[dict[str, float], Any]:
+    """The batch's metrics (under ``prefix``) and report, impossible inputs logged as warnings.
 
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
     """
-    flat = flatten_datums(data, training_logprobs, with_tokens=top_n > 0, with_token_ids=False)
-    host = DivergenceStats.from_batch(flat, top_n=top_n, signatures=False).to_host()
+    flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, with_token_ids=False)
+    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, signatures=False).to_host()
     for message in impossible_inputs(host).values():
         logger.warning("%s", message)
-    return host
+    report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(None, "kl_sample_train_k3"),
+                         diagnosing=False)
+    return {prefix + name: value for name, value in report.scalars.items()}, report

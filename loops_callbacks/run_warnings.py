@@ -1,11 +1,11 @@
-"""One channel for what the package tells its user: warnings on rank 0 only, once per run where asked.
+"""What the package tells its user: Lightning's ``rank_zero_warn`` (global rank 0 only), once per key where asked.
 
-Every user-facing warning of the callbacks, the DataModules and the reference scorer goes through
-``warn`` (a Python warning, so ``pytest.warns`` and ``-W error`` work, with a category a user can
-filter: ``ReferenceCacheWarning``, ``PreferenceDataWarning``, ...), emitted on global rank 0 only
-(Lightning's rank, else ``torch.distributed``'s, else the process is rank 0). ``RunWarnings`` adds
-"at most once per key" for what may recur every step; ``reset`` starts a new run (the callback
-calls it in ``setup``). Lightning is not imported here, so the plain functions stay light.
+``warn(message, category)`` is a Python warning (``pytest.warns`` and ``-W error`` work) with a
+category a user can filter (``ReferenceCacheWarning``, ``PreferenceDataWarning``, ...), shown on
+global rank 0 only. Outside a Lightning run the rank is torchrun's ``RANK``, else
+``torch.distributed``'s, else 0. ``RunWarnings`` adds "at most once per key" for what may recur
+every step; ``reset`` starts a new run. Only ``lightning_utilities`` is imported, so the plain
+functions stay light.
 
 Example:
     >>> import warnings
@@ -20,17 +20,21 @@ Example:
 
 from __future__ import annotations
 
-import warnings
+import os
 
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 
-__all__ = ["RunWarnings", "warn"]
+__all__: list[str] = []  # the package's one warning channel: nothing here is for users to import
 
 
 def warn(message: str, category: type[Warning] = UserWarning, *, stacklevel: int = 3) -> None:
-    """Warn ``message`` on global rank 0 only."""
-    if _global_rank() == 0:
-        warnings.warn(message, category, stacklevel=stacklevel)
+    """Warn ``message`` on global rank 0 only, attributed ``stacklevel`` frames up from the caller of ``warn``."""
+    if getattr(rank_zero_only, "rank", None) is None:  # not set by a Lightning strategy
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        rank_zero_only.rank = int(os.environ.get("RANK", dist.get_rank() if initialized else 0))
+    rank_zero_warn(message, category=category, stacklevel=stacklevel + 3)  # its 3 frames
 
 
 class RunWarnings:
@@ -41,10 +45,9 @@ class RunWarnings:
 
     def warn(self, key: str, message: str, category: type[Warning] = UserWarning) -> None:
         """Warn ``message`` unless a warning with ``key`` was already given in this run."""
-        if key in self._said:
-            return
-        self._said.add(key)
-        warn(message, category, stacklevel=4)
+        if key not in self._said:
+            self._said.add(key)
+            warn(message, category, stacklevel=4)
 
     def said(self, key: str) -> bool:
         """Whether the warning ``key`` was given in this run."""
@@ -53,12 +56,3 @@ class RunWarnings:
     def reset(self) -> None:
         """Forget what was said: a new run begins."""
         self._said.clear()
-
-
-def _global_rank() -> int:
-    rank = getattr(rank_zero_only, "rank", None)  # set by Lightning's strategies
-    if rank is not None:
-        return int(rank)
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

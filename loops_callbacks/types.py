@@ -24,24 +24,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from loops_callbacks.validation import FLOAT_DTYPES
+
 __all__ = ["TensorData", "EncodedTextChunk", "ModelInput", "Datum", "ForwardBackwardOutput"]
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, candidate in _TORCH_DTYPES.items():
-        if candidate == dtype:
-            return name
-    raise TypeError(f"TensorData has no dtype name for {dtype}; use one of {sorted(_TORCH_DTYPES)}")
+_TORCH_DTYPES = {**FLOAT_DTYPES, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+_DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 
 
 @dataclass
@@ -66,7 +54,9 @@ class TensorData:
     @classmethod
     def from_torch(cls, tensor: torch.Tensor) -> TensorData:
         """Copy a tensor to a list; NaN becomes ``None`` so the result stays JSON-safe."""
-        name = _dtype_name(tensor.dtype)
+        name = _DTYPE_NAMES.get(tensor.dtype)
+        if name is None:
+            raise TypeError(f"TensorData has no dtype name for {tensor.dtype}; use one of {sorted(_TORCH_DTYPES)}")
         values = tensor.detach().cpu()
         if values.is_floating_point():
             values = values.double()

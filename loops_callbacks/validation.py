@@ -1,7 +1,8 @@
-"""Argument checks shared by the callbacks, the DataModules and the scorers, with one wording.
+"""The one rule for arguments: a value of the wrong type is a ``TypeError``, a value of the right type
+out of range a ``ValueError``, both saying ``"<name> must be <what>, got <value>"``.
 
-A value of the wrong type is a ``TypeError``, a value out of range a ``ValueError``; both name
-the argument and the value. ``bool`` is never accepted as an int.
+``check`` is the rule; ``check_int``, ``check_real``, ``check_bool``, ``check_choice`` and
+``check_dtype`` are its common cases. ``bool`` is never accepted as a number.
 
 Example:
     >>> check_int("top_n", 3, least=0)
@@ -10,6 +11,10 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: top_n must be an int >= 0, got -1
+    >>> check_choice("on_exceed", "halt", ("warn", "stop", "raise"))
+    Traceback (most recent call last):
+    ...
+    ValueError: on_exceed must be one of ['warn', 'stop', 'raise'], got 'halt'
     >>> check_dtype("scoring_dtype", "bfloat16")
     torch.bfloat16
 """
@@ -18,11 +23,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "check_bool", "check_dtype", "check_int", "check_real"]
+__all__: list[str] = []  # the package's own checks: nothing here is for users to import
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,60 +39,82 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 }
 """The floating-point dtypes a model may be scored or sampled in, by their YAML names (the one table)."""
 
+_SHOWN = reprlib.Repr()  # a refused value as it is, a huge one abridged (a list of a million token ids)
+_SHOWN.maxstring = _SHOWN.maxother = 300
 
-def check_int(name: str, value: Any, *, least: int | None, what: str = "") -> int:
-    """``value`` if it is an int (not a bool) ``>= least`` (any int when ``least`` is ``None``);
-    ``TypeError`` / ``ValueError`` otherwise. ``what`` adds the value's meaning to the message.
+
+def check(
+    name: str, value: Any, kind: type | tuple[type, ...], what: str, valid: Callable[[Any], bool] | None = None,
+    *, optional: bool = False,
+) -> Any:
+    """``value`` if it is a ``kind`` (a bool only where ``kind`` is ``bool``) and ``valid(value)`` holds, or ``None``
+    when ``optional``; else a ``TypeError`` (not a ``kind``) or a ``ValueError`` (not valid) saying what ``name``
+    must be.
+
+    Example:
+        >>> check("max_kl", "0.05", numbers.Real, "a number >= 0", optional=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
+        >>> check("prompt", list(range(10**6)), str, "text")
+        Traceback (most recent call last):
+        ...
+        TypeError: prompt must be text, got [0, 1, 2, 3, 4, 5, ...] (list)
+    """
+    if optional and value is None:
+        return None
+    what += " or None" if optional else ""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise TypeError(f"{name} must be {what}, got {_SHOWN.repr(value)} ({type(value).__name__})")
+    if valid is not None and not valid(value):
+        raise ValueError(f"{name} must be {what}, got {_SHOWN.repr(value)}")
+    return value
+
+
+def check_int(name: str, value: Any, *, least: int | None, what: str = "", optional: bool = False) -> int | None:
+    """``value`` if it is an int ``>= least`` (any int when ``least`` is ``None``), or ``None`` when ``optional``;
+    ``what`` adds its meaning.
 
     Example:
         >>> check_int("max_histogram_tokens", 1.5, least=None, what=" (<= 0: no cap)")
         Traceback (most recent call last):
         ...
-        TypeError: max_histogram_tokens must be an int (<= 0: no cap), got 1.5
+        TypeError: max_histogram_tokens must be an int (<= 0: no cap), got 1.5 (float)
     """
     bound = "" if least is None else f" >= {least}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{bound}{what}, got {value!r}")
-    if least is not None and value < least:
-        raise ValueError(f"{name} must be an int{bound}{what}, got {value!r}")
-    return value
+    return check(name, value, int, f"an int{bound}{what}", lambda v: least is None or v >= least, optional=optional)
 
 
-def check_real(name: str, value: Any, *, least: float, most: float = math.inf, what: str) -> float:
-    """``value`` as a float if it is a real number (not a bool) in ``[least, most]``; ``TypeError`` /
-    ``ValueError`` naming ``name`` otherwise (NaN is out of every range).
-
-    Example:
-        >>> check_real("max_kl", "0.05", least=0.0, what="a number >= 0 or None")
-        Traceback (most recent call last):
-        ...
-        TypeError: max_kl must be a number >= 0 or None, got '0.05' (str)
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-    if not least <= value <= most:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return float(value)
+def check_real(
+    name: str, value: Any, *, least: float, most: float = math.inf, what: str, optional: bool = False
+) -> float | None:
+    """``value`` as a float if it is a real number in ``[least, most]`` (NaN is in no range), or ``None`` when
+    ``optional``."""
+    checked = check(name, value, numbers.Real, what, lambda v: least <= v <= most, optional=optional)
+    return None if checked is None else float(checked)
 
 
 def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool; ``TypeError`` naming ``name`` otherwise (1 and "yes" are not bools).
+    """``value`` if it is a bool (1 and "yes" are not)."""
+    return check(name, value, bool, "a bool")
 
-    Example:
-        >>> check_bool("log_histogram", 1)
-        Traceback (most recent call last):
-        ...
-        TypeError: log_histogram must be a bool, got 1
-    """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
+
+def check_choice(name: str, value: Any, choices: Collection[str]) -> str:
+    """``value`` if it is one of the strings ``choices``."""
+    return check(name, value, str, f"one of {list(choices)}", lambda v: v in choices)
 
 
 def check_dtype(name: str, value: Any, allowed: tuple[str, ...] = tuple(FLOAT_DTYPES)) -> torch.dtype:
-    """The ``torch.dtype`` named by ``value`` (``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself),
-    one of ``allowed``; ``ValueError`` naming the value and the choices otherwise."""
-    key = value.removeprefix("torch.") if isinstance(value, str) else str(value).removeprefix("torch.")
-    if (isinstance(value, (str, torch.dtype))) and key in allowed:
-        return FLOAT_DTYPES[key]
-    raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+    """The ``torch.dtype`` named by ``value`` (``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself), one of
+    ``allowed``; a ``ValueError`` naming the value and the choices otherwise.
+
+    Example:
+        >>> check_dtype("scoring_dtype", 16)
+        Traceback (most recent call last):
+        ...
+        TypeError: scoring_dtype must be a dtype name, one of ['float32', 'float64', 'bfloat16', 'float16'], got 16 (int)
+    """
+    key = str(check(name, value, (str, torch.dtype), f"a dtype name, one of {list(allowed)}")).removeprefix("torch.")
+    if key not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+    return FLOAT_DTYPES[key]

@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks import loops_compute_kl_sample_train
-from loops_callbacks.divergence.action_tokens import flatten_datums
+from loops_callbacks.divergence.flat_batch import flatten_datums
+from loops_callbacks.divergence.reduction import reduce_across_ranks
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.oracle import PREFIX as P
@@ -325,7 +326,7 @@ def reduce_in_threads(parts: list[DivergenceStats], seed: int = 0) -> list[Diver
 
     def run(rank: int) -> None:
         generator = torch.Generator().manual_seed(seed + rank)
-        results[rank] = parts[rank].reduce_across_ranks(group.for_rank(rank), generator=generator)
+        results[rank] = reduce_across_ranks(parts[rank], group.for_rank(rank), generator=generator)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
     for thread in threads:
@@ -371,14 +372,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_two_ranks(worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, what: str) -> list[Any]:
+def run_two_ranks(
+    worker: Callable[..., None], args: tuple[Any, ...], out_dir: Path, what: str, seconds: float = 120
+) -> list[Any]:
     """Run ``worker(rank, *args)`` in two spawned processes and load what each saved as ``out_dir/rank<r>.pt``.
 
-    A rank still running after two minutes fails the test (``what`` says which case hung) instead
+    A rank still running after ``seconds`` fails the test (``what`` says which case hung) instead
     of hanging the suite.
     """
     context = mp.start_processes(worker, args=args, nprocs=2, join=False, start_method="spawn")
-    for _ in range(240):
+    for _ in range(int(2 * seconds)):
         if context.join(timeout=0.5):
             break
     else:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loops_callbacks.conventions import from_tinker_convention, weighted_last_positions
-from loops_callbacks.data import DPODataModule, dpo_pair_datums, validate_dpo_pairs
+from loops_callbacks.data import DPODataModule, check_dpo_pairs, dpo_pair_datums
 from loops_callbacks.fields import field_to_tensor
 from loops_callbacks.types import Datum, TensorData
 from tests.helpers import ToyDPO, quiet_trainer
@@ -66,8 +66,8 @@ def test_the_checks_refuse_tinker_datums_naming_the_pair_and_the_fix() -> None:
         match=r"pair 0: the chosen datum \(index 0\) carries weight on the last position, as in Tinker's convention"
         r".*last token's reference logprob is lost.*loops_callbacks.data.from_tinker_convention\(data\)",
     ):
-        validate_dpo_pairs(tinker_data())
-    assert len(validate_dpo_pairs(from_tinker_convention(tinker_data()))) == 4
+        check_dpo_pairs(tinker_data())
+    assert len(check_dpo_pairs(from_tinker_convention(tinker_data()))) == 4
 
 
 class LastTokenMatters(torch.nn.Module):
@@ -88,7 +88,7 @@ def test_the_datamodule_refuses_them_and_scores_every_token_once_converted(tmp_p
     data = DPODataModule(from_tinker_convention(tinker_data()), reference=LastTokenMatters(), use_cache=False, progress=False)
     quiet_trainer(max_steps=1, default_root_dir=str(tmp_path)).fit(ToyDPO(vocab=10), data)
     logprobs = torch.log_softmax(torch.arange(10.0) * 0.3, dim=-1)
-    for datum, (tokens, k) in zip(data.scored_data, [(s, k) for c, r, k in PAIRS for s in (c, r)]):
+    for datum, (tokens, k) in zip(data.scored_pairs.datums(), [(s, k) for c, r, k in PAIRS for s in (c, r)]):
         inputs = datum.loss_fn_inputs
         weights = field_to_tensor(inputs["weights"], where="weights").double()
         ref = field_to_tensor(inputs["ref_logprobs"], where="ref_logprobs").double()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import RecordingLogger, TinyPolicy, assert_metrics_equal, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
@@ -66,7 +66,7 @@ def test_no_host_sync_until_to_host() -> None:
 def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
     """The monitor's path (``read_step``, then the statistics) counts NaN advantages on the device; the
     count reaches the host with the rest in ``to_host``, and equals the CPU's."""
-    from loops_callbacks.divergence.step_input import data_keys, read_step
+    from loops_callbacks.divergence.inputs import data_keys, read_step
 
     batch = padded_batch("cuda")
     advantages = batch["advantages"][:, None].expand_as(batch["mask"]).clone()
@@ -93,7 +93,7 @@ def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
 
 def test_loops_functions_on_cuda_tensors() -> None:
     from loops_callbacks import loops_compute_kl_sample_train
-    from loops_callbacks.divergence.action_tokens import flatten_datums
+    from loops_callbacks.divergence.flat_batch import flatten_datums
     from loops_callbacks.types import Datum, ModelInput
 
     batch = padded_batch("cuda", batch=8, length=32)
@@ -271,7 +271,7 @@ def test_fsdp_with_configure_model_is_its_own_reference_on_one_gpu(tmp_path: Any
     trainer, module = run()
     assert module.reference_report.source == "scored"
     want = TorchSamplingClient(_tiny_llama().cuda()).compute_logprobs_batch([d.model_input for d in data])
-    for datum, expected in zip(module.scored_data, want):
+    for datum, expected in zip(module.scored_pairs.datums(), want):
         row = datum.loss_fn_inputs["ref_logprobs"]
         assert abs(row[:-1] - torch.tensor(expected[1:]).numpy()).max() < 1e-4
     # a resumed run (under FSDP the weights are restored after the strategy's setup) takes the cache

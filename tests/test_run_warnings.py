@@ -32,3 +32,12 @@ def test_once_per_key_until_a_new_run() -> None:
         channel.reset()
         channel.warn("logger:CSVLogger", "could not log")
     assert len(caught) == 2
+
+
+def test_outside_lightning_the_rank_is_torchruns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(rank_zero_only, "rank", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_warnings.warn("the cache is stale", ReferenceCacheWarning)
+    assert caught == [] and rank_zero_only.rank == 1

@@ -47,21 +47,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
 from loops_callbacks.correction.spec import Correction, parse_correction
 
-__all__ = [
-    "CorrectionInput",
-    "CorrectionResult",
-    "FlatCorrection",
-    "RowCorrection",
-    "Segments",
-    "apply_correction",
-    "correct_flat",
-    "correct_rows",
-]
 
 VERL_SAFETY_BOUND = 20.0
 """verl's ``SAFETY_BOUND``: log ratios are clamped to ±20 before ``exp`` (rollout_corr_helper.py)."""
@@ -160,21 +151,9 @@ class CorrectionInput:
         return self.rows.sum(self.zeroed)
 
 
-@dataclass(frozen=True)
-class RowCorrection:
-    """A sequence-level correction per row: float64 ``weight``, bool ``keep`` and ``clipped``, all [B].
-
-    Rows are whole sequences: every action token of a row has the row's weight and fate.
-    """
-
-    weight: torch.Tensor
-    keep: torch.Tensor
-    clipped: torch.Tensor
-
-
-@dataclass(frozen=True)
-class FlatCorrection:
-    """A correction at every position: float64 ``weights``, bool ``keep`` and ``clipped``, all [L]."""
+class Weights(NamedTuple):
+    """A correction's float64 ``weights``, bool ``keep`` and ``clipped``: per row (``correct_rows``: every action
+    token of a row has its row's weight and fate) or per position (``correct_flat``)."""
 
     weights: torch.Tensor
     keep: torch.Tensor
@@ -197,14 +176,14 @@ class CorrectionResult:
 
 
 @torch.no_grad()
-def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
+def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
     """A sequence-level ``correction`` (``correction.spec.level == "sequence"``) per row of ``x``.
 
     Example:
         >>> x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
         ...                     Segments.of_lengths(torch.tensor([2, 1]), total=3))
         >>> rows = correct_rows(parse_correction("sequence_truncate:2.0"), x)
-        >>> [round(w, 4) for w in rows.weight.tolist()], rows.clipped.tolist()
+        >>> [round(w, 4) for w in rows.weights.tolist()], rows.clipped.tolist()
         ([2.0, 1.1052], [True, False])
     """
     spec = correction.spec
@@ -217,16 +196,16 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> RowCorrection:
         return _verl_is_weights(correction, x.row_log_ratio, ~never)
     if spec.family == "verl_rs":
         keep = _verl_rejection_keep(correction, x)
-        return RowCorrection(keep.to(torch.float64), keep, never)
+        return Weights(keep.to(torch.float64), keep, never)
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
     mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
     keep = ~x.advantages.isnan() & ((x.advantages >= 0) | (mean_kl <= correction.params["threshold"]))
-    return RowCorrection(keep.to(torch.float64), keep, never)
+    return Weights(keep.to(torch.float64), keep, never)
 
 
 @torch.no_grad()
-def correct_flat(correction: Correction, x: CorrectionInput) -> FlatCorrection:
+def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
     """``correction`` at every position of ``x``: weights 0 and keep False off the mask.
 
     Example:
@@ -240,19 +219,19 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> FlatCorrection:
     if spec.level == "sequence":
         rows = correct_rows(correction, x)
         keep = x.mask & x.rows.spread(rows.keep)
-        weights = torch.where(x.mask, x.rows.spread(rows.weight), 0.0)  # a row's weight may be inf: no inf * 0
-        return FlatCorrection(weights, keep, x.mask & x.rows.spread(rows.clipped))
+        weights = torch.where(x.mask, x.rows.spread(rows.weights), 0.0)  # a row's weight may be inf: no inf * 0
+        return Weights(weights, keep, x.mask & x.rows.spread(rows.clipped))
     if spec.family == "trl":
         result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
     elif spec.family == "verl_is":
         result = _verl_is_weights(correction, x.zeroed, x.mask)
     else:
         keep = x.mask & _verl_rejection_keep(correction, x)
-        result = RowCorrection(keep.to(torch.float64), keep, torch.zeros_like(keep))
-    return FlatCorrection(result.weight * x.mask, result.keep, result.clipped)  # off the mask the ratio is 1
+        result = Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    return Weights(result.weights * x.mask, result.keep, result.clipped)  # off the mask the ratio is 1
 
 
-def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> RowCorrection:
+def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
     """TRL's truncate (clamp into [clip_min, clip_max]) or mask (0 outside it) of ``ratio``."""
     low, high = correction.params["clip_min"], correction.params["clip_max"]
     outside = torch.zeros_like(mask)
@@ -262,15 +241,15 @@ def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor
         outside |= ratio > high
     if correction.spec.formula.endswith("truncate"):
         weight = ratio if low is None and high is None else ratio.clamp(min=low, max=high)
-        return RowCorrection(weight, mask, mask & outside)
-    return RowCorrection(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
+        return Weights(weight, mask, mask & outside)
+    return Weights(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
 
 
-def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor) -> RowCorrection:
+def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
     """verl's truncated IS: ``exp`` of the log ratio clamped to ±20, capped at ``threshold``."""
     ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
     threshold = correction.params["threshold"]
-    return RowCorrection(ratio.clamp(max=threshold), mask, mask & (ratio > threshold))
+    return Weights(ratio.clamp(max=threshold), mask, mask & (ratio > threshold))
 
 
 def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:

@@ -55,7 +55,6 @@ import torch
 
 from loops_callbacks.validation import check_real
 
-__all__ = ["METHODS", "Correction", "Method", "parse_correction"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest bound (in magnitude) a correction takes."""

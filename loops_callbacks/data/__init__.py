@@ -1,18 +1,15 @@
 """DPO data for Lightning: the Loops pair convention and DataModules that attach reference logprobs.
 
-- ``dpo``: the Loops DPO datum convention (``dpo_pair_datums``), JSONL records, checks, batches;
-- ``packed_pairs``: ``PackedPairs``, the pairs back to back in flat arrays, which batches are cut from;
-- ``preference``: preference records from files, data sets and memory, in TRL's formats;
-- ``tokenization``: text and chat records to datums as TRL's ``DPOTrainer`` tokenizes them
-  (``preference_datums``), within ``max_length`` / ``max_prompt_length``;
-- ``reference_mixin``: ``ReferenceLogprobsMixin`` for any DataModule, and
-  ``compute_reference_logprobs`` (checks the pairs, then scores them with ``loops_callbacks.reference``);
+- ``dpo``: the Loops DPO convention (``dpo_pair_datums``), the checks (``check_dpo_pairs``), batches;
+- ``packed_pairs``: ``PackedPairs``, the pairs back to back in flat arrays, from tokenization to the batches;
+- ``sources``: preference records from files, data sets and memory; ``preference``: their format (TRL's);
+- ``tokenizer``: loading it, and calling it as TRL does (``token_window``: a window of a very long record);
+- ``tokenization``: records to pairs as TRL's ``DPOTrainer`` tokenizes them (``preference_pairs``),
+  within ``max_length`` / ``max_prompt_length``;
+- ``records_across_ranks``: the records compared across ranks, each rank tokenizing its share;
+- ``reference_mixin``: ``ReferenceLogprobsMixin`` for any DataModule (the pairs checked once, then
+  scored with ``loops_callbacks.reference``);
 - ``module``: ``DPODataModule``, ready for LightningCLI.
-
-The scoring itself (clients, resolving a ``reference`` setting, the cache, the cross-rank
-computation) lives in ``loops_callbacks.reference``; its names are re-exported here, as is
-``from_tinker_convention`` (``loops_callbacks.conventions``), which turns datums in Tinker's
-convention into Loops ones.
 
 Example (your own DataModule)::
 
@@ -29,40 +26,20 @@ Example (your own DataModule)::
 """
 
 from loops_callbacks.conventions import from_tinker_convention
-from loops_callbacks.data.dpo import (
-    DPOPairDataset,
-    check_dpo_pairs,
-    check_vocabulary,
-    collate_dpo_pairs,
-    dpo_pair_datums,
-    dpo_records_to_datums,
-    validate_dpo_pairs,
-)
+from loops_callbacks.data.dpo import DPOPairDataset, check_dpo_pairs, collate_dpo_pairs, dpo_pair_datums
 from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import read_preference_records
-from loops_callbacks.data.reference_mixin import ReferenceConfig, ReferenceLogprobsMixin, compute_reference_logprobs
-from loops_callbacks.data.tokenization import (
-    PreferenceDataWarning,
-    TokenizationReport,
-    preference_datums,
-    preference_pairs,
-    read_dpo_jsonl,
-)
+from loops_callbacks.data.sources import read_preference_records
+from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
+from loops_callbacks.data.tokenization import PreferenceDataWarning, TokenizationReport, preference_pairs, read_dpo_jsonl
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, ReferenceLogprobsReport
-from loops_callbacks.reference.collectives import RankStalledError
-from loops_callbacks.reference.rank_agreement import RanksDisagreeError
-from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
-from loops_callbacks.reference.resolve import load_reference_checkpoint, resolve_reference
+from loops_callbacks.reference.config import ReferenceConfig
 
 __all__ = [
-    "CacheKey",
     "DPODataModule",
     "DPOPairDataset",
     "PackedPairs",
     "PreferenceDataWarning",
-    "RankStalledError",
-    "RanksDisagreeError",
     "ReferenceCacheError",
     "ReferenceCacheWarning",
     "ReferenceConfig",
@@ -70,20 +47,10 @@ __all__ = [
     "ReferenceLogprobsReport",
     "TokenizationReport",
     "check_dpo_pairs",
-    "check_vocabulary",
     "collate_dpo_pairs",
-    "compute_reference_logprobs",
-    "data_fingerprint",
     "dpo_pair_datums",
-    "dpo_records_to_datums",
     "from_tinker_convention",
-    "load_reference_checkpoint",
-    "preference_datums",
     "preference_pairs",
-    "read_cache",
     "read_dpo_jsonl",
     "read_preference_records",
-    "resolve_reference",
-    "validate_dpo_pairs",
-    "write_cache",
 ]

@@ -6,8 +6,8 @@ One wording everywhere, so a message can be searched for: ``pair 3 (line 8 of pa
 Example:
     >>> pair_label(3, file_line(8, "pairs.jsonl"))
     'pair 3 (line 8 of pairs.jsonl)'
-    >>> datum_label(3)
-    'pair 1: the rejected datum (index 3)'
+    >>> datum_label(3), datum_label(2, file_line(8, "pairs.jsonl"))
+    ('pair 1: the rejected datum (index 3)', 'pair 1 (line 8 of pairs.jsonl): the chosen datum (index 2)')
 """
 
 from __future__ import annotations
@@ -27,6 +27,6 @@ def file_line(number: int, path: str | os.PathLike[str]) -> str:
     return f"line {number} of {os.fspath(path)}"
 
 
-def datum_label(index: int) -> str:
-    """Datum ``index`` of interleaved pairs (chosen at even indices, rejected at odd)."""
-    return f"pair {index // 2}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
+def datum_label(index: int, where: str | None = None) -> str:
+    """Datum ``index`` of interleaved pairs (chosen at even indices, rejected at odd), and where its pair was read."""
+    return f"{pair_label(index // 2, where)}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"

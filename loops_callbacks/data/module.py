@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,16 +15,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 from typing_extensions import override
 
-from loops_callbacks.data.dpo import DPOPairDataset, OutOfVocabularyError, check_dpo_pairs, collate_dpo_pairs
+from loops_callbacks.data.dpo import DPOPairDataset, collate_dpo_pairs
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.data.preference import read_preference_records, relative_path_note
+from loops_callbacks.data.sources import read_preference_records, relative_path_note
 from loops_callbacks.data.records_across_ranks import tokenize_across_ranks
-from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin, ScoringDtype
-from loops_callbacks.data.tokenization import TokenizationReport, check_tokenizer_path
-from loops_callbacks.reference.across_ranks import DEFAULT_SCORING_TIMEOUT, ReferenceLogprobsReport
-from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
+from loops_callbacks.data.tokenization import TokenizationReport, check_limits
+from loops_callbacks.data.tokenizer import check_tokenizer_path
 from loops_callbacks.reference.clients import SamplingClient
-from loops_callbacks.validation import check_int
+from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ScoringDtype
+from loops_callbacks.validation import check, check_bool, check_int, check_real
 
 __all__ = ["DPODataModule"]
 
@@ -142,53 +143,34 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
     ) -> None:
         super().__init__()
-        given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset), ("jsonl_path", jsonl_path)) if value is not None]
+        given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset),
+                                          ("jsonl_path", jsonl_path)) if value is not None]
         if len(given) != 1:
-            raise ValueError(
-                "DPODataModule needs exactly one of data, path, dataset and jsonl_path, got "
-                f"{' and '.join(given) if given else 'neither'}"
-            )
+            raise ValueError("DPODataModule needs exactly one of data, path, dataset and jsonl_path, got "
+                             f"{' and '.join(given) if given else 'neither'}")
         if data is not None and (isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__len__")):
-            raise ValueError(
-                f"DPODataModule data must be a list of datums or records, or a datasets.Dataset, got {type(data).__name__}"
-                + (" (a file goes in path=, load_dataset arguments in dataset=)" if isinstance(data, (str, Mapping)) else "")
-            )
-        for name, value in (("path", path), ("jsonl_path", jsonl_path)):
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"DPODataModule {name}={value!r} must be a path")
-        if dataset is not None and (not isinstance(dataset, Mapping) or "path" not in dataset):
-            raise ValueError(
-                f"DPODataModule dataset={dataset!r} must be load_dataset arguments with a 'path', e.g. "
-                "{'path': 'json', 'data_files': 'pairs.jsonl', 'split': 'train'}"
-            )
-        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            check_int(f"DPODataModule {name}", value, least=low)
-        for name, value, low in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
-            if value is not None:
-                check_int(f"DPODataModule {name} (or None)", value, least=low)
-        if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
-            raise ValueError(
-                f"DPODataModule max_prompt_length={max_prompt_length} must be less than max_length={max_length}, "
-                "or a prompt cut to max_prompt_length leaves no room for the completion"
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"DPODataModule seed={seed!r} must be an int")
-        if not isinstance(shuffle, bool):
-            raise ValueError(f"DPODataModule shuffle={shuffle!r} must be a bool")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
-            raise ValueError(f"DPODataModule val_fraction={val_fraction!r} must be a number in [0, 1)")
-        self.configure_reference(
-            reference,
-            cache_dir=cache_dir,
-            use_cache=use_cache,
-            scoring_dtype=scoring_dtype,
-            max_tokens_per_batch=max_tokens_per_batch,
-            reference_fingerprint=reference_fingerprint,
-            progress=progress,
-            scoring_timeout=scoring_timeout,
-        )
-        self.data = data if data is None or not isinstance(data, (list, tuple)) else list(data)
+            files = isinstance(data, (str, Mapping))
+            hint = " (a file goes in path=, load_dataset arguments in dataset=)" if files else ""
+            raise TypeError(f"DPODataModule data must be a list of datums or records, or a datasets.Dataset, got "
+                            f"{type(data).__name__}{hint}")
         file = path if path is not None else jsonl_path
+        check(f"DPODataModule {'path' if path is not None else 'jsonl_path'}", file, (str, os.PathLike), "a path",
+              optional=True)
+        check("DPODataModule dataset", dataset, Mapping, "load_dataset arguments (a dict)", optional=True)
+        if dataset is not None and "path" not in dataset:
+            raise ValueError(f"DPODataModule dataset={dataset!r} must be load_dataset arguments with a 'path', e.g. "
+                             "{'path': 'json', 'data_files': 'pairs.jsonl', 'split': 'train'}")
+        check_int("DPODataModule batch_size", batch_size, least=1)
+        check_int("DPODataModule num_workers", num_workers, least=0)
+        check_limits(max_length, max_prompt_length, "DPODataModule ")
+        check_int("DPODataModule seed", seed, least=None)
+        check_bool("DPODataModule shuffle", shuffle)
+        check_real("DPODataModule val_fraction", val_fraction, least=0.0, most=math.nextafter(1.0, 0.0),
+                   what="a number in [0, 1)")
+        self.configure_reference(reference, cache_dir=cache_dir, use_cache=use_cache, scoring_dtype=scoring_dtype,
+                                 max_tokens_per_batch=max_tokens_per_batch, reference_fingerprint=reference_fingerprint,
+                                 progress=progress, scoring_timeout=scoring_timeout)
+        self.data = list(data) if isinstance(data, (list, tuple)) else data
         self.path = os.fspath(file) if file is not None else None
         if not Group().distributed:  # ranks already in a group meet a missing file together, when they read it
             if self.path is not None and not os.path.lexists(self.path):
@@ -199,103 +181,47 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         self.jsonl_path = self.path if jsonl_path is not None else None
         self.dataset = dict(dataset) if dataset is not None else None
         self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.max_prompt_length = max_prompt_length
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.num_workers = num_workers
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        self.batch_size, self.shuffle, self.seed, self.num_workers = batch_size, shuffle, seed, num_workers
         self.val_fraction = float(val_fraction)
         self.tokenization_report: TokenizationReport | None = None
-        self._packed: PackedPairs | None = None
-        self._pair_where: list[str] | None = None  # where each pair's record was read (file line, row, item)
-        self._pairs: DPOPairDataset | None = None
+        self._read: list[Any] | PackedPairs | None = None  # dpo_data(), read once
         self._train: list[int] | None = None
         self._val: list[int] | None = None
 
     @override
-    def dpo_pairs(self) -> PackedPairs:
-        """The interleaved pairs, packed: the given datums read once, or the records read and tokenized
-        straight into the packed form (once; no datum is made).
+    def dpo_data(self) -> list[Any] | PackedPairs:
+        """The given datums, or the records read and tokenized straight into the packed form (once; no datum made).
 
         With an initialized ``torch.distributed`` group every rank must call it (``setup`` does):
         the ranks compare what they read and share the tokenizing.
         """
-        if self._packed is None:
-            datums = self._given_datums()
-            if datums is not None:
-                self._packed = check_dpo_pairs(datums, check_prompts=self.reference_config.check_prompts)
-            else:
-                self._packed = self._tokenized()
-        return self._packed
-
-    @override
-    def dpo_data(self) -> list[Any]:
-        """The interleaved datums: the given datums, or datums made from ``dpo_pairs()`` (on each call).
-
-        Collective like ``dpo_pairs`` the first time.
-        """
-        datums = self._given_datums()
-        return datums if datums is not None else self.dpo_pairs().datums()
-
-    @override
-    def source_datums(self) -> list[Any] | None:
-        """The datums given as ``data`` (``scored_data`` attaches the values to them, every field kept); ``None``
-        for records."""
-        return self._given_datums()
+        if self._read is None:
+            self._read = self._given_datums()
+            if self._read is None:
+                source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
+                guard = StallGuard(Group(), self.reference_config.scoring_timeout)
+                with fail_together(guard, "reading the preference records",
+                                   then="the end of reading the preference records"):
+                    records = read_preference_records(source)
+                self._read, self.tokenization_report = tokenize_across_ranks(
+                    records, self._tokenizer_source(), max_length=self.max_length,
+                    max_prompt_length=self.max_prompt_length, progress=self.reference_config.progress,
+                    timeout=self.reference_config.scoring_timeout)
+        return self._read
 
     def _given_datums(self) -> list[Any] | None:
         """``data`` when it is a list of datums, ``None`` when the data are records (an error when it mixes both)."""
-        if self.data is not None and isinstance(self.data, list):
-            is_record = [isinstance(item, Mapping) and "chosen" in item for item in self.data]
-            if not any(is_record):
-                return list(self.data)
-            if not all(is_record):
-                first = is_record.index(not is_record[0])
-                raise ValueError(
-                    f"DPODataModule data mixes records and datums (item 0 is "
-                    f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind"
-                )
+        if not isinstance(self.data, list):
+            return None
+        is_record = [isinstance(item, Mapping) and "chosen" in item for item in self.data]
+        if not any(is_record):
+            return self.data
+        if not all(is_record):
+            first = is_record.index(not is_record[0])
+            raise ValueError(f"DPODataModule data mixes records and datums (item 0 is "
+                             f"{'a record' if is_record[0] else 'a datum'}, item {first} is not); give one kind")
         return None
-
-    def _tokenized(self) -> PackedPairs:
-        """The records read and tokenized across the ranks, packed."""
-        source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-        guard = StallGuard(Group(), self.reference_config.scoring_timeout)
-        with fail_together(guard, "reading the preference records", then="the end of reading the preference records"):
-            records = read_preference_records(source)
-        pairs, self.tokenization_report = tokenize_across_ranks(
-            records,
-            self._tokenizer_source(),
-            max_length=self.max_length,
-            max_prompt_length=self.max_prompt_length,
-            progress=self.reference_config.progress,
-            timeout=self.reference_config.scoring_timeout,
-        )
-        self._pair_where = [records[index].where for index in self.tokenization_report.record_indices]
-        return pairs
-
-    @override
-    def score_reference(self) -> ReferenceLogprobsReport:
-        with self._errors_name_the_file_line():
-            return super().score_reference()
-
-    @contextmanager
-    def _errors_name_the_file_line(self) -> Iterator[None]:
-        """An out-of-vocabulary error names the record's line of the file (or row, or item) beside the pair."""
-        try:
-            yield
-        except OutOfVocabularyError as error:
-            where = self._pair_where
-            prefix = f"pair {error.pair}"
-            if not where or error.pair >= len(where) or not str(error).startswith(prefix + ":"):
-                raise
-            raise OutOfVocabularyError(
-                f"{prefix} ({where[error.pair]}){str(error).removeprefix(prefix)}",
-                index=error.index,
-                position=error.position,
-                token=error.token,
-            ) from None
 
     def _tokenizer_source(self) -> Any:
         """``tokenizer``, else the LightningModule's ``tokenizer_name_or_path`` (``HFDPOModule``), else ``None``."""
@@ -307,8 +233,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     @override
     def setup(self, stage: str) -> None:
-        with self._errors_name_the_file_line():
-            super().setup(stage)
+        super().setup(stage)
         if stage != "fit":
             return
         # the split; with the default reference the logprobs come in on_fit_start (ReferenceLogprobsMixin)
@@ -322,7 +247,6 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                     f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no training pairs"
                 )
             order = np.random.default_rng(self.seed).permutation(num_pairs)
-        self._pairs = None
         self._val = sorted(order[:num_val].tolist())
         self._train = sorted(order[num_val:].tolist())
         trainer = getattr(self, "trainer", None)
@@ -353,9 +277,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         to world size - 1 pairs, which would count twice in ``val/*``; with fewer pairs than ranks
         it is kept (Lightning refuses a rank without a batch).
         """
-        if self._pairs is None:
-            self._pairs = DPOPairDataset(self.scored_pairs)  # no datum is made (scored_data would)
-        subset = Subset(self._pairs, indices)
+        subset = Subset(DPOPairDataset(self.scored_pairs), indices)
         trainer = getattr(self, "trainer", None)
         sampler = None
         if unrepeated and trainer is not None and 1 < trainer.world_size <= len(indices):

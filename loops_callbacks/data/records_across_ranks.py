@@ -7,8 +7,8 @@ Lightning's sampler the whole data set). Each rank reads the records, then, in o
    JSON), the limits, and the tokenizer (a digest of its serialization and chat template). Ranks
    that differ raise ``RanksDisagreeError`` naming the first differing pair and where each rank
    read it, before any tokenizing, scoring or caching;
-2. rank r tokenizes only the r-th contiguous share of the records (``preference_pairs``, the
-   same function as in one process), so the work on a node does not grow with its ranks;
+2. rank r tokenizes only the r-th contiguous share of the records (``tokenize_records``, as
+   ``preference_pairs`` in one process), so the work on a node does not grow with its ranks;
 3. the shares' packed pairs (flat arrays, no datum) and reports are gathered and put back in
    order: every rank gets what one process tokenizing every record gets, the same token ids and
    the same report.
@@ -16,7 +16,7 @@ Lightning's sampler the whole data set). Each rank reads the records, then, in o
 In one process it is ``preference_pairs`` itself.
 
 Example:
-    >>> from loops_callbacks.data.preference import read_preference_records
+    >>> from loops_callbacks.data.sources import read_preference_records
     >>> records = read_preference_records([{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}])
     >>> pairs, report = tokenize_across_ranks(records, None, progress=False)
     >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), report.record_indices
@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -34,24 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from loops_callbacks import run_warnings
-from loops_callbacks.data.labels import pair_label
-from loops_callbacks.data.preference import LocatedRecord, parse_preference
-from loops_callbacks.data.tokenization import (
-    PreferenceDataWarning,
-    TokenizationReport,
-    load_tokenizer,
-    preference_pairs,
-)
 from loops_callbacks.data.packed_pairs import PackedPairs
+from loops_callbacks.data.preference import parse_preference
+from loops_callbacks.data.sources import LocatedRecord
+from loops_callbacks.data.tokenization import TokenizationReport, kept_pairs, preference_pairs, tokenize_records
+from loops_callbacks.data.tokenizer import load_tokenizer, tokenizer_digests
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
-__all__ = ["record_digests", "tokenize_across_ranks", "tokenizer_digests"]
-
-# A pair every share ends with, so that no share is left without pairs (``preference_pairs``
-# refuses that); it is taken out of the share's result before the shares are joined.
-_PLACEHOLDER = LocatedRecord({"chosen": [0, 1], "rejected": [0, 2], "prompt_length": 1}, "a placeholder pair")
+__all__ = ["record_digests", "tokenize_across_ranks"]
 
 
 def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
@@ -73,37 +63,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     return repr(value)
-
-
-def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
-    """Short digests of what makes a tokenizer's ids: its vocabulary and rules, its special tokens, its chat template.
-
-    Example:
-        >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
-        >>> tokenizer = build_chat_tokenizer()
-        >>> before = tokenizer_digests(tokenizer)
-        >>> tokenizer.chat_template = tokenizer.chat_template + " "
-        >>> [name for name, digest in tokenizer_digests(tokenizer).items() if digest != before[name]]
-        ['chat template']
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        rules = backend.to_str()
-    else:
-        vocabulary = getattr(tokenizer, "get_vocab", None)
-        rules = json.dumps(sorted(vocabulary().items())) if callable(vocabulary) else repr(tokenizer)
-    special = {
-        "class": type(tokenizer).__qualname__,
-        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
-        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
-    }
-    parts = {
-        "tokenizer vocabulary and rules": rules,
-        "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
-        "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str),
-    }
-    return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 
 
 def tokenize_across_ranks(
@@ -157,20 +116,11 @@ def tokenize_across_ranks(
     first, last = bounds[group.rank], bounds[group.rank + 1]
     guard.note(f"tokenizing its share of the preference records ({first} to {last - 1} of {len(records)})")
     with fail_together(guard, "tokenizing the preference records", then="gathering the tokenized preference pairs"):
-        share = _tokenize_share(
-            list(records[first:last]), loaded, max_length, max_prompt_length, progress and group.rank == 0
-        )
+        share = tokenize_records(records[first:last], loaded, max_length=max_length,
+                                 max_prompt_length=max_prompt_length, progress=progress and group.rank == 0)
     shares = group.all_gather_objects(share)  # flat arrays: a few objects a share
-    pairs = PackedPairs.concatenate([part for part, _ in shares])
-    report = _joined([report for _, report in shares], bounds)
-    if not len(pairs):
-        raise ValueError(
-            f"no preference pair left out of {report.num_records} record(s): {report.warning() or 'the data are empty'}"
-        )
-    message = report.warning()
-    if message:
-        run_warnings.warn(message, PreferenceDataWarning)
-    return pairs, report
+    return kept_pairs(PackedPairs.concatenate([part for part, _ in shares]),
+                      _joined([report for _, report in shares], bounds))
 
 
 def _tokenizer_for(records: Sequence[LocatedRecord], tokenizer: Any) -> Any:
@@ -179,33 +129,6 @@ def _tokenizer_for(records: Sequence[LocatedRecord], tokenizer: Any) -> Any:
         return tokenizer
     needed = any(parse_preference(item.record, item.where).format != "token_ids" for item in records)
     return load_tokenizer(tokenizer) if needed else None
-
-
-def _tokenize_share(
-    records: list[LocatedRecord],
-    tokenizer: Any,
-    max_length: int | None,
-    max_prompt_length: int | None,
-    progress: bool,
-) -> tuple[PackedPairs, TokenizationReport]:
-    """This rank's records through ``preference_pairs``, the placeholder pair added and taken out again."""
-    pairs, report = preference_pairs(
-        [*records, _PLACEHOLDER],
-        tokenizer,
-        max_length=max_length,
-        max_prompt_length=max_prompt_length,
-        progress=progress,
-        warn=False,
-    )
-    if report.record_indices[-1:] != [len(records)]:
-        raise RuntimeError(f"{pair_label(len(records), _PLACEHOLDER.where)} was not kept by preference_datums")
-    report.record_indices.pop()
-    report.num_records -= 1
-    report.num_pairs -= 1
-    report.formats["token_ids"] -= 1
-    if not report.formats["token_ids"]:
-        del report.formats["token_ids"]
-    return pairs.head(len(pairs) - 2), report
 
 
 def _joined(reports: list[TokenizationReport], bounds: list[int]) -> TokenizationReport:

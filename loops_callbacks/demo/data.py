@@ -34,15 +34,7 @@ from typing_extensions import override
 
 from loops_callbacks.data.module import DPODataModule
 from loops_callbacks.demo.tasks import ReverseDigitsTask
-from loops_callbacks.validation import check_int
-
-__all__ = [
-    "PreferencePair",
-    "PromptBatches",
-    "PromptDataModule",
-    "make_preference_pairs",
-    "write_preference_jsonl",
-]
+from loops_callbacks.validation import check, check_int
 
 PreferencePair = tuple[list[int], list[int], int]
 """``(chosen full ids, rejected full ids, prompt_length)``; both sequences start with the same prompt."""
@@ -103,12 +95,9 @@ class PromptDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("num_batches", num_batches)):
-            if value is not None:
-                check_int(f"PromptDataModule {name}", value, least=1)
         self.task = ReverseDigitsTask(num_digits, num_symbols)
-        self.batch_size = batch_size
-        self.num_batches = num_batches
+        self.batch_size = check_int("PromptDataModule batch_size", batch_size, least=1)
+        self.num_batches = check_int("PromptDataModule num_batches", num_batches, least=1, optional=True)
         self.seed = seed
         self._rank = 0
 
@@ -137,13 +126,9 @@ def make_preference_pairs(
         >>> sum(a != b for a, b in zip(chosen, rejected)), k
         (2, 6)
     """
-    if not isinstance(num_pairs, int) or num_pairs < 0:
-        raise ValueError(f"make_preference_pairs num_pairs must be a non-negative int, got {num_pairs!r}")
-    if not isinstance(num_corrupted, int) or not 1 <= num_corrupted <= task.num_digits:
-        raise ValueError(
-            f"make_preference_pairs num_corrupted must be an int in [1, num_digits={task.num_digits}], "
-            f"got {num_corrupted!r}"
-        )
+    check_int("make_preference_pairs num_pairs", num_pairs, least=0)
+    check("make_preference_pairs num_corrupted", num_corrupted, int, f"an int in [1, num_digits={task.num_digits}]",
+          lambda n: 1 <= n <= task.num_digits)
     generator = torch.Generator().manual_seed(seed)
     digit_ids = task.tokenizer.encode("0123456789"[: task.num_symbols])
     pairs: list[PreferencePair] = []

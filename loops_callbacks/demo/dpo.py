@@ -19,9 +19,7 @@ from typing_extensions import override
 
 from loops_callbacks.demo.model import TinyCausalLM
 from loops_callbacks.demo.tokenizer import CharTokenizer
-from loops_callbacks.models.dpo import DPOModule, dpo_loss
-
-__all__ = ["DPOPolicyModule", "dpo_loss", "DEMO_VOCAB_SIZE"]
+from loops_callbacks.models.dpo import DPOModule, dpo_loss  # noqa: F401  (the demo's DPO loss)
 
 DEMO_VOCAB_SIZE = CharTokenizer().vocab_size
 """Vocabulary of the demo tokenizer (and of ``ReverseDigitsTask`` data): the default ``vocab_size``."""

@@ -41,10 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loops_callbacks.logprobs import token_logprobs
+from loops_callbacks.logprobs import token_logprobs  # noqa: F401  (the demo's models read their logits with it)
 from loops_callbacks.validation import check_int
-
-__all__ = ["KVCache", "TinyCausalLM", "token_logprobs"]
 
 
 class KVCache:
@@ -195,13 +193,9 @@ class TinyCausalLM(nn.Module):
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("d_model", d_model),
-            ("n_layers", n_layers),
-            ("n_heads", n_heads),
-            ("max_seq_len", max_seq_len),
-        ):
+        sizes = {"vocab_size": vocab_size, "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads,
+                 "max_seq_len": max_seq_len}
+        for name, value in sizes.items():
             check_int(f"TinyCausalLM {name}", value, least=1)
         if d_model % n_heads:
             raise ValueError(f"TinyCausalLM d_model={d_model} is not a multiple of n_heads={n_heads}")

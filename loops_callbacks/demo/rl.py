@@ -68,6 +68,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import numbers
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -81,9 +82,7 @@ from loops_callbacks.demo.model import KVCache, TinyCausalLM
 from loops_callbacks.demo.sampler_faults import SamplerFaults
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.logprobs import token_logprobs
-from loops_callbacks.validation import check_dtype, check_int
-
-__all__ = ["RLPolicyModule"]
+from loops_callbacks.validation import check, check_dtype, check_int
 
 _PRECISIONS = ("float32", "bfloat16")
 # The checkpoint key that records after how many optimizer steps the sampler last got weights.
@@ -150,8 +149,8 @@ class RLPolicyModule(LightningModule):
         if sync_every is not None:
             check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1)
         sampler_dtype = check_dtype("RLPolicyModule sampler_precision", sampler_precision, _PRECISIONS)
-        if not lr > 0:
-            raise ValueError(f"RLPolicyModule lr must be positive, got {lr!r}")
+        # a plain float: the optimizer state is pickled with it, and jsonargparse gives PositiveFloat
+        self.lr = float(check("RLPolicyModule lr", lr, numbers.Real, "a positive number", lambda value: value > 0))
         self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)
         self.faults_from_step = faults_from_step
         self.correction = parse_correction(correction) if correction is not None else None
@@ -159,20 +158,14 @@ class RLPolicyModule(LightningModule):
         self.task = ReverseDigitsTask(num_digits, num_symbols)
         self.tokenizer = self.task.tokenizer
         self.group_size = group_size
-        self.lr = float(lr)  # a plain float: the optimizer state is pickled with it, and jsonargparse gives PositiveFloat
         self.sync_every = sync_every
-        self.policy = TinyCausalLM(
-            vocab_size=self.tokenizer.vocab_size,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            max_seq_len=self.task.prompt_length + self.task.max_new_tokens,
-        )
+        longest = self.task.prompt_length + self.task.max_new_tokens
+        self.policy = TinyCausalLM(self.tokenizer.vocab_size, d_model, n_layers, n_heads, max_seq_len=longest)
         self.sampler = copy.deepcopy(self.policy).to(sampler_dtype).requires_grad_(False)
         self.sampler.compute_dtype = torch.float32  # bf16 storage, float32 kernels: a bf16 engine's numbers
         # Optimizer steps taken when the sampler last received the policy's weights; None = not yet
         # (the first training batch syncs, so weights loaded into the policy after __init__ count).
-        self._synced_at_step: int | None = None
+        self.sampler_synced_at_step: int | None = None
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -180,11 +173,6 @@ class RLPolicyModule(LightningModule):
         return self.policy(input_ids)
 
     # ---- the sampler ---------------------------------------------------------------------------
-
-    @property
-    def sampler_synced_at_step(self) -> int | None:
-        """Optimizer steps taken when the sampler last received the policy's weights (None: not yet)."""
-        return self._synced_at_step
 
     def _optimizer_steps(self) -> int:
         return self.trainer.global_step if self._trainer is not None else 0
@@ -198,7 +186,7 @@ class RLPolicyModule(LightningModule):
     def sync_sampler(self) -> None:
         """Copy the policy's weights into the sampler (cast to ``sampler_precision``)."""
         self.sampler.load_state_dict(self.policy.state_dict())
-        self._synced_at_step = self._optimizer_steps()
+        self.sampler_synced_at_step = self._optimizer_steps()
 
     def _sampler_context(self, device: torch.device) -> Any:
         # The sampler runs in its own precision, whatever autocast the trainer's precision enables.
@@ -259,12 +247,8 @@ class RLPolicyModule(LightningModule):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        steps = self._optimizer_steps()
-        if self._synced_at_step is None:
-            self.sync_sampler()
-        elif self.sync_every is not None and (
-            steps < self._synced_at_step or steps - self._synced_at_step >= self.sync_every
-        ):
+        synced, steps = self.sampler_synced_at_step, self._optimizer_steps()
+        if synced is None or (self.sync_every is not None and not 0 <= steps - synced < self.sync_every):
             self.sync_sampler()
 
     # ---- training ------------------------------------------------------------------------------
@@ -277,55 +261,22 @@ class RLPolicyModule(LightningModule):
                 f"RLPolicyModule({self.task}) expects prompt_ids of shape [P, {self.task.prompt_length}], "
                 f"got {tuple(prompts.shape)}; do the datamodule's num_digits and the module's match?"
             )
-        num_prompts, prompt_length = prompts.shape
         completions = self.sample(prompts, repeats=self.group_size)
-        prompts = prompts.repeat_interleave(self.group_size, dim=0)  # rows of one group are adjacent
-        sequences = torch.cat([prompts, completions], dim=1)
+        rows = prompts.repeat_interleave(self.group_size, dim=0)  # rows of one group are adjacent
+        sequences = torch.cat([rows, completions], dim=1)
         input_ids, target_tokens = sequences[:, :-1], sequences[:, 1:]
-
         # Action tokens: the completion, up to and including its first <eos>.
         completion_mask = _up_to_first(completions, self.tokenizer.eos_id)
-        mask = torch.cat([completion_mask.new_zeros(len(prompts), prompt_length - 1), completion_mask], dim=1).float()
-
-        rewards = torch.tensor(
-            [self.task.reward(p, c) for p, c in zip(prompts.tolist(), completions.tolist())],
-            dtype=torch.float32,
-            device=self.device,
-        )
-        group_rewards = rewards.view(num_prompts, self.group_size)
-        advantages = (group_rewards - group_rewards.mean(dim=1, keepdim=True)).view(-1)
-
+        mask = torch.cat([completion_mask.new_zeros(len(rows), prompts.shape[1] - 1), completion_mask], dim=1).float()
+        rewards, advantages = group_advantages(self.task, prompts.tolist(), completions.tolist(), self.group_size,
+                                               self.device)
         sampler_logprobs = self.sampler_logprobs(input_ids, target_tokens) * mask
         training_logprobs = token_logprobs(self(input_ids), target_tokens)
-        loss = self._policy_gradient_loss(training_logprobs, sampler_logprobs, mask, advantages)
-
-        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=num_prompts)
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=num_prompts)
-        return {
-            "loss": loss,
-            "training_logprobs": training_logprobs,
-            "logprobs": sampler_logprobs,
-            "mask": mask,
-            "advantages": advantages,
-            "input_ids": input_ids,
-            "target_tokens": target_tokens,
-        }
-
-    def _policy_gradient_loss(
-        self, training_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
-    ) -> torch.Tensor:
-        """Mean over action tokens of ``-weight * advantage``, the weight carrying the gradient.
-
-        Without a correction: Loops' ``importance_sampling`` loss, weight ``p_trainer / p_sampler``.
-        With one: the correction's detached weight times ``exp(lp - sg(lp))`` (value 1, gradient of
-        ``lp``), as TRL's GRPO and verl multiply their importance-sampling weights into the loss.
-        """
-        if self.correction is None:
-            weight = torch.exp(torch.where(mask > 0, training_logprobs - sampler_logprobs, 0.0))
-        else:
-            corrected = apply_correction(self.correction, training_logprobs, sampler_logprobs, mask, advantages)
-            weight = corrected.weights * torch.exp(training_logprobs - training_logprobs.detach())
-        return -(weight * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = policy_gradient_loss(training_logprobs, sampler_logprobs, mask, advantages, self.correction)
+        self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=len(prompts))
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(prompts))
+        return {"loss": loss, "training_logprobs": training_logprobs, "logprobs": sampler_logprobs, "mask": mask,
+                "advantages": advantages, "input_ids": input_ids, "target_tokens": target_tokens}
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -335,13 +286,43 @@ class RLPolicyModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[_SYNCED_AT_KEY] = self._synced_at_step
+        checkpoint[_SYNCED_AT_KEY] = self.sampler_synced_at_step
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The sampler's weights come back with the state dict; a checkpoint without the key
         # (None) makes the next training batch sync the sampler from the restored policy.
-        self._synced_at_step = checkpoint.get(_SYNCED_AT_KEY)
+        self.sampler_synced_at_step = checkpoint.get(_SYNCED_AT_KEY)
+
+
+def group_advantages(
+    task: ReverseDigitsTask, prompts: list[list[int]], completions: list[list[int]], group_size: int, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's reward (completions ``g * group_size ..`` continue ``prompts[g]``) and its advantage,
+    the reward minus its group's mean (float32, on ``device``)."""
+    rewards = [task.reward(prompts[row // group_size], completion) for row, completion in enumerate(completions)]
+    rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
+    grouped = rewards.view(-1, group_size)
+    return rewards, (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+
+
+def policy_gradient_loss(
+    training_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+    correction: Any = None,
+) -> torch.Tensor:
+    """Mean over action tokens of ``-weight * advantage``, the weight carrying the gradient.
+
+    Without a correction: Loops' ``importance_sampling`` loss, weight ``p_trainer / p_sampler``.
+    With one (a parsed ``loops_callbacks.correction`` spec): the correction's detached weight times
+    ``exp(lp - sg(lp))`` (value 1, gradient of ``lp``), as TRL's GRPO and verl multiply their
+    importance-sampling weights into the loss.
+    """
+    if correction is None:
+        weight = torch.exp(torch.where(mask > 0, training_logprobs - sampler_logprobs, 0.0))
+    else:
+        corrected = apply_correction(correction, training_logprobs, sampler_logprobs, mask, advantages)
+        weight = corrected.weights * torch.exp(training_logprobs - training_logprobs.detach())
+    return -(weight * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _up_to_first(tokens: torch.Tensor, token_id: int) -> torch.Tensor:

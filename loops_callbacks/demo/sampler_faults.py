@@ -30,14 +30,13 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from loops_callbacks.validation import check_int
-
-__all__ = ["SAMPLER_PROMPTS", "SamplerFaults"]
+from loops_callbacks.validation import check, check_choice, check_int
 
 SAMPLER_PROMPTS = ("same", "pad_as_bos", "no_bos")
 
@@ -53,16 +52,11 @@ class SamplerFaults:
     prompt: Literal["same", "pad_as_bos", "no_bos"] = "same"
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"sampler_temperature must be > 0, got {self.temperature!r}")
-        if self.top_k is not None:
-            check_int("sampler_top_k", self.top_k, least=1)
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"sampler_top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if not isinstance(self.logprob_shift, int) or abs(self.logprob_shift) > 1:
-            raise ValueError(f"logprob_shift must be -1, 0 or 1, got {self.logprob_shift!r}")
-        if self.prompt not in SAMPLER_PROMPTS:
-            raise ValueError(f"sampler_prompt must be one of {list(SAMPLER_PROMPTS)}, got {self.prompt!r}")
+        check("sampler_temperature", self.temperature, numbers.Real, "a number > 0", lambda t: t > 0)
+        check_int("sampler_top_k", self.top_k, least=1, optional=True)
+        check("sampler_top_p", self.top_p, numbers.Real, "a number in (0, 1]", lambda p: 0 < p <= 1, optional=True)
+        check("logprob_shift", self.logprob_shift, int, "-1, 0 or 1", lambda shift: abs(shift) <= 1)
+        check_choice("sampler_prompt", self.prompt, SAMPLER_PROMPTS)
 
     @property
     def changes_sampling(self) -> bool:

@@ -31,8 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from loops_callbacks.demo.tokenizer import CharTokenizer
-
-__all__ = ["ReverseDigitsTask"]
+from loops_callbacks.validation import check, check_int
 
 _DIGITS = "0123456789"
 _SEPARATOR = "="
@@ -59,12 +58,8 @@ class ReverseDigitsTask:
     """
 
     def __init__(self, num_digits: int = 4, num_symbols: int = 10) -> None:
-        if not isinstance(num_digits, int) or num_digits < 1:
-            raise ValueError(f"ReverseDigitsTask num_digits must be a positive int, got {num_digits!r}")
-        if not isinstance(num_symbols, int) or not 2 <= num_symbols <= len(_DIGITS):
-            raise ValueError(f"ReverseDigitsTask num_symbols must be an int in [2, 10], got {num_symbols!r}")
-        self.num_digits = num_digits
-        self.num_symbols = num_symbols
+        self.num_digits = check_int("ReverseDigitsTask num_digits", num_digits, least=1)
+        self.num_symbols = check("ReverseDigitsTask num_symbols", num_symbols, int, "an int in [2, 10]", lambda n: 2 <= n <= 10)
         self.tokenizer = CharTokenizer(_DIGITS + _SEPARATOR)
         self._digit_ids = torch.tensor(self.tokenizer.encode(_DIGITS[:num_symbols]))
         self._separator_id = self.tokenizer.encode(_SEPARATOR)[0]

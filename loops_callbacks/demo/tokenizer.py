@@ -21,9 +21,6 @@ Example:
 
 from __future__ import annotations
 
-
-__all__ = ["CharTokenizer", "DEFAULT_ALPHABET"]
-
 DEFAULT_ALPHABET = "0123456789="
 
 _SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")

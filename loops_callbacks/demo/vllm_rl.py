@@ -42,13 +42,12 @@ from jsonargparse.typing import PositiveFloat, PositiveInt
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
+from loops_callbacks.demo.rl import group_advantages, policy_gradient_loss
 from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.integrations.vllm import VLLMWeightSync, generate_rollouts, import_vllm, shutdown_engine
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.optional import import_optional
 from loops_callbacks.validation import check_int
-
-__all__ = ["VLLMRLModule"]
 
 ENGINE_ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: collective_rpc reaches its worker here
@@ -163,18 +162,12 @@ class VLLMRLModule(LightningModule):
             self.llm, seen, self.sampling_params, weight_sync=self.weight_sync, pad_id=self.tokenizer.pad_id,
             device=self.device,
         )
-        group_size = self.hparams.group_size
         mask, targets = rollouts["mask"], rollouts["target_tokens"]
         completions = [row[keep].tolist() for row, keep in zip(targets.cpu(), mask.cpu() > 0)]
-        rewards = torch.tensor(
-            [self.task.reward(prompts[row // group_size], completion) for row, completion in enumerate(completions)],
-            dtype=torch.float32, device=self.device,
-        ).view(len(prompts), group_size)
-        advantages = (rewards - rewards.mean(dim=1, keepdim=True)).view(-1)
+        rewards, advantages = group_advantages(self.task, prompts, completions, self.hparams.group_size, self.device)
         logits = self.policy(rollouts["input_ids"]).logits / self.hparams.temperature
         training_logprobs = token_logprobs(logits, targets)
-        ratio = torch.exp(torch.where(mask > 0, training_logprobs - rollouts["logprobs"], 0.0))
-        loss = -(ratio * advantages[:, None] * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = policy_gradient_loss(training_logprobs, rollouts["logprobs"], mask, advantages)
         self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=len(prompts))
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(prompts))
         self.log("train/weight_sync_ms", 1e3 * (self.weight_sync.last_push_seconds or 0.0), batch_size=len(prompts))

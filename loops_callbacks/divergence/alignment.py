@@ -32,7 +32,7 @@ in groups of about ``GROUP_POSITIONS`` positions; no host synchronization off th
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> trainer = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0)) * 3
     >>> sampler = torch.cat([torch.zeros(8, 3), trainer[:, :-3]], dim=1)  # each value 3 positions late
     >>> flat = flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=torch.ones(8, 24))
@@ -49,9 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loops_callbacks.divergence.action_tokens import FlatBatch
+from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, FlatBatch
 
-__all__ = ["OFFSET_BINS", "OFFSET_SIZE", "OFFSET_WINDOW", "Offsets", "offset_sums", "read_offsets"]
 
 OFFSET_WINDOW = 2048
 """Positions read from the start of each row (all of a shorter row): an action token beyond
@@ -68,9 +67,6 @@ LEFT_FIELDS = ("left_rows", "left_vote_rows", "left_pairs", "left_gap", "left_ga
 action tokens paired at k − first, and the capped gaps there and at k."""
 OFFSET_SIZE = len(BIN_FIELDS) * OFFSET_BINS + len(LEFT_FIELDS)
 """Length of ``offset_sums``' vector: the bins field by field, then ``LEFT_FIELDS``."""
-LOGPROB_FLOOR = -1e4
-"""A sampler value below this is a sentinel and pairs with nothing (``statistics.LOGPROB_FLOOR``;
-``statistics`` reads this module, so the number is repeated here, and a test keeps them equal)."""
 FREQUENCIES = (2.0, 3.2)
 """ω of the bounded pair gap 1 − mean cos(ω δ) (two, so that no single δ = 2π/ω aliases to a match)."""
 GAP_CAP = 10.0

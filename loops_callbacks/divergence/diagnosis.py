@@ -62,10 +62,6 @@ from typing import Any
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import SAMPLING_METRICS, SCALAR_METRICS, held_sampling_z
 
-__all__ = [
-    "CAUSES", "DROPOUT", "IMPOSSIBLE_INPUTS", "Calibration", "Diagnosis", "diagnose", "diagnosis_metrics",
-    "noise_shaped",
-]
 
 IMPOSSIBLE_INPUTS = "impossible_inputs"
 """The cause named when the inputs are not logprobs at all: no statistical cause is judged then."""
@@ -131,39 +127,30 @@ LAG_NOISE_FACTOR = 3.0
 SAMPLING_Z = 5.0
 """|sampling_z| from which the tokens are taken as drawn from another distribution (``metrics.sampling_metrics``)."""
 
-_WHAT = {
-    IMPOSSIBLE_INPUTS: "the inputs are not valid logprobs",
-    "none": "no mismatch",
-    DROPOUT: "observed: the trainer's logprobs include dropout noise",
-    "unrelated": "sampler and trainer score unrelated distributions",
-    "truncation": "the sampler truncates (top-k / top-p) and reports renormalized logprobs",
-    "temperature": "a temperature is applied on one side only",
-    "stale": "the sampler's weights are out of date",
-    "precision": "numerical precision (e.g. bf16 kernels)",
-    SAMPLING: "the tokens were not drawn from the distribution the sampler's logprobs describe",
-    PREFIX_CACHE: "the sampler's prefix cache holds KV computed with older weights",
-    "unclear": "unclear",
-}
-_CHECK = {
-    IMPOSSIBLE_INPUTS: "fix the inputs first (position k must hold log p of the token predicted at k, a number "
-    "<= 0); no other cause can be judged on them",
-    "none": "",
-    DROPOUT: "compute the trainer's logprobs without dropout (model.eval() for the scoring forward, or dropout 0 "
-    "in the model's config, as TRL does for RL); the sampler never applies dropout",
-    "unrelated": "check the chat template, BOS and special tokens and the tokenizer on both sides, and that the "
-    "sampler loaded the trainer's weights at all",
-    "truncation": "check that the sampler reports logprobs of the full distribution (not of the top-k / top-p "
-    "renormalized one), or apply the same truncation in the trainer",
-    "temperature": "check that the sampler's logprobs are at temperature 1, or divide the trainer's logits by the "
-    "same temperature",
-    "stale": "check that the sampler receives the trainer's weights every step (sync frequency, failed or "
-    "partial weight loads)",
-    "precision": "check the sampler's dtype and kernels; a gap at this level is usually harmless",
-    SAMPLING: "check the sampler's logprobs mode (vLLM: logprobs_mode='processed_logprobs') or the sampling "
-    "settings: the importance ratio of every correction is not the behaviour policy's",
-    PREFIX_CACHE: "reset the prefix cache after every weight update (vLLM: llm.reset_prefix_cache()) or salt it "
-    "per weight version",
-    "unclear": "no single cause's signature fits; look at the worst-tokens table",
+_TEXTS = {  # cause: (what it is, what to check)
+    IMPOSSIBLE_INPUTS: ("the inputs are not valid logprobs", "fix the inputs first (position k must hold log p of the "
+                        "token predicted at k, a number <= 0); no other cause can be judged on them"),
+    "none": ("no mismatch", ""),
+    DROPOUT: ("observed: the trainer's logprobs include dropout noise", "compute the trainer's logprobs without dropout "
+              "(model.eval() for the scoring forward, or dropout 0 in the model's config, as TRL does for RL); the "
+              "sampler never applies dropout"),
+    "unrelated": ("sampler and trainer score unrelated distributions", "check the chat template, BOS and special "
+                  "tokens and the tokenizer on both sides, and that the sampler loaded the trainer's weights at all"),
+    "truncation": ("the sampler truncates (top-k / top-p) and reports renormalized logprobs", "check that the "
+                   "sampler reports logprobs of the full distribution (not of the top-k / top-p renormalized one), "
+                   "or apply the same truncation in the trainer"),
+    "temperature": ("a temperature is applied on one side only", "check that the sampler's logprobs are at "
+                    "temperature 1, or divide the trainer's logits by the same temperature"),
+    "stale": ("the sampler's weights are out of date", "check that the sampler receives the trainer's weights every "
+              "step (sync frequency, failed or partial weight loads)"),
+    "precision": ("numerical precision (e.g. bf16 kernels)", "check the sampler's dtype and kernels; a gap at this "
+                  "level is usually harmless"),
+    SAMPLING: ("the tokens were not drawn from the distribution the sampler's logprobs describe", "check the "
+               "sampler's logprobs mode (vLLM: logprobs_mode='processed_logprobs') or the sampling settings: the "
+               "importance ratio of every correction is not the behaviour policy's"),
+    PREFIX_CACHE: ("the sampler's prefix cache holds KV computed with older weights", "reset the prefix cache after "
+                   "every weight update (vLLM: llm.reset_prefix_cache()) or salt it per weight version"),
+    "unclear": ("unclear", "no single cause's signature fits; look at the worst-tokens table"),
 }
 _FADE_WHAT = "unclear: the gap sits on each completion's first tokens and fades after them"
 _FADE_CHECK = (
@@ -217,7 +204,8 @@ class Diagnosis:
         if self.cause == "none":
             return f"no mismatch ({_format(self.evidence)})"
         if self.cause == IMPOSSIBLE_INPUTS:
-            return f"likely cause: {_WHAT[self.cause]}: {'; '.join(self.problems)}; {_CHECK[self.cause]}"
+            what, check = _TEXTS[self.cause]
+            return f"likely cause: {what}: {'; '.join(self.problems)}; {check}"
         beyond = f"; and beyond what dropout explains: {self.beyond._finding}" if self.beyond is not None else ""
         return f"likely cause: {self._finding}{beyond}"
 
@@ -229,7 +217,7 @@ class Diagnosis:
         elif self.cause == "unclear" and "context_fade" in self.evidence:
             what, check = _FADE_WHAT, _FADE_CHECK
         else:
-            what, check = _WHAT[self.cause], _CHECK[self.cause]
+            what, check = _TEXTS[self.cause]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.evidence['temperature']:.2f})"
         if self.cause == SAMPLING and math.isfinite(self.evidence.get("sampling_z", math.nan)):

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DirectEvidence", "DropoutSeen", "SamplerFacts", "observe_modules", "observe_training"]
+__all__ = ["SamplerFacts"]
 
 FUNCTIONAL_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "hidden_dropout")
 """Float attributes that modules apply as ``F.dropout(..., p=value, training=self.training)``."""

@@ -20,10 +20,8 @@ passed as logprobs?) are reported by ``impossible_inputs`` as a warning and name
 when the step exceeds.
 
 Example:
-    >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
-    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_skipped_nonfinite": 64.0}
-    >>> host = HostDivergence(totals, dict.fromkeys(EXTREMA, -np.inf), np.zeros((0, ROW.WIDTH)), np.zeros(0))
+    >>> totals = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 64.0}
+    >>> host = HostDivergence(totals, {})
     >>> rail = GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3")
     >>> rail.untrusted({"n_action_tokens": 0.0}, host)
     '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
@@ -34,11 +32,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
-from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
-from loops_callbacks.divergence.statistics import LOGPROB_FLOOR, HostDivergence
-from loops_callbacks.validation import check_real
 
-__all__ = ["GuardRail", "SampleTrainDivergenceError", "impossible_inputs", "watchable_metric"]
+from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR
+from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
+from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.validation import check_real
 
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
 """Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
@@ -159,11 +157,9 @@ def impossible_inputs(host: HostDivergence) -> dict[str, str]:
     """Problems with the logprobs themselves, by a stable key (for warning once per run).
 
     Example:
-        >>> import numpy as np
-        >>> from loops_callbacks.divergence.statistics import EXTREMA, ROW, TOTALS, HostDivergence
-        >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
-        >>> extrema = dict.fromkeys(EXTREMA, -np.inf) | {"max_sampler": 0.9}
-        >>> impossible_inputs(HostDivergence(totals, extrema, np.zeros((0, ROW.WIDTH)), np.zeros(0)))
+        >>> from loops_callbacks.divergence.states import MAIN
+        >>> totals = {s.name: 0.0 for s in MAIN if s.reduction == "sum"} | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
+        >>> impossible_inputs(HostDivergence(totals, {"max_sampler": 0.9}))
         {'sampler_above_zero': '3 of 4 sampler logprobs are > 0 (largest 0.9): these look like probabilities, not logprobs'}
     """
     totals, extrema = host.totals, host.extrema

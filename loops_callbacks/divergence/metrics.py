@@ -54,7 +54,7 @@ Example:
     >>> import numpy as np
     >>> from loops_callbacks.divergence.statistics import HostDivergence
     >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
-    ...                       extrema={}, worst=np.zeros((0, 67)), diffs=np.zeros(0))
+    ...                       extrema={})
     >>> scalar_metrics(host, prefix="div/")
     {'div/n_action_tokens': 0.0, 'div/n_sequences': 2.0, 'div/n_skipped_nonfinite': 1.0}
 """
@@ -66,22 +66,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from loops_callbacks.divergence.statistics import IS_RATIO_CLAMP, HostDivergence
-
-__all__ = [
-    "DEFAULT_PREFIX",
-    "SDK_METRICS",
-    "EXTRA_METRICS",
-    "SCALAR_METRICS",
-    "SAMPLING_METRICS",
-    "scalar_metrics",
-    "sampling_metrics",
-    "histogram_values",
-    "is_ratio",
-    "is_ratio_mean",
-    "kl_sample_train_k3",
-    "abs_percentiles_linear",
-]
+from loops_callbacks.divergence.statistics import HostDivergence, StratumSums
+from loops_callbacks.divergence.sums import IS_RATIO_CLAMP
 
 DEFAULT_PREFIX = "optim/train-sample-div/"
 
@@ -126,6 +112,8 @@ SAMPLING_METRICS = (
 )
 """The keys of the check of what was sampled, logged when the trainer's entropy and varentropy are given."""
 
+STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
+"""The scalars logged per stratum with tokens: ``stratum/<name>/<metric>``."""
 _PERCENTILES = (50, 90, 99)
 
 
@@ -273,3 +261,15 @@ def histogram_values(diffs: np.ndarray, max_tokens: int) -> np.ndarray:
         return diffs[:1]
     index = np.round(np.arange(max_tokens, dtype=np.float64) * (n - 1) / (max_tokens - 1)).astype(np.int64)
     return diffs[index]
+
+
+def stratum_scalars(strata: Mapping[str, StratumSums]) -> dict[str, float]:
+    """``stratum/<name>/<metric>`` (``STRATUM_METRICS``) for every stratum with tokens, without prefix.
+
+    Example:
+        >>> scalars = stratum_scalars({"pos_q1": StratumSums(2.0, 0.1, 1.0, 2.0), "pos_q2": StratumSums(0, 0, 0, 0)})
+        >>> list(scalars)[:2], scalars["stratum/pos_q1/k3"]
+        (['stratum/pos_q1/k3', 'stratum/pos_q1/abs_d_mean'], 0.05)
+    """
+    return {f"stratum/{name}/{metric}": float(getattr(stratum, metric))
+            for name, stratum in strata.items() if stratum.n_tokens for metric in STRATUM_METRICS}

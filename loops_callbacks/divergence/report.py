@@ -1,15 +1,13 @@
-"""One logged step's report, from its host statistics: what the sinks deliver and the guard rail judges.
+"""One logged step's report, built once from its host statistics: what the sinks deliver and the guard rail judges.
 
-``step_report`` is a pure function of the statistics and the options: the scalar metrics, the
-likely cause and its scalars, the media (histogram values and worst-token rows, built once for
-every logger), what is impossible about the inputs, and the guard rail's judgement (why the step
-exceeds, or why it cannot be trusted). Names are bare; the prefix is added when delivering (the
-guard rail's message names the metric by its logged key).
+``step_report`` is a pure function of the statistics and the options: the metrics (the Loops SDK's
+scalars), the likely cause, the breakdown (the diagnosis', the strata's and the corrections' shadow
+scalars), the media (the histogram's values, the worst-tokens rows, the strata rows, the same for
+every logger), what is impossible about the inputs, and the guard rail's judgement. Names are bare;
+the prefix is added when delivering.
 
 Example:
-    >>> import torch
-    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
-    >>> from loops_callbacks.divergence.guard_rail import GuardRail
+    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
@@ -21,21 +19,63 @@ Example:
 
 from __future__ import annotations
 
+import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
+from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose, diagnosis_metrics
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
+from loops_callbacks.divergence.flat_batch import NO_TOKEN
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
-from loops_callbacks.divergence.media import MediaOptions, StepMedia, step_media
-from loops_callbacks.divergence.metrics import scalar_metrics
+from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values, is_ratio, scalar_metrics, stratum_scalars
+from loops_callbacks.divergence.shadow import shadow_scalars
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.states import ROW
+from loops_callbacks.validation import check_bool, check_int
 
-__all__ = ["StepReport", "nan_advantages_message", "step_report"]
+WORST_TOKEN_COLUMNS = ["rank", "datum", "position", "token", "logp_sampler", "logp_trainer", "diff", "is_weight",
+                       "context"]
+STRATA_COLUMNS = ("stratum",) + STRATUM_METRICS
+END, NEAR = "<end>", 3
+HISTOGRAM_KEY, TABLE_KEY, STRATA_TABLE_KEY, DIAGNOSIS_KEY = "per_token_diff_hist", "worst_tokens", "strata", "diagnosis"
+
+
+class Tokenizer(Protocol):
+    """Anything with ``decode(list[int]) -> str``, e.g. a Hugging Face tokenizer."""
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """What to build beside the scalars: the per-token-diff histogram (at most ``max_histogram_tokens`` values,
+    evenly subsampled; <= 0: no cap) and the worst-tokens table (``top_n`` rows; ``tokenizer``, anything with
+    ``decode(list[int]) -> str``, shows their tokens as text)."""
+
+    log_histogram: bool = True
+    max_histogram_tokens: int = 50000
+    log_worst_tokens: bool = True
+    top_n: int = 20
+    tokenizer: Tokenizer | None = None
+
+    def __post_init__(self) -> None:
+        check_bool("log_histogram", self.log_histogram)
+        check_int("max_histogram_tokens", self.max_histogram_tokens, least=None, what=" (<= 0: no cap)")
+        check_bool("log_worst_tokens", self.log_worst_tokens)
+        check_int("top_n", self.top_n, least=0)
+        if self.tokenizer is not None and not callable(getattr(self.tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(self.tokenizer).__name__}")
+
+    @property
+    def rows(self) -> int:
+        """The worst rows the statistics keep: none without the table."""
+        return self.top_n if self.log_worst_tokens else 0
 
 
 @dataclass(frozen=True)
@@ -44,9 +84,11 @@ class StepReport:
 
     scalars: dict[str, float]
     diagnosis: Diagnosis | None = None
-    diagnosis_scalars: dict[str, float] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)
     signatures: dict[str, float] = field(default_factory=dict)  # the numbers the diagnosis read
-    media: StepMedia = field(default_factory=StepMedia)
+    histogram: np.ndarray | None = None
+    worst_rows: list[list[Any]] | None = None
+    strata_rows: list[list[Any]] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)  # impossible inputs, by a stable key
     exceeds: str | None = None  # why the step exceeds the guard rail; None: it does not (or no bound)
     untrusted: str | None = None  # why the numbers cannot be trusted, bound or not
@@ -56,10 +98,6 @@ class StepReport:
         """Whether the step had masked-in action tokens, finite or not (something to judge)."""
         return self.scalars["n_action_tokens"] + self.scalars["n_skipped_nonfinite"] > 0
 
-    def logged(self, prefix: str) -> dict[str, float]:
-        """The scalars and the diagnosis' scalars, under ``prefix``."""
-        return {prefix + name: value for name, value in {**self.scalars, **self.diagnosis_scalars}.items()}
-
 
 def step_report(
     host: HostDivergence,
@@ -68,78 +106,157 @@ def step_report(
     media: MediaOptions,
     guard_rail: GuardRail,
     diagnosing: bool,
+    corrections: Sequence[Correction] = (),
     noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
     facts: SamplerFacts | None = None,
     by_lag: Mapping[str, Any] | None = None,
-    offsets: np.ndarray | None = None,
     trend: Sequence[float] = (),
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
-    ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read
-    them as something else); ``noise_floor`` is the run's calibrated noise floor (``Calibration``); ``evidence``
-    what was seen directly about the trainer (``evidence.observe_training``), ``facts`` what the sampling
-    engine says about itself (``evidence.SamplerFacts``); ``by_lag`` the
-    step's divergence by policy lag (``HostDivergence.by_lag``; ``None`` reads ``host.by_lag``
-    when the statistics have it), ``offsets`` the host ``alignment.offset_sums`` vector (``None``
-    reads ``host.offset_sums`` when present; else not measured) and ``trend`` the relative gaps of the
-    run's previous logged steps, oldest first (``Calibration.recent_gaps``).
+    ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read them
+    as something else), from ``noise_floor`` (the run's, ``Calibration``), ``evidence`` (what was seen of
+    the trainer), ``facts`` (what the sampling engine says), ``by_lag`` (``host.by_lag`` when ``None``)
+    and ``trend`` (the relative gaps of the run's previous logged steps, oldest first).
     """
     scalars = scalar_metrics(host, prefix="")
-    problems = impossible_inputs(host)
-    diagnosis, diagnosis_scalars, signatures = None, {}, {}
-    if diagnosing and host.totals["n_action_tokens"] > 0:
-        signatures = signature_numbers(host, offsets)
-        diagnosis = _likely_cause(
-            signatures,
-            problems,
-            host.totals["n_action_tokens"],
-            noise_floor=noise_floor,
-            evidence=evidence,
-            facts=facts,
-            by_lag=by_lag if by_lag is not None else getattr(host, "by_lag", None),
-            trend=trend,
+    problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
+    diagnosis, signatures, breakdown = None, {}, {}
+    if diagnosing and n > 0:
+        signatures = signature_numbers(host)
+        diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else diagnose(
+            signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts,
+            by_lag=by_lag if by_lag is not None else host.by_lag, trend=trend,
         )
-        diagnosis_scalars = diagnosis_metrics(diagnosis, signatures, prefix="")
+        breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
+    strata = host.strata if host.strata is not None and n > 0 else {}
+    breakdown |= stratum_scalars(strata) | shadow_scalars(host.totals, host.extrema, corrections)
+    histogram = None
+    if n and media.log_histogram and host.diffs.size:
+        histogram = histogram_values(host.diffs, media.max_histogram_tokens)
     return StepReport(
-        scalars=scalars,
-        diagnosis=diagnosis,
-        diagnosis_scalars=diagnosis_scalars,
-        signatures=signatures,
-        media=step_media(host, media),
+        scalars, diagnosis, breakdown, signatures, histogram,
+        worst_rows=worst_token_rows(host.worst, media.tokenizer) if n and media.log_worst_tokens else None,
+        strata_rows=[[name, *(float(getattr(s, metric)) for metric in STRATUM_METRICS)]
+                     for name, s in strata.items() if s.n_tokens],
         problems=problems,
         exceeds=guard_rail.exceeds(scalars, host, prefix=prefix),
         untrusted=guard_rail.untrusted(scalars, host),
     )
 
 
-def _likely_cause(
-    signatures: Mapping[str, float], problems: Mapping[str, str], n_tokens: float, **context: Any
-) -> Diagnosis:
-    if problems:
-        return Diagnosis.impossible_inputs(problems.values())
-    return diagnose(signatures, n_tokens=n_tokens, **context)
+def wandb_media(report: StepReport, prefix: str) -> dict[str, Any]:
+    """The report's media as W&B objects (``wandb`` is imported only when there are some): the histogram,
+    the worst-tokens and strata tables, the diagnosis as HTML."""
+    if report.histogram is None and report.worst_rows is None and not report.strata_rows and report.diagnosis is None:
+        return {}
+    import wandb
+
+    media: dict[str, Any] = {}
+    if report.histogram is not None:
+        media[prefix + HISTOGRAM_KEY] = wandb.Histogram(report.histogram)
+    if report.worst_rows is not None:  # one type per column: the token column is text
+        media[prefix + TABLE_KEY] = wandb.Table(columns=list(WORST_TOKEN_COLUMNS), data=report.worst_rows)
+    if report.strata_rows:
+        media[prefix + STRATA_TABLE_KEY] = wandb.Table(columns=list(STRATA_COLUMNS), data=report.strata_rows)
+    if report.diagnosis is not None:
+        media[prefix + DIAGNOSIS_KEY] = html_panel(report.diagnosis.message)
+    return media
+
+
+def html_panel(text: str) -> Any:
+    """A ``wandb.Html`` panel showing ``text`` as it is."""
+    import wandb
+
+    return wandb.Html(f"<pre>{html.escape(text)}</pre>")
 
 
 def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | None:
-    """What to say about advantages holding NaN on masked-in positions (``n_advantage_nan``), from a
-    step's totals (every micro-batch and rank together); ``None`` when there are none.
-
-    ``label`` names the advantages key (``step_input.key_label``).
+    """What to say about advantages holding NaN on masked-in positions (every micro-batch and rank
+    together); ``None`` when there are none. ``label`` names the advantages key (``inputs.key_label``).
 
     Example:
         >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]
         "'advantages' holds NaN on 2 of the 30 masked-in positions (mask > 0) of the step, all ranks together"
-        >>> nan_advantages_message({"n_advantage_nan": 0.0, "n_masked_in": 30.0}, "'advantages'") is None
-        True
     """
-    n_nan = totals["n_advantage_nan"]
-    if not n_nan > 0:
+    if not totals["n_advantage_nan"] > 0:
         return None
     return (
-        f"{label} holds NaN on {int(n_nan)} of the {int(totals['n_masked_in'])} masked-in positions (mask > 0) of "
-        "the step, all ranks together; a NaN advantage counts as 0, so those tokens are not action tokens: the "
-        "monitor's numbers leave them out, and a correction that needs advantages reads each datum's without them "
-        "(0 where none is left)"
+        f"{label} holds NaN on {int(totals['n_advantage_nan'])} of the {int(totals['n_masked_in'])} masked-in "
+        "positions (mask > 0) of the step, all ranks together; a NaN advantage counts as 0, so those tokens are not "
+        "action tokens: the monitor's numbers leave them out, and a correction that needs advantages reads each "
+        "datum's without them (0 where none is left)"
     )
+
+
+def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> list[list[Any]]:
+    """The worst-tokens table's rows, rank 1 first, as in the Loops SDK.
+
+    ``position`` is k + 1 (the position in ``model_input`` of the token predicted at k); ``token`` is
+    text: ``tokenizer.decode([id])``, the id without a tokenizer (or one that cannot decode it), ``"<end>"``
+    for none; ``is_weight`` is exp(min(d, 80)); ``context`` is ``model_input`` alone around index k + 1
+    (``format_context``): at a datum's last position ``»<end>«`` whatever the target.
+
+    Example (the last position of a datum ``[7, 8]`` whose target there is 9):
+        >>> row = np.full(ROW.WIDTH, -1.0)
+        >>> row[:7] = [2.0, -2.0, -0.5, -2.5, 0, 1, 9]
+        >>> row[ROW.BEFORE][-2:] = [7, 8]
+        >>> worst_token_rows(row[None, :])
+        [[1, 0, 2, '9', -0.5, -2.5, -2.0, 0.1353, '⟦7 8»<end>«⟧']]
+    """
+    rows = []
+    for rank, row in enumerate(worst, start=1):
+        diff, after = float(row[ROW.DIFF]), row[ROW.AFTER]
+        rows.append([
+            rank, int(row[ROW.DATUM]), int(row[ROW.POSITION]) + 1, token_text(int(row[ROW.TOKEN]), tokenizer),
+            round(float(row[ROW.SAMPLER]), 4), round(float(row[ROW.TRAINER]), 4), round(diff, 4),
+            round(is_ratio(diff), 4), format_context(_ids(row[ROW.BEFORE]), int(after[0]), _ids(after[1:]), tokenizer),
+        ])
+    return rows
+
+
+def format_context(before: Sequence[int], centre: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
+    """``before⟦near»centre«near⟧after``, "near" being the 3 tokens on each side; text escaped.
+
+    Example:
+        >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None), format_context([1, 2], NO_TOKEN, [], None)
+        ('1⟦2 3 4»5«6 7 8⟧9', '⟦1 2»<end>«⟧')
+    """
+    before, after = list(before), list(after)
+    shown = END if centre == NO_TOKEN else _text([centre], tokenizer)
+    return (f"{_text(before[:-NEAR] if before else [], tokenizer)}⟦{_text(before[-NEAR:], tokenizer)}»{shown}"
+            f"«{_text(after[:NEAR], tokenizer)}⟧{_text(after[NEAR:], tokenizer)}")
+
+
+def token_text(token: int, tokenizer: Tokenizer | None) -> str:
+    """The ``token`` column: ``tokenizer.decode([token])``, else ``str(token)``; ``"<end>"`` for no token.
+
+    Example:
+        >>> token_text(49947, None), token_text(-1, None)
+        ('49947', '<end>')
+    """
+    text = None if token == NO_TOKEN else _decoded([token], tokenizer)
+    return END if token == NO_TOKEN else text if text is not None else str(token)
+
+
+def _ids(values: np.ndarray) -> list[int]:
+    return [int(v) for v in values if v != NO_TOKEN]
+
+
+def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
+    text = _decoded(ids, tokenizer) if ids else ""
+    return escape(text if text is not None else " ".join(map(str, ids)))
+
+
+def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str | None:
+    if tokenizer is None:
+        return None
+    try:
+        return str(tokenizer.decode(ids))
+    except Exception:  # a tokenizer that cannot decode these ids: the ids, as without one
+        return None
+
+
+def escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")

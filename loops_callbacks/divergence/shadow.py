@@ -2,7 +2,7 @@
 
 For a list of corrections (``loops_callbacks.correction``) and one ``FlatBatch``, ``shadow_values``
 gives mergeable sums, counts and maxima (0-d float64 tensors, by name); ``shadow_statistics`` declares
-each name with its reduction (``layout.Statistic``: sums add, maxima take the max, minima are stored
+each name with its reduction (``states.State``: sums add, maxima take the max, minima are stored
 negated), so micro-batches and ranks merge exactly; ``shadow_scalars`` turns merged values into
 the logged scalars:
 
@@ -26,7 +26,7 @@ its tokens), the functions ``apply_correction`` uses: what is logged is what app
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.divergence.action_tokens import flatten_padded
+    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
     ...                       mask=torch.ones(1, 2))
     >>> values = shadow_values(flat, ["token_mask:2.0"])
@@ -44,20 +44,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from loops_callbacks.correction import (
-    Correction,
-    CorrectionInput,
-    FlatCorrection,
-    RowCorrection,
-    Segments,
-    correct_flat,
-    correct_rows,
-    parse_correction,
-)
-from loops_callbacks.divergence.action_tokens import FlatBatch
-from loops_callbacks.divergence.layout import Statistic
+from loops_callbacks.correction import Correction, parse_correction
+from loops_callbacks.correction.compute import CorrectionInput, Segments, Weights, correct_flat, correct_rows
+from loops_callbacks.divergence.flat_batch import FlatBatch
+from loops_callbacks.divergence.states import State
 
-__all__ = ["no_advantage_message", "parse_corrections", "shadow_scalars", "shadow_statistics", "shadow_values"]
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
@@ -99,7 +90,7 @@ def _key(correction: Correction | None, stat: str) -> str:
     return f"correction:{'' if correction is None else correction.name}:{stat}"
 
 
-def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statistic, ...]:
+def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, ...]:
     """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
 
     Example:
@@ -110,8 +101,7 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[Statisti
     if not parsed:
         return ()
     totals = [_key(None, s) for s in SHARED_TOTALS] + [_key(c, s) for c in parsed for s in PER_CORRECTION_TOTALS]
-    extrema = [Statistic(_key(None, s), "max", per_rank=True) for s in SHARED_EXTREMA]
-    return (*(Statistic(n, "sum") for n in totals), *extrema)
+    return (*(State(n, "sum") for n in totals), *(State(_key(None, s), "max") for s in SHARED_EXTREMA))
 
 
 @torch.no_grad()
@@ -158,11 +148,11 @@ def shadow_values(
     return values
 
 
-def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Tensor, scored: torch.Tensor
+def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, scored: torch.Tensor
                     ) -> dict[str, torch.Tensor]:
     """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
     dropped, clipped = scored & ~rows.keep, scored & rows.clipped
-    weight = rows.weight * scored  # a row without action tokens is no sequence; its weight never applies
+    weight = rows.weights * scored  # a row without action tokens is no sequence; its weight never applies
     return {
         _key(correction, "n_tokens_masked"): (count * dropped).sum(),
         _key(correction, "n_tokens_clipped"): (count * clipped).sum(),
@@ -175,7 +165,7 @@ def _sequence_level(correction: Correction, rows: RowCorrection, count: torch.Te
     }
 
 
-def _token_level(correction: Correction, result: FlatCorrection, x: CorrectionInput) -> dict[str, torch.Tensor]:
+def _token_level(correction: Correction, result: Weights, x: CorrectionInput) -> dict[str, torch.Tensor]:
     """The statistics of a token-level correction over ``x.finite``; a sequence's weight is its tokens' mean."""
     weights, clipped = result.weights * x.finite, result.clipped & x.finite
     seq_weight = x.rows.sum(weights) / x.row_count.clamp(min=1.0)  # 0 for a row without action tokens

@@ -25,7 +25,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``kl_sample_train_k3``  mean(e^d − 1 − d)
 ``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
 ``context_fade``        mean |d| on each datum's first ``FIRST_ACTIONS`` (4) action tokens over mean |d| on its
-                        action tokens from the ``LATER_ACTIONS_FROM``-th (8, 0-based) on, within each sampler-probability bucket (``strata.PROBABILITY_EDGES``; their geometric
+                        action tokens from the ``LATER_ACTIONS_FROM``-th (8, 0-based) on, within each sampler-probability bucket (``states.PROBABILITY_EDGES``; their geometric
                         mean, NaN with fewer than 64 tokens compared): well above 1 when the two sides conditioned
                         on different prompts (template, BOS, a prefix cache from old weights), about 1 for noise,
                         temperature and truncation even where the first tokens are harder to predict
@@ -48,12 +48,11 @@ they are NaN without them.
 A number is NaN when the step has too little of what it needs (no pairs, an empty bucket).
 
 Example:
-    >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import EXTREMA, TOTALS, HostDivergence
-    >>> totals = dict.fromkeys(TOTALS, 0.0) | {"n_action_tokens": 4.0, "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0,
-    ...     "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0, "sum_trainer2": 6.0,
-    ...     "sum_sampler_trainer": 6.0}
-    >>> sig = signature_numbers(HostDivergence(totals, dict.fromkeys(EXTREMA, 0.0), np.zeros((0, 67)), np.zeros(4)))
+    >>> from loops_callbacks.divergence.states import MAIN, SIGNATURES
+    >>> totals = {s.name: 0.0 for s in MAIN + SIGNATURES if not s.shape} | {"n_action_tokens": 4.0,
+    ...     "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0, "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0,
+    ...     "sum_trainer2": 6.0, "sum_sampler_trainer": 6.0}
+    >>> sig = signature_numbers(HostDivergence(totals, {}))
     >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["is_ratio_mean"]
     (1.0, 1.0, 1.0, 1.0)
 """
@@ -65,12 +64,9 @@ import math
 import numpy as np
 
 from loops_callbacks.divergence.alignment import read_offsets
-from loops_callbacks.divergence.layout import context_total
 from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3, sampling_metrics
+from loops_callbacks.divergence.states import PROBABILITY_STRATA, context_total
 from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.strata import PROBABILITY_STRATA
-
-__all__ = ["SIGNATURES", "signature_numbers", "token_eta2"]
 
 SIGNATURES = (
     "frac_d_zero",

@@ -1,20 +1,14 @@
-"""Deliver one step's report to every Lightning logger, each in its own way.
+"""Deliver a step's report to every Lightning logger, each in its own way, in one record per step.
 
-* ``WandbLogger``: scalars, ``wandb.Histogram`` and ``wandb.Table`` through ``log_metrics``
-  (never ``run.log(step=...)``, which W&B silently drops once its own counter is ahead);
-* ``TensorBoardLogger``: scalars, ``add_histogram`` and the table as Markdown text;
-  (the histogram's values and the table's rows are the report's, built once for every logger);
-* any other logger (CSV, MLflow, ...): scalars.
+* ``WandbLogger``: the scalars and the breakdown with a ``wandb.Histogram``, the worst-tokens and strata
+  ``wandb.Table``s and the diagnosis as HTML, in one ``log_metrics`` call (never ``run.log(step=...)``,
+  which W&B silently drops once its own counter is ahead);
+* ``TensorBoardLogger``: the scalars, ``add_histogram``, and the tables and the diagnosis as Markdown text;
+* any other logger (CSV, MLflow, ...): the scalars.
 
-The breakdown of the step goes in a second ``log_metrics`` call at the same step, so the step's
-own metrics stay one record: the strata view (``media.StrataView``: ``stratum/<name>/<metric>``
-scalars and their table; W&B gets a ``wandb.Table``, TensorBoard a Markdown table) and the
-shadow metrics of the monitor's corrections (``correction/...`` scalars, ``shadow``).
-
-``deliver_text`` writes one text entry (e.g. why the guard rail stopped the run) to each logger
-that can show text: TensorBoard's text panel (``add_text``, Markdown) and W&B (an HTML panel).
-
-A logger that fails is reported as a warning and skipped: monitoring must never stop training.
+The media are the report's, built once for every logger. A logger that fails is a warning (once per run
+and logger) and is skipped: monitoring never stops training. ``deliver_text`` writes one text (the guard
+rail's message, the run's summary) to each logger that can show text.
 
 Example:
     >>> from loops_callbacks.divergence.report import StepReport
@@ -27,79 +21,52 @@ Example:
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
-from loops_callbacks import run_warnings
-from loops_callbacks.divergence.media import (
-    HISTOGRAM_KEY,
-    STRATA_TABLE_KEY,
-    TABLE_KEY,
-    strata_markdown,
-    wandb_media,
-    wandb_strata,
+from loops_callbacks.divergence.report import (
+    DIAGNOSIS_KEY, HISTOGRAM_KEY, STRATA_COLUMNS, STRATA_TABLE_KEY, TABLE_KEY, WORST_TOKEN_COLUMNS, StepReport, escape,
+    html_panel, wandb_media,
 )
-from loops_callbacks.divergence.worst_tokens import worst_tokens_markdown
 from loops_callbacks.run_warnings import RunWarnings
 
-if TYPE_CHECKING:  # the report module builds what this one delivers
-    from loops_callbacks.divergence.report import StepReport
-
-__all__ = ["deliver", "deliver_text"]
 
 
-def deliver(
-    loggers: Iterable[Any],
-    report: StepReport,
-    *,
-    step: int,
-    prefix: str,
-    warnings: RunWarnings | None = None,
-    scalars: dict[str, float] | None = None,
-    breakdown: dict[str, float] | None = None,
-) -> None:
-    """Log ``report``'s scalars (and its media where the logger can show it) at ``step`` to each logger.
-
-    Every key gets ``prefix``; ``scalars`` is ``report.logged(prefix)`` when the caller has it
-    (built once per step, whatever the loggers); ``breakdown`` more scalars (bare names) for the
-    second record, beside the strata view. A failing logger is a warning, through
-    ``warnings`` (once per run and logger) when given.
-    """
-    if scalars is None:
-        scalars = report.logged(prefix)
+def deliver(loggers: Iterable[Any], report: StepReport, *, step: int, prefix: str,
+            warnings: RunWarnings | None = None) -> None:
+    """Log ``report`` at ``step`` to each logger (module docstring), every key under ``prefix``."""
+    scalars = {prefix + name: value for name, value in {**report.scalars, **report.breakdown}.items()}
+    texts = {TABLE_KEY: worst_tokens_markdown(report.worst_rows) if report.worst_rows is not None else None,
+             STRATA_TABLE_KEY: markdown(STRATA_COLUMNS, report.strata_rows) if report.strata_rows else None,
+             DIAGNOSIS_KEY: report.diagnosis.message if report.diagnosis is not None else None}
     for logger in loggers:
         try:
-            _deliver_one(logger, report, scalars, step, prefix)
-            _deliver_breakdown(logger, report, breakdown or {}, step, prefix)
+            if isinstance(logger, WandbLogger):
+                logger.log_metrics({**scalars, **wandb_media(report, prefix)}, step=step)
+                continue
+            logger.log_metrics(scalars, step=step)
+            if isinstance(logger, TensorBoardLogger):
+                if report.histogram is not None:
+                    logger.experiment.add_histogram(prefix + HISTOGRAM_KEY, report.histogram, step)
+                for key, text in texts.items():
+                    if text is not None:
+                        logger.experiment.add_text(prefix + key, text, step)
         except Exception as error:  # a full disk, a closed W&B run, a network error
-            _warn(
-                warnings,
-                f"logger:{type(logger).__name__}",
-                f"KLSampleTrainMonitor could not log to {type(logger).__name__} at step {step}: {error!r}; "
-                "training goes on",
-            )
+            name = type(logger).__name__
+            (warnings or RunWarnings()).warn(
+                f"logger:{name}", f"KLSampleTrainMonitor could not log to {name} at step {step}: {error!r}; training "
+                "goes on")
 
 
-def deliver_text(
-    loggers: Iterable[Any],
-    key: str,
-    text: str,
-    *,
-    step: int,
-    warnings: RunWarnings | None = None,
-    preformatted: bool = False,
-) -> None:
-    """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others are skipped.
+def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int, warnings: RunWarnings | None = None,
+                 preformatted: bool = False) -> None:
+    """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others (CSV) are skipped.
 
-    Used for the guard rail's message, so a stop is visible beside the curves, and for the run's
-    summary. ``TensorBoardLogger``: ``add_text`` (the TEXT tab renders Markdown; ``preformatted``
-    text is indented into a code block, so its lines and alignment stay as they are);
-    ``WandbLogger``: a ``wandb.Html`` panel holding the text as preformatted HTML, through
-    ``log_metrics``. Loggers that show no text (CSV) are skipped; a failing logger is a warning,
-    never an error.
+    ``TensorBoardLogger``: ``add_text`` (Markdown; ``preformatted`` text is indented into a code block, so
+    its lines stay as they are); ``WandbLogger``: a ``wandb.Html`` panel holding it as preformatted HTML.
+    A failing logger is a warning, never an error.
 
     Example:
         >>> deliver_text([object()], "div/stop", "stopped", step=3)  # a logger without text: nothing
@@ -110,47 +77,46 @@ def deliver_text(
                 shown = "\n".join("    " + line for line in text.splitlines()) if preformatted else text
                 logger.experiment.add_text(key, shown, step)
             elif isinstance(logger, WandbLogger):
-                import wandb
-
-                logger.log_metrics({key: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+                logger.log_metrics({key: html_panel(text)}, step=step)
         except Exception as error:  # a full disk, a closed W&B run
             name = type(logger).__name__
-            _warn(warnings, f"text:{name}", f"KLSampleTrainMonitor could not log {key!r} to {name} at step {step}: {error!r}")
+            (warnings or RunWarnings()).warn(
+                f"text:{name}", f"KLSampleTrainMonitor could not log {key!r} to {name} at step {step}: {error!r}")
 
 
-def _warn(warnings: RunWarnings | None, key: str, message: str) -> None:
-    if warnings is None:
-        run_warnings.warn(message)
-    else:
-        warnings.warn(key, message)
+def markdown(columns: Iterable[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (TensorBoard's text panel renders it); numbers to 6 significant digits.
+
+    Example:
+        >>> print(markdown(STRATA_COLUMNS, [["pos_q1", 0.05, 0.5, 1.0, 2.0]]))
+        | stratum | k3 | abs_d_mean | is_ratio_mean | n_tokens |
+        |---|---|---|---|---|
+        | pos_q1 | 0.05 | 0.5 | 1 | 2 |
+    """
+    columns = list(columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c if isinstance(c, str) else f"{c:.6g}" for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
-def _deliver_one(logger: Any, report: StepReport, scalars: dict[str, float], step: int, prefix: str) -> None:
-    if isinstance(logger, WandbLogger):
-        logger.log_metrics({**scalars, **wandb_media(report.media, prefix=prefix)}, step=step)
-        return
-    logger.log_metrics(scalars, step=step)
-    if isinstance(logger, TensorBoardLogger):
-        writer = logger.experiment
-        if report.media.histogram is not None:
-            writer.add_histogram(prefix + HISTOGRAM_KEY, report.media.histogram, step)
-        if report.media.worst_rows is not None:
-            writer.add_text(prefix + TABLE_KEY, worst_tokens_markdown(report.media.worst_rows), step)
+def worst_tokens_markdown(rows: list[list[Any]]) -> str:
+    """The worst-tokens table as Markdown; token and context as code.
+
+    Example:
+        >>> print(worst_tokens_markdown([[1, 0, 2, "9", -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
+        | rank | datum | position | token | logp_sampler | logp_trainer | diff | is_weight | context |
+        |---|---|---|---|---|---|---|---|---|
+        | 1 | 0 | 2 | `9` | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
+    """
+    token = WORST_TOKEN_COLUMNS.index("token")
+    lines = ["| " + " | ".join(WORST_TOKEN_COLUMNS) + " |", "|" + "---|" * len(WORST_TOKEN_COLUMNS)]
+    for *numbers, context in rows:
+        cells = [_code(escape(str(value))) if i == token else str(value) for i, value in enumerate(numbers)]
+        lines.append("| " + " | ".join([*cells, _code(str(context))]) + " |")  # the context is already escaped
+    return "\n".join(lines)
 
 
-def _deliver_breakdown(logger: Any, report: StepReport, breakdown: dict[str, float], step: int, prefix: str) -> None:
-    """The second record: the strata view and ``breakdown``'s scalars; nothing when both are empty."""
-    view = report.media.strata
-    if view is not None and not view.rows:
-        view = None
-    if view is None and not breakdown:
-        return
-    scalars = {prefix + name: value for name, value in breakdown.items()}
-    if isinstance(logger, WandbLogger):
-        logger.log_metrics({**scalars, **(wandb_strata(view, prefix=prefix) if view is not None else {})}, step=step)
-        return
-    if view is not None:
-        scalars.update({prefix + name: value for name, value in view.scalars.items()})
-    logger.log_metrics(scalars, step=step)
-    if isinstance(logger, TensorBoardLogger) and view is not None:
-        logger.experiment.add_text(prefix + STRATA_TABLE_KEY, strata_markdown(view), step)
+def _code(text: str) -> str:
+    """A Markdown code span that survives a table cell: ``|`` escaped, a longer fence around backticks."""
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"

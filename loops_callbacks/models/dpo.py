@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,9 +40,10 @@ from jsonargparse.typing import PositiveFloat
 from lightning.pytorch import LightningModule
 from typing_extensions import override
 
-from loops_callbacks.data.tokenization import check_tokenizer_path, load_tokenizer
-from loops_callbacks.optional import import_optional
+from loops_callbacks.data.tokenizer import check_tokenizer_path, load_tokenizer
 from loops_callbacks.logprobs import token_logprobs
+from loops_callbacks.optional import import_optional
+from loops_callbacks.validation import check, check_real
 
 __all__ = ["DPOModule", "HFDPOModule", "dpo_loss"]
 
@@ -111,14 +113,10 @@ class DPOModule(LightningModule):
 
     def __init__(self, beta: PositiveFloat = 0.1, lr: PositiveFloat = 1e-6, weight_decay: float = 0.0) -> None:
         super().__init__()
-        for name, value in (("beta", beta), ("lr", lr)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{type(self).__name__} {name} must be a positive number, got {value!r}")
-        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-            raise ValueError(f"{type(self).__name__} weight_decay must be a number >= 0, got {weight_decay!r}")
-        self.beta = float(beta)
-        self.lr = float(lr)
-        self.weight_decay = float(weight_decay)
+        owner = type(self).__name__
+        self.beta = check_real(f"{owner} beta", beta, least=math.ulp(0.0), what="a positive number")
+        self.lr = check_real(f"{owner} lr", lr, least=math.ulp(0.0), what="a positive number")
+        self.weight_decay = check_real(f"{owner} weight_decay", weight_decay, least=0.0, what="a number >= 0")
         self._val_totals: torch.Tensor | None = None  # see validation_step
 
     def policy_logprobs(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -251,9 +249,7 @@ class HFDPOModule(DPOModule):
             model_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
             self.model = transformers.AutoModelForCausalLM.from_config(model_config)
         else:
-            raise ValueError(
-                f"HFDPOModule model must be a checkpoint name/path or a config dict, got {type(model).__name__}"
-            )
+            raise TypeError(f"HFDPOModule model must be a checkpoint name/path or a config dict, got {type(model).__name__}")
 
     @property
     def vocab_size(self) -> int:
@@ -275,7 +271,5 @@ def _config_and_tokenizer(model: Mapping[str, Any]) -> tuple[Mapping[str, Any], 
             f"HFDPOModule model: a dict is a config ({{'model_type': ...}}) or {{'config': {{...}}, 'tokenizer': "
             f"name_or_path}}; got keys {sorted(model)}"
         )
-    tokenizer = model.get("tokenizer")
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        raise ValueError(f"HFDPOModule model['tokenizer'] must be a name or path, got {type(tokenizer).__name__}")
+    tokenizer = check("HFDPOModule model['tokenizer']", model.get("tokenizer"), str, "a name or path", optional=True)
     return model["config"], tokenizer

@@ -36,8 +36,9 @@ from loops_callbacks.conventions import (
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
+from loops_callbacks.validation import check_int
 
-__all__ = ["attach_reference_logprobs", "attach_reference_values"]
+__all__ = ["attach_reference_logprobs", "reference_field", "score_prompts", "with_ref_logprobs"]
 
 D = TypeVar("D")
 Progress = Callable[[int, int], None]
@@ -94,85 +95,57 @@ def attach_reference_logprobs(
         >>> [d.loss_fn_inputs["ref_logprobs"].shape for d in attach_reference_logprobs(data, reference)]
         [[3], [2]]
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size={batch_size!r} must be a positive int or None")
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise ValueError(f"max_concurrency={max_concurrency!r} must be a positive int")
-    if not (progress is True or progress is False or callable(progress)):
-        raise ValueError(f"progress={progress!r} must be a bool or a callable progress(done, total)")
-    batch = getattr(reference, "compute_logprobs_batch", None)
-    async_fn = getattr(reference, "compute_logprobs_async", None)
-    sync_fn = getattr(reference, "compute_logprobs", None)
-    if not any(callable(fn) for fn in (batch, async_fn, sync_fn)):
-        raise TypeError(
-            f"reference must have compute_logprobs (or compute_logprobs_async / compute_logprobs_batch), "
-            f"got {type(reference).__name__}"
-        )
+    if batch_size is not None:
+        check_int("batch_size", batch_size, least=1)
+    check_int("max_concurrency", max_concurrency, least=1)
     data = list(data)
-    model_inputs, lengths = [], []
+    model_inputs = []
     for index, datum in enumerate(data):
         model_input = datum_model_input(datum)
         if model_input is None:
             raise ValueError(f"datum {index}: has no model_input ({type(datum).__name__})")
         datum_loss_fn_inputs(datum, index=index)  # fail before any scoring if it has none
-        length = model_input_length(model_input)
-        if length < 1:
+        if model_input_length(model_input) < 1:
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
         model_inputs.append(model_input)
-        lengths.append(length)
     tinker = weighted_last_positions(data)
     if tinker:
         run_warnings.warn(tinker_convention_message(describe_indices(tinker, len(data))), TinkerConventionWarning)
-
-    with ProgressBar(progress, len(data), desc="reference logprobs", unit="datum") as bar:
-        report = bar.reach
-        if callable(batch):
-            logprobs = _score_batched(batch, model_inputs, batch_size, report)
-        elif callable(async_fn) and getattr(async_fn, "__deprecated__", None) is None:
-            logprobs = _run_coroutine(_score_async(async_fn, model_inputs, max_concurrency, report))
-        elif callable(sync_fn):
-            logprobs = _score_in_order(sync_fn, model_inputs, max_concurrency, report)
-        else:  # only a deprecated async method
-            logprobs = _run_coroutine(_score_async(async_fn, model_inputs, max_concurrency, report))
-
-    return [
-        _with_ref_logprobs(datum, index, _as_field(datum, _shift(lp, lengths[index], index)))
-        for index, (datum, lp) in enumerate(zip(data, logprobs))
-    ]
+    values = score_prompts(model_inputs, reference, batch_size=batch_size, max_concurrency=max_concurrency,
+                           progress=progress)
+    return [with_ref_logprobs(datum, index, _tensor_data_class(type(datum))(ref, "float32", [len(ref)]))
+            for index, (datum, ref) in enumerate(zip(data, values))]
 
 
-def attach_reference_values(data: Sequence[D], values: np.ndarray, offsets: np.ndarray) -> list[D]:
-    """New datums whose ``ref_logprobs`` are float32 views of ``values`` (no copy, no Python floats).
-
-    ``values`` holds every datum's ``ref_logprobs`` back to back (datum i's are
-    ``values[offsets[i]:offsets[i + 1]]``, already in the SDK's layout: last value 0). Our datums
-    and mapping datums get the numpy view itself, which ``DPOPairDataset`` and ``field_to_tensor``
-    read without a copy; datums of a package with its own ``TensorData`` (Tinker, Loops) get that
-    class, as ``attach_reference_logprobs`` gives them.
+def score_prompts(model_inputs: Sequence[Any], reference: Any, *, batch_size: int | None = None,
+                  max_concurrency: int = 32, progress: bool | Progress = False) -> list[list[float]]:
+    """Each prompt's values in the SDK's ``ref_logprobs`` layout, scored the way ``attach_reference_logprobs`` says.
 
     Example:
-        >>> import numpy as np
-        >>> from loops_callbacks.types import Datum, ModelInput
-        >>> data = [Datum(ModelInput.from_ints([1, 2, 3])), Datum(ModelInput.from_ints([4]))]
-        >>> values = np.array([-1.0, -2.0, 0.0, 0.0], dtype=np.float32)
-        >>> scored = attach_reference_values(data, values, np.array([0, 3, 4]))
-        >>> scored[0].loss_fn_inputs["ref_logprobs"].tolist(), np.shares_memory(scored[0].loss_fn_inputs["ref_logprobs"], values)
-        ([-1.0, -2.0, 0.0], True)
+        >>> class Reference:
+        ...     def compute_logprobs(self, prompt):
+        ...         return [None] + [-1.0] * (len(prompt) - 1)
+        >>> score_prompts([[1, 2, 3]], Reference())
+        [[-1.0, -1.0, 0.0]]
     """
-    data = list(data)
-    if len(offsets) != len(data) + 1:
-        raise ValueError(f"attach_reference_values: {len(offsets) - 1} value ranges for {len(data)} datums")
-    result = []
-    for index, datum in enumerate(data):
-        view = values[offsets[index] : offsets[index + 1]]
-        model_input = datum_model_input(datum)
-        length = model_input_length(model_input) if model_input is not None else -1
-        if length != view.shape[0]:
-            raise ValueError(f"datum {index}: {view.shape[0]} reference values for a model_input of length {length}")
-        tensor_data = _tensor_data_class(type(datum))
-        field: Any = view if tensor_data is TensorData else tensor_data(view.tolist(), "float32", [len(view)])
-        result.append(_with_ref_logprobs(datum, index, field))
-    return result
+    if not (progress is True or progress is False or callable(progress)):
+        raise TypeError(f"progress={progress!r} must be a bool or a callable progress(done, total)")
+    batch = getattr(reference, "compute_logprobs_batch", None)
+    async_fn = getattr(reference, "compute_logprobs_async", None)
+    sync_fn = getattr(reference, "compute_logprobs", None)
+    if not any(callable(fn) for fn in (batch, async_fn, sync_fn)):
+        raise TypeError(f"reference must have compute_logprobs (or compute_logprobs_async / compute_logprobs_batch), "
+                        f"got {type(reference).__name__}")
+    model_inputs = list(model_inputs)
+    with ProgressBar(progress, len(model_inputs), desc="reference logprobs", unit="datum") as bar:
+        if callable(batch):
+            logprobs = _score_batched(batch, model_inputs, batch_size, bar.reach)
+        elif callable(sync_fn) and (not callable(async_fn) or getattr(async_fn, "__deprecated__", None) is not None):
+            logprobs = _score_in_order(sync_fn, model_inputs, max_concurrency, bar.reach)
+        else:  # an async method (a deprecated one only when there is nothing else)
+            logprobs = _run_coroutine(_score_async(async_fn, model_inputs, max_concurrency, bar.reach))
+    return [_shift(lp, model_input_length(prompt), index)
+            for index, (prompt, lp) in enumerate(zip(model_inputs, logprobs))]
 
 
 def _shift(logprobs: Any, length: int, index: int) -> list[float]:
@@ -253,12 +226,7 @@ def _score_in_order(sync_fn: Callable[..., Any], model_inputs: list[Any], max_co
     return results
 
 
-def _as_field(datum: Any, ref: list[float]) -> Any:
-    """The SDK's field: ``TensorData(ref, "float32", [n])`` of the datum's own package."""
-    return _tensor_data_class(type(datum))(ref, "float32", [len(ref)])
-
-
-def _with_ref_logprobs(datum: Any, index: int, field: Any) -> Any:
+def with_ref_logprobs(datum: Any, index: int, field: Any) -> Any:
     """A copy of ``datum`` whose ``loss_fn_inputs`` also holds ``ref_logprobs``; the datum is not modified."""
     inputs = {**datum_loss_fn_inputs(datum, index=index), "ref_logprobs": field}
     if isinstance(datum, Mapping):
@@ -278,6 +246,13 @@ def _with_ref_logprobs(datum: Any, index: int, field: Any) -> Any:
     except (AttributeError, TypeError) as error:
         raise TypeError(f"datum {index}: cannot set loss_fn_inputs on a copy of {type(datum).__name__}: {error}") from None
     return new
+
+
+def reference_field(datum: Any, values: np.ndarray) -> Any:
+    """``ref_logprobs`` for ``datum`` from float32 ``values`` without a copy: the numpy array itself for our datums and
+    mappings (``field_to_tensor`` reads it as it is), the datum's own package's ``TensorData`` for Tinker's / Loops'."""
+    tensor_data = _tensor_data_class(type(datum))
+    return values if tensor_data is TensorData else tensor_data(values.tolist(), "float32", [len(values)])
 
 
 @functools.lru_cache(maxsize=None)

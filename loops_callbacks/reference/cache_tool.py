@@ -1,22 +1,29 @@
-"""See and prune the reference-logprob caches of a directory: ``loops-callbacks cache``.
-
-Each run caches its reference logprobs in a file of its own (one per reference, data and scoring
-dtype), so a directory shared by experiments keeps all of them until they are pruned (``python -m
-loops_callbacks.reference.cache_tool`` is the same command)::
+"""The reference-logprob caches of a directory: which one a run reads (``find_cache``), and the command that lists
+and prunes them, ``loops-callbacks cache`` (``python -m loops_callbacks.reference.cache_tool`` is the same)::
 
     loops-callbacks cache list runs/dpo/reference_logprobs
     loops-callbacks cache prune runs/dpo/reference_logprobs --older-than 30
     loops-callbacks cache prune runs/dpo/reference_logprobs --keep-newest 2 --dry-run
 
-``list`` shows each file's size, date and key (reference weights, data, scoring dtype: the first
-12 hex digits of each fingerprint); ``prune`` removes the files it selects, and says which. A
-running job holds its values in memory, so pruning its file does not change or stop it (a run
-resumed later needs its file: prune what no run will resume).
+Each run caches its reference logprobs in a file of its own (one per reference, data and scoring
+dtype), so a directory shared by experiments keeps all of them until they are pruned. ``list``
+shows each file's size, date and key (reference weights, data, scoring dtype: the first 12 hex
+digits of each fingerprint); ``prune`` removes the files it selects, and says which. A running job
+holds its values in memory, so pruning its file does not change or stop it (a run resumed later
+needs its file: prune what no run will resume).
 
 Example:
-    >>> import tempfile
-    >>> main(["list", tempfile.mkdtemp()])  # doctest: +ELLIPSIS
-    no reference-logprob caches in ...
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from loops_callbacks.reference.cache import CACHE_FILE_NAME, data_fingerprint, write_cache
+    >>> key = CacheKey(reference="r", data=data_fingerprint([[1, 2], [3]]), dtype="float32")
+    >>> base = os.path.join(tempfile.mkdtemp(), CACHE_FILE_NAME)
+    >>> write_cache(cache_file(base, key), key, [np.array([-0.5, 0.0]), np.array([0.0])])
+    >>> lookup = find_cache(base, key, [2, 1])
+    >>> lookup.status, lookup.flat.tolist(), find_cache(base, CacheKey("other", key.data, "float32"), [2, 1]).status
+    ('hit', [-0.5, 0.0, 0.0], 'stale')
+    >>> main(["list", os.path.dirname(base)])  # doctest: +ELLIPSIS
+    ref_logprobs....cache (0.0 MB, ...)  reference r  data ...  dtype float32  2 datums, 3 tokens
     0
 """
 
@@ -29,10 +36,168 @@ import stat
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from loops_callbacks.reference.cache import CACHE_TOOL, CacheInfo, list_caches, orphaned_temporaries
+import numpy as np
 
-__all__ = ["main", "select_for_pruning"]
+from loops_callbacks.reference.cache import (
+    CACHE_TOOL,
+    MAX_HEADER_BYTES,
+    CacheKey,
+    CacheLookup,
+    cache_file,
+    open_regular,
+    orphaned_temporaries,
+    read_cache,
+    read_header,
+)
+
+__all__ = ["CacheInfo", "find_cache", "list_caches", "main", "select_for_pruning"]
+
+_LISTED = 8  # caches named in a message about a miss (the rest are counted)
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One file of a cache directory, from its header only (``list_caches``); ``key`` is ``None`` (and
+    ``problem`` says why) for a file whose header cannot be read."""
+
+    path: str
+    size: int
+    modified: float
+    key: CacheKey | None
+    num_datums: int | None = None
+    num_values: int | None = None
+    problem: str = ""
+
+    def describe(self) -> str:
+        """``name (size, date)``, as messages and ``cache_tool list`` show it.
+
+        Example:
+            >>> CacheInfo("/c/ref_logprobs.cache", 3 << 20, 0.0, None).describe()
+            'ref_logprobs.cache (3.0 MB, 1970-01-01 00:00 UTC)'
+        """
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.modified))
+        return f"{os.path.basename(self.path)} ({self.size / (1 << 20):.1f} MB, {when})"
+
+
+def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
+    """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
+
+    Any other file of the directory whose metadata hold ``key`` is used when whole. With
+    ``key.reference=None`` a whole file of these data and dtype is used, unless files of them by
+    several references are there (which one is meant cannot be told: a miss). A miss names every
+    cache in the directory and what differs (``reason``); ``path`` is then the file ``key``'s values belong in.
+    """
+    directory = os.path.dirname(os.fspath(base)) or "."
+    path = None
+    if key.reference is not None:
+        path = cache_file(base, key)
+        lookup = read_cache(path, key, lengths)
+        if lookup.status == "stale":  # a whole file, but not the one its name says
+            lookup = CacheLookup("corrupt", f"it is named for this key but was made for another ({lookup.reason})",
+                                 path=path)
+        if lookup.status != "missing":
+            return lookup
+    try:
+        others = [info for info in list_caches(directory) if info.path != path]
+    except OSError as error:
+        return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
+    candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
+    references = {info.key.reference for info in candidates if info.key is not None}
+    if len(references) > 1:
+        named = "; ".join(f"{info.describe()}: reference {str(info.key and info.key.reference)[:12]}"
+                          for info in candidates)
+        return CacheLookup("stale", f"{len(candidates)} caches in {directory} hold these data and dtype, made by "
+                           f"{len(references)} references ({named}), and which one is meant is not known (no "
+                           f"reference fingerprint was given); remove the ones not wanted (`{CACHE_TOOL} list "
+                           f"{directory}`)")
+    unusable: dict[str, str] = {}
+    for info in candidates:
+        found = read_cache(info.path, key, lengths)
+        if found.status == "hit":
+            return found
+        unusable[info.path] = found.reason
+    if not others:
+        return CacheLookup("missing", path=path)
+    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path)
+
+
+def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
+    """Every cache file in ``directory`` (told by its header), newest first, from its header only.
+
+    Temporary files of writers (``*.tmp.*``) are not caches. An entry named ``*.cache`` that cannot
+    be read as a file (a broken link, a directory, a FIFO, no permission) is listed as damaged. A
+    directory that does not exist holds none; one that cannot be read is an ``OSError``.
+    """
+    try:
+        entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
+    except FileNotFoundError:
+        return []
+    infos = [info for info in map(_info, entries) if info is not None]
+    return sorted(infos, key=lambda info: (-info.modified, info.path))
+
+
+def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str, str], directory: str) -> str:
+    """``reason`` of a miss: each cache of the directory (the closest first) and why it is not this run's."""
+
+    def why(info: CacheInfo) -> str:
+        if info.key is None:
+            return f"unreadable: {info.problem}"
+        changed = key.differences(info.key)
+        return " and ".join(changed) + " changed" if changed else f"damaged: {unusable.get(info.path, info.problem)}"
+
+    closest = sorted(others, key=lambda info: (len(key.differences(info.key)) if info.key else 4, -info.modified))
+    named = [f"{info.describe()}: {why(info)}" for info in closest[:_LISTED]]
+    more = f"; and {len(others) - _LISTED} more" if len(others) > _LISTED else ""
+    return (f"none of the {len(others)} cache(s) in {directory} holds these values ({'; '.join(named)}{more}); "
+            f"see or prune them with `{CACHE_TOOL} list {directory}`")
+
+
+def _info(path: str) -> CacheInfo | None:
+    """What ``path``'s header says (``None``: not a cache file at all)."""
+    try:
+        descriptor, size = open_regular(path)
+        with os.fdopen(descriptor, "rb", buffering=0) as file:
+            head = file.read(8 + MAX_HEADER_BYTES)
+            modified = os.fstat(file.fileno()).st_mtime
+    except OSError as error:
+        return _unreadable(path, error) if _named_as_a_cache(path) else None
+    header = read_header(head, size)
+    if isinstance(header, str):
+        return CacheInfo(path, size, modified, None, problem=header) if _named_as_a_cache(path) else None
+    problem = "" if header.file_size == size else f"truncated or damaged: {size} bytes, its header promises more"
+    counts = (header.tensors["lengths"][0], header.tensors["values"][0])
+    return CacheInfo(path, size, modified, header.key, *counts, problem=problem)
+
+
+def _named_as_a_cache(path: str) -> bool:
+    """``*.cache``, not hidden: ``~/.cache`` in a cache directory set to ``~`` is no cache of ours."""
+    name = os.path.basename(path)
+    return name.endswith(".cache") and not name.startswith(".")
+
+
+def _unreadable(path: str, error: OSError) -> CacheInfo | None:
+    """A damaged ``CacheInfo`` for an entry that cannot be opened as a file, saying what it is (never following a link).
+
+    Example:
+        >>> import tempfile
+        >>> _unreadable(tempfile.mkdtemp(), OSError(errno.EINVAL, "not a regular file")).problem
+        'it is a directory, not a cache file'
+    """
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return None  # gone meanwhile
+    if stat.S_ISLNK(status.st_mode) and not os.path.exists(path):
+        problem = f"it is a broken symbolic link (to {os.readlink(path)!r})"
+    elif os.path.isdir(path):
+        problem = "it is a directory, not a cache file"
+    elif not stat.S_ISREG(os.stat(path).st_mode):
+        problem = "it is not a regular file (a FIFO, socket or device)"
+    else:
+        problem = f"it cannot be read ({error.strerror or error})"
+    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem)
 
 
 def select_for_pruning(

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loops_callbacks import run_warnings
 
 __all__ = ["Group", "RankStalledError", "StallGuard", "fail_together", "raise_together"]
 
@@ -118,11 +117,6 @@ class Group:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
-
-    def warn_once(self, message: str, category: type[Warning] = UserWarning) -> None:
-        """A warning on this group's rank 0 only (``loops_callbacks.run_warnings``)."""
-        if self.rank == 0:
-            run_warnings.warn(message, category, stacklevel=4)
 
 
 def raise_together(group: Group, failure: BaseException | None, what: str) -> None:

@@ -36,17 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from loops_callbacks.reference.clients import ScorerClient, _find_vocab_size, _module_device
+from loops_callbacks.reference.clients import ScorerClient, find_vocab_size, module_device
 from loops_callbacks.reference.collectives import Group
-from loops_callbacks.reference.config import ReferenceConfig
-from loops_callbacks.reference.fingerprint import _fsdp1_class, weights_fingerprint
+from loops_callbacks.reference.fingerprint import fsdp1_class, fsdp2_class, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.validation import FLOAT_DTYPES
 
 __all__ = ["PolicyReference", "policy_tag"]
 
-_AUTOCAST_DTYPES = ("bfloat16", "float16")
+Autocast = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
@@ -72,10 +71,9 @@ class PolicyReference(ScorerClient):
         module: the policy (a LightningModule, or any causal LM ``module(input_ids) -> logits``).
         forward_module: what to call instead of ``module`` (the FSDP (1) root that wraps it).
         device: where batches are built (default: where the module's weights are).
-        config: the scoring settings; of them the policy reads ``scoring_dtype`` (``"bfloat16"`` /
-            ``"float16"``: autocast to that dtype; ``"float32"``: no autocast, the weights must be
-            float32; ``None``: ``autocast``, the training precision) and ``max_tokens_per_batch``
-            (padded tokens per forward; ``None``: the scorer's default).
+        scoring_dtype: ``"bfloat16"`` / ``"float16"``: autocast to that dtype; ``"float32"``: no
+            autocast, the weights must be float32; ``None``: ``autocast``, the training precision.
+        max_tokens_per_batch: padded tokens per forward (``None``: the scorer's default).
         autocast: context manager factory of the training precision (used when ``scoring_dtype`` is None).
         tag: what else the values depend on (the precision), part of the fingerprint.
         output_head: score from the output head when the module exposes one.
@@ -83,104 +81,62 @@ class PolicyReference(ScorerClient):
 
     scores_in_lockstep = True  # its forwards may be collectives (FSDP): every rank runs as many
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        forward_module: nn.Module | None = None,
-        device: str | torch.device | None = None,
-        config: ReferenceConfig | None = None,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-        tag: str = "policy",
-        output_head: bool = True,
-    ) -> None:
-        config = config if config is not None else ReferenceConfig()
+    def __init__(self, module: nn.Module, *, forward_module: nn.Module | None = None,
+                 device: str | torch.device | None = None, scoring_dtype: str | None = None,
+                 max_tokens_per_batch: int | None = None, autocast: Autocast | None = None, tag: str = "policy",
+                 output_head: bool = True) -> None:
         self.module = module
         self.forward_module = forward_module if forward_module is not None else module
-        self.device = torch.device(device) if device is not None else _module_device(module)
-        self.vocab_size = _find_vocab_size(module)
+        self.device = torch.device(device) if device is not None else module_device(module)
+        self.vocab_size = find_vocab_size(module)
         self.tag = tag
-        self.scorer = TokenScorer(
-            self.forward_module,
-            model=module,
-            device=self.device,
-            max_tokens_per_batch=config.max_tokens_per_batch,
-            output_head=output_head,
-            vocab_size=self.vocab_size,
-            autocast=self._autocast(config.scoring_dtype, autocast),
-            grad_mode="no_grad",
-        )
+        self.scorer = TokenScorer(self.forward_module, model=module, device=self.device,
+                                  max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
+                                  vocab_size=self.vocab_size, autocast=self._autocast(scoring_dtype, autocast),
+                                  grad_mode="no_grad")
 
-    def _autocast(
-        self, scoring_dtype: str | None, autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None
-    ) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+    def _autocast(self, scoring_dtype: str | None, autocast: Autocast | None) -> Autocast | None:
         device_type = self.device.type
         if scoring_dtype is None:
             return autocast
-        if scoring_dtype in _AUTOCAST_DTYPES:
-            dtype = FLOAT_DTYPES[scoring_dtype]
-            return lambda: torch.autocast(device_type, dtype=dtype)
-        if scoring_dtype == "float32":
-            low = sorted({str(p.dtype) for p in self.module.parameters() if p.is_floating_point() and p.dtype != torch.float32})
-            if low:
-                raise ValueError(
-                    f"scoring_dtype='float32' cannot be honoured by the policy itself: its weights are {low} and it is "
-                    "not copied; use scoring_dtype=None (the training precision) or pass a float32 reference="
-                )
-            return lambda: torch.autocast(device_type, enabled=False)
-        raise ValueError(f"scoring_dtype={scoring_dtype!r} is not one of ['float32', 'bfloat16', 'float16'] or None")
+        if scoring_dtype in ("bfloat16", "float16"):
+            return lambda: torch.autocast(device_type, dtype=FLOAT_DTYPES[scoring_dtype])
+        low = sorted({str(p.dtype) for p in self.module.parameters() if p.is_floating_point()} - {"torch.float32"})
+        if low:
+            raise ValueError(f"scoring_dtype='float32' cannot be honoured by the policy itself: its weights are {low} "
+                             "and it is not copied; use scoring_dtype=None (the training precision) or pass a float32 "
+                             "reference=")
+        return lambda: torch.autocast(device_type, enabled=False)
 
     @classmethod
-    def from_trainer(cls, trainer: Any, config: ReferenceConfig | None = None) -> PolicyReference:
+    def from_trainer(cls, trainer: Any, *, scoring_dtype: str | None = None,
+                     max_tokens_per_batch: int | None = None) -> PolicyReference:
         """The trainer's LightningModule as the strategy has set it up, on the strategy's root device."""
-        strategy = trainer.strategy
-        module = trainer.lightning_module
-        forward_module = module
-        fsdp = _fsdp1_class()
-        if fsdp is not None and isinstance(strategy.model, fsdp):
-            forward_module = strategy.model  # its forward gathers the root unit's weights
-        return cls(
-            module,
-            forward_module=forward_module,
-            device=strategy.root_device,
-            config=config,
-            autocast=trainer.precision_plugin.forward_context,
-            tag=policy_tag(trainer, config.scoring_dtype if config is not None else None),
-        )
+        module, wrapped, fsdp = trainer.lightning_module, trainer.strategy.model, fsdp1_class()
+        return cls(module, forward_module=wrapped if fsdp is not None and isinstance(wrapped, fsdp) else module,
+                   device=trainer.strategy.root_device, scoring_dtype=scoring_dtype,
+                   max_tokens_per_batch=max_tokens_per_batch, autocast=trainer.precision_plugin.forward_context,
+                   tag=policy_tag(trainer, scoring_dtype))
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({type(self.module).__name__}, device={str(self.device)!r}, tag={self.tag!r}, "
-            f"max_tokens_per_batch={self.max_tokens_per_batch}, path={self.path!r})"
-        )
+        return (f"{type(self).__name__}({type(self.module).__name__}, device={str(self.device)!r}, tag={self.tag!r}, "
+                f"max_tokens_per_batch={self.max_tokens_per_batch}, path={self.path!r})")
 
     def fingerprint(self) -> str:
         """The weights' fingerprint (a collective: call it on every rank at once)."""
         with torch.inference_mode(False), torch.no_grad():
             return weights_fingerprint(self.forward_module, tag=self.tag, group=Group())
 
-    def score_packed(
-        self,
-        packed: PackedTokens,
-        *,
-        progress: Callable[[int], None] | None = None,
-        lockstep: Any = None,
-    ) -> torch.Tensor:
+    def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
+                     lockstep: Any = None) -> torch.Tensor:
         """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
         check_token_ids(packed, self.vocab_size)
         try:
             return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
         finally:
-            _reshard(self.module)
-
-
-def _reshard(module: nn.Module) -> None:
-    """FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one);
-    after scoring there is none: shard them again, so that training starts as it would have."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+            # FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one); after
+            # scoring there is none: shard them again, so that training starts as it would have
+            fsdp2 = fsdp2_class()
+            for m in self.module.modules():
+                if fsdp2 is not None and isinstance(m, fsdp2):
+                    m.reshard()

@@ -158,7 +158,7 @@ def test_bench_rank_checks_prints_each_check_on_two_ranks(tmp_path: Path) -> Non
     for name in (
         "demo 1,024 pairs: dpo_data() on 2 ranks",
         "demo 2,048 datums: token-id check before scoring",
-        "chat 512 records: preference_datums on all",
+        "chat 512 records: preference_pairs on all",
     ):
         assert re.search(rf"^  {re.escape(name)}.* \d+\.\d \| +\d+\.\d +\d+\.\d$", out, re.MULTILINE), out
 

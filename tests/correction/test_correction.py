@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loops_callbacks.correction import (
-    METHODS,
-    Correction,
-    CorrectionInput,
-    Segments,
-    apply_correction,
-    correct_flat,
-    parse_correction,
-)
+from loops_callbacks.correction import METHODS, Correction, apply_correction, parse_correction
+from loops_callbacks.correction.compute import CorrectionInput, Segments, correct_flat
 
 NEEDS_BOUND = {"token_k1": "2.0", "token_k2": "0.1", "token_k3": "0.05", "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "1.0",
                "seq_sum_k3": "0.5", "seq_mean_k1": "0.9_1.1", "seq_mean_k2": "0.01", "seq_mean_k3": "0.01",

@@ -18,28 +18,26 @@ import jsonargparse
 import lightning as L
 import numpy as np
 import pytest
+import safetensors
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from loops_callbacks.data import (
-    CacheKey,
     DPODataModule,
     DPOPairDataset,
     ReferenceCacheWarning,
     ReferenceConfig,
     ReferenceLogprobsMixin,
+    check_dpo_pairs,
     collate_dpo_pairs,
-    compute_reference_logprobs,
-    data_fingerprint,
     dpo_pair_datums,
-    read_cache,
-    write_cache,
 )
 from loops_callbacks.fields import field_to_tensor, model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
-from loops_callbacks.reference.across_ranks import ReferenceCacheError
-from loops_callbacks.reference.cache import list_caches
+from loops_callbacks.reference.across_ranks import ReferenceCacheError, score_across_ranks
+from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.reference.cache_tool import list_caches
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.helpers import CleanDistributedExit, ToyDPO
@@ -112,7 +110,7 @@ class ReportingDPODataModule(DPODataModule):
         report = {
             "source": self.reference_report.source,
             "scored_here": self.reference_report.scored_here,
-            "ref_logprobs": ref_values(self.scored_data),
+            "ref_logprobs": ref_values(self.scored_pairs.datums()),
         }
         with open(os.path.join(self.report_dir, f"rank{self.trainer.global_rank}.json"), "w", encoding="utf-8") as file:
             json.dump(report, file)
@@ -179,12 +177,13 @@ def test_dpo_pair_datums_follow_the_loops_convention() -> None:
         ({"chosen": [1, 2], "rejected": [1, 3]}, "give either prompt_length or both"),
         ({"chosen": [1, 2], "rejected": [1], "chosen_weights": [0, 1], "rejected_weights": [0, 1]}, "has 2 values"),
         ({"chosen": [1, 2], "rejected": [1, 3], "chosen_weights": [1, 1], "rejected_weights": [0, 1]}, "must be 0"),
-        ({"chosen": [1, 2.5], "rejected": [1, 3], "prompt_length": 1}, "token ids must be ints"),
     ],
 )
 def test_dpo_pair_datums_reject_bad_pairs(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dpo_pair_datums(**kwargs)
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        dpo_pair_datums([1, 2.5], [1, 3], prompt_length=1)
 
 
 # ----------------------------------------------------------------------------- scoring and the cache
@@ -205,7 +204,7 @@ def test_scores_once_then_reuses_the_cache(tmp_path: Any) -> None:
     assert first.reference_report.source == "scored"
     assert the_cache_file(tmp_path / "reference_logprobs").is_file()
     # the values equal a direct attach_reference_logprobs call, bit for bit
-    assert ref_values(first.scored_data) == ref_values(attach_reference_logprobs(data, CountingClient()))
+    assert ref_values(first.scored_pairs.datums()) == ref_values(attach_reference_logprobs(data, CountingClient()))
 
     client.scored = 0
     second = DPODataModule(data, batch_size=2, reference=client, progress=False)
@@ -214,8 +213,8 @@ def test_scores_once_then_reuses_the_cache(tmp_path: Any) -> None:
         fit(toy_model(), second, tmp_path)
     assert client.scored == 0
     assert second.reference_report.source == "cache"
-    assert ref_values(second.scored_data) == ref_values(first.scored_data)
-    assert [d.model_input.to_ints() for d in second.scored_data] == [d.model_input.to_ints() for d in data]
+    assert ref_values(second.scored_pairs.datums()) == ref_values(first.scored_pairs.datums())
+    assert [d.model_input.to_ints() for d in second.scored_pairs.datums()] == [d.model_input.to_ints() for d in data]
     assert "ref_logprobs" not in data[0].loss_fn_inputs  # the inputs are not modified
 
 
@@ -231,8 +230,8 @@ def test_changed_reference_weights_invalidate_the_cache(tmp_path: Any) -> None:
         fit(other, second, tmp_path)
     assert second.reference_report.source == "scored"
     assert second.reference_report.cache_status == "stale"
-    assert ref_values(second.scored_data) == expected
-    assert ref_values(second.scored_data) != ref_values(first.scored_data)
+    assert ref_values(second.scored_pairs.datums()) == expected
+    assert ref_values(second.scored_pairs.datums()) != ref_values(first.scored_pairs.datums())
     # the replaced file now serves the new reference
     third = DPODataModule(data, batch_size=2, cache_dir=str(tmp_path / "cache"), progress=False)
     fit(other_initial, third, tmp_path, max_steps=1)
@@ -249,7 +248,7 @@ def test_changed_data_or_dtype_invalidate_the_cache(tmp_path: Any) -> None:
     with pytest.warns(ReferenceCacheWarning, match="the data changed"):
         fit(toy_model(), module, tmp_path)
     assert client.scored == len(changed)
-    assert ref_values(module.scored_data) == ref_values(attach_reference_logprobs(changed, CountingClient()))
+    assert ref_values(module.scored_pairs.datums()) == ref_values(attach_reference_logprobs(changed, CountingClient()))
     # the same tokens in another order are other data too
     swapped = changed[2:4] + changed[0:2] + changed[4:]
     with pytest.warns(ReferenceCacheWarning, match="the data changed"):
@@ -273,16 +272,16 @@ def test_values_are_one_float32_buffer_and_a_cache_hit_is_read_into_memory(tmp_p
     fit(toy_model(), second, tmp_path, max_steps=1)
     assert second.reference_report.source == "cache"
     for module in (first, second):
-        fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_data]
+        fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_pairs.datums()]
         assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in fields)
         assert sum(f.nbytes for f in fields) == 4 * num_tokens  # 4 bytes a token, in one buffer
         assert all(np.shares_memory(f, fields[0].base if fields[0].base is not None else fields[0]) for f in fields)
         # the batches are cut from that buffer: the dataset's rows are views of it, not copies
-        row = module._pairs[0][0]["ref_logprobs"]
+        row = DPOPairDataset(module.scored_pairs)[0][0]["ref_logprobs"]
         assert np.shares_memory(row.numpy(), fields[0])
     # a hit is read into memory (not a map of the file, which another run could change or truncate)
-    assert _memmap_of(second.scored_data[0].loss_fn_inputs["ref_logprobs"]) is None
-    assert ref_values(second.scored_data) == ref_values(first.scored_data)
+    assert _memmap_of(second.scored_pairs.datums()[0].loss_fn_inputs["ref_logprobs"]) is None
+    assert ref_values(second.scored_pairs.datums()) == ref_values(first.scored_pairs.datums())
 
 
 def _truncate(path: Any) -> None:
@@ -292,7 +291,7 @@ def _truncate(path: Any) -> None:
 
 def _flip_a_value_byte(path: Any) -> None:
     blob = bytearray(path.read_bytes())
-    blob[-40] ^= 0x55  # inside the float64 values, before the 32-byte checksum
+    blob[-8] ^= 0x55  # inside the data (the checksum is in the metadata, at the start)
     path.write_bytes(bytes(blob))
 
 
@@ -302,10 +301,10 @@ def _garbage(path: Any) -> None:
 
 def _wrong_lengths(path: Any) -> None:
     # a whole, well-formed file for the right key whose lengths do not fit the data
-    blob = path.read_bytes()
-    header = json.loads(blob[12 : 12 + int.from_bytes(blob[8:12], "little")])
-    key = CacheKey(**header["key"])
-    write_cache(path, key, [torch.zeros(3).double().numpy()] * header["num_datums"])
+    with safetensors.safe_open(str(path), "np") as file:
+        metadata, datums = file.metadata(), file.get_slice("lengths").get_shape()[0]
+    key = CacheKey(metadata["reference"], metadata["data"], metadata["dtype"])
+    write_cache(path, key, [torch.zeros(3).double().numpy()] * datums)
 
 
 @pytest.mark.parametrize(
@@ -313,7 +312,7 @@ def _wrong_lengths(path: Any) -> None:
     [
         (_truncate, "truncated"),
         (_flip_a_value_byte, "checksum"),
-        (_garbage, "bad magic bytes"),
+        (_garbage, "not a reference-logprob cache"),
         (_wrong_lengths, "lengths do not match"),
     ],
 )
@@ -330,7 +329,7 @@ def test_damaged_cache_is_detected_and_rescored(tmp_path: Any, damage: Any, reas
         fit(toy_model(), second, tmp_path, max_steps=1)
     assert client.scored == len(data)
     assert second.reference_report.cache_status == "corrupt"
-    assert ref_values(second.scored_data) == ref_values(first.scored_data)
+    assert ref_values(second.scored_pairs.datums()) == ref_values(first.scored_pairs.datums())
     key = CacheKey("fake-reference-v1", data_fingerprint([d.model_input.to_ints() for d in data]), "model")
     assert read_cache(cache_file, key, [d.model_input.length for d in data]).status == "hit"  # rewritten whole
 
@@ -409,10 +408,10 @@ def test_default_reference_is_the_policy_itself_after_the_strategy_setup(tmp_pat
     assert model.training  # its mode given back
     assert not torch.equal(model.head.weight, initial.head.weight)  # training moved the weights
     expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(initial)))
-    assert_close_rows(ref_values(module.scored_data), expected, atol=1e-6)
+    assert_close_rows(ref_values(module.scored_pairs.datums()), expected, atol=1e-6)
     assert module.reference_report.source == "scored"
     # the values are float32 views of one buffer, not lists of Python floats
-    fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_data]
+    fields = [d.loss_fn_inputs["ref_logprobs"] for d in module.scored_pairs.datums()]
     assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in fields)
     assert len({id(f.base) for f in fields}) == 1
 
@@ -424,7 +423,7 @@ def _trained_checkpoint(tmp_path: Any, data: list[Datum], seed: int = 3) -> tupl
     trainer = fit(model, module, tmp_path, max_steps=4)
     ckpt = tmp_path / "trained.ckpt"
     trainer.save_checkpoint(ckpt)
-    return ckpt, ref_values(module.scored_data)
+    return ckpt, ref_values(module.scored_pairs.datums())
 
 
 def test_resume_uses_the_cache_never_the_trained_or_a_fresh_module(tmp_path: Any) -> None:
@@ -441,7 +440,7 @@ def test_resume_uses_the_cache_never_the_trained_or_a_fresh_module(tmp_path: Any
             fit(resumed_model, resumed, tmp_path, max_steps=6, ckpt_path=str(ckpt))
         assert resumed_model.scoring_calls == []  # nothing scored with the trained weights
         assert resumed.reference_report.source == "cache"
-        assert ref_values(resumed.scored_data) == expected
+        assert ref_values(resumed.scored_pairs.datums()) == expected
         # and its checkpoints still name the initial policy
         assert resumed.state_dict()["reference_logprobs"] == torch.load(ckpt, weights_only=False)["DPODataModule"]["reference_logprobs"]
 
@@ -475,7 +474,7 @@ def test_resume_after_another_run_shared_the_cache_dir(tmp_path: Any) -> None:
     resumed = DPODataModule(data, batch_size=2, progress=False)
     fit(model, resumed, tmp_path, max_steps=6, ckpt_path=str(ckpt))  # the first run still resumes
     assert model.scoring_calls == [] and resumed.reference_report.source == "cache"
-    assert ref_values(resumed.scored_data) == expected
+    assert ref_values(resumed.scored_pairs.datums()) == expected
     # without its own cache, the error names the others and why none matches
     os.remove(mine)
     with pytest.raises(ReferenceCacheError, match="none of the 2 cache.*the data changed.*reference weights changed"):
@@ -491,14 +490,14 @@ def test_resume_from_a_checkpoint_that_does_not_name_its_reference(tmp_path: Any
     resumed = DPODataModule(data, batch_size=2, progress=False)
     with pytest.warns(ReferenceCacheWarning, match="does not record which initial policy"):
         fit(watched_model(3), resumed, tmp_path, max_steps=6, ckpt_path=str(tmp_path / "anonymous.ckpt"))
-    assert ref_values(resumed.scored_data) == expected
+    assert ref_values(resumed.scored_pairs.datums()) == expected
 
 
-def test_scored_data_before_the_strategy_setup_is_an_error(tmp_path: Any) -> None:
+def test_scored_pairs_before_the_strategy_setup_are_an_error(tmp_path: Any) -> None:
     class Early(DPODataModule):
         def setup(self, stage: str) -> None:
             super().setup(stage)
-            _ = self.scored_data
+            _ = self.scored_pairs
 
     with pytest.raises(RuntimeError, match="before the strategy set the LightningModule up"):
         fit(toy_model(), Early(pair_datums(make_pairs(2)), progress=False), tmp_path, max_steps=1)
@@ -525,7 +524,7 @@ def test_a_model_built_in_configure_model_is_its_own_reference(tmp_path: Any) ->
     fit(model, module, tmp_path, max_steps=1)
     torch.manual_seed(21)
     reference = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
-    assert_close_rows(ref_values(module.scored_data), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
+    assert_close_rows(ref_values(module.scored_pairs.datums()), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
 
 
 def test_a_callable_reference(tmp_path: Any) -> None:
@@ -534,7 +533,7 @@ def test_a_callable_reference(tmp_path: Any) -> None:
     module = DPODataModule(data, reference=lambda ids: reference(ids), progress=False)
     with pytest.warns(ReferenceCacheWarning, match="not cached"):
         fit(toy_model(), module, tmp_path, max_steps=1)
-    assert_close_rows(ref_values(module.scored_data), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
+    assert_close_rows(ref_values(module.scored_pairs.datums()), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
     module = DPODataModule(data, reference=lambda ids: reference(ids), reference_fingerprint="toy-8", progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
     assert the_cache_file(tmp_path / "reference_logprobs").is_file()
@@ -552,13 +551,13 @@ def test_checkpoint_and_module_references(tmp_path: Any) -> None:
     for path in ("reference.ckpt", "reference.pt"):
         module = DPODataModule(data, reference=str(tmp_path / path), use_cache=False, progress=False)
         fit(toy_model(0), module, tmp_path, max_steps=1)
-        assert ref_values(module.scored_data) == expected, path
+        assert ref_values(module.scored_pairs.datums()) == expected, path
     # an nn.Module is scored as a frozen copy: the module itself is not cast
     module = DPODataModule(data, reference=reference, scoring_dtype="float16", use_cache=False, progress=False)
     fit(toy_model(0), module, tmp_path, max_steps=1)
     assert next(reference.parameters()).dtype == torch.float32
     half = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(reference, dtype="float16")))
-    assert ref_values(module.scored_data) == half
+    assert ref_values(module.scored_pairs.datums()) == half
     # a checkpoint that does not fit the module
     torch.save({"state_dict": {"other.weight": torch.zeros(2)}}, tmp_path / "bad.ckpt")
     with pytest.raises(ValueError, match="missing keys"):
@@ -575,7 +574,7 @@ def test_batches_hold_whole_pairs_in_the_agreed_format(tmp_path: Any) -> None:
     data = pair_datums(pairs)
     module = DPODataModule(data, batch_size=3, reference=CountingClient(), use_cache=False, progress=False, seed=1)
     fit(toy_model(), module, tmp_path, max_steps=3)
-    expected_ref = {tuple(d.model_input.to_ints()): d.loss_fn_inputs["ref_logprobs"].data for d in module.scored_data}
+    expected_ref = {tuple(d.model_input.to_ints()): d.loss_fn_inputs["ref_logprobs"].data for d in module.scored_pairs.datums()}
     by_chosen = {tuple(chosen): (rejected, k) for chosen, rejected, k in pairs}
     seen = []
     for batch in module.train_dataloader():
@@ -633,16 +632,16 @@ def test_validation_split_and_user_mixin(tmp_path: Any) -> None:
             return data
 
         def train_dataloader(self) -> DataLoader:
-            return DataLoader(DPOPairDataset(self.scored_data), batch_size=2, collate_fn=collate_dpo_pairs)
+            return DataLoader(DPOPairDataset(self.scored_pairs), batch_size=2, collate_fn=collate_dpo_pairs)
 
     mine = MyData(cache_dir=str(tmp_path / "mine"))
     model = toy_model(5)
     expected = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(model)))
     fit(model, mine, tmp_path, max_steps=2)
-    assert ref_values(mine.scored_data) == expected
+    assert ref_values(mine.scored_pairs.datums()) == expected
     assert the_cache_file(tmp_path / "mine").is_file()
     with pytest.raises(RuntimeError, match="setup\\('fit'\\)"):
-        _ = MyData().scored_data
+        _ = MyData().scored_pairs
 
 
 # ----------------------------------------------------------------------------- bad data
@@ -743,11 +742,12 @@ class _TwoRanks:
 def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatch: Any) -> None:
     from loops_callbacks.reference import across_ranks
 
-    monkeypatch.setattr(across_ranks, "_Group", _TwoRanks)
+    monkeypatch.setattr(across_ranks, "Group", _TwoRanks)
     client = CountingClient()
     data = pair_datums(make_pairs(4))
+    config = ReferenceConfig(progress=False, cache_dir=str(tmp_path / "c"))
     with pytest.raises(RuntimeError, match="failed on another rank \\(rank 0: RuntimeError: out of memory\\)"):
-        compute_reference_logprobs(data, client, ReferenceConfig(progress=False), cache_path=tmp_path / "c")
+        score_across_ranks(check_dpo_pairs(data).tokens, client, config, shard_unit=2)
     lengths = np.array([d.model_input.length for d in data])
     bounds = across_ranks._shard_bounds(lengths, 2, 2)
     assert 0 < client.scored == bounds[2] - bounds[1] < len(data)  # rank 1 scored its own block only
@@ -769,15 +769,15 @@ def test_jsonl_input(tmp_path: Any) -> None:
     from_file = DPODataModule(jsonl_path=str(path), reference=CountingClient(), use_cache=False, progress=False)
     fit(toy_model(), from_file, tmp_path, max_steps=1)
     expected = attach_reference_logprobs(pair_datums(pairs + [pairs[0]]), CountingClient())
-    assert [d.model_input.to_ints() for d in from_file.scored_data] == [d.model_input.to_ints() for d in expected]
-    weights = [d.loss_fn_inputs["weights"].data for d in from_file.scored_data]
+    assert [d.model_input.to_ints() for d in from_file.scored_pairs.datums()] == [d.model_input.to_ints() for d in expected]
+    weights = [d.loss_fn_inputs["weights"].data for d in from_file.scored_pairs.datums()]
     assert weights == [d.loss_fn_inputs["weights"].data for d in expected]
-    assert ref_values(from_file.scored_data) == ref_values(expected)
+    assert ref_values(from_file.scored_pairs.datums()) == ref_values(expected)
     # records in memory are the same as the file
     records = [json.loads(line) for line in lines]
     in_memory = DPODataModule(records, reference=CountingClient(), use_cache=False, progress=False)
     fit(toy_model(), in_memory, tmp_path, max_steps=1)
-    assert ref_values(in_memory.scored_data) == ref_values(expected)[:-2]
+    assert ref_values(in_memory.scored_pairs.datums()) == ref_values(expected)[:-2]
 
     bad = tmp_path / "bad.jsonl"
     mismatch = {"chosen": [1, 2, 3], "rejected": [1, 5, 3], "prompt_length": 2}
@@ -796,20 +796,21 @@ def test_jsonl_input(tmp_path: Any) -> None:
         ({}, "exactly one of data, path, dataset and jsonl_path, got neither"),
         ({"data": [], "jsonl_path": "x.jsonl"}, "got data and jsonl_path"),
         ({"path": "x.jsonl", "dataset": {"path": "json"}}, "got path and dataset"),
-        ({"data": "pairs.jsonl"}, "a file goes in path="),
         ({"dataset": {"data_files": "x.jsonl"}}, "load_dataset arguments with a 'path'"),
         ({"path": "x.jsonl", "max_length": 1}, r"max_length \(or None\) must be an int >= 2, got 1"),
         ({"path": "x.jsonl", "max_length": 8, "max_prompt_length": 8}, "max_prompt_length=8 must be less than"),
         ({"data": [], "batch_size": 0}, "batch_size must be an int >= 1, got 0"),
         ({"data": [], "scoring_dtype": "float64"}, "scoring_dtype='float64' is not one of"),
         ({"data": [], "max_tokens_per_batch": -5}, "max_tokens_per_batch must be an int >= 1, got -5"),
-        ({"data": [], "val_fraction": 1.0}, "val_fraction=1.0"),
+        ({"data": [], "val_fraction": 1.0}, r"val_fraction must be a number in \[0, 1\), got 1.0"),
         ({"data": [], "num_workers": -1}, "num_workers must be an int >= 0, got -1"),
     ],
 )
 def test_constructor_arguments_are_checked(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DPODataModule(**kwargs)
+    with pytest.raises(TypeError, match="a file goes in path="):
+        DPODataModule(data="pairs.jsonl")
 
 
 def test_yaml_configs_parse(tmp_path: Any) -> None:
@@ -825,7 +826,7 @@ def test_yaml_configs_parse(tmp_path: Any) -> None:
     assert isinstance(module, DPODataModule) and module.reference_config.reference == "path/to.ckpt"
     config = parser.parse_string("data:\n  data: [{chosen: [1, 2, 3], rejected: [1, 2, 4], prompt_length: 2}]\n")
     assert config.data.reference is None
-    assert parser.instantiate(config).data.dpo_data()[1].model_input.to_ints() == [1, 2, 4]
+    assert parser.instantiate(config).data.dpo_data().datums()[1].model_input.to_ints() == [1, 2, 4]
     with pytest.raises(jsonargparse.ArgumentError):
         parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring_dtype: float64\n")
 
@@ -857,7 +858,7 @@ def test_two_ranks_each_score_half_and_agree_with_one_process(tmp_path: Any) -> 
     model = toy_model(11)
     single = DPODataModule(data, batch_size=2, use_cache=False, progress=False)
     fit(copy.deepcopy(model), single, tmp_path)
-    expected = ref_values(single.scored_data)
+    expected = ref_values(single.scored_pairs.datums())
 
     # the default reference under DDP: each rank scores one block of pairs with the policy itself,
     # after DDP has given it rank 0's weights (rank 1's were perturbed in setup)

@@ -55,7 +55,7 @@ def test_an_out_of_vocabulary_id_names_the_pair_and_the_line_of_the_file(tmp_pat
     data = DPODataModule(path=str(path), reference=SmallVocabulary(), use_cache=False, progress=False)
     with pytest.raises(OutOfVocabularyError) as error:
         data.setup("fit")
-        data.scored_data  # noqa: B018  (with a lazily scored reference, the check runs here)
+        data.scored_pairs  # noqa: B018  (with a lazily scored reference, the check runs here)
     assert str(error.value) == (
         f"pair 2 (line 4 of {path}): the chosen datum (index 4) has token id 99 at position 2, "
         "outside the reference's vocabulary [0, 16)"
@@ -71,7 +71,7 @@ def test_in_memory_datums_keep_the_plain_message() -> None:
                          reference=SmallVocabulary(), use_cache=False, progress=False)
     with pytest.raises(OutOfVocabularyError, match=r"^pair 1: the chosen datum \(index 2\) has token id 40 at position 1"):
         data.setup("fit")
-        data.scored_data  # noqa: B018
+        data.scored_pairs  # noqa: B018
 
 
 @pytest.mark.parametrize("token", [2**70, 2**63, -3])
@@ -86,7 +86,7 @@ def test_a_token_id_outside_int64_or_negative_names_the_file_line_key_and_value(
 
 PEAK_WHILE_REJECTING = """
 import resource, sys
-from loops_callbacks.data.preference import read_preference_records
+from loops_callbacks.data.sources import read_preference_records
 
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
@@ -118,10 +118,10 @@ def test_rejecting_a_large_file_of_nuls_takes_bounded_memory(tmp_path: Path, suf
 def test_a_line_longer_than_the_limit_is_named_and_shorter_ones_are_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loops_callbacks.data import preference
+    from loops_callbacks.data import sources
 
     long = record([1] * 400, [1, 2])
-    monkeypatch.setattr(preference, "MAX_LINE_BYTES", len(long))
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", len(long))
     path = pairs_file(tmp_path / "pairs.jsonl", [record([1, 2], [1, 3]), long, long + b" "])
     with pytest.raises(ValueError, match=re.escape(f"pair 2 (line 3 of {path}): longer than 0 MiB without")):
         read_dpo_jsonl(path)

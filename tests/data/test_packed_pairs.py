@@ -7,15 +7,12 @@ import pytest
 
 from loops_callbacks.data import DPOPairDataset, collate_dpo_pairs, dpo_pair_datums
 from loops_callbacks.data.packed_pairs import PackedPairs
-from loops_callbacks.reference.attach import attach_reference_values
 
 
 def scored_pairs() -> tuple[list, np.ndarray]:
     data = [*dpo_pair_datums([1, 2, 3], [1, 4], 1), *dpo_pair_datums([5, 6, 7, 8], [5, 6, 9], 2)]
-    lengths = [d.model_input.length for d in data]
-    values = np.arange(sum(lengths), dtype=np.float32) / -10
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return attach_reference_values(data, values, offsets), values
+    values = np.arange(sum(d.model_input.length for d in data), dtype=np.float32) / -10
+    return PackedPairs.from_datums(data).scored(values).datums(), values
 
 
 def test_the_dataset_holds_one_packed_form_whose_values_are_the_scored_buffer() -> None:
@@ -37,7 +34,11 @@ def test_values_that_are_not_one_buffer_are_copied_once_and_a_missing_field_name
     packed = PackedPairs.from_datums(data)
     assert packed.ref_logprobs.dtype == np.float32 and len(packed.ref_logprobs) == 12
     del data[3].loss_fn_inputs["weights"]
+    assert PackedPairs.from_datums(data).without_weights == (3,)
     with pytest.raises(ValueError, match=r"pair 1: the rejected datum \(index 3\) has no 'weights'"):
+        DPOPairDataset(data)
+    del data[2].loss_fn_inputs["ref_logprobs"]
+    with pytest.raises(ValueError, match=r"pair 1: the chosen datum \(index 2\) has no 'ref_logprobs' .attach them"):
         PackedPairs.from_datums(data)
     with pytest.raises(IndexError):
         DPOPairDataset(PackedPairs.from_datums(data[:2]))[1]

@@ -20,16 +20,23 @@ datasets = pytest.importorskip("datasets")
 parquet = pytest.importorskip("pyarrow.parquet")
 import pyarrow  # noqa: E402
 
-from loops_callbacks.data.preference import parse_preference, read_preference_records  # noqa: E402
+from loops_callbacks.data.preference import parse_preference  # noqa: E402
+from loops_callbacks.data.sources import read_preference_records  # noqa: E402
 from loops_callbacks.data.tokenization import (  # noqa: E402
     PreferenceDataWarning,
     apply_length_limits,
-    load_tokenizer,
-    preference_datums,
+    preference_pairs,
 )
+from loops_callbacks.data.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(ROOT / "configs" / "data" / "chat_tokenizer")
+
+
+def preference_datums(source: Any, tokenizer: Any = None, **kwargs: Any) -> tuple[list[Any], Any]:
+    """``preference_pairs``' pairs as datums (the SDK's boundary), and its report."""
+    pairs, report = preference_pairs(source, tokenizer, **kwargs)
+    return pairs.datums(), report
 
 
 @pytest.fixture(autouse=True)
@@ -371,7 +378,7 @@ def test_max_prompt_length_keeps_the_end_of_the_prompt_and_the_whole_completion(
     assert all(len(d.model_input.to_ints()) == 7 and prompt_length(d) == 5 for d in both)
     with pytest.raises(ValueError, match="max_prompt_length=7 must be less than max_length=7"):
         preference_datums(records, tokenizer, max_prompt_length=7, max_length=7, progress=False)
-    with pytest.raises(ValueError, match="max_length=1 must be an int >= 2"):
+    with pytest.raises(ValueError, match=r"max_length \(or None\) must be an int >= 2, got 1"):
         preference_datums(records, tokenizer, max_length=1, progress=False)
 
 

@@ -18,9 +18,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from loops_callbacks.data import read_dpo_jsonl  # noqa: E402
-from loops_callbacks.data.preference import read_preference_records  # noqa: E402
+from loops_callbacks.data.sources import read_preference_records  # noqa: E402
 from loops_callbacks.optional import HF_EXTRA_HINT, import_optional  # noqa: E402
-from loops_callbacks.data.tokenization import PreferenceDataWarning, load_tokenizer, preference_datums  # noqa: E402
+from loops_callbacks.data.tokenization import PreferenceDataWarning  # noqa: E402
+from loops_callbacks.data.tokenizer import load_tokenizer  # noqa: E402
+from tests.data.test_preference_data import preference_datums  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_PATH = str(ROOT / "configs" / "data" / "chat_tokenizer")

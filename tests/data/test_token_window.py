@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from loops_callbacks.data import tokenization  # noqa: E402
+from loops_callbacks.data import tokenizer as tokenizing  # noqa: E402
+from tests.data.test_preference_data import preference_datums  # noqa: E402
 from loops_callbacks.data.token_window import shared_start, window_token_ids, worth_a_window  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ limits = st.sampled_from([(16, None), (128, None), (None, 8), (24, 8), (128, 64)
 
 def datums_and_report(record: dict[str, Any], max_length: int | None, max_prompt_length: int | None) -> Any:
     try:
-        data, report = tokenization.preference_datums(
+        data, report = preference_datums(
             [record], TOKENIZER, max_length=max_length, max_prompt_length=max_prompt_length, progress=False, warn=False
         )
     except ValueError as error:
@@ -98,10 +99,10 @@ def test_a_window_gives_the_whole_texts_datums(
 ) -> None:
     max_length, max_prompt_length = limit
     with monkeypatch_module.context() as patch:  # a window for every record, long or short
-        patch.setattr(tokenization, "worth_a_window", lambda *args: True)
+        patch.setattr(tokenizing, "worth_a_window", lambda *args: True)
         windowed = datums_and_report(record, max_length, max_prompt_length)
     with monkeypatch_module.context() as patch:
-        patch.setattr(tokenization, "worth_a_window", lambda *args: False)
+        patch.setattr(tokenizing, "worth_a_window", lambda *args: False)
         whole = datums_and_report(record, max_length, max_prompt_length)
     assert windowed == whole
 
@@ -140,7 +141,7 @@ def test_a_long_record_is_tokenized_from_a_window() -> None:
     tokenizer = Counting.from_pretrained(str(ROOT / "configs" / "data" / "chat_tokenizer"))
     record = {"prompt": "Tell me a story. " * 200_000, "chosen": " Once.", "rejected": " No."}
     assert worth_a_window(len(record["prompt"]), 128, None)
-    data, report = tokenization.preference_datums(
+    data, report = preference_datums(
         [record], tokenizer, max_length=128, max_prompt_length=64, progress=False, warn=False
     )
     assert report.prompt_truncated == 1 and len(data[0].model_input.to_ints()) <= 128
@@ -157,11 +158,11 @@ def test_shared_start_finds_the_first_difference_anywhere() -> None:
 
 PEAK_CHILD = r"""
 import resource, sys
-from loops_callbacks.data.tokenization import preference_datums
+from loops_callbacks.data.tokenization import preference_pairs
 text = "The quick brown fox jumps over the lazy dog 1234 times, naïvely. " * 60_000  # 4 MB
 record = {"prompt": "Write a long story.", "chosen": " " + text, "rejected": " No."}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-preference_datums([record], sys.argv[1], max_length=128, progress=False, warn=False)
+preference_pairs([record], sys.argv[1], max_length=128, progress=False, warn=False)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
 """
 

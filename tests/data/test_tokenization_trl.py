@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from loops_callbacks.data.tokenization import preference_datums  # noqa: E402
+from tests.data.test_preference_data import preference_datums  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "trl_dpo_golden.json").read_text())

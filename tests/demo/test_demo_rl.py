@@ -15,7 +15,7 @@ from jsonargparse.typing import PositiveInt
 
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.model import token_logprobs
-from loops_callbacks.demo.rl import RLPolicyModule
+from loops_callbacks.demo.rl import RLPolicyModule, policy_gradient_loss
 from tests.helpers import quiet_trainer
 
 pytestmark = [
@@ -258,7 +258,8 @@ def test_reward_rises_in_a_short_run() -> None:
 def _loss_and_grads(module: RLPolicyModule, tensors: dict[str, torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
     module.zero_grad()
     training_logprobs = token_logprobs(module(tensors["input_ids"]), tensors["target_tokens"])
-    loss = module._policy_gradient_loss(training_logprobs, tensors["logprobs"], tensors["mask"], tensors["advantages"])
+    loss = policy_gradient_loss(training_logprobs, tensors["logprobs"], tensors["mask"], tensors["advantages"],
+                                module.correction)
     loss.backward()
     return float(loss.detach()), [p.grad.clone() for p in module.policy.parameters() if p.grad is not None]
 

@@ -58,3 +58,15 @@ def test_sample_prompts_use_the_first_symbols_only() -> None:
 def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ReverseDigitsTask(**kwargs)
+
+
+def test_a_wrong_type_is_a_type_error_naming_the_argument() -> None:
+    from loops_callbacks.demo.data import make_preference_pairs
+    from loops_callbacks.demo.sampler_faults import SamplerFaults
+
+    with pytest.raises(TypeError, match="num_digits must be an int >= 1, got '4'"):
+        ReverseDigitsTask(num_digits="4")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="logprob_shift must be -1, 0 or 1, got 0.5"):
+        SamplerFaults(logprob_shift=0.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_pairs must be an int >= 0, got 1.5"):
+        make_preference_pairs(TASK, 1.5)  # type: ignore[arg-type]

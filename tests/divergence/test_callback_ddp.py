@@ -1,29 +1,19 @@
-"""Two ranks (ddp_spawn, gloo, CPU): rank 0 logs the metrics of the union of both ranks' data,
-and every rank computes the same metrics (so the guard rail decides the same everywhere)."""
+"""Two ranks (DDP, gloo, CPU; run once for every 2-rank check, ``two_ranks``): rank 0 logs the metrics of
+the union of both ranks' data, and every rank computes the same metrics (so the guard rail decides the
+same everywhere)."""
 
 from __future__ import annotations
 
 import csv
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
 
 from loops_callbacks import KLSampleTrainMonitor
-from tests.helpers import (
-    CleanDistributedExit,
-    TinyPolicy,
-    assert_metrics_equal,
-    expected_metrics,
-    free_port,
-    quiet_trainer,
-    run_two_ranks,
-)
+from tests.helpers import TinyPolicy, assert_metrics_equal, expected_metrics
 from tests.oracle import PREFIX
 
 
@@ -52,14 +42,8 @@ class MetricsPerRank(pl.Callback):
         torch.save(self.seen, os.path.join(self.out_dir, f"metrics{trainer.global_rank}.pt"))
 
 
-def test_two_ranks_log_the_metrics_of_the_global_batch(tmp_path: Any) -> None:
-    logger = CSVLogger(str(tmp_path), name="csv", version=0)
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
-    trainer = quiet_trainer(
-        strategy="ddp_spawn", devices=2, max_steps=3, accumulate_grad_batches=2, logger=logger,
-        callbacks=[monitor, MetricsPerRank(monitor, str(tmp_path)), CleanDistributedExit()],
-    )
-    trainer.fit(RecordingPolicy(str(tmp_path)))
+def test_two_ranks_log_the_metrics_of_the_global_batch(two_rank_runs: tuple[Path, list[Any]]) -> None:
+    tmp_path = two_rank_runs[0] / "global_batch"  # two_ranks.global_batch: 3 steps of 2 micro-batches on 2 ranks
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert not torch.equal(ranks[0][0]["input_ids"], ranks[1][0]["input_ids"])  # different data per rank
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
@@ -85,28 +69,10 @@ DIFFERING = {  # each rank's value of the settings its monitor was given
 }
 
 
-def _differing_monitors(rank: int, port: int, out_dir: str) -> None:
-    """One rank of a DDP fit whose monitors differ in ``DIFFERING`` (the processes are launched here, so
-    Lightning does not spawn its own); saves the error it ended with."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, **{name: values[rank] for name, values in DIFFERING.items()})
-    strategy = DDPStrategy(timeout=timedelta(seconds=20))  # gloo's default, 30 minutes, if the check were missing
-    trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=2, callbacks=[monitor])
-    result: dict[str, Any] = {}
-    try:
-        trainer.fit(TinyPolicy())
-    except Exception as error:  # noqa: BLE001 - the test reads it
-        result = {"error": f"{type(error).__name__}: {error}", "steps": trainer.global_step}
-    finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def test_ranks_whose_monitors_differ_fail_together_at_setup_naming_each_setting(tmp_path: Path) -> None:
-    results = run_two_ranks(_differing_monitors, (free_port(), str(tmp_path)), tmp_path, "monitors that differ")
+def test_ranks_whose_monitors_differ_fail_together_at_setup_naming_each_setting(
+    two_rank_runs: tuple[Path, list[Any]],
+) -> None:
+    results = two_rank_runs[1]  # two_ranks.run_scenarios: monitors with each rank's value of DIFFERING
     for result in results:  # every rank, before any step
         message = result.get("error", "")
         assert message.startswith("RanksDisagreeError: KLSampleTrainMonitor: the ranks' monitors have"), message

@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,11 +17,11 @@ from hypothesis import strategies as st
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.correction import apply_correction, parse_correction
-from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_datums, flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.shadow import no_advantage_message, shadow_scalars, shadow_statistics, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput
-from tests.helpers import CleanDistributedExit, TinyPolicy, quiet_trainer
+from tests.helpers import TinyPolicy
 from tests.oracle import PREFIX
 
 CORRECTIONS = ["sequence_mask", "token_truncate:2.0", "token_mask:0.5_2.0", "sequence_truncate", "token_tis",
@@ -148,8 +149,7 @@ def test_a_batch_without_action_tokens_logs_nothing() -> None:
     flat = flatten_padded(sampler_logprobs=torch.zeros(2, 3), training_logprobs=torch.zeros(2, 3),
                           mask=torch.zeros(2, 3))
     assert scalars_of(shadow_values(flat, CORRECTIONS, torch.ones(2))) == {}
-    empty = FlatBatch(*(torch.zeros(0),) * 3, torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool),
-                      torch.zeros(0, dtype=torch.int64))
+    empty = flatten_padded(sampler_logprobs=torch.zeros(0, 3), training_logprobs=torch.zeros(0, 3), mask=torch.zeros(0, 3))
     assert scalars_of(shadow_values(empty, CORRECTIONS, torch.zeros(0))) == {}
 
 
@@ -225,13 +225,12 @@ class SaidPerRank(pl.Callback):
         torch.save((said, metrics), os.path.join(self.out_dir, f"said{trainer.global_rank}.pt"))
 
 
-def test_two_ranks_say_on_rank_zero_that_rank_one_had_no_advantages_and_mask_its_sequences(tmp_path: Any) -> None:
+def test_two_ranks_say_on_rank_zero_that_rank_one_had_no_advantages_and_mask_its_sequences(
+    two_rank_runs: tuple[Path, Any],
+) -> None:
     """Only rank 0 speaks (one channel); it names rank 1 from the reduced counts, and rank 1's sequences,
     which off_policy_mask cannot judge, count as masked (a threshold of 100 masks none of rank 0's)."""
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, diagnose=False, corrections=["off_policy_mask:100"])
-    trainer = quiet_trainer(strategy="ddp_spawn", devices=2, max_steps=1,
-                            callbacks=[monitor, SaidPerRank(str(tmp_path)), CleanDistributedExit()])
-    trainer.fit(NoAdvantagesOnRankOne(str(tmp_path)))
+    tmp_path = two_rank_runs[0] / "no_advantages_on_rank_one"  # two_ranks.no_advantages_on_rank_one: one step
     (said0, metrics), (said1, _) = [torch.load(tmp_path / f"said{r}.pt", weights_only=False) for r in range(2)]
     first = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)[0] for r in range(2)]
     n0 = int(((first[0]["mask"] > 0) & (first[0]["advantages"][:, None] != 0)).any(dim=1).sum())

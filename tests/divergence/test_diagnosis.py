@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence

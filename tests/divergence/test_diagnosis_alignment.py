@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from loops_callbacks.divergence import statistics
-from loops_callbacks.divergence.action_tokens import flatten_padded
-from loops_callbacks.divergence.alignment import LOGPROB_FLOOR, OFFSET_SIZE, offset_sums, read_offsets
+from loops_callbacks.divergence.flat_batch import flatten_padded
+from loops_callbacks.divergence.alignment import OFFSET_SIZE, offset_sums, read_offsets
 from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers
 from tests.divergence.test_diagnosis import case, host_of
@@ -29,8 +28,8 @@ def moved(batch: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor
 
 def diagnosed(batch: dict[str, torch.Tensor], *, with_offsets: bool = True) -> tuple[Diagnosis, dict[str, float]]:
     host = host_of(batch)
-    if not with_offsets and getattr(host, "offset_sums", None) is not None:  # the statistics without the votes
-        host = dataclasses.replace(host, offset_sums=None)
+    if not with_offsets:  # the statistics without the votes
+        host = dataclasses.replace(host, arrays={k: v for k, v in host.arrays.items() if k != "offset_sums"})
     offsets = offset_sums(flatten_padded(**batch)).numpy() if with_offsets else None
     sig = signature_numbers(host, offsets)
     return diagnose(sig, n_tokens=host.totals["n_action_tokens"]), sig
@@ -102,7 +101,3 @@ def test_offset_sums_merge_by_sum_and_have_a_fixed_shape() -> None:
     assert np.isnan(read_offsets(np.zeros(OFFSET_SIZE)).offset)
     with pytest.raises(ValueError, match=f"offset sums must have shape \\({OFFSET_SIZE},\\)"):
         read_offsets(np.zeros(3))
-
-
-def test_the_sentinel_floor_is_the_statistics_one() -> None:
-    assert LOGPROB_FLOOR == statistics.LOGPROB_FLOOR

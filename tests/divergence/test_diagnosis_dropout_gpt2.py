@@ -75,7 +75,7 @@ def causes_of(dropout: float, steps: int = 8) -> tuple[KLSampleTrainMonitor, lis
     monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
     quiet_trainer(max_steps=steps, callbacks=[monitor]).fit(GPT2Policy(dropout))
     counts = monitor.history.causes
-    return monitor, [cause for cause, count in counts.items() for _ in range(count.steps)]
+    return monitor, [cause for cause, (steps, _) in counts.items() for _ in range(steps)]
 
 
 def test_dropout_left_on_in_a_plain_gpt2_is_named_and_never_called_stale() -> None:

@@ -10,9 +10,8 @@ import torch
 from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnose, diagnosis_metrics
 from loops_callbacks.divergence.evidence import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.media import MediaOptions
-from loops_callbacks.divergence.report import step_report
-from loops_callbacks.divergence.run_history import RunHistory
+from loops_callbacks.divergence.report import MediaOptions, step_report
+from loops_callbacks.divergence.history import RunHistory
 from loops_callbacks.divergence.signatures import signature_numbers
 from tests.divergence.test_diagnosis import case, host_of
 
@@ -117,8 +116,8 @@ def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None
     options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnosing=True)
     host = host_of(case("stale"))
     assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
-    report = step_report(host, **options, evidence=evidence, by_lag=None, offsets=None)
-    assert report.diagnosis.cause == DROPOUT and report.diagnosis_scalars["diagnosis/dropout"] == 1.0
+    report = step_report(host, **options, evidence=evidence, by_lag=None)
+    assert report.diagnosis.cause == DROPOUT and report.breakdown["diagnosis/dropout"] == 1.0
     history = RunHistory("kl_sample_train_k3", None)
     history.observe(3, report.scalars, report.diagnosis)
     [line] = [line for line in history.lines("div/") if line.startswith("  last diagnosis")]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
@@ -124,10 +124,9 @@ def test_calibration_keeps_the_recent_relative_gaps_for_the_trend() -> None:
 
 
 def test_per_lag_numbers_and_offsets_merge_through_the_report_defaults() -> None:
-    """step_report reads host.by_lag / host.offset_sums when the statistics carry them and nothing is passed."""
+    """step_report reads host.by_lag when nothing is passed, and the per-lag numbers when they are."""
     from loops_callbacks.divergence.guard_rail import GuardRail
-    from loops_callbacks.divergence.media import MediaOptions
-    from loops_callbacks.divergence.report import step_report
+    from loops_callbacks.divergence.report import MediaOptions, step_report
 
     batch = case("unrelated")
     host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()

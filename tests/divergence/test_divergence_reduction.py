@@ -1,19 +1,18 @@
 """Statistics reduced across ranks equal those of the union, in two fixed-size collectives.
 
-Real processes (``torch.multiprocessing`` + gloo, two ranks) with uneven token counts and a rank
-without action tokens; threads for the many generated cases; the sample's allocation on its own.
+Real processes (two ranks on gloo, ``two_ranks``) with uneven token counts and a rank without action
+tokens; threads for the many generated cases; the sample's allocation on its own.
 """
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +24,9 @@ from loops_callbacks.divergence.reduction import (
     reduce_across_ranks,
     stratified_allocation,
 )
-from loops_callbacks.divergence.statistics import ROW, TOTAL_INDEX, DivergenceStats
+from loops_callbacks.divergence.states import ROW
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.shadow import parse_corrections
 from tests.helpers import ThreadGroup, assert_metrics_equal, assert_totals_equal, reduce_in_threads, stats_of
 
 
@@ -66,26 +67,10 @@ class CountingCollectives:
         return self.inner.all_reduce_sum(tensor)
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        saved = {}
-        for name, specs in SCENARIOS.items():
-            for sample_size in (100_000, 7):
-                stats = stats_of(synthetic_rows(*specs[rank]), top_n=5, sample_size=sample_size)
-                collectives = CountingCollectives(ProcessGroupCollectives())
-                result = stats.reduce_across_ranks(collectives, generator=torch.Generator().manual_seed(rank))
-                saved[name, sample_size] = (result, collectives.calls)
-        torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    out = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_gloo_worker, args=(2, str(out / "store"), str(out)), nprocs=2)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+def gloo_results(two_rank_runs: tuple[Path, Any]) -> list[dict[Any, Any]]:
+    """Each rank's reduction of every scenario (``two_ranks.reductions``), on a real gloo process group."""
+    return [torch.load(two_rank_runs[0] / "reductions" / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -107,11 +92,11 @@ def test_two_gloo_ranks_equal_the_union(gloo_results: list[dict[Any, Any]], name
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_two_gloo_ranks_share_a_capped_sample_by_their_counts(gloo_results: list[dict[Any, Any]], name: str) -> None:
     parts = [stats_of(synthetic_rows(*spec), top_n=5) for spec in SCENARIOS[name]]
-    counts = [int(part.totals[TOTAL_INDEX["n_action_tokens"]]) for part in parts]
+    counts = [int(part.to_host().totals["n_action_tokens"]) for part in parts]
     union_diffs = [part.to_host().diffs for part in parts]
     first, second = (by_scenario[name, 7][0] for by_scenario in gloo_results)
-    for a, b in [(first.totals, second.totals), (first.worst, second.worst),
-                 (first.sample_values, second.sample_values), (first.sample_keys, second.sample_keys)]:
+    for a, b in [(first.sums, second.sums), (first.maxima, second.maxima), (first.worst, second.worst),
+                 (first.sample, second.sample), (first.keys, second.keys)]:
         assert torch.equal(a, b)  # every rank ends with the same statistics
     kept = first.to_host().diffs
     assert kept.shape == (min(7, sum(counts)),)
@@ -181,7 +166,7 @@ def test_ties_across_ranks_go_to_the_lower_rank_as_in_a_merge() -> None:
 def test_one_rank_gets_its_statistics_back() -> None:
     stats = stats_of(synthetic_rows(6, 2, 5, 1.0), 3, sample_size=4)
     assert not dist.is_initialized()
-    assert stats.reduce_across_ranks(ProcessGroupCollectives()) is stats
+    assert reduce_across_ranks(stats, ProcessGroupCollectives()) is stats
 
 
 class FakeStrategy:
@@ -238,7 +223,7 @@ class MirrorCollectives:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
-    from loops_callbacks.divergence.action_tokens import flatten_padded
+    from loops_callbacks.divergence.flat_batch import flatten_padded
 
     generator = torch.Generator().manual_seed(0)
     sampler = -torch.rand(16, 64, generator=generator, dtype=torch.float64) * 5
@@ -265,34 +250,16 @@ def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
     assert cuda.diffs.shape == cpu.diffs.shape
 
 
-def test_the_reduction_does_not_import_the_statistics_it_reduces() -> None:
-    """statistics -> reduction -> layout: no cycle, and no import hidden in a function to break one."""
-    import ast
-    import inspect
-
-    from loops_callbacks.divergence import reduction, statistics
-
-    def imported(module: Any) -> set[str]:
-        tree = ast.parse(inspect.getsource(module))
-        def for_type_checkers(node: ast.stmt) -> bool:
-            return isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
-
-        tree.body = [node for node in tree.body if not for_type_checkers(node)]
-        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-
-    assert "loops_callbacks.divergence.statistics" not in imported(reduction)
-    assert "loops_callbacks.divergence.reduction" in imported(statistics)
-
-
 def test_every_statistic_is_declared_once_with_a_formula_and_travels_by_name() -> None:
-    from loops_callbacks.divergence.layout import EXTREMA, PER_RANK_TOTALS, STATISTICS, SUMMED_TOTALS, pack_named
-    from loops_callbacks.divergence.reduction import header_length
+    from loops_callbacks.divergence.reduction import message_sizes
+    from loops_callbacks.divergence.statistics import layout_of
 
-    names = [statistic.name for statistic in STATISTICS]
+    layout = layout_of(True, 8, parse_corrections(["geo"]))
+    names = [state.name for state in layout.states]
     assert len(names) == len(set(names))
-    assert set(PER_RANK_TOTALS) | set(SUMMED_TOTALS) | set(EXTREMA) == set(names)
-    with pytest.raises(KeyError, match=r"\['b'\] are declared .* but have no formula"):
-        pack_named(("a", "b"), {"a": torch.tensor(1.0)})
-    with pytest.raises(KeyError, match=r"\['c'\] are computed but not declared"):
-        pack_named(("a",), {"a": torch.tensor(1.0), "c": torch.tensor(2.0)})
-    assert header_length(top_n=3) == len(PER_RANK_TOTALS) + len(EXTREMA) + 3 + 1
+    with pytest.raises(KeyError, match=r"\['b'\] are computed but not declared; \[.*'n_datums'.*\] are declared"):
+        layout.pack({"b": torch.tensor(1.0)})
+    header, body = message_sizes(layout, top_n=3, sample_size=10)
+    maxima = [state for state in layout.states if state.reduction == "max"]
+    assert header == 2 + len(maxima) + 3 + 1 + 1  # the two counts, the maxima, the worst |d|, the draw, the groups' width
+    assert body == 3 * ROW.WIDTH + layout.sizes["sum"] + 10 + 1

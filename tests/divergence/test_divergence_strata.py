@@ -16,16 +16,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence import statistics as statistics_module
-from loops_callbacks.divergence import strata as strata_module
-from loops_callbacks.divergence.action_tokens import FlatBatch, flatten_padded
+from loops_callbacks.divergence import sums
+from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_padded
+from loops_callbacks.divergence.inputs import data_keys, read_step
+from loops_callbacks.divergence.reduction import reduce_across_ranks
+from loops_callbacks.divergence.states import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.divergence.step_input import data_keys, read_step
-from loops_callbacks.divergence.strata import GROUP_ROWS, LAG_LABELS, Strata, TokenPlaces
 from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows
 
 MAX_GROUPS = 3
-STRATA = Strata(MAX_GROUPS)
 STEP = 12
 
 
@@ -44,13 +43,13 @@ def flat_of(batch: list[dict[str, Any]]) -> FlatBatch:
 
 
 def stats_of(batch: list[dict[str, Any]], sample_size: int | None = None) -> DivergenceStats:
-    return DivergenceStats.from_batch(flat_of(batch), strata=STRATA, sample_size=sample_size)
+    return DivergenceStats.from_batch(flat_of(batch), max_groups=MAX_GROUPS, sample_size=sample_size)
 
 
 def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
     """Each stratum's (tokens, Σ k3, Σ |d|, Σ e^d), one token at a time: every fixed stratum, and each group
     with tokens."""
-    sums = {name: np.zeros(4) for name in STRATA.names}
+    sums = {name: np.zeros(4) for name in STRATUM_NAMES}
     edges = [math.log(p) for p in (0.01, 0.1, 0.5, 0.9)]
     start = 0
     for i, length in enumerate(flat.row_lengths.tolist()):
@@ -103,9 +102,8 @@ def test_stratum_sums_equal_a_token_by_token_loop(case: Any, masked: bool) -> No
     flat = flat_of(batch)
     with pytest.MonkeyPatch.context() as patch:
         if masked:  # the accelerator's fixed-shape path (index_add_, no bincount), run on the CPU
-            patch.setattr(statistics_module, "_on_host", lambda device: False)
-            patch.setattr(strata_module, "_reads_free", lambda device: False)
-        host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+            patch.setattr(sums, "_on_host", lambda device: False)
+        host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
     assert_strata_equal(host.strata, loop_oracle(flat))
     assert [label for label in host.by_lag] == (list(LAG_LABELS) if host.strata["pos_q1"].n_tokens else [])
 
@@ -117,12 +115,12 @@ def test_lags_are_the_trainer_step_minus_the_version_and_by_lag_reads_them() -> 
     ]
     flat = flat_of(labelled(batch, versions=[STEP, STEP - 5], groups=[0, 0]))
     assert flat.lags.tolist() == [0, 5]
-    by_lag = DivergenceStats.from_batch(flat, strata=STRATA).to_host().by_lag
+    by_lag = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host().by_lag
     assert list(by_lag) == ["0", "1", "2", "3", "4-7", "8+"]
     assert (by_lag["0"].n_tokens, by_lag["4-7"].n_tokens, by_lag["1"].n_tokens) == (2.0, 1.0, 0.0)
     assert by_lag["4-7"].abs_d_mean == 0.25
     assert by_lag["0"].k3 == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2)
-    plain = DivergenceStats.from_batch(flat_of(batch), strata=STRATA).to_host()
+    plain = DivergenceStats.from_batch(flat_of(batch), max_groups=MAX_GROUPS).to_host()
     assert plain.by_lag == {} and not any(name.startswith("group_") for name in plain.strata)  # no versions, no groups
 
 
@@ -179,14 +177,14 @@ def test_per_datum_values_the_strata_cannot_use_are_warnings_never_errors() -> N
     """Monitoring never stops training: each problem is one warning naming the key, a value and its datum."""
     flat = read_warned({"group": [-1, 0]}, r"datum 0 has 'group' = -1 \(< 0\).*'group_other'")
     assert flat.groups.tolist() == [MAX_GROUPS, 0]  # group_other's index
-    host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+    host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
     assert (host.strata["group_other"].n_tokens, host.strata["group_0"].n_tokens) == (2.0, 2.0)
     flat = read_warned({"group": ["math", "code"]}, r"'group' holds labels \(datum 0: 'math'\).*crc32")
     assert flat.groups.tolist() == [zlib.crc32(b"math") % MAX_GROUPS, zlib.crc32(b"code") % MAX_GROUPS]
     flat = read_warned({"policy_version": [5, 2]}, r"datum 0 has 'policy_version' = 5, ahead of the trainer's "
                        r"optimizer step 4 \(1 of 2 datums.*lag 0")
     assert flat.lags.tolist() == [-1, 2]  # counted at lag 0 and in lag_ahead
-    host = DivergenceStats.from_batch(flat, strata=STRATA).to_host()
+    host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
     assert [host.strata[name].n_tokens for name in ("lag_0", "lag_ahead", "lag_2")] == [2.0, 2.0, 2.0]
     for extra, match in (
         ({"policy_version": [1, 1, 1]}, r"'policy_version' has 3 values for 2 datums; the strata by policy lag are"),
@@ -242,19 +240,14 @@ def test_per_token_advantages_give_each_row_its_value_on_its_counted_tokens() ->
 
 
 def test_the_strata_read_the_k3_the_statistics_computed() -> None:
-    """k3 is computed once per chunk: ``Strata.sums`` sums the k3 it is handed, it does not compute its own."""
+    """k3 is computed once per chunk: the strata sum the k3 they are handed, they do not compute their own."""
     d = torch.tensor([0.5, -0.25, 0.1], dtype=torch.float64)
-    is_ratio = d.exp()
     handed = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)  # not e^d - 1 - d: only a sum of it can give 7
-    places = TokenPlaces.of(torch.ones(3, dtype=torch.bool), torch.tensor([3]), torch.tensor([3]),
-                            torch.log(torch.tensor([0.005, 0.05, 0.95])), compact=True)
-    sums = STRATA.sums(
-        d=d, abs_d=d.abs(), is_ratio=is_ratio, k3=handed, places=places, row_counts=torch.tensor([3]),
-        lags=None, valid=None,
-    )
-    names = STRATA.names
-    assert sums[1, names.index("p_lt_0.01")] == 1.0 and sums[1, names.index("p_ge_0.9")] == 4.0
-    assert sums[1, : len(names)].sum() == 2 * 7.0  # the probability and the position families each hold all of it
+    p_bucket = sums._probability_buckets(torch.log(torch.tensor([0.005, 0.05, 0.95])))
+    out = sums._strata_sums(d, d.abs(), d.exp(), handed, torch.zeros(3, dtype=torch.int64), torch.arange(3), p_bucket,
+                            torch.tensor([3]), None, None)
+    assert out[1, STRATUM_NAMES.index("p_lt_0.01")] == 1.0 and out[1, STRATUM_NAMES.index("p_ge_0.9")] == 4.0
+    assert out[1].sum() == 2 * 7.0  # the probability and the position families each hold all of it
 
 
 def test_what_the_groups_cost_follows_the_groups_given_never_max_groups(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,16 +262,16 @@ def test_what_the_groups_cost_follows_the_groups_given_never_max_groups(monkeypa
     grouped = dataclasses.replace(flat, groups=torch.tensor([7, 3, 7]))
     pooled = dataclasses.replace(flat, groups=torch.tensor([0, 10**12, 0]))  # group_other: no wider
     for max_groups in (8, 10**6):
-        plain = DivergenceStats.from_batch(flat, strata=Strata(max_groups))
-        assert plain.strata.shape == (4, len(STRATA.names)) and plain.group_strata is None
+        plain = DivergenceStats.from_batch(flat, max_groups=max_groups)
+        assert plain.groups is None
         assert not any(name.startswith("group_") for name in plain.to_host().strata)
-        stats = DivergenceStats.from_batch(grouped, strata=Strata(max_groups))
-        assert stats.group_strata.shape == (GROUP_ROWS, 2)  # groups 3 and 7
+        stats = DivergenceStats.from_batch(grouped, max_groups=max_groups)
+        assert stats.groups.shape == (GROUP_ROWS, 2)  # groups 3 and 7
         host = stats.to_host().strata
         assert [name for name in host if name.startswith("group_")] == ["group_3", "group_7"]
         assert (host["group_3"].n_tokens, host["group_7"].n_tokens) == (4.0, 8.0)
         sent.clear()
-        other = DivergenceStats.from_batch(pooled, strata=Strata(max_groups))
+        other = DivergenceStats.from_batch(pooled, max_groups=max_groups)
         for result in reduce_in_threads([plain, stats, other]):
             host = result.to_host().strata
             assert (host["group_7"].n_tokens, host["group_0"].n_tokens, host["group_other"].n_tokens) == (8, 8, 4)
@@ -294,15 +287,15 @@ def test_on_an_accelerator_the_groups_width_is_fixed_and_the_reduction_gives_the
     the reduced groups are the same as with the width the headers give on the CPU."""
     from loops_callbacks.divergence import reduction
 
-    assert reduction._body_group_width(DivergenceStats.from_batch(
+    assert reduction._groups_width(DivergenceStats.from_batch(
         flatten_padded(sampler_logprobs=torch.full((1, 2), -1.0), training_logprobs=torch.full((1, 2), -1.0),
-                       mask=torch.ones(1, 2)), strata=Strata(5)), torch.zeros(2, 1, device="meta")) == 6
+                       mask=torch.ones(1, 2)), max_groups=5).layout, torch.zeros(2, 1, device="meta")) == 6
     flat = flatten_padded(sampler_logprobs=torch.full((3, 4), -1.0), training_logprobs=torch.full((3, 4), -1.25),
                           mask=torch.ones(3, 4))
-    parts = [DivergenceStats.from_batch(dataclasses.replace(flat, groups=torch.tensor(groups)), strata=Strata(8))
+    parts = [DivergenceStats.from_batch(dataclasses.replace(flat, groups=torch.tensor(groups)), max_groups=8)
              for groups in ([7, 3, 7], [0, 10**12, 0])]
     on_cpu = [result.to_host().strata for result in reduce_in_threads(parts)]
-    monkeypatch.setattr(reduction, "_body_group_width", lambda stats, widths: stats.stratification.max_groups + 1)
+    monkeypatch.setattr(reduction, "_groups_width", lambda layout, widths: layout.max_groups + 1)
     fixed = [result.to_host().strata for result in reduce_in_threads(parts)]
     for cpu, accelerator in zip(on_cpu, fixed):
         assert {k: v for k, v in accelerator.items() if v.n_tokens} == {k: v for k, v in cpu.items() if v.n_tokens}

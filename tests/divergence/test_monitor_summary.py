@@ -16,7 +16,7 @@ from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.divergence.diagnosis import CAUSES
-from loops_callbacks.divergence.run_history import Verdict
+from loops_callbacks.divergence.history import Verdict
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
 

@@ -159,10 +159,10 @@ def test_accelerator_code_path_gives_the_same_results(batch: list[dict[str, Any]
     """The fixed-shape (no host sync) path used on accelerators, run on the CPU."""
     from unittest import mock
 
-    from loops_callbacks.divergence import statistics as divergence
+    from loops_callbacks.divergence import sums
 
     datums, trainer = as_datums(batch, "lists")
-    with mock.patch.object(divergence, "_on_host", return_value=False):
+    with mock.patch.object(sums, "_on_host", return_value=False):
         got = loops_log_kl_sample_train(None, 0, datums, training_logprobs=trainer, top_n=top_n)
     assert_metrics_equal(got, oracle.metrics(batch))
     if got[P + "n_action_tokens"]:

@@ -142,7 +142,7 @@ def test_log_errors() -> None:
     with pytest.raises(ValueError, match=r"loss_fn_outputs items \[1\] have no 'logprobs'"):
         output = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": [0.0, -1.0, -2.0]}, {"elementwise_loss": [0.0]}])
         loops_log_kl_sample_train(None, 0, [good(), good()], output)
-    with pytest.raises(ValueError, match="top_n must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="top_n must be an int >= 0, got -1"):
         loops_log_kl_sample_train(None, 0, [good()], training_logprobs=[[0.0, -1.0, -2.0]], top_n=-1)
     with pytest.raises(TypeError, match="forward_backward_output has no loss_fn_outputs"):  # not an output at all
         loops_log_kl_sample_train(None, 0, [good()], {"logprobs": [0.0, -1.0, -2.0]})

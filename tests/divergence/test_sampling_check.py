@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs
-from loops_callbacks.divergence.action_tokens import flatten_padded
+from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.guard_rail import GuardRail

@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule
 vllm = pytest.importorskip("vllm")
 
 from loops_callbacks import attach_reference_logprobs, token_logprobs
-from loops_callbacks.integrations import vllm as integration
+from loops_callbacks.integrations.vllm import rollouts
 from loops_callbacks.integrations.vllm import (
     VLLMSamplingClient,
     VLLMWarning,
@@ -28,7 +28,7 @@ from loops_callbacks.integrations.vllm import (
     generate_rollouts,
     rollout_batch,
 )
-from loops_callbacks.reference import ScoringOptions, score_packed_across_ranks
+from loops_callbacks.reference import ReferenceConfig, score_across_ranks
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.types import Datum, ModelInput
@@ -104,7 +104,7 @@ def test_a_completion_sampled_without_logprobs_is_refused(engine: Any) -> None:
 
 
 def test_the_engine_facts_and_the_warning_for_raw_logprobs_at_another_temperature(engine: Any) -> None:
-    integration._SAID.reset()
+    rollouts._SAID.reset()
     sync = VLLMWeightSync(engine)
     params = vllm.SamplingParams(max_tokens=2, logprobs=0, temperature=0.7)
     with pytest.warns(VLLMWarning, match=r"temperature=0.7 but its logprobs_mode='raw_logprobs'.*processed_logprobs"):
@@ -113,7 +113,7 @@ def test_the_engine_facts_and_the_warning_for_raw_logprobs_at_another_temperatur
     assert (facts.engine, facts.dtype, facts.logprobs_mode, facts.temperature, facts.top_p, facts.top_k) == (
         "vllm", "float32", "raw_logprobs", 0.7, 1.0, 0)
     assert (facts.weight_version, facts.stale_prefix_cache) == (0, False) and batch["policy_version"].tolist() == [0]
-    integration._SAID.reset()
+    rollouts._SAID.reset()
 
 
 def test_a_push_updates_the_engine_in_place_from_a_lightning_module(
@@ -221,9 +221,9 @@ def test_the_dpo_scoring_path_caches_the_engine_values_under_its_fingerprint(
     fingerprint = client.fingerprint()
     assert client.fingerprint() == fingerprint and len(fingerprint) == 64
     packed = PackedTokens.from_sequences(random_prompts(5, torch.Generator().manual_seed(6), longest=40))
-    options = ScoringOptions(cache_path=str(tmp_path / "ref.npz"), progress=False)
-    values, report = score_packed_across_ranks(packed, client, options)
-    again, second = score_packed_across_ranks(packed, client, options)
+    config = ReferenceConfig(cache_dir=str(tmp_path), progress=False)
+    values, report = score_across_ranks(packed, client, config)
+    again, second = score_across_ranks(packed, client, config)
     assert (report.source, report.cache_written, second.source) == ("scored", True, "cache")
     assert torch.equal(torch.as_tensor(values), torch.as_tensor(again))
     VLLMWeightSync(engine_back).push(Policy(updated_model))

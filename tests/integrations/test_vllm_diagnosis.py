@@ -25,6 +25,7 @@ vllm = pytest.importorskip("vllm")
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs  # noqa: E402
 from loops_callbacks.integrations import vllm as integration  # noqa: E402
+from loops_callbacks.integrations.vllm import rollouts as vllm_rollouts  # noqa: E402
 from loops_callbacks.integrations.vllm import VLLMWeightSync, generate_rollouts  # noqa: E402
 from tests.helpers import quiet_trainer  # noqa: E402
 from tests.integrations.conftest import VOCAB  # noqa: E402
@@ -66,7 +67,7 @@ def rollouts(engine: Any, temperature: float, seed: int, sync: VLLMWeightSync) -
 
 
 def test_raw_logprobs_sampled_at_another_temperature_are_named_for_what_was_sampled(engine: Any, hf_model: Any) -> None:
-    integration._SAID.reset()
+    vllm_rollouts._SAID.reset()
     sync = VLLMWeightSync(engine)
     with pytest.warns(integration.VLLMWarning):
         steps = [rollouts(engine, 0.7, seed, sync) for seed in range(2)]
@@ -78,7 +79,7 @@ def test_raw_logprobs_sampled_at_another_temperature_are_named_for_what_was_samp
     honest = monitored(hf_model, [rollouts(engine, 1.0, seed, sync) for seed in range(2, 4)])
     assert honest.last_diagnosis.cause in ("none", "precision"), honest.last_diagnosis.message
     assert abs(honest.last_metrics["optim/train-sample-div/sampling_z"]) < 5
-    integration._SAID.reset()
+    vllm_rollouts._SAID.reset()
 
 
 PROCESSED = """

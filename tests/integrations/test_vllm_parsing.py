@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.divergence.evidence import SamplerFacts
-from loops_callbacks.integrations import vllm as integration
+from loops_callbacks.integrations.vllm import rollouts
 from loops_callbacks.integrations.vllm import (
     VLLMSamplingClient,
     VLLMWarning,
@@ -68,9 +68,9 @@ FACTS = SamplerFacts(engine="vllm", dtype="float32", logprobs_mode="processed_lo
 @pytest.fixture(autouse=True)
 def fresh_warnings() -> Iterator[None]:
     """Each test starts a new run for the once-per-process sampling warning."""
-    integration._SAID.reset()
+    rollouts._SAID.reset()
     yield
-    integration._SAID.reset()
+    rollouts._SAID.reset()
 
 
 # ---- rollouts ---------------------------------------------------------------------------------

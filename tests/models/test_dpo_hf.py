@@ -93,16 +93,16 @@ def test_a_checkpoint_path_brings_its_weights_and_tokenizer(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("model", "message"),
+    ("model", "error", "message"),
     [
-        ({"hidden_size": 8}, "has no 'model_type'"),
-        ({"config": TINY, "tokeniser": TOKENIZER}, r"got keys \['config', 'tokeniser'\]"),
-        ({"config": TINY, "tokenizer": 5}, "must be a name or path"),
-        (7, "must be a checkpoint name/path or a config dict"),
+        ({"hidden_size": 8}, ValueError, "has no 'model_type'"),
+        ({"config": TINY, "tokeniser": TOKENIZER}, ValueError, r"got keys \['config', 'tokeniser'\]"),
+        ({"config": TINY, "tokenizer": 5}, TypeError, "must be a name or path"),
+        (7, TypeError, "must be a checkpoint name/path or a config dict"),
     ],
 )
-def test_bad_model_arguments_are_named(model: Any, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_model_arguments_are_named(model: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         HFDPOModule(model)
 
 
@@ -177,7 +177,7 @@ def test_chat_pairs_train_with_the_modules_tokenizer_and_tokenize_once(tmp_path:
     trainer = fit(tiny_module(), data, tmp_path, val_check_interval=2)
     assert calls == [TOKENIZER]  # the LightningModule's tokenizer
     assert data.tokenization_report.num_pairs == 24 and data.tokenization_report.formats == {"conversational": 24}
-    assert all("ref_logprobs" in datum.loss_fn_inputs for datum in data.scored_data)
+    assert all("ref_logprobs" in datum.loss_fn_inputs for datum in data.scored_pairs.datums())
     assert {"train/dpo_loss", "val/dpo_accuracy"} <= set(trainer.callback_metrics)
     # at step 0 the policy is the reference: every reward is 0
     batch = next(iter(data.train_dataloader()))
@@ -205,7 +205,7 @@ def test_changing_the_tokenizer_or_a_limit_rescores_and_the_same_settings_do_not
     with pytest.warns(ReferenceCacheWarning, match="the data changed"):
         changed = run(tokenizer=other)
     assert changed.reference_report.source == "scored"
-    assert changed.dpo_data()[0].model_input.to_ints()[0] != other.bos_token_id
+    assert changed.dpo_data().input_ids[0] != other.bos_token_id
 
 
 def test_text_needs_a_tokenizer_from_somewhere(tmp_path: Path) -> None:
@@ -225,10 +225,10 @@ def test_yaml_load_dataset_arguments_and_tokenizer_path(tmp_path: Path) -> None:
     module = parser.instantiate(config).data
     assert module.dataset == {"path": "json", "data_files": pairs, "split": "train"}
     with pytest.warns(PreferenceDataWarning, match="2 of 6 pair"):
-        from_yaml = [d.model_input.to_ints() for d in module.dpo_data()]
+        from_yaml = [d.model_input.to_ints() for d in module.dpo_data().datums()]
     direct = DPODataModule(path=pairs, tokenizer=TOKENIZER, max_length=48, max_prompt_length=32, progress=False)
     with pytest.warns(PreferenceDataWarning):
-        assert from_yaml == [d.model_input.to_ints() for d in direct.dpo_data()]
+        assert from_yaml == [d.model_input.to_ints() for d in direct.dpo_data().datums()]
     assert module.tokenization_report.record_indices == list(range(6))
 
 
@@ -240,7 +240,7 @@ def test_a_datasets_dataset_in_memory(tmp_path: Path) -> None:
     data = DPODataModule(datasets.Dataset.from_list(rows), batch_size=2, progress=False)
     fit(tiny_module(), data, tmp_path, max_steps=1)
     assert data.tokenization_report.formats == {"standard": 2}
-    assert data.scored_data[0].model_input.to_ints()[-1] == 3  # the EOS appended to the completion
+    assert data.scored_pairs.datums()[0].model_input.to_ints()[-1] == 3  # the EOS appended to the completion
 
 
 # ----------------------------------------------------------------------------- the CLI

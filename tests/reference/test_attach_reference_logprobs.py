@@ -343,15 +343,15 @@ def test_progress_callable_and_bar(capsys: pytest.CaptureFixture[str]) -> None:
 # --- errors --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, -3, True, 2.5])
-def test_bad_max_concurrency(value: Any) -> None:
-    with pytest.raises(ValueError, match=f"max_concurrency={value!r}"):
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-3, ValueError), (True, TypeError), (2.5, TypeError)])
+def test_bad_max_concurrency(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"max_concurrency must be an int >= 1, got {value!r}"):
         attach_reference_logprobs(make_data(2), SyncClient(), max_concurrency=value)
 
 
-@pytest.mark.parametrize("value", [0, -1, "4"])
-def test_bad_batch_size(value: Any) -> None:
-    with pytest.raises(ValueError, match=f"batch_size={value!r}"):
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), ("4", TypeError)])
+def test_bad_batch_size(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=f"batch_size must be an int >= 1, got {value!r}"):
         attach_reference_logprobs(make_data(2), BatchClient(), batch_size=value)
 
 

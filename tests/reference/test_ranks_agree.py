@@ -2,9 +2,10 @@
 
 Two gloo ranks on the CPU: a real ``lightning.Trainer`` (``ddp_spawn``) where each rank reads its
 own copy of the preference file, and plain processes for the generic path (a user's datums given to
-``compute_reference_logprobs``), the tokenizer and the limits. Every rank must raise the same clear
+``ReferenceLogprobsMixin``), the tokenizer and the limits. Every rank must raise the same clear
 error, and no cache file may be written. Then the sharded tokenization: each rank tokenizes half of
-the records, and every rank gets the same datums as one process tokenizing them all.
+the records, and every rank gets the same datums as one process tokenizing them all. The plain cases
+share one process group (``ranks``: every case runs in it, one after the other).
 """
 
 from __future__ import annotations
@@ -20,13 +21,7 @@ import pytest
 import torch
 from typing_extensions import override
 
-from loops_callbacks.data import (
-    DPODataModule,
-    ReferenceConfig,
-    ReferenceLogprobsMixin,
-    compute_reference_logprobs,
-    dpo_pair_datums,
-)
+from loops_callbacks.data import DPODataModule, ReferenceLogprobsMixin, dpo_pair_datums
 from tests.helpers import CleanDistributedExit, ToyDPO, free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,18 +111,33 @@ def test_ranks_reading_different_files_stop_with_the_first_differing_pair(tmp_pa
 # ----------------------------------------------------------------------------- plain processes
 
 
-def _worker(rank: int, case: str, port: int, out_dir: str) -> None:
+CASES = ("generic", "limits", "tokenizer", "sharded", "dropped_share", "missing_file", "invalid_on_one_rank")
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    result: dict[str, Any] = {}
+    results: dict[str, Any] = {}
     try:
-        result = globals()[f"_case_{case}"](rank, Path(out_dir))
-    except Exception as error:  # noqa: BLE001 - the test reads it
-        result = {"error": f"{type(error).__name__}: {error}"}
+        for case in CASES:  # one after the other in the one group: each fails (or not) on both ranks alike
+            directory = Path(out_dir) / case
+            directory.mkdir(exist_ok=True)
+            try:
+                results[case] = globals()[f"_case_{case}"](rank, directory)
+            except Exception as error:  # noqa: BLE001 - the test reads it
+                results[case] = {"error": f"{type(error).__name__}: {error}"}
     finally:
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every plain case's result on each rank, ``{case: [rank 0's, rank 1's]}``, and where each case wrote."""
+    out_dir = tmp_path_factory.mktemp("ranks")
+    results = run_two_ranks(_worker, (free_port(), str(out_dir)), out_dir, "the plain cases")
+    return {case: [result[case] for result in results] for case in CASES} | {"dir": out_dir}
 
 
 class FlatClient:
@@ -142,11 +152,23 @@ class FlatClient:
         return [None] + [-0.5] * (prompt.length - 1)
 
 
+class OwnData(ReferenceLogprobsMixin, L.LightningDataModule):
+    """A user's DataModule over its own datums (``changed``: rank 1's pair 4 gets another rejected completion, or
+    ``odd``: rank 1's ``dpo_data()`` has a datum too many)."""
+
+    def __init__(self, rank: int, *, changed: bool = False, odd: bool = False, cache_dir: Path | None = None) -> None:
+        super().__init__()
+        self.rank, self.changed, self.odd = rank, changed, odd
+        self.configure_reference(FlatClient(), cache_dir=cache_dir, use_cache=cache_dir is not None, progress=False)
+
+    def dpo_data(self) -> list[Any]:
+        records = token_records(6 if self.changed else 4, changed=4 if self.changed and self.rank == 1 else None)
+        data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=3)]
+        return data + data[:1] if self.odd and self.rank == 1 else data
+
+
 def _case_generic(rank: int, out_dir: Path) -> dict[str, Any]:
-    records = token_records(6, changed=4 if rank == 1 else None)
-    data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=r["prompt_length"])]
-    config = ReferenceConfig(progress=False)
-    compute_reference_logprobs(data, FlatClient(), config, cache_path=out_dir / "cache" / "ref.cache")
+    OwnData(rank, changed=True, cache_dir=out_dir / "cache").setup("fit")
     return {}
 
 
@@ -184,11 +206,11 @@ def _case_sharded(rank: int, out_dir: Path) -> dict[str, Any]:
     data = module.dpo_data()
     report = module.tokenization_report
     return {
-        "tokens": [d.model_input.to_ints() for d in data],
-        "weights": [list(d.loss_fn_inputs["weights"].data) for d in data],
+        "tokens": [d.model_input.to_ints() for d in data.datums()],
+        "weights": [list(d.loss_fn_inputs["weights"].data) for d in data.datums()],
         "tokenized": rendered,
         "report": report,
-        "where": module._pair_where,
+        "where": data.where,
     }
 
 
@@ -198,22 +220,8 @@ def _case_missing_file(rank: int, out_dir: Path) -> dict[str, Any]:
     return {}
 
 
-class OwnData(ReferenceLogprobsMixin, L.LightningDataModule):
-    """A user's DataModule: rank 1's ``dpo_data()`` has a datum too many (an odd number)."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-        self.configure_reference(FlatClient(), use_cache=False, progress=False)
-
-    def dpo_data(self) -> list[Any]:
-        records = token_records(4)
-        data = [d for r in records for d in dpo_pair_datums(r["chosen"], r["rejected"], prompt_length=3)]
-        return data + data[:1] if self.rank == 1 else data
-
-
 def _case_invalid_on_one_rank(rank: int, out_dir: Path) -> dict[str, Any]:
-    OwnData(rank).setup("fit")
+    OwnData(rank, odd=True).setup("fit")
     return {}
 
 
@@ -226,62 +234,59 @@ def dropped_first_half() -> list[dict[str, Any]]:
 def _case_dropped_share(rank: int, out_dir: Path) -> dict[str, Any]:
     module = DPODataModule(data=dropped_first_half(), max_length=5, progress=False)
     data = module.dpo_data()
-    return {"tokens": [d.model_input.to_ints() for d in data], "report": module.tokenization_report}
+    return {"tokens": [d.model_input.to_ints() for d in data.datums()], "report": module.tokenization_report}
 
 
-def run_two_processes(case: str, out_dir: Path) -> list[dict[str, Any]]:
-    return run_two_ranks(_worker, (case, free_port(), str(out_dir)), out_dir, case)
-
-
-def test_a_users_datums_that_differ_across_ranks_stop_before_scoring(tmp_path: Path) -> None:
-    for result in run_two_processes("generic", tmp_path):
+def test_a_users_datums_that_differ_across_ranks_stop_before_scoring(ranks: dict[str, Any]) -> None:
+    for result in ranks["generic"]:
         message = result.get("error", "")
         assert message.startswith("RanksDisagreeError: the ranks hold different datums"), message
         assert "rank 0: 12 datums, rank 1: 12 datums" in message, message
         assert "the first difference is pair 4: the rejected datum (index 9)" in message, message
-    assert cache_files(tmp_path / "cache") == []
+    assert cache_files(ranks["dir"] / "generic" / "cache") == []
 
 
 @pytest.mark.parametrize(("case", "setting"), [("limits", "max_length"), ("tokenizer", "chat template")])
-def test_ranks_with_other_limits_or_tokenizers_stop_before_tokenizing(tmp_path: Path, case: str, setting: str) -> None:
-    for result in run_two_processes(case, tmp_path):
+def test_ranks_with_other_limits_or_tokenizers_stop_before_tokenizing(ranks: dict[str, Any], case: str,
+                                                                      setting: str) -> None:
+    for result in ranks[case]:
         message = result.get("error", "")
         assert message.startswith("RanksDisagreeError: the ranks use different settings"), message
         assert re.search(rf"\({setting}: rank 0: \S+, rank 1: \S+\)", message), message  # and nothing else
 
 
-def test_each_rank_tokenizes_half_and_all_get_what_one_process_gets(tmp_path: Path) -> None:
-    ranks = run_two_processes("sharded", tmp_path)
+def test_each_rank_tokenizes_half_and_all_get_what_one_process_gets(ranks: dict[str, Any]) -> None:
     single = DPODataModule(path=str(CHAT), tokenizer=TOKENIZER, max_length=40, progress=False)
     data = single.dpo_data()
-    assert all("error" not in result for result in ranks), ranks
-    assert [sum(result["tokenized"]) for result in ranks] == [256, 256]  # half of the 512 records each
-    for result in ranks:
-        assert result["tokens"] == [d.model_input.to_ints() for d in data]
-        assert result["weights"] == [list(d.loss_fn_inputs["weights"].data) for d in data]
+    assert all("error" not in result for result in ranks["sharded"]), ranks["sharded"]
+    assert [sum(result["tokenized"]) for result in ranks["sharded"]] == [256, 256]  # half of the 512 records each
+    for result in ranks["sharded"]:
+        assert result["tokens"] == [d.model_input.to_ints() for d in data.datums()]
+        assert result["weights"] == [list(d.loss_fn_inputs["weights"].data) for d in data.datums()]
         assert result["report"] == single.tokenization_report  # counts, examples, the record of each pair
         assert result["report"].truncated > 0 and result["report"].dropped_prompt_fills_max_length > 0
-        assert result["where"] == single._pair_where
+        assert result["where"] == data.where
 
 
-def test_a_rank_whose_share_keeps_no_pair_still_gets_every_pair(tmp_path: Path) -> None:
+def test_a_rank_whose_share_keeps_no_pair_still_gets_every_pair(ranks: dict[str, Any]) -> None:
     single = DPODataModule(data=dropped_first_half(), max_length=5, progress=False)
     data = single.dpo_data()
     assert single.tokenization_report.dropped_prompt_fills_max_length == 4
-    for result in run_two_processes("dropped_share", tmp_path):
+    for result in ranks["dropped_share"]:
         assert "error" not in result, result
-        assert result["tokens"] == [d.model_input.to_ints() for d in data]
+        assert result["tokens"] == [d.model_input.to_ints() for d in data.datums()]
         assert result["report"] == single.tokenization_report
 
 
-def test_a_rank_that_cannot_read_its_file_stops_every_rank(tmp_path: Path) -> None:
-    rank0, rank1 = (result.get("error", "") for result in run_two_processes("missing_file", tmp_path))
-    assert str(tmp_path / "absent.jsonl") in rank1, rank1
+def test_a_rank_that_cannot_read_its_file_stops_every_rank(ranks: dict[str, Any]) -> None:
+    rank0, rank1 = (result.get("error", "") for result in ranks["missing_file"])
+    absent = str(ranks["dir"] / "missing_file" / "absent.jsonl")
+    assert absent in rank1, rank1
     assert rank0.startswith("RuntimeError: reading the preference records failed on another rank (rank 1: "), rank0
-    assert str(tmp_path / "absent.jsonl") in rank0, rank0
+    assert absent in rank0, rank0
 
 
-def test_pairs_that_fail_their_check_on_one_rank_stop_every_rank(tmp_path: Path) -> None:
-    rank0, rank1 = (result.get("error", "") for result in run_two_processes("invalid_on_one_rank", tmp_path))
+def test_pairs_that_fail_their_check_on_one_rank_stop_every_rank(ranks: dict[str, Any]) -> None:
+    rank0, rank1 = (result.get("error", "") for result in ranks["invalid_on_one_rank"])
     assert rank1.startswith("ValueError: ") and "odd" in rank1, rank1
     assert rank0.startswith("ValueError: checking the DPO pairs failed on another rank (rank 1: ValueError: "), rank0

@@ -15,7 +15,7 @@ import pytest
 
 from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME, CacheKey, read_cache, write_cache
-from loops_callbacks.types import Datum, ModelInput
+from loops_callbacks.reference.config import ReferenceConfig
 
 KEY = CacheKey(reference="r", data="d", dtype="float32")
 VALUES = [np.array([-0.5, 0.0]), np.array([0.0])]
@@ -94,14 +94,12 @@ class Flat:
 def test_a_cache_hit_says_so_in_one_line_with_the_count_and_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    data = [Datum(ModelInput.from_ints([1, 2, 3])), Datum(ModelInput.from_ints([4, 5]))]
-    path = tmp_path / CACHE_FILE_NAME
     tokens = [[1, 2, 3], [4, 5]]
+    config = ReferenceConfig(cache_dir=str(tmp_path), reference_fingerprint="flat", progress=False)
     with caplog.at_level(logging.INFO):
-        _, first = score_across_ranks(data, Flat(), tokens, cache_path=path, reference_fingerprint="flat", progress=False)
+        _, first = score_across_ranks(tokens, Flat(), config)
         assert first.source == "scored" and "loaded from the cache" not in caplog.text
-        _, second = score_across_ranks(data, Flat(), tokens, cache_path=path, reference_fingerprint="flat",
-                                       progress=False)
+        _, second = score_across_ranks(tokens, Flat(), config)
     assert second.source == "cache" and second.cache_path == first.cache_path  # the file of this key, beside path
     assert os.path.dirname(str(second.cache_path)) == str(tmp_path)
     lines = [r for r in caplog.records if "loaded from the cache" in r.getMessage()]

@@ -2,7 +2,7 @@
 
 Rank 0 checks the file whole; each other rank reads it itself and must find exactly the bytes
 rank 0 checked (their sha256). Here a value byte of the file is flipped in place between rank 0's
-check and rank 1's read, keeping the file's trailing checksum: rank 1 must not use what it read,
+check and rank 1's read, keeping the checksum in its metadata: rank 1 must not use what it read,
 and gets rank 0's values instead.
 """
 
@@ -18,8 +18,7 @@ import torch.multiprocessing as mp
 
 import loops_callbacks.reference.across_ranks as across_ranks
 from loops_callbacks.reference.across_ranks import score_across_ranks
-from loops_callbacks.reference.cache import CACHE_FILE_NAME
-from loops_callbacks.types import Datum, ModelInput
+from loops_callbacks.reference.config import ReferenceConfig
 from tests.helpers import free_port
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [3, 1, 4, 1, 5]]
@@ -30,12 +29,10 @@ class Constant:
         return [None] + [-0.5] * (prompt.length - 1)
 
 
-def _score(base: str) -> tuple[np.ndarray, str]:
-    data = [Datum(ModelInput.from_ints(ids)) for ids in TOKENS]
-    scored, report = score_across_ranks(
-        data, Constant(), TOKENS, cache_path=base, reference_fingerprint="constant", progress=False
-    )
-    return np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored]), report.source
+def _score(directory: str) -> tuple[np.ndarray, str]:
+    config = ReferenceConfig(cache_dir=directory, reference_fingerprint="constant", progress=False)
+    values, report = score_across_ranks(TOKENS, Constant(), config)
+    return values, report.source
 
 
 def _flip_a_value_in_place_first(reader: Any) -> Any:
@@ -58,7 +55,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     try:
-        base = os.path.join(out_dir, "cache", CACHE_FILE_NAME)
+        base = os.path.join(out_dir, "cache")
         results["first"] = _score(base)
         torch.distributed.barrier()
         if rank == 1:

@@ -5,12 +5,14 @@
 - runs that share a directory keep their own caches, and each can resume from its own;
 - a resume that finds no cache of its own names the caches present and why none matches;
 - the writer's temporary file is created exclusively: a planted link is never written through;
-- a header with a valid checksum and impossible sizes is a damaged file, not a crash;
+- a cache is a standard safetensors file; one of an earlier version is named as such and scored again;
+- a header that lies, or a whole file whose contents do not fit the data, is a damaged file, not a crash;
 - ``cache_tool`` lists and prunes the caches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,17 +28,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, score_across_ranks
-from loops_callbacks.reference.cache import (
-    CACHE_FILE_NAME,
-    CACHE_TOOL,
-    CacheKey,
-    data_fingerprint,
-    list_caches,
-    read_cache,
-    write_cache,
-)
+from loops_callbacks.reference.config import ReferenceConfig
+from loops_callbacks.reference.cache import CACHE_FILE_NAME, CACHE_TOOL, CacheKey, cache_file, data_fingerprint
+from loops_callbacks.reference.cache import read_cache, write_cache
+from loops_callbacks.reference.cache_tool import list_caches
 from loops_callbacks.reference.cache_tool import main as cache_tool
 from loops_callbacks.types import Datum, ModelInput
 
@@ -59,21 +58,20 @@ def datums(tokens: list[list[int]]) -> list[Datum]:
     return [Datum(ModelInput.from_ints(ids)) for ids in tokens]
 
 
+def config(base: Path, fingerprint: str | None) -> ReferenceConfig:
+    """A cache in ``base``'s directory, the reference named ``fingerprint``."""
+    return ReferenceConfig(cache_dir=str(base.parent), reference_fingerprint=fingerprint, progress=False)
+
+
 def score(base: Path, value: float, fingerprint: str, tokens: list[list[int]] = TOKENS, **kwargs: Any) -> Any:
-    """Score (or load) ``tokens`` under the reference ``fingerprint`` with ``cache_path=base``."""
+    """Score (or load) ``tokens`` under the reference ``fingerprint``, cached beside ``base``."""
     client = Constant(value)
-    scored, report = score_across_ranks(
-        datums(tokens), client, tokens, cache_path=base, reference_fingerprint=fingerprint, progress=False, **kwargs
-    )
-    return np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored]), report, client
+    values, report = score_across_ranks(tokens, client, config(base, fingerprint), datums=datums(tokens), **kwargs)
+    return values, report, client
 
 
 def resume(base: Path, fingerprint: str | None, tokens: list[list[int]] = TOKENS) -> tuple[np.ndarray, Any]:
-    scored, report = score_across_ranks(
-        datums(tokens), None, tokens, cache_path=base, reference_fingerprint=fingerprint, progress=False,
-        cached_only="(the fix)",
-    )
-    return np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored]), report
+    return score_across_ranks(tokens, None, config(base, fingerprint), cached_only="(the fix)")
 
 
 # ----------------------------------------------------------------------------- a file changed under a running job
@@ -83,7 +81,7 @@ CHANGED_UNDER_A_JOB = """
     from pathlib import Path
     import numpy as np
     from loops_callbacks.reference.across_ranks import score_across_ranks
-    from loops_callbacks.types import Datum, ModelInput
+    from loops_callbacks.reference.config import ReferenceConfig
 
     base, how = Path(sys.argv[1]), sys.argv[2]
     tokens = [[1, 2, 3, 4], [5, 6, 7], [8, 9]] * 2000
@@ -94,24 +92,22 @@ CHANGED_UNDER_A_JOB = """
         def compute_logprobs(self, prompt):
             return [None] + [self.value] * (prompt.length - 1)
 
-    def run(value, fingerprint, path):
-        data = [Datum(ModelInput.from_ints(ids)) for ids in tokens]
-        scored, report = score_across_ranks(data, Constant(value), tokens, cache_path=path,
-                                            reference_fingerprint=fingerprint, progress=False)
-        return [d.loss_fn_inputs["ref_logprobs"] for d in scored], report
+    def run(value, fingerprint, directory):
+        config = ReferenceConfig(cache_dir=str(directory), reference_fingerprint=fingerprint, progress=False)
+        return score_across_ranks(tokens, Constant(value), config)
 
     run(-0.5, "ref-a", base)                                   # the first run writes its cache
     values, report = run(-0.5, "ref-a", base)                  # this job loads it...
     assert report.source == "cache", report
-    run(-0.25, "ref-b", base.parent / "other" / base.name)     # (a file of the same size, other values)
-    (other,) = (base.parent / "other").iterdir()
-    before = float(sum(v.sum() for v in values))
+    run(-0.25, "ref-b", base / "other")                        # (a file of the same size, other values)
+    (other,) = (base / "other").iterdir()
+    before = float(values.sum(dtype=np.float64))
     if how == "overwrite":
         shutil.copyfile(other, report.cache_path)              # ...and the file is copied over, in place
     else:
         with open(report.cache_path, "r+b") as file:          # ...or truncated
             file.truncate(64)
-    after = float(sum(v.sum() for v in values))                # the job reads its values again
+    after = float(values.sum(dtype=np.float64))                # the job reads its values again
     print(f"before {before} after {after}", flush=True)
     sys.exit(0 if after == before else 3)
 """
@@ -120,7 +116,7 @@ CHANGED_UNDER_A_JOB = """
 @pytest.mark.parametrize("how", ["overwrite", "truncate"])
 def test_a_cache_file_changed_under_a_running_job_changes_nothing_in_it(tmp_path: Path, how: str) -> None:
     run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(tmp_path / "c" / CACHE_FILE_NAME), how],
+        [sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(tmp_path / "c"), how],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert run.returncode >= 0, f"killed by signal {-run.returncode} (SIGBUS: a memory map of a truncated file)"
@@ -223,19 +219,34 @@ def test_an_empty_directory_says_the_cache_does_not_exist(tmp_path: Path) -> Non
         resume(tmp_path / CACHE_FILE_NAME, "reference-a")
 
 
-def test_a_cache_of_the_single_file_layout_is_still_read(tmp_path: Path) -> None:
+def test_a_cache_is_a_safetensors_file_with_its_key_and_checksum_in_its_metadata(tmp_path: Path) -> None:
+    values, report, _ = score(tmp_path / CACHE_FILE_NAME, -0.5, "reference-a")
+    tensors = safetensors.numpy.load_file(report.cache_path)  # a standard reader opens it
+    with safetensors.safe_open(report.cache_path, "np") as file:
+        metadata = file.metadata()
+    assert tensors["values"].tolist() == values.tolist() and tensors["lengths"].tolist() == [4, 3, 2]
+    key = CacheKey("reference-a", data_fingerprint(TOKENS), "model")
+    assert {name: metadata[name] for name in ("reference", "data", "dtype")} == dataclasses.asdict(key)
+    assert len(metadata["sha256"]) == 64
+
+
+def test_a_cache_of_an_earlier_version_is_named_and_scored_again(tmp_path: Path) -> None:
     base = tmp_path / CACHE_FILE_NAME
     key = CacheKey("reference-a", data_fingerprint(TOKENS), "model")
-    write_cache(base, key, [np.full(len(ids), -0.75) for ids in TOKENS])  # where earlier versions wrote it
-    values, report, client = score(base, -0.5, "reference-a")
-    assert report.source == "cache" and report.cache_path == str(base) and client.scored == 0
-    assert values.tolist() == [-0.75] * 9
-    values, report = resume(base, None)  # a checkpoint that does not name its reference
-    assert report.source == "cache" and values.tolist() == [-0.75] * 9
-    # another reference: scored and written to its own file; the old one is kept
-    with pytest.warns(ReferenceCacheWarning, match="the single-file layout of earlier versions.*reference weights"):
-        score(base, -0.5, "reference-b")
-    assert base.is_file() and len(list_caches(tmp_path)) == 2
+    earlier = b"LOOPSREF" + bytes(200)  # what earlier versions wrote, under the same name
+    Path(cache_file(base, key)).write_bytes(earlier)
+    with pytest.raises(ReferenceCacheError, match="cannot be used .it is a cache of an earlier version of "
+                                                  "loops-callbacks .the LOOPSREF format."):
+        resume(base, "reference-a")
+    with pytest.warns(ReferenceCacheWarning, match="is not used and will be replaced: it is a cache of an earlier "
+                                                   "version"):
+        values, report, client = score(base, -0.5, "reference-a")
+    assert client.scored == 3 and report.cache_written and resume(base, "reference-a")[0].tolist() == values.tolist()
+    base.write_bytes(earlier)  # the single file of still earlier versions: named when nothing else matches
+    with pytest.raises(ReferenceCacheError, match=f"{CACHE_FILE_NAME} .*unreadable: it is a cache of an earlier"):
+        resume(base, "reference-b")
+    assert [info.problem.startswith("it is a cache of an earlier version") for info in list_caches(tmp_path)] == [
+        True, False]
 
 
 # ----------------------------------------------------------------------------- the writer's temporary file
@@ -271,50 +282,54 @@ def test_the_report_says_whether_the_values_were_cached(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- a header that lies
 
 
-def _rewrite_header(path: Path, **fields: Any) -> None:
-    """Set header ``fields`` and recompute the checksum: a whole file whose header is impossible."""
-    blob = path.read_bytes()
-    size = struct.unpack("<I", blob[8:12])[0]
-    header = json.loads(blob[12 : 12 + size])
-    header.update(fields)
-    text = json.dumps(header, sort_keys=True).encode()
-    body = blob[:8] + struct.pack("<I", len(text)) + text + blob[12 + size : -32]
-    path.write_bytes(body + hashlib.sha256(body).digest())
+def _write_by_hand(path: Path, lengths: list[int], values: list[float], **metadata: Any) -> None:
+    """A safetensors file with the cache's metadata and a right checksum, made without ``write_cache``'s checks."""
+    key = {"reference": "reference-a", "data": data_fingerprint(TOKENS), "dtype": "model", **metadata}
+    sizes, flat = np.array(lengths, dtype="<i8"), np.array(values, dtype="<f4")
+    digest = hashlib.sha256(sizes.tobytes())
+    digest.update(flat.tobytes())
+    fields = {"format": "loops-callbacks reference logprobs 3", **key, "sha256": digest.hexdigest()}
+    path.write_bytes(safetensors.numpy.save({"values": flat, "lengths": sizes}, metadata=fields))
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("lengths", "values", "metadata", "reason"),
     [
-        {"num_datums": 12, "num_values": -9},  # the total size of 3 datums and 9 values, lengths past the end
-        {"num_datums": 3, "num_values": "9"},
+        ([4, 3, 2], [0.0] * 12, {}, "its lengths do not add up to its number of values"),
+        ([4, 3, 2], [0.0] * 9, {"dtype": ""}, "the scoring dtype changed"),
+        ([5, 2, 2], [0.0] * 9, {}, "its datum lengths do not match the data"),
     ],
 )
-def test_a_header_with_a_valid_checksum_and_impossible_sizes_is_a_damaged_file(
-    tmp_path: Path, fields: dict[str, Any]
+def test_a_whole_file_whose_contents_do_not_fit_is_not_used(
+    tmp_path: Path, lengths: list[int], values: list[float], metadata: dict[str, str], reason: str
 ) -> None:
     base = tmp_path / CACHE_FILE_NAME
-    expected, report, _ = score(base, -0.5, "reference-a")
-    _rewrite_header(Path(report.cache_path), **fields)
     key = CacheKey("reference-a", data_fingerprint(TOKENS), "model")
-    assert read_cache(report.cache_path, key, [4, 3, 2]).status == "corrupt"
+    _write_by_hand(Path(cache_file(base, key)), lengths, values, **metadata)
+    assert read_cache(cache_file(base, key), key, [4, 3, 2]).reason == reason
     with pytest.raises(ReferenceCacheError, match="cannot be used"):
         resume(base, "reference-a")
-    with pytest.warns(ReferenceCacheWarning, match=f"{report.cache_path}.* is not used and will be replaced"):
-        values, again, client = score(base, -0.5, "reference-a")
-    assert again.cache_status == "corrupt" and client.scored == 3 and values.tolist() == expected.tolist()
+    with pytest.warns(ReferenceCacheWarning, match=f"{cache_file(base, key)}.* is not used and will be replaced"):
+        values_, again, client = score(base, -0.5, "reference-a")
+    assert again.cache_status == "corrupt" and client.scored == 3
     assert resume(base, "reference-a")[1].source == "cache"  # rewritten whole
 
 
-def test_a_header_size_beyond_the_file_is_a_damaged_file(tmp_path: Path) -> None:
+def test_a_header_that_lies_is_a_damaged_file(tmp_path: Path) -> None:
     path = tmp_path / "c.cache"
     key = CacheKey("r", data_fingerprint(TOKENS), "float32")
     write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
     blob = bytearray(path.read_bytes())
-    blob[8:12] = struct.pack("<I", 1 << 30)
-    body = bytes(blob[:-32])
-    path.write_bytes(body + hashlib.sha256(body).digest())
+    path.write_bytes(struct.pack("<Q", 1 << 30) + blob[8:])  # a header size beyond the file
     lookup = read_cache(path, key, [4, 3, 2])
     assert lookup.status == "corrupt" and "does not fit" in lookup.reason
+    size = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8 : 8 + size])
+    header["values"]["shape"] = [10]  # more values than its bytes hold
+    text = json.dumps(header).encode().ljust(size)
+    path.write_bytes(blob[:8] + text + blob[8 + size :])
+    lookup = read_cache(path, key, [4, 3, 2])
+    assert lookup.status == "corrupt" and "its header is damaged" in lookup.reason
 
 
 # ----------------------------------------------------------------------------- cache_tool

@@ -45,29 +45,29 @@ def test_the_policy_is_scored_in_on_fit_start_before_any_dataloader(tmp_path: An
 def test_a_second_fit_scores_again_with_one_hook(tmp_path: Any) -> None:
     data = DPODataModule(pair_datums(make_pairs(4)), batch_size=2, progress=False, use_cache=False)
     trainer = fit(toy_model(1), data, tmp_path, max_steps=1)
-    first = ref_values(data.scored_data)
+    first = ref_values(data.scored_pairs.datums())
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(toy_model(1), datamodule=data)
-    assert ref_values(data.scored_data) == first
+    assert ref_values(data.scored_pairs.datums()) == first
     hooks = [c for c in trainer.callbacks if type(c).__name__ == "_ScoreReferenceAfterStrategySetup"]
     assert len(hooks) == 1
 
 
-def test_scored_data_is_kept_for_validate_after_fit(tmp_path: Any) -> None:
+def test_scored_pairs_are_kept_for_validate_after_fit(tmp_path: Any) -> None:
     class Validating(ToyDPO):
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.log("val/loss", self.training_step(batch, batch_idx))
 
     data = DPODataModule(pair_datums(make_pairs(6)), batch_size=2, progress=False, val_fraction=0.5)
     trainer = fit(Validating(), data, tmp_path, max_steps=1)
-    scored = data.scored_data
+    scored = data.scored_pairs
     trainer.validate(trainer.lightning_module, datamodule=data, verbose=False)
-    assert data.scored_data is scored
+    assert data.scored_pairs is scored
 
 
-def test_scored_data_before_setup_names_setup() -> None:
+def test_scored_pairs_before_setup_name_setup() -> None:
     with pytest.raises(RuntimeError, match=r"setup\('fit'\)"):
-        _ = DPODataModule(pair_datums(make_pairs(2)), progress=False).scored_data
+        _ = DPODataModule(pair_datums(make_pairs(2)), progress=False).scored_pairs
 
 
 class LateRestoreStrategy(SingleDeviceStrategy):
@@ -92,7 +92,7 @@ def test_a_run_resumed_under_a_strategy_that_restores_after_its_setup_uses_the_r
             strategy=LateRestoreStrategy(device=torch.device("cpu")))
     assert resumed_model.scoring_calls == [] and resumed.reference_report.source == "cache"
     assert resumed.reference_report.reference_fingerprint == first.reference_report.reference_fingerprint
-    assert ref_values(resumed.scored_data) == ref_values(first.scored_data)
+    assert ref_values(resumed.scored_pairs.datums()) == ref_values(first.scored_pairs.datums())
 
 
 def test_a_fresh_run_under_a_strategy_that_restores_after_its_setup_scores_the_policy(tmp_path: Any) -> None:

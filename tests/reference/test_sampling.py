@@ -294,8 +294,8 @@ def test_default_budget_by_device_type() -> None:
 
 
 def test_resolve_reference_kinds() -> None:
+    from loops_callbacks.reference.config import resolve_reference
     from loops_callbacks.reference.policy import PolicyReference
-    from loops_callbacks.reference.resolve import resolve_reference
 
     model = make_model()
     policy = resolve_reference(None, lightning_module=model)

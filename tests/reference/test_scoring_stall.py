@@ -41,7 +41,6 @@ def sleepy_policy(sleep: float) -> Any:
     """The policy itself as the reference (lock-step forwards), sleeping ``sleep`` seconds in its first forward."""
     import torch
 
-    from loops_callbacks.reference.config import ReferenceConfig
     from loops_callbacks.reference.policy import PolicyReference
 
     class SleepyLM(torch.nn.Module):
@@ -56,7 +55,7 @@ def sleepy_policy(sleep: float) -> Any:
             return self.out(self.embed(input_ids))
 
     torch.manual_seed(0)
-    return PolicyReference(SleepyLM(), device="cpu", config=ReferenceConfig(max_tokens_per_batch=3), output_head=False)
+    return PolicyReference(SleepyLM(), device="cpu", max_tokens_per_batch=3, output_head=False)
 
 
 def main() -> None:
@@ -64,7 +63,7 @@ def main() -> None:
     import torch
 
     from loops_callbacks.reference.across_ranks import score_across_ranks
-    from loops_callbacks.types import Datum, ModelInput
+    from loops_callbacks.reference.config import ReferenceConfig
 
     rank, stalled = int(os.environ["RANK"]), int(os.environ["STALLED_RANK"])
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
@@ -73,8 +72,7 @@ def main() -> None:
     client = sleepy_policy(sleep) if os.environ.get("REFERENCE") == "policy" else SleepyClient(sleep)
     start = time.monotonic()
     try:
-        score_across_ranks([Datum(ModelInput.from_ints(s)) for s in sequences], client, sequences, progress=False,
-                           scoring_timeout=TIMEOUT_S)
+        score_across_ranks(sequences, client, ReferenceConfig(progress=False, scoring_timeout=TIMEOUT_S))
     except Exception as error:  # noqa: BLE001 - the test reads it
         print(f"after {time.monotonic() - start:.1f} s: {type(error).__name__}: {error}", flush=True)
         os._exit(3)  # no clean-up of a process group whose peer is gone
@@ -143,5 +141,5 @@ def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward() ->
 def test_the_timeout_is_checked(value: Any, error: type[Exception]) -> None:
     from loops_callbacks.data import DPODataModule
 
-    with pytest.raises(error, match=f"scoring_timeout={value!r}"):
+    with pytest.raises(error, match=f"scoring_timeout must be a number of seconds > 0, or None for no limit, got {value!r}"):
         DPODataModule(data=[], scoring_timeout=value)

@@ -21,7 +21,6 @@ import torch
 from loops_callbacks.reference.across_ranks import _shard_bounds, score_across_ranks
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.policy import PolicyReference
-from loops_callbacks.types import Datum, ModelInput
 from tests.helpers import free_port, run_two_ranks
 
 transformers = pytest.importorskip("transformers", reason="the model is a tiny Hugging Face Llama")
@@ -42,13 +41,8 @@ def tiny_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def datums(sequences: list[list[int]]) -> list[Datum]:
-    return [Datum(ModelInput.from_ints(s)) for s in sequences]
-
-
 def score(reference: Any, sequences: list[list[int]]) -> tuple[str, np.ndarray]:
-    scored, _ = score_across_ranks(datums(sequences), reference, sequences, progress=False)
-    values = np.concatenate([d.loss_fn_inputs["ref_logprobs"] for d in scored])
+    values, _ = score_across_ranks(sequences, reference, ReferenceConfig(progress=False))
     return reference.fingerprint(), values
 
 
@@ -67,7 +61,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        reference = PolicyReference(model, device="cpu", config=ReferenceConfig(max_tokens_per_batch=BUDGET))
+        reference = PolicyReference(model, device="cpu", max_tokens_per_batch=BUDGET)
         results["fsdp2"] = score(reference, SEQUENCES)
         results["fsdp2_path"] = reference.path
         results["fsdp2_sharded"] = type(next(model.parameters())).__name__
@@ -81,8 +75,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             use_orig_params=True,
             device_id=torch.device("cpu"),
         )
-        config = ReferenceConfig(max_tokens_per_batch=BUDGET)
-        reference = PolicyReference(inner, forward_module=root, device="cpu", config=config)
+        reference = PolicyReference(inner, forward_module=root, device="cpu", max_tokens_per_batch=BUDGET)
         results["fsdp1"] = score(reference, SEQUENCES)
         results["fsdp1_path"] = reference.path
         full = sum(p.numel() for p in tiny_llama().parameters())
@@ -98,7 +91,7 @@ def test_fsdp2_and_fsdp1_ranks_score_in_lockstep_and_agree_with_one_process(tmp_
 
     ranks = run_two_ranks(_worker, (2, free_port(), str(tmp_path)), tmp_path, "the sharded forwards were not in lock-step")
 
-    single = PolicyReference(tiny_llama(), config=ReferenceConfig(max_tokens_per_batch=BUDGET))
+    single = PolicyReference(tiny_llama(), max_tokens_per_batch=BUDGET)
     fingerprint, values = score(single, SEQUENCES)
     _, one = score(single, SEQUENCES[1:2])
     assert single.path == "output_head"

@@ -1,13 +1,18 @@
-"""The ``loops-callbacks`` command as a new user runs it: through the console script, in a subprocess.
+"""The ``loops-callbacks`` command as a user runs it: exit statuses a script can act on, the summary as the
+last thing printed (after W&B's shutdown output), every log under ``--trainer.default_root_dir``, one-line
+errors and a ``--help`` that lists the shipped configs.
 
-Exit statuses a script can act on, the summary as the last thing printed (after W&B's shutdown
-output), every log under ``--trainer.default_root_dir``, a one-line missing-package error
-and a ``--help`` that lists the shipped configs.
+What only a process of its own shows runs through the console script, once each: the terminal's order of
+W&B's output and the summary (one guard-rail stop, checked for everything it shows), two runs at once,
+Ctrl-C, a killed DDP rank. The rest runs ``main`` in this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import importlib
+import logging
 import os
 import re
 import shutil
@@ -16,11 +21,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from loops_callbacks.cli import (
+from loops_callbacks.cli import main, run_cli, shipped_configs
+from loops_callbacks.cli.refusals import missing_package
+from loops_callbacks.cli.summary import (
     EXIT_ERROR,
     EXIT_GUARD_RAIL_RAISED,
     EXIT_GUARD_RAIL_STOPPED,
@@ -29,13 +37,14 @@ from loops_callbacks.cli import (
     EXIT_RANK_KILLED,
     EXIT_STATUSES,
     EXIT_USAGE,
-    run_cli,
-    shipped_configs,
 )
+from tests.cli.test_cli import K3, P, tensorboard_events, text_at
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TIMEOUT_S = 300
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def console_script() -> str:
@@ -52,6 +61,13 @@ def run_command(*args: str, cwd: Path, extra_env: dict[str, str] | None = None) 
         text=True, timeout=TIMEOUT_S,
     )
     return done.returncode, done.stdout
+
+
+def exit_of(*args: str) -> int:
+    """``main(args)`` in this process: its exit status."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    return exit_.value.code
 
 
 def last_lines(output: str, count: int) -> list[str]:
@@ -81,7 +97,8 @@ def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the
     summary = summary_block(output)
     assert output.rindex("wandb:") < output.rindex("\nLogs:\n")
     assert not any(line.startswith("wandb:") for line in summary), summary
-    assert re.search(r"exceeded max_kl = 0\.05 at step \d+", last_lines(output, 1)[0]), summary[-3:]
+    (stop_step,) = map(int, re.findall(r"exceeded max_kl = 0\.05 at step (\d+)", last_lines(output, 1)[0]))
+    assert stop_step < 300  # before max_steps
     assert any(f"tensorboard --logdir {root}/tensorboard/version_0" in line for line in summary), summary
     assert any(line.strip().startswith("kl_sample_train_k3") for line in summary), summary
     # no advertisement
@@ -93,63 +110,74 @@ def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the
     # the saved config is the one given: rerun, it writes where it says again (not under root/root)
     saved = yaml.safe_load((root / "csv" / "version_0" / "config.yaml").read_text())["trainer"]
     assert saved["default_root_dir"] == str(root) and {lg["init_args"]["save_dir"] for lg in saved["logger"]} == {"."}
+    # the monitor judged every step (its own log_every_n_steps: 1, the trainer's 5), and the stop is in the
+    # TensorBoard run as text at the step it fired
+    events = tensorboard_events(str(root / "tensorboard" / "version_0"))
+    monitored = [event.step for event in events.Scalars(K3)]
+    assert monitored == list(range(stop_step + 1)), monitored
+    assert [event.step for event in events.Histograms(P + "per_token_diff_hist")] == monitored
+    texts = text_at(events, P + "guard_rail/text_summary")
+    assert list(texts) == [stop_step] and "exceeded max_kl = 0.05" in texts[stop_step]
+    # and W&B has each judged step's worst-tokens and strata tables
+    (run,) = glob.glob(str(root / "wandb" / "offline-run-*"))
+    tables = [os.path.basename(t) for t in glob.glob(os.path.join(run, "files", "media", "table", "**", "*.table.json"),
+                                                     recursive=True)]
+    assert sorted(t.split("_")[0] for t in tables) == ["strata"] * len(monitored) + ["worst"] * len(monitored), tables
 
 
-def test_a_guard_rail_raise_exits_4_with_its_message_last_and_no_traceback(tmp_path: Path) -> None:
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.callbacks.init_args.on_exceed", "raise",
-        "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), cwd=tmp_path,
-    )
-    assert status == EXIT_GUARD_RAIL_RAISED, output[-3000:]
-    assert "Traceback" not in output
-    assert re.search(r"exceeded max_kl = 0\.05 at step \d+", last_lines(output, 1)[0]), last_lines(output, 3)
+def test_a_guard_rail_raise_exits_4_with_its_message_last_and_no_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    status = exit_of("fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.callbacks.init_args.on_exceed",
+                     "raise", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path))
+    out, err = capsys.readouterr()
+    assert status == EXIT_GUARD_RAIL_RAISED, out[-3000:] + err[-3000:]
+    assert "Traceback" not in out + err
+    assert re.search(r"exceeded max_kl = 0\.05 at step \d+", last_lines(out, 1)[0]), last_lines(out, 3)
 
 
-def test_a_dpo_run_exits_0_logs_tensorboard_and_prints_its_summary_last(tmp_path: Path) -> None:
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
-        "--trainer.val_check_interval", "4", cwd=tmp_path,
-    )
-    assert status == EXIT_OK, output[-3000:]
-    summary = summary_block(output)
-    assert output.rindex("wandb:") < output.rindex("\nLogs:\n")
+def test_a_dpo_run_exits_0_with_its_summary_and_a_rerun_loads_the_reference_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = ("fit", "--config", str(CONFIGS / "dpo_tiny.yaml"))
+    status = exit_of(*config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
+                     "--trainer.val_check_interval", "4")
+    summary = summary_block(capsys.readouterr().out)
+    assert status == EXIT_OK, summary
     assert "  TensorBoard:  tensorboard --logdir runs/dpo_tiny/tensorboard/version_0" in summary, summary
     assert list((tmp_path / "runs/dpo_tiny/tensorboard/version_0").glob("events.out.tfevents.*")), summary
+    assert len(list((tmp_path / "runs/dpo_tiny/wandb").glob("offline-run-*"))) == 1
     (reference,) = [line for line in summary if line.startswith("Reference logprobs:")]
     assert "2048 datums scored" in reference and "runs/dpo_tiny/reference_logprobs" in reference, reference
+    assert list((tmp_path / "runs/dpo_tiny/reference_logprobs").iterdir())  # the cache a rerun loads
     metrics = {line.split()[0] for line in summary if line.startswith("  ") and "/" in line.split()[0]}
     assert {"train/dpo_loss", "train/dpo_accuracy", "val/dpo_loss", "val/dpo_accuracy"} <= metrics, summary
-    assert "litlogger" not in output
+    assert exit_of(*config, "--trainer.max_steps", "1", "--trainer.logger", "false") == EXIT_OK
+    (reference,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Reference logprobs:")]
+    assert "loaded from the cache runs/dpo_tiny/reference_logprobs" in reference and "nothing scored" in reference
 
 
-def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config(tmp_path: Path) -> None:
-    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared)."""
+def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config_and_exit_0(tmp_path: Path) -> None:
+    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared); one
+    is started as ``loops-callbacks``, the other as ``python -m loops_callbacks``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    arguments = ["fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.max_steps", "1",
+                 "--trainer.enable_progress_bar", "false", "--model.init_args.lr"]
     runs = [
-        subprocess.Popen(
-            [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.max_steps", "1",
-             "--model.init_args.lr", lr, "--trainer.enable_progress_bar", "false"],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        for lr in ("0.001", "0.002")
+        subprocess.Popen([*command, *arguments, lr], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for command, lr in (([console_script()], "0.001"), ([sys.executable, "-m", "loops_callbacks"], "0.002"))
     ]
     for run in runs:
-        _, errors = run.communicate(timeout=TIMEOUT_S)
+        output, errors = run.communicate(timeout=TIMEOUT_S)
         assert run.returncode == EXIT_OK, errors[-3000:]
+        assert "no exceedance" in last_lines(output, 1)[0], output[-2000:]
     root = tmp_path / "runs" / "rl_tiny"
     saved = sorted(root.rglob("config.yaml"))
     assert [path.relative_to(root).parent.as_posix() for path in saved] == ["csv/version_0", "csv/version_1"], saved
     assert sorted(yaml.safe_load(path.read_text())["model"]["init_args"]["lr"] for path in saved) == [0.001, 0.002]
-
-
-def test_a_dpo_rerun_says_the_reference_came_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.chdir(tmp_path)
-    command = ["fit", "--config", str(CONFIGS / "dpo_tiny.yaml"), "--trainer.max_steps", "1", "--trainer.logger", "false"]
-    run_cli(command)
-    run_cli(command)
-    (reference,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Reference logprobs:")][-1:]
-    assert "loaded from the cache runs/dpo_tiny/reference_logprobs" in reference and "nothing scored" in reference
 
 
 def test_a_spawning_strategy_with_a_monitor_is_refused_before_training(
@@ -165,65 +193,47 @@ def test_a_spawning_strategy_with_a_monitor_is_refused_before_training(
     assert list(tmp_path.iterdir()) == []  # nothing ran
 
 
-def test_a_value_a_constructor_refuses_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.callbacks.init_args.kl_metric", "kl_foo",
-        cwd=tmp_path,
-    )
-    assert status == EXIT_USAGE, output[-3000:]
-    (last,) = last_lines(output, 1)
-    assert last.startswith("loops-callbacks: error: trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo'")
-    assert "Traceback" not in output and len(output.splitlines()) <= 2, output[-3000:]  # "Seed set to 0", the error
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_the_hf_config_run_outside_the_checkout_names_the_tokenizer_key_and_the_working_directory(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """configs/dpo_hf.yaml's paths are relative to the checkout: elsewhere they are not found, and the error says so."""
-    status, output = run_command("fit", "--config", str(CONFIGS / "dpo_hf.yaml"), cwd=tmp_path)
-    assert status == EXIT_USAGE, output[-3000:]
-    assert last_lines(output, 1)[0].startswith(
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    assert exit_of("fit", "--config", str(CONFIGS / "dpo_hf.yaml")) == EXIT_USAGE
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith(
         "loops-callbacks: error: model: HFDPOModule model['tokenizer'] 'configs/data/chat_tokenizer' does not exist "
         f"(a relative path is taken from the working directory, {tmp_path})"
-    ), output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
+    ), error
 
 
-NO_HF_EXTRA = '''
-import importlib
+def test_a_missing_extra_is_one_line_the_last_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import_module = importlib.import_module
 
-_import_module = importlib.import_module
+    def without_hf_extra(name: str, package: str | None = None) -> Any:
+        """The package reaches the hf extra through importlib.import_module: fail as if it were not installed."""
+        if name.split(".")[0] in ("transformers", "datasets"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return import_module(name, package)
 
-
-def _without_hf_extra(name, package=None):
-    """The package reaches the hf extra through importlib.import_module: fail as if it were not installed."""
-    if name.split(".")[0] in ("transformers", "datasets"):
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    return _import_module(name, package)
-
-
-importlib.import_module = _without_hf_extra
-'''
-
-
-def test_a_missing_extra_is_one_line_the_last_printed(tmp_path: Path) -> None:
-    (tmp_path / "no_hf").mkdir()
-    (tmp_path / "no_hf" / "sitecustomize.py").write_text(NO_HF_EXTRA)
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "dpo_hf.yaml"), cwd=tmp_path, extra_env={"PYTHONPATH": str(tmp_path / "no_hf")},
-    )
-    assert status == EXIT_ERROR, output[-3000:]
-    (last,) = last_lines(output, 1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(importlib, "import_module", without_hf_extra)
+    assert exit_of("fit", "--config", str(CONFIGS / "dpo_hf.yaml")) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    (last,) = last_lines(err, 1)
     assert last.startswith("loops-callbacks: error: ") and "'hf' extra" in last and 'pip install -e ".[hf]"' in last
+    output = out + err
     assert "Traceback" not in output and "Namespace(" not in output and "Union" not in output, output[-3000:]
 
 
 def test_help_says_what_the_tool_is_and_lists_the_configs_the_main_commands_and_the_exit_statuses(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status, output = run_command("--help", cwd=tmp_path)
-    assert status == 0, output
+    monkeypatch.chdir(tmp_path)
+    assert exit_of("--help") == 0
+    output = capsys.readouterr().out
     assert "Lightning Trainer command line tool" not in output
     assert "KLSampleTrainMonitor" in output and "reference logprobs" in output
     assert "loops-callbacks fit --config configs/rl_tiny.yaml" in output
@@ -255,41 +265,42 @@ def test_every_shipped_logger_writes_under_default_root_dir(path: str) -> None:
 
 
 def test_only_an_import_error_that_caused_the_failure_is_reported_as_a_missing_package() -> None:
-    from loops_callbacks.cli import _missing_package
-
     try:
         try:
             raise ImportError("optional speed-up not installed")
         except ImportError:
             raise ValueError("batch_size must be positive") from None  # handled, not the cause
     except ValueError as unrelated:
-        assert _missing_package(unrelated) is None
+        assert missing_package(unrelated) is None
     try:
         try:
             raise ImportError("needs the 'transformers' package")
         except ImportError as error:
             raise ValueError("Does not validate against any of the Union subtypes") from error
     except ValueError as wrapped:
-        assert str(_missing_package(wrapped)) == "needs the 'transformers' package"
+        assert str(missing_package(wrapped)) == "needs the 'transformers' package"
 
 
-def test_a_shipped_rl_run_resumes_through_the_command(tmp_path: Path) -> None:
+def test_a_shipped_rl_run_resumes_through_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
     """LightningCLI reads a checkpoint with ``weights_only=True``: nothing in a shipped config's
     checkpoint may be a jsonargparse type (the optimizer's ``lr`` was a ``PositiveFloat``)."""
+    monkeypatch.chdir(tmp_path)
     root = tmp_path / "run"
-    common = ("--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_checkpointing", "true")
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), *common, "--trainer.max_steps", "10", cwd=tmp_path
-    )
-    assert status == 0, output[-3000:]
+    common = ("fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.default_root_dir", str(root),
+              "--trainer.logger", "false", "--trainer.enable_checkpointing", "true")
+    assert exit_of(*common, "--trainer.max_steps", "10") == EXIT_OK
     (checkpoint,) = root.rglob("*.ckpt")
-    status, output = run_command(
-        "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), *common, "--trainer.max_steps", "20",
-        "--ckpt_path", str(checkpoint), cwd=tmp_path,
-    )
-    assert status == 0, output[-3000:]
-    assert "Restored all states from the checkpoint" in output
-    assert last_lines(output, 1)[0].startswith("Guard rail: no exceedance"), output[-3000:]
+    lightning_log = logging.getLogger("lightning.pytorch")  # it does not propagate to the root logger
+    lightning_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            assert exit_of(*common, "--trainer.max_steps", "20", "--ckpt_path", str(checkpoint)) == EXIT_OK
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    assert "Restored all states from the checkpoint" in caplog.text
+    assert last_lines(capsys.readouterr().out, 1)[0].startswith("Guard rail: no exceedance")
 
 
 def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:

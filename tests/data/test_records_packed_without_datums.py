@@ -1,5 +1,5 @@
 """Tokenized records go straight into the packed form: ``preference_pairs`` makes no datum, ``DPODataModule`` gives
-its pairs through the ``dpo_pairs()`` hook the reference mixin prefers, and ``dpo_data()`` still gives datums."""
+its pairs packed through the ``dpo_data()`` hook, and datums are made of them only on request."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from loops_callbacks.data import (
     ReferenceLogprobsMixin,
     check_dpo_pairs,
     dpo_pair_datums,
-    preference_datums,
     preference_pairs,
 )
-from loops_callbacks.data.dpo import check_packed_pairs
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.clients import TorchSamplingClient
 from tests.data.test_data import CountingClient, make_pairs, ref_values
@@ -36,16 +34,15 @@ def same_arrays(one: PackedPairs, other: PackedPairs) -> bool:
     return all(np.array_equal(getattr(one, key), getattr(other, key)) for key in KEYS)
 
 
-def test_preference_pairs_pack_what_preference_datums_give_and_make_no_datum(monkeypatch: pytest.MonkeyPatch) -> None:
-    datums, datum_report = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
-
+def test_preference_pairs_make_no_datum_and_their_datums_check_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_datum(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a datum was made")
 
-    monkeypatch.setattr(packed_pairs, "Datum", no_datum)
-    pairs, report = preference_pairs(records(), TOKENIZER_PATH, max_length=64, progress=False)
-    assert same_arrays(pairs, check_dpo_pairs(datums)) and pairs.ref_logprobs is None
-    assert report == datum_report
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_pairs, "Datum", no_datum)
+        pairs, report = preference_pairs(records(), TOKENIZER_PATH, max_length=64, progress=False)
+    assert same_arrays(pairs, check_dpo_pairs(pairs.datums())) and pairs.ref_logprobs is None
+    assert report.num_pairs == len(pairs) // 2 == 7
 
 
 def test_the_datamodule_gives_its_packed_pairs_to_the_mixin_and_datums_on_request() -> None:
@@ -54,21 +51,21 @@ def test_the_datamodule_gives_its_packed_pairs_to_the_mixin_and_datums_on_reques
     data = DPODataModule(records(), tokenizer=TOKENIZER_PATH, max_length=64, reference=reference,
                          use_cache=False, progress=False, batch_size=2)
     data.setup("fit")
-    given = data.dpo_pairs()
+    given = data.dpo_data()
     assert data.scored_pairs.input_ids is given.input_ids  # the one packed form, not a copy
-    expected, _ = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
-    datums = data.dpo_data()
+    expected = preference_pairs(records(), TOKENIZER_PATH, max_length=64, progress=False)[0].datums()
+    datums = data.dpo_data().datums()
     assert [d.model_input.to_ints() for d in datums] == [d.model_input.to_ints() for d in expected]
     assert [d.loss_fn_inputs["weights"].data for d in datums] == [d.loss_fn_inputs["weights"].data for d in expected]
-    assert ref_values(data.scored_data) == ref_values(attach_reference_logprobs(expected, reference))
+    assert ref_values(data.scored_pairs.datums()) == ref_values(attach_reference_logprobs(expected, reference))
 
 
 def test_a_client_that_scores_datums_gets_the_datamodules_datums() -> None:
     data = DPODataModule(records(), tokenizer=TOKENIZER_PATH, max_length=64, reference=CountingClient(vocab_size=None),
                          use_cache=False, progress=False, batch_size=2)
     data.setup("fit")
-    expected, _ = preference_datums(records(), TOKENIZER_PATH, max_length=64, progress=False)
-    assert ref_values(data.scored_data) == ref_values(attach_reference_logprobs(expected, CountingClient()))
+    expected = preference_pairs(records(), TOKENIZER_PATH, max_length=64, progress=False)[0].datums()
+    assert ref_values(data.scored_pairs.datums()) == ref_values(attach_reference_logprobs(expected, CountingClient()))
 
 
 class PackedOnly(ReferenceLogprobsMixin):
@@ -79,7 +76,7 @@ class PackedOnly(ReferenceLogprobsMixin):
         self.pairs = pairs
         self.configure_reference(CountingClient(fingerprint=None), use_cache=False, progress=False)
 
-    def dpo_pairs(self) -> PackedPairs:
+    def dpo_data(self) -> PackedPairs:
         return self.pairs
 
 
@@ -94,26 +91,11 @@ class PackedOnlyModule(PackedOnly, _Base):
     pass
 
 
-def test_a_datamodule_with_dpo_pairs_only_is_scored_from_them() -> None:
-    pairs = check_dpo_pairs([*dpo_pair_datums([1, 2, 3], [1, 4], 1), *dpo_pair_datums([5, 6], [5, 7, 8], 1)])
+def test_a_datamodule_whose_dpo_data_are_packed_is_scored_from_them() -> None:
+    pairs, _ = preference_pairs([{"chosen": [1, 2, 3], "rejected": [1, 4], "prompt_length": 1},
+                                 {"chosen": [5, 6], "rejected": [5, 7, 8], "prompt_length": 1}], progress=False)
     module = PackedOnlyModule(pairs)
     module.setup("fit")
     assert module.num_dpo_pairs == 2 and module.scored_pairs.input_ids is pairs.input_ids
     expected = attach_reference_logprobs(pairs.datums(), CountingClient())
-    assert ref_values(module.scored_data) == ref_values(expected)
-
-
-def test_packed_pairs_are_checked_as_datums_are() -> None:
-    chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4, 5], 1)
-    good = check_dpo_pairs([chosen, rejected])
-    weights = good.weights.copy()
-    weights[good.offsets[2] - 1] = 1.0  # a weight on the rejected sequence's last position (Tinker's convention)
-    bad = PackedPairs(good.input_ids, good.target_tokens, weights, None, good.offsets)
-    with pytest.raises(ValueError, match=r"pair 0: the rejected datum \(index 1\) carries weight on the last"):
-        check_packed_pairs(bad)
-    other_prompt = good.input_ids.copy()
-    other_prompt[good.offsets[1]] = 9
-    with pytest.raises(ValueError, match=r"pair 0: the chosen \(datum 0\) and rejected \(datum 1\) prompts differ"):
-        check_packed_pairs(PackedPairs(other_prompt, good.target_tokens, good.weights, None, good.offsets))
-    with pytest.raises(ValueError, match=r"odd number of datums \(1\)"):
-        check_packed_pairs(good.head(1))
+    assert ref_values(module.scored_pairs.datums()) == ref_values(expected)

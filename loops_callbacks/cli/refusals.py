@@ -1,0 +1,108 @@
+"""What the command refuses in one line: a config value a constructor of this package refused (with its config
+key, exit 2), and a missing optional package (exit 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from jsonargparse import Namespace
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+
+
+class Constructors:
+    """jsonargparse's instantiator for every class but the model and the data (Lightning has its own for those),
+    keeping each ``ValueError`` / ``TypeError`` a constructor raises.
+
+    jsonargparse chains only the first alternative's error to the one it raises for a union type
+    (``str | Correction``), so what a constructor said of a later alternative is found here.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def __call__(self, class_type: type, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return class_type(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            self.errors.append(error)
+            raise
+
+
+def refusal_line(error: BaseException, seen: list[Exception], config: Any) -> str | None:
+    """``"<config key> (<class>): <what its constructor said>"`` when ``error`` comes from (its explicit causes,
+    then what ``Constructors`` saw) a ``ValueError`` / ``TypeError`` of a constructor of this package, else ``None``."""
+    for candidate in [*reversed(list(_causes(error))), *seen]:
+        made = _made_by_this_package(candidate) if isinstance(candidate, (ValueError, TypeError)) else None
+        if made is not None:
+            key, name, message = _config_key_of(config, made) or "the config", type(made).__name__, str(candidate)
+            message = " ".join(message.split("\n"))
+            return key + ("" if message.startswith(name) else f" ({name})") + f": {message}"
+    return None
+
+
+def missing_package(error: BaseException) -> ImportError | None:
+    """The ImportError that caused ``error`` (jsonargparse wraps one raised while making a class), if any; only
+    explicit causes (``raise ... from``) count: an ImportError merely being handled is not what went wrong."""
+    return next((cause for cause in _causes(error) if isinstance(cause, ImportError)), None)
+
+
+def _causes(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then its explicit causes (``__cause__``), each once."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__
+
+
+def _made_by_this_package(error: BaseException) -> object | None:
+    """The object whose constructor (``__init__``, or a dataclass's ``__post_init__``) in this package raised
+    ``error``: the outermost such frame of its traceback."""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        code = frame.f_code
+        in_package = os.path.realpath(code.co_filename).startswith(_PACKAGE_DIR)  # imported as benchmarks/../ too
+        if code.co_name in ("__init__", "__post_init__") and in_package:
+            return frame.f_locals.get("self")
+    return None
+
+
+def _config_key_of(config: Any, made: object) -> str | None:
+    """Where ``config`` gives the class of ``made``: ``model``, ``trainer.callbacks[0]``, ``...corrections[1]``: a
+    ``class_path`` naming its class marks it, or, for a dataclass given by its fields, those fields' values."""
+    for key, node in _config_nodes(config, ""):
+        if not isinstance(node, Namespace):
+            continue
+        fields = {name: value for name, value in vars(node).items() if not name.startswith("__")}  # not __path__
+        class_path = fields.get("class_path")
+        if isinstance(class_path, str):
+            module, _, name = class_path.rpartition(".")
+            if getattr(sys.modules.get(module), name, None) is type(made):
+                return key
+        elif dataclasses.is_dataclass(made) and fields and all(_holds(made, *item) for item in fields.items()):
+            return key
+    return None
+
+
+def _holds(made: object, field: str, value: Any) -> bool:
+    """Whether ``made`` holds ``value`` as ``field`` (``False`` for what cannot be compared, arrays for instance)."""
+    try:
+        return bool(hasattr(made, field) and getattr(made, field) == value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _config_nodes(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` for ``value`` and everything in it, keys as a config names them (``trainer.callbacks[0]``)."""
+    yield key, value
+    if isinstance(value, Namespace):
+        for name, item in vars(value).items():
+            yield from _config_nodes(item, f"{key}.{name}" if key else name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _config_nodes(item, f"{key}[{index}]")

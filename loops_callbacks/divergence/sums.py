@@ -1,0 +1,414 @@
+"""The formula of every statistic ``states`` declares, by its name, for one chunk of a ``FlatBatch``.
+
+On the CPU the action tokens are selected first (fewer, cheaper passes); on an accelerator every
+position is kept and ``valid`` masks them, so that no shape depends on the data and nothing waits
+for the device. With d = trainer - sampler logprob, e^d = exp(min(d, 80)) the importance ratio and
+k3 = e^d - 1 - d. Everything is a sum, a count or an extremum, so chunks, micro-batches and ranks
+merge by their reduction.
+
+Example:
+    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
+    >>> from loops_callbacks.divergence.statistics import layout_of
+    >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
+    ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
+    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(signatures=False), 0, None, None, 0)
+    >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
+    (-0.5, 2, [-0.5, 0.0])
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import numpy as np
+import torch
+
+from loops_callbacks.divergence.alignment import offset_sums
+from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR, NO_TOKEN, FlatBatch
+from loops_callbacks.divergence.shadow import shadow_values
+from loops_callbacks.divergence.states import (
+    GROUP_ROWS, LAG_STRATA, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
+    STRATUM_NAMES, TOKEN_BUCKETS, Layout, context_total,
+)
+
+IS_RATIO_CLAMP = 80.0
+"""The importance ratio e^d is exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
+OFFSET_CHUNK_POSITIONS = 1 << 15
+"""On the CPU the offset votes (FFTs over whole rows) are read at most about this many positions at a time."""
+P_HIGH, P_LOW = math.log(0.5), math.log(0.1)
+"""Sampler logprobs above which a token is "likely" (p > 0.5), below which "unlikely" (p < 0.1)."""
+FIRST_ACTIONS = 4
+"""A datum's first this many action tokens are its "first" ones for the context fade."""
+LATER_ACTIONS_FROM = 8
+"""A datum's action tokens from this one on (0-based) are its "later" ones: the gap between the two
+sets keeps a fade that lasts a few tokens out of both means."""
+_16_BIT = (torch.bfloat16, torch.float16)
+_EDGES: dict[torch.device, torch.Tensor] = {}
+
+
+@torch.no_grad()
+def of_chunk(
+    flat: FlatBatch, layout: Layout, top_n: int, sample_size: int | None, generator: torch.Generator | None, rank: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every declared state's value by name, the ``top_n`` worst rows, the sampled diffs and their keys
+    (``None``: all kept), and the groups' table (``None`` without groups or strata)."""
+    compact = _on_host(flat.device)
+    active, valid = flat.active, None if compact else flat.active
+    d, sampler, trainer = (_select(x, active) if compact else x.masked_fill(~active, 0.0)
+                           for x in (flat.diff, flat.sampler, flat.trainer))
+    is_ratio = d.clamp(max=IS_RATIO_CLAMP).exp_()
+    if valid is not None:
+        is_ratio.masked_fill_(~valid, 0.0)
+    abs_d = d.abs()
+    row_counts = _row_sums(active, flat.row_lengths)  # int64 action tokens per datum
+    scored = row_counts > 0
+    seq_mean = (_row_sums(d, row_counts if compact else flat.row_lengths) / row_counts.clamp(min=1)).masked_fill(
+        ~scored, 0.0)
+    seq_is_ratio = torch.exp(seq_mean.clamp(max=IS_RATIO_CLAMP)).masked_fill(~scored, 0.0)
+    count, inf = torch.count_nonzero, math.inf
+    values: dict[str, torch.Tensor] = {
+        "n_datums": torch.full((), float(flat.n_datums), dtype=torch.float64, device=d.device),
+        "n_scored_datums": count(scored), "n_action_tokens": count(active),
+        "n_skipped_nonfinite": count(flat.counted & ~active), "n_trainer_zero": count((flat.trainer == 0.0) & active),
+        "sum_d": d.sum(), "sum_d2": torch.dot(d, d), "sum_is_ratio": is_ratio.sum(),
+        "sum_is_ratio2": torch.dot(is_ratio, is_ratio), "sum_sampler": sampler.sum(dtype=torch.float64),
+        "sum_seq_mean_d": seq_mean.sum(), "sum_seq_is_ratio": seq_is_ratio.sum(),
+        "n_abs_gt_1": count(abs_d > 1.0), "n_abs_gt_2": count(abs_d > 2.0), "n_abs_gt_4": count(abs_d > 4.0),
+        "n_is_ratio_gt_2": count(is_ratio > 2.0),
+        "n_is_ratio_lt_half": count(is_ratio < 0.5 if valid is None else (is_ratio < 0.5) & valid),
+        "n_sampler_above_zero": count(sampler > LOGPROB_CEILING), "n_trainer_above_zero": count(trainer > LOGPROB_CEILING),
+        "n_sampler_below_floor": count(sampler < LOGPROB_FLOOR), "n_trainer_below_floor": count(trainer < LOGPROB_FLOOR),
+        "n_masked_in": count(flat.masked_in),
+        "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
+        "max_seq_mean_d": _min_max(seq_mean.masked_fill(~scored, -inf))[1],
+        **_sampling_sums(flat),
+    }
+    for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
+        values[f"max_{name}"], values[f"neg_min_{name}"] = _max_and_negated_min(x, valid)
+    signatures, strata = "token_sums" in layout.slots, "strata" in layout.slots
+    if signatures or strata:  # each token's datum, rank among its datum's action tokens, probability bucket
+        datum, rank_in_datum = _datums_and_ranks(active, flat.row_lengths, row_counts, compact=compact)
+        p_bucket = _probability_buckets(sampler)
+    if signatures:
+        values.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
+        values.update(_context_sums(abs_d, rank_in_datum, p_bucket, valid))
+        values["token_sums"] = _token_sums(flat, d, valid, compact)
+        chunks = flat.datum_chunks(OFFSET_CHUNK_POSITIONS) if compact else [flat]
+        values["offset_sums"] = functools.reduce(operator.add, [offset_sums(chunk) for chunk in chunks])
+    # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
+    k3 = is_ratio.sub_(1.0).sub_(d) if not strata else (is_ratio - 1.0).sub_(d)
+    if valid is not None:
+        k3.masked_fill_(~valid, 0.0)
+    values["sum_k3"] = k3.sum()
+    groups = None
+    if strata:
+        values["strata"] = _strata_sums(d, abs_d, is_ratio, k3, datum, rank_in_datum, p_bucket, row_counts,
+                                        flat.lags, valid)
+        if flat.groups is not None:
+            groups = _group_table(abs_d, is_ratio, k3, datum, flat.groups, valid, layout.max_groups)
+    if layout.corrections:
+        values.update(shadow_values(flat, layout.corrections, flat.datum_advantages, rank=rank))
+    worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=d.device)
+    if top_n:
+        ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
+        chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
+        index = _positions_of_selected(active, flat.row_lengths, row_counts, chosen) if compact else chosen
+        worst = _worst_rows(flat, index, chosen, ranked, d, top_n)
+    keys = None if sample_size is None else torch.rand(d.shape, dtype=torch.float64, device=d.device,
+                                                       generator=generator)
+    if valid is not None:
+        keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
+    return values, worst, d, keys, groups
+
+
+def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampler: torch.Tensor,
+                    trainer: torch.Tensor, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The diagnosis' sums and counts over the action tokens (``states.SIGNATURES``)."""
+    s, t = sampler.to(torch.float64), trainer.to(torch.float64)
+    negative, positive = d < 0, d > 0
+    high, low = sampler > P_HIGH, sampler < P_LOW
+    if valid is not None:  # masked-out places hold s = 0 (p = 1): keep them out of the buckets
+        high &= valid
+        low &= valid
+    d2 = d * d
+    count, n_16_bit = torch.count_nonzero, torch.zeros((), device=d.device)
+    if flat.sampler.dtype in _16_BIT and flat.trainer.dtype in _16_BIT:  # rounded to 16 bits, exact matches say less
+        n_16_bit = count(valid) if valid is not None else torch.tensor(float(d.numel()), device=d.device)
+    sums = {
+        "sum_trainer": t.sum(), "sum_sampler2": torch.dot(s, s), "sum_trainer2": torch.dot(t, t),
+        "sum_sampler_trainer": torch.dot(s, t), "sum_d4": torch.dot(d2, d2),
+        "n_d_neg": count(negative), "n_d_pos": count(positive),
+        "n_both_16_bit": n_16_bit,
+        "n_p_high": count(high), "n_p_high_d_pos": count(high & positive), "n_p_high_d_neg": count(high & negative),
+        "sum_abs_d_p_high": torch.dot(abs_d, high.to(torch.float64)),
+        "n_p_low": count(low), "n_p_low_d_pos": count(low & positive), "n_p_low_d_neg": count(low & negative),
+        "sum_abs_d_p_low": torch.dot(abs_d, low.to(torch.float64)),
+    }
+    # pairs (k, k+1) of action tokens in one datum, on the flat (uncompacted) positions
+    length, zero = flat.diff.shape[0], torch.zeros((), dtype=torch.float64, device=d.device)
+    if length < 2:
+        return sums | dict.fromkeys(("n_pairs", "sum_abs_d_pairs", "sum_abs_shift_next", "sum_abs_shift_prev"), zero)
+    starts = torch.zeros(length + 1, dtype=torch.bool, device=d.device)
+    starts.index_fill_(0, torch.cumsum(flat.row_lengths, 0), True)  # position k begins a datum (k > 0)
+    pair = flat.active[:-1] & flat.active[1:] & ~starts[1:length]
+    s, t, weight = flat.sampler.to(torch.float64), flat.trainer.to(torch.float64), pair.to(torch.float64)
+    gap = torch.nan_to_num(flat.diff.abs(), nan=0.0, posinf=0.0)  # non-finite only off the pairs
+    return sums | {
+        "n_pairs": count(pair), "sum_abs_d_pairs": torch.dot(gap[:-1] + gap[1:], weight),
+        "sum_abs_shift_next": torch.dot(torch.nan_to_num((t[:-1] - s[1:]).abs_(), nan=0.0, posinf=0.0), weight),
+        "sum_abs_shift_prev": torch.dot(torch.nan_to_num((t[1:] - s[:-1]).abs_(), nan=0.0, posinf=0.0), weight),
+    }
+
+
+def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """Over masked-in positions with a finite trainer logprob t, entropy H and varentropy V (whatever their
+    advantage: a selection by reward would bias the check), the count and the sums of t + H, H and V; and the
+    largest t + H and the smallest (negated), -inf without such positions."""
+    names = ("n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy", "sum_sampling_varentropy")
+    extrema = ("max_sampling_gap", "neg_min_sampling_gap")
+    if flat.entropy is None or flat.varentropy is None:
+        zero, none = (torch.full((), value, dtype=torch.float64, device=flat.device) for value in (0.0, -math.inf))
+        return dict.fromkeys(names, zero) | dict.fromkeys(extrema, none)
+    t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
+    drawn = flat.masked_in & torch.isfinite(t) & torch.isfinite(h) & torch.isfinite(v)
+    sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), t + h, h, v))}
+    return sums | dict(zip(extrema, _max_and_negated_min(t + h, drawn)))
+
+
+def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, valid: torch.Tensor | None
+                  ) -> dict[str, torch.Tensor]:
+    """Tokens, |d| and d² on each datum's first ``FIRST_ACTIONS`` action tokens and on those from the
+    ``LATER_ACTIONS_FROM``-th on, per sampler-probability bucket (``states.CONTEXT_KINDS``)."""
+    buckets = len(PROBABILITY_STRATA)
+    values = torch.stack([torch.ones_like(abs_d), abs_d, abs_d * abs_d])
+    sums: dict[str, torch.Tensor] = {}
+    for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
+        if valid is not None:
+            chosen &= valid
+        slot = torch.where(chosen, p_bucket, buckets)  # the others in one more slot, dropped
+        totals = abs_d.new_zeros(len(values), buckets + 1).index_add_(1, slot, values)
+        for row, name in enumerate(("n", "sum_abs_d", "sum_d2")):
+            sums.update({context_total(f"{name}_{part}", b): totals[row, b] for b in range(buckets)})
+    return sums
+
+
+def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, compact: bool) -> torch.Tensor:
+    """Float64 ``[3, TOKEN_BUCKETS]``: per hashed token id, the count, sum of d and sum of d²."""
+    buckets = torch.zeros(3, TOKEN_BUCKETS + 1, dtype=torch.float64, device=d.device)  # last: unknown ids
+    if flat.token_ids is not None:
+        ids = _select(flat.token_ids, flat.active) if compact else flat.token_ids
+        known = ids >= 0 if valid is None else (ids >= 0) & valid
+        buckets.index_add_(1, torch.where(known, ids.remainder(TOKEN_BUCKETS), TOKEN_BUCKETS),
+                           torch.stack([torch.ones_like(d), d, d * d]))
+    return buckets[:, :TOKEN_BUCKETS]
+
+
+def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k3: torch.Tensor, datum: torch.Tensor,
+                 rank: torch.Tensor, p_bucket: torch.Tensor, row_counts: torch.Tensor, lags: torch.Tensor | None,
+                 valid: torch.Tensor | None) -> torch.Tensor:
+    """Float64 ``[len(COLUMNS), len(STRATUM_NAMES)]``: each stratum's tokens, Σ k3 (as handed in), Σ |d|, Σ e^d.
+
+    A family is one index per token; places that are not action tokens go to a last, dropped column.
+    On the CPU each family is four weighted ``bincount``s, elsewhere one ``index_add_`` (``bincount``
+    would read its size on the host).
+    """
+    trash = len(STRATUM_NAMES)
+    weights = (k3, abs_d, is_ratio) if valid is None else tuple(w.masked_fill(~valid, 0.0) for w in (k3, abs_d,
+                                                                                                      is_ratio))
+    out = torch.zeros(1 + len(weights), trash + 1, dtype=torch.float64, device=d.device)
+    stacked = None if _on_host(d.device) else torch.stack([torch.ones_like(d), *weights])
+
+    def add(index: torch.Tensor) -> None:
+        if valid is not None:
+            index.masked_fill_(~valid, trash)
+        if stacked is not None:
+            out.index_add_(1, index, stacked)
+            return
+        out[0] += torch.bincount(index, minlength=trash + 1)
+        for row, weight in enumerate(weights, start=1):
+            out[row] += torch.bincount(index, weights=weight, minlength=trash + 1)
+
+    position, lag = len(PROBABILITY_STRATA), len(PROBABILITY_STRATA) + len(POSITION_STRATA)
+    add(p_bucket.clone())
+    quartile = rank.mul(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
+    add(quartile.clamp_(max=3).add_(position))
+    if lags is not None:
+        bucket = torch.where(lags < 4, lags.clamp(min=0), torch.where(lags < 8, 4, 5))
+        add(bucket.add_(lag).index_select(0, datum))
+        add(torch.full_like(lags, trash).masked_fill_(lags < 0, lag + len(LAG_STRATA)).index_select(0, datum))
+    return out[:, :trash]
+
+
+def _group_table(abs_d: torch.Tensor, is_ratio: torch.Tensor, k3: torch.Tensor, datum: torch.Tensor,
+                 groups: torch.Tensor, valid: torch.Tensor | None, max_groups: int) -> torch.Tensor:
+    """Float64 ``[GROUP_ROWS, K]``: each group's index (``max_groups``: ``group_other``) and its sums, from one
+    int64 id per datum: a column per datum, merged into one per group where that reads nothing (the CPU)."""
+    weights = torch.stack([torch.ones_like(k3), k3, abs_d, is_ratio])
+    if valid is not None:
+        weights.masked_fill_(~valid, 0.0)
+    table = torch.zeros(GROUP_ROWS, groups.numel(), dtype=torch.float64, device=k3.device)
+    table[0] = groups.clamp(max=max_groups)
+    table[1:].index_add_(1, datum, weights)
+    return merged_groups(table)
+
+
+def merged_groups(table: torch.Tensor) -> torch.Tensor:
+    """``by_group`` on the CPU (the groups' number is read there); elsewhere the table as it is (side by side:
+    the reduction and ``to_host`` merge them)."""
+    return by_group(table) if _on_host(table.device) else table
+
+
+def by_group(table: torch.Tensor) -> torch.Tensor:
+    """The groups' table with one column per group, in ascending order of their index.
+
+    Example:
+        >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
+        [[0.0, 1.0], [1.0, 7.0]]
+    """
+    indices, column = torch.unique(table[0], return_inverse=True)
+    merged = table.new_zeros(table.shape[0], indices.numel())
+    merged[0] = indices
+    merged[1:].index_add_(1, column, table[1:])
+    return merged
+
+
+def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each place's datum and its rank among its datum's action tokens (0: the datum's first); the places are
+    the action tokens alone (``compact``) or every position (then: the action tokens before it in its datum).
+
+    Example:
+        >>> active = torch.tensor([False, True, True, True, False, True])
+        >>> datum, rank = _datums_and_ranks(active, torch.tensor([4, 2]), torch.tensor([3, 1]), compact=True)
+        >>> datum.tolist(), rank.tolist()
+        ([0, 0, 0, 1], [0, 1, 2, 0])
+    """
+    device = active.device
+    datum = torch.repeat_interleave(torch.arange(row_lengths.numel(), device=device), row_lengths,
+                                    output_size=active.numel())
+    if compact:
+        datum = datum[active]
+        first = torch.cumsum(row_counts, 0) - row_counts  # each datum's first action token
+        return datum, torch.arange(datum.numel(), device=device).sub_(first.index_select(0, datum))
+    rank = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
+    starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
+    rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
+    return datum, rank
+
+
+def _probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
+    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64; the
+    edges made once per device, so that no step copies them from the host."""
+    if sampler.device not in _EDGES:
+        _EDGES[sampler.device] = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64,
+                                              device=sampler.device)
+    return torch.bucketize(sampler.to(torch.float64), _EDGES[sampler.device], right=True)
+
+
+def _on_host(device: torch.device) -> bool:
+    """Whether reading the host is free here (the CPU), so that shapes may follow the data."""
+    return device.type == "cpu"
+
+
+def _select(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values[keep]`` on the CPU; numpy's compress is about 3x faster than ``masked_select``."""
+    if values.dtype in _16_BIT or values.requires_grad:
+        return values.detach().masked_select(keep)
+    return torch.from_numpy(np.compress(keep.numpy(), values.numpy()))
+
+
+def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum of each consecutive run of ``lengths[i]`` values (bools are counted); no host sync off the CPU."""
+    rows = lengths.numel()
+    if _on_host(values.device):
+        sums = np.zeros(rows, dtype=np.float64 if values.is_floating_point() else np.int64)
+        nonempty = lengths.numpy() > 0
+        if nonempty.any():  # reduceat sums runs between consecutive, strictly increasing starts
+            starts = (np.cumsum(lengths.numpy()) - lengths.numpy())[nonempty]
+            sums[nonempty] = np.add.reduceat(values.numpy(), starts, dtype=sums.dtype)
+        return torch.from_numpy(sums)
+    summed = values if values.is_floating_point() else values.to(torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), lengths, output_size=values.numel())
+    return torch.zeros(rows, dtype=summed.dtype, device=values.device).index_add_(0, row_of, summed)
+
+
+def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) as float64; (inf, -inf) when empty."""
+    if values.numel() == 0:
+        inf = torch.full((), math.inf, dtype=torch.float64, device=values.device)
+        return inf, -inf
+    low, high = torch.aminmax(values)
+    return low.to(torch.float64), high.to(torch.float64)
+
+
+def _max_and_negated_min(values: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, -min) of ``values`` where ``valid`` (all when ``None``); -inf for both when there are none."""
+    if valid is None:
+        low, high = _min_max(values)
+    else:
+        low, high = _min_max(values.masked_fill(~valid, math.inf))[0], _min_max(values.masked_fill(~valid, -math.inf))[1]
+    return high, -low
+
+
+def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values, ties broken by the earliest index, in index order."""
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=ranked.device)
+    if _on_host(ranked.device):
+        # The k-th largest of a strided subset is a lower bound of the k-th largest of all, so
+        # every value at or above it is a candidate (about k * stride of them); rank those only.
+        stride = max(1, min(64, ranked.shape[0] // (4 * k)))
+        bound = torch.topk(ranked[::stride] if stride > 1 else ranked, k, sorted=False).values.min()
+        candidates = (ranked >= bound).nonzero().squeeze(1)
+        order = torch.sort(ranked.index_select(0, candidates), descending=True, stable=True).indices[:k]
+        return candidates.index_select(0, order).sort().values
+    # Fixed shapes (no host sync): all values above the k-th, then the earliest ties.
+    threshold = torch.topk(ranked, k, sorted=False).values.min()
+    above, tied = ranked > threshold, ranked == threshold
+    take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
+    return torch.topk(take.to(torch.float32), k, sorted=False).indices.sort().values
+
+
+def _positions_of_selected(active: torch.Tensor, row_lengths: torch.Tensor, counts: torch.Tensor,
+                           selected: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the ``selected`` entries of ``active``'s selection (the CPU; a few rows)."""
+    ends = torch.cumsum(counts, 0)
+    rows = torch.searchsorted(ends, selected, right=True)
+    row_starts = torch.cumsum(row_lengths, 0) - row_lengths
+    flat = []
+    for row, rank in zip(rows.tolist(), (selected - (ends - counts).index_select(0, rows)).tolist()):
+        start = int(row_starts[row])
+        flat.append(start + int(active[start : start + int(row_lengths[row])].nonzero()[rank]))
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def _worst_rows(flat: FlatBatch, flat_index: torch.Tensor, chosen: torch.Tensor, ranked: torch.Tensor,
+                d: torch.Tensor, top_n: int) -> torch.Tensor:
+    """``ROW`` rows of the chosen tokens, ranked, padded with empty rows to ``top_n``."""
+    rows = torch.full((top_n, ROW.WIDTH), float(NO_TOKEN), dtype=torch.float64, device=d.device)
+    rows[:, ROW.ABS] = -math.inf
+    if chosen.shape[0] == 0:
+        return rows
+    row_ends = torch.cumsum(flat.row_lengths, 0)
+    datum = torch.searchsorted(row_ends, flat_index, right=True)
+    position = flat_index - (row_ends - flat.row_lengths).index_select(0, datum)
+    picked = rows[: chosen.shape[0]]
+    picked[:, ROW.ABS] = ranked.index_select(0, chosen)
+    picked[:, ROW.DIFF] = d.index_select(0, chosen)
+    picked[:, ROW.SAMPLER] = flat.sampler.index_select(0, flat_index).to(torch.float64)
+    picked[:, ROW.TRAINER] = flat.trainer.index_select(0, flat_index).to(torch.float64)
+    picked[:, ROW.DATUM] = datum.to(torch.float64)
+    picked[:, ROW.POSITION] = position.to(torch.float64)
+    if flat.tokens is not None:
+        token, before, after = flat.tokens.lookup(datum, position)
+        picked[:, ROW.TOKEN], picked[:, ROW.BEFORE], picked[:, ROW.AFTER] = token, before, after
+    return ranked_rows(rows, top_n)
+
+
+def ranked_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:
+    """Rows ordered by |d| descending, then datum, then position; the first ``top_n``."""
+    order = torch.sort(rows[:, ROW.POSITION], stable=True).indices
+    order = order[torch.sort(rows[order, ROW.DATUM], stable=True).indices]
+    order = order[torch.sort(rows[order, ROW.ABS], descending=True, stable=True).indices]
+    return rows[order[:top_n]]

@@ -1,0 +1,214 @@
+"""vLLM's ``RequestOutput``s as the monitor's padded batch, and the check of the engine's sampling settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from loops_callbacks import run_warnings
+from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.fields import model_input_tokens
+from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_facts
+from loops_callbacks.validation import check, check_int
+
+_SAID = run_warnings.RunWarnings()
+"""The sampling-settings warning, once per process and settings."""
+
+
+def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list[int]]:
+    """Each prompt's token ids: ids as given (a list, a 1-D tensor, a ``ModelInput``), or chat messages (a
+    list of ``{"role": ..., "content": ...}``) through ``tokenizer``'s chat template with the generation prompt.
+
+    Example:
+        >>> import torch
+        >>> prompt_token_ids([[1, 2], torch.tensor([3])])
+        [[1, 2], [3]]
+        >>> prompt_token_ids([[{"role": "user", "content": "hi"}]])
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt 0 is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)
+    """
+    _check_list("prompts", prompts, "a list of prompts")
+    result = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            raise TypeError(
+                f"prompt {index} is text; pass token ids (tokenizer.encode(text)) or chat messages, so the tokens "
+                "the sampler and the trainer see are the same"
+            )
+        if isinstance(prompt, Sequence) and len(prompt) and isinstance(prompt[0], Mapping):
+            if tokenizer is None:
+                raise ValueError(
+                    f"prompt {index} is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)"
+                )
+            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
+        else:
+            try:
+                ids = model_input_tokens(prompt)
+            except TypeError as error:
+                raise TypeError(f"prompt {index}: {error} or chat messages") from None
+        if not len(ids):
+            raise ValueError(f"prompt {index} is empty; vLLM needs at least one prompt token")
+        result.append([int(token) for token in ids])
+    return result
+
+
+def generate_rollouts(
+    llm: Any, prompts: Sequence[Any], sampling_params: Any, *, tokenizer: Any = None, weight_sync: Any = None,
+    pad_id: int = 0, groups: Sequence[int] | None = None, device: str | torch.device | None = None,
+) -> dict[str, Any]:
+    """``llm.generate`` on ``prompts`` (``prompt_token_ids``), as ``rollout_batch`` with the engine's facts.
+
+    ``weight_sync`` (the engine's ``VLLMWeightSync``) gives the weights' version and whether the prefix
+    cache is stale; without it both are unknown. See ``rollout_batch`` for the rest.
+    """
+    ids = prompt_token_ids(prompts, tokenizer)
+    if weight_sync is not None and weight_sync.llm is not llm:
+        raise ValueError("weight_sync belongs to another engine than llm; pass the VLLMWeightSync of this engine")
+    facts = weight_sync.facts(sampling_params) if weight_sync is not None else engine_facts(llm, sampling_params)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling_params, use_tqdm=False)
+    return rollout_batch(outputs, facts=facts, pad_id=pad_id, groups=groups, device=device)
+
+
+def rollout_batch(
+    outputs: Sequence[Any], *, facts: SamplerFacts | None = None, policy_version: int | None = None,
+    groups: Sequence[int] | None = None, pad_id: int = 0, device: str | torch.device | None = None,
+) -> dict[str, Any]:
+    """The monitor's padded batch from ``LLM.generate``'s ``RequestOutput``s (the package docstring says how).
+
+    Args:
+        outputs: one ``RequestOutput`` per prompt (``prompt_token_ids``, and ``outputs``: its n
+            completions, each with ``token_ids`` and ``logprobs``, flat or one dict per token).
+        facts: the engine's ``SamplerFacts`` (``engine_facts``, ``VLLMWeightSync.facts``), put under
+            ``"sampler_facts"``; its settings are checked against its logprobs mode.
+        policy_version: the version of the weights that sampled (the trainer's optimizer steps); by
+            default ``facts.weight_version``; the key is left out when neither is known.
+        groups: one int per prompt for ``group``; by default the prompt's index.
+        pad_id: the id right padding puts in ``input_ids`` and ``target_tokens``.
+        device: where the tensors go (the CPU by default).
+
+    Returns ``input_ids``, ``target_tokens`` (int64 ``[B, T]``), ``logprobs``, ``mask`` (float32
+    ``[B, T]``), ``group`` (and ``policy_version``) int64 ``[B]``, and ``sampler_facts`` when given.
+    """
+    _check_list("outputs", outputs, "the list LLM.generate returns")
+    prompts, completions, logprobs, counts = [], [], [], []
+    for i, output in enumerate(outputs):
+        prompt, samples = getattr(output, "prompt_token_ids", None), getattr(output, "outputs", None)
+        if prompt is None or samples is None:
+            raise TypeError(
+                f"outputs[{i}] is not a vLLM RequestOutput (it needs prompt_token_ids and outputs), got "
+                f"{type(output).__name__}"
+            )
+        counts.append(len(samples))
+        for j, sample in enumerate(samples):
+            tokens = np.asarray(sample.token_ids, dtype=np.int64)
+            prompts.append(prompt)
+            completions.append(tokens)
+            logprobs.append(_sampled_logprobs(sample.logprobs, tokens, f"outputs[{i}].outputs[{j}]"))
+    return _padded_batch(prompts, completions, logprobs, counts, facts, policy_version, groups, pad_id, device)
+
+
+def _check_list(name: str, value: Any, what: str) -> None:
+    if isinstance(value, (str, Mapping)):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    check(name, value, Sequence, what)
+
+
+def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarray:
+    """The logprob of each of ``tokens`` (sampled, or a prompt's), from vLLM's flat form (lists, read as arrays)
+    or one dict per position, checked to be the logprob of that token."""
+    if logprobs is None:
+        raise ValueError(
+            f"{where} has no logprobs: sample with SamplingParams(logprobs=0) (the sampled token's logprob; "
+            "flat_logprobs=True too, to skip a Python object per token)"
+        )
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"{where} has {len(logprobs)} logprobs for {len(tokens)} tokens; one per token is needed")
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:  # one {token_id: Logprob} dict per position
+        values = []
+        for position, (entry, token) in enumerate(zip(logprobs, tokens.tolist())):
+            found = entry.get(token) if entry else None
+            if found is None:
+                raise ValueError(f"{where}: position {position} has no logprob for its token {token}")
+            values.append(found.logprob)
+        return np.asarray(values, dtype=np.float64)
+    starts = np.asarray(starts, dtype=np.int64)  # FlatLogprobs: the sampled token comes first at each position
+    empty = np.flatnonzero(np.asarray(logprobs.end_indices, dtype=np.int64) <= starts)
+    if empty.size:
+        raise ValueError(f"{where}: position {int(empty[0])} has no logprob for its token")
+    ids = np.asarray(logprobs.token_ids, dtype=np.int64)[starts]
+    wrong = np.flatnonzero(ids != tokens)
+    if wrong.size:
+        k = int(wrong[0])
+        raise ValueError(f"{where}: position {k} has a logprob for token {ids[k]}, not for its token {tokens[k]}")
+    return np.asarray(logprobs.logprobs, dtype=np.float64)[starts]
+
+
+def _padded_batch(
+    prompts: list[Sequence[int]], completions: list[np.ndarray], logprobs: list[np.ndarray], counts: list[int],
+    facts: SamplerFacts | None, policy_version: int | None, groups: Sequence[int] | None, pad_id: int,
+    device: str | torch.device | None,
+) -> dict[str, Any]:
+    """Rows ``prompt + completion``, right-padded; the completion's tokens are the action tokens, and
+    ``counts[i]`` rows (a group) belong to prompt i."""
+    if facts is not None:
+        check("facts", facts, SamplerFacts, "a SamplerFacts (engine_facts(llm, params))")
+        if str(facts.logprobs_mode).endswith("_logits"):
+            raise ValueError(
+                f"the engine reports logits, not logprobs (logprobs_mode={facts.logprobs_mode!r}); build it with "
+                "logprobs_mode='processed_logprobs' (or 'raw_logprobs')"
+            )
+        _warn_if_other_distribution(facts)
+    check_int("pad_id", pad_id, least=0)
+    group_per_prompt = range(len(counts)) if groups is None else [
+        check_int(f"groups[{i}]", group, least=0) for i, group in enumerate(groups)]
+    if len(group_per_prompt) != len(counts):
+        raise ValueError(f"groups has {len(group_per_prompt)} ids for {len(counts)} prompts; give one int per prompt")
+    lengths = np.array([len(p) + len(c) for p, c in zip(prompts, completions)], dtype=np.int64)
+    first_actions = np.array([len(p) - 1 for p in prompts], dtype=np.int64)  # the position predicting token len(p)
+    width = int(lengths.max(initial=1))
+    tokens = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    tokens[np.arange(width) < lengths[:, None]] = np.concatenate([np.zeros(0, np.int64), *(
+        np.concatenate([np.asarray(p, dtype=np.int64), c]) for p, c in zip(prompts, completions))])
+    positions = np.arange(width - 1)
+    mask = (positions >= first_actions[:, None]) & (positions < lengths[:, None] - 1)
+    sampler = np.zeros(mask.shape, dtype=np.float32)
+    sampler[mask] = np.concatenate([np.zeros(0), *logprobs])  # row by row, each row's positions in order
+    batch: dict[str, Any] = {
+        "input_ids": torch.from_numpy(tokens[:, :-1].copy()),
+        "target_tokens": torch.from_numpy(tokens[:, 1:].copy()),
+        "logprobs": torch.from_numpy(sampler),
+        "mask": torch.from_numpy(mask.astype(np.float32)),
+        "group": torch.from_numpy(np.repeat(np.asarray(group_per_prompt, dtype=np.int64), counts)),
+    }
+    version = policy_version if policy_version is not None else (facts.weight_version if facts else None)
+    if version is not None:
+        check_int("policy_version (the trainer's optimizer steps of the sampling weights)", version, least=0)
+        batch["policy_version"] = torch.full((len(lengths),), version, dtype=torch.int64)
+    if device is not None:
+        batch = {key: value.to(device) for key, value in batch.items()}
+    if facts is not None:
+        batch["sampler_facts"] = facts
+    return batch
+
+
+def _warn_if_other_distribution(facts: SamplerFacts) -> None:
+    """One ``VLLMWarning`` per process and settings when the logprobs are not of the distribution sampled from."""
+    if not facts.samples_other_than_reported:
+        return
+    changed = (("temperature", facts.temperature, facts.temperature not in (None, 1.0)),
+               ("top_p", facts.top_p, facts.top_p not in (None, 1.0)), ("top_k", facts.top_k, (facts.top_k or 0) > 0))
+    settings = ", ".join(f"{name}={value:g}" for name, value, on in changed if on)
+    _SAID.warn(
+        f"sampling:{facts.logprobs_mode}:{settings}",
+        f"vLLM samples with {settings} but its logprobs_mode={facts.logprobs_mode!r} reports the model's distribution "
+        "at temperature 1 before top-k / top-p: the sampler logprobs are not those of the distribution the tokens were "
+        "drawn from, so the importance ratio is not the behaviour policy's. Build the engine with "
+        "logprobs_mode='processed_logprobs' (LLM(..., logprobs_mode='processed_logprobs'); a server: --logprobs-mode "
+        "processed_logprobs), or sample at temperature 1 without top-k / top-p",
+        VLLMWarning,
+    )

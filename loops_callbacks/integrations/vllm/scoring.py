@@ -1,0 +1,109 @@
+"""``VLLMSamplingClient``: a reference scorer on vLLM's prompt logprobs, for DPO's reference logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from loops_callbacks import run_warnings
+from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, import_vllm
+from loops_callbacks.integrations.vllm.rollouts import _sampled_logprobs
+from loops_callbacks.reference.clients import ScorerClient
+from loops_callbacks.reference.packing import PackedTokens, check_token_ids
+
+
+class VLLMSamplingClient(ScorerClient):
+    """A ``SamplingClient`` on vLLM's prompt logprobs: one ``SamplingParams(max_tokens=1, prompt_logprobs=0)``
+    request per sequence, all at once (vLLM batches them).
+
+    ``compute_logprobs(prompt)`` / ``compute_logprobs_batch(prompts)`` answer as every
+    ``SamplingClient`` does (element 0 ``None``); ``score_packed`` gives the flat ``ref_logprobs``
+    layout the DPO DataModule reads; ``fingerprint()`` hashes the engine's weights, so its values
+    are cached like a local reference's. The requests skip the prefix cache
+    (``skip_reading_prefix_cache=True``): prompt logprobs served with prefix caching came back
+    stale (vLLM #42019), so an engine built with prefix caching on is told, once, that its scoring
+    requests do not use it. An engine that reports logits (``logprobs_mode="*_logits"``) is refused.
+
+    Args:
+        llm: the ``vllm.LLM`` holding the reference weights.
+
+    On the same weights it equals ``TorchSamplingClient`` in float32 (to 1e-4 in the tests)::
+
+        reference = VLLMSamplingClient(LLM(model_dir, dtype="float32"))
+        data = attach_reference_logprobs(data, reference)
+    """
+
+    def __init__(self, llm: Any) -> None:
+        vllm = import_vllm("VLLMSamplingClient")
+        config = engine_config(llm)
+        mode = str(config.model_config.logprobs_mode)
+        if mode.endswith("_logits"):
+            raise ValueError(
+                f"the engine reports logits, not logprobs (logprobs_mode={mode!r}); build the reference engine with "
+                "logprobs_mode='raw_logprobs' (the default)"
+            )
+        self.llm = llm
+        self.vocab_size = int(config.model_config.get_vocab_size())
+        self.dtype = str(config.model_config.dtype).removeprefix("torch.")
+        self._budget = int(config.scheduler_config.max_num_batched_tokens)
+        self._params = vllm.SamplingParams(
+            max_tokens=1, prompt_logprobs=0, skip_reading_prefix_cache=True, flat_logprobs=True, detokenize=False
+        )
+        if config.cache_config.enable_prefix_caching:
+            run_warnings.warn(
+                "VLLMSamplingClient: the engine has prefix caching on; its scoring requests skip it "
+                "(skip_reading_prefix_cache=True), since prompt logprobs served from the prefix cache came back stale "
+                "(vLLM #42019). Build a reference-only engine with enable_prefix_caching=False to say so yourself",
+                VLLMWarning,
+            )
+
+    @property
+    def max_tokens_per_batch(self) -> int:
+        """The engine's token budget of one forward pass (its ``max_num_batched_tokens``)."""
+        return self._budget
+
+    @property
+    def path(self) -> str:
+        return "vllm"
+
+    def score_packed(
+        self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None, lockstep: Any = None
+    ) -> torch.Tensor:
+        """Flat float32 values in the ``ref_logprobs`` layout: value k of a sequence is log p(token k + 1 | tokens
+        up to k), its last value 0. ``lockstep`` is not used (one engine scores for the rank)."""
+        check_token_ids(packed, self.vocab_size)
+        scored = np.flatnonzero(packed.lengths >= 2)  # a one-token sequence has nothing to score
+        offsets = packed.offsets
+        requests = [{"prompt_token_ids": packed.ids[offsets[i] : offsets[i + 1]].tolist()} for i in scored]
+        outputs = self.llm.generate(requests, self._params, use_tqdm=False) if requests else []
+        values = np.zeros(packed.num_tokens, dtype=np.float32)
+        base = int(offsets[0])
+        for index, output in zip(scored.tolist(), outputs):
+            start, stop = int(offsets[index]), int(offsets[index + 1])
+            targets, where = packed.ids[start + 1 : stop], f"sequence {index}"
+            logprobs = output.prompt_logprobs
+            if logprobs is None or len(logprobs) != stop - start:
+                raise ValueError(f"vLLM gave {where} {0 if logprobs is None else len(logprobs)} prompt logprobs for "
+                                 f"{stop - start} tokens")
+            values[start - base : stop - base - 1] = _sampled_logprobs(logprobs[1:], targets, where)  # [0] is None
+        if progress is not None:
+            progress(packed.num_tokens)
+        return torch.from_numpy(values)
+
+    def fingerprint(self) -> str:
+        """A sha256 of the engine's weights (vLLM's names and layout) and dtype: a cache key, read from every weight."""
+        return self.llm.collective_rpc(_weights_fingerprint, args=(f"vllm:{self.dtype}",))[0]
+
+    def __repr__(self) -> str:
+        return f"VLLMSamplingClient(dtype={self.dtype!r}, vocab_size={self.vocab_size})"
+
+
+def _weights_fingerprint(worker: Any, tag: str) -> str:
+    """On a vLLM worker: ``weights_fingerprint`` of its model."""
+    from loops_callbacks.reference.collectives import Group
+    from loops_callbacks.reference.fingerprint import weights_fingerprint
+
+    return weights_fingerprint(worker.model_runner.get_model(), tag=tag, group=Group.local())
