@@ -62,6 +62,12 @@ _UNHELPFUL = [
 _SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 
 
+def _pair(rng: random.Random, table: dict[str, str]) -> tuple[str, str, str]:
+    """A key of ``table``, its value, and another of its values (drawn in that order)."""
+    key = rng.choice(sorted(table))
+    return key, table[key], rng.choice(sorted(set(table.values()) - {table[key]}))
+
+
 def _question(rng: random.Random) -> tuple[str, str, str]:
     """(question, right answer, wrong answer in the same words)."""
     kind = rng.randrange(5)
@@ -70,20 +76,17 @@ def _question(rng: random.Random) -> tuple[str, str, str]:
         wrong = a + b + rng.choice([-2, -1, 1, 2])
         return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.", f"{a} plus {b} is {wrong}."
     if kind == 1:
-        country = rng.choice(sorted(_CAPITALS))
-        other = rng.choice(sorted(set(_CAPITALS.values()) - {_CAPITALS[country]}))
+        country, right, other = _pair(rng, _CAPITALS)
         answer = "The capital of {} is {}."
-        return f"What is the capital of {country}?", answer.format(country, _CAPITALS[country]), answer.format(country, other)
+        return f"What is the capital of {country}?", answer.format(country, right), answer.format(country, other)
     if kind == 2:
-        thing = rng.choice(sorted(_COLOURS))
-        other = rng.choice(sorted(set(_COLOURS.values()) - {_COLOURS[thing]}))
+        thing, right, other = _pair(rng, _COLOURS)
         subject = thing[0].upper() + thing[1:]
-        return f"What colour is {thing}?", f"{subject} is {_COLOURS[thing]}.", f"{subject} is {other}."
+        return f"What colour is {thing}?", f"{subject} is {right}.", f"{subject} is {other}."
     if kind == 3:
-        word = rng.choice(sorted(_OPPOSITES))
-        other = rng.choice(sorted(set(_OPPOSITES.values()) - {_OPPOSITES[word]}))
+        word, right, other = _pair(rng, _OPPOSITES)
         answer = "The opposite of {} is {}."
-        return f"What is the opposite of {word}?", answer.format(word, _OPPOSITES[word]), answer.format(word, other)
+        return f"What is the opposite of {word}?", answer.format(word, right), answer.format(word, other)
     word = rng.choice(_WORDS)
     scrambled = list(word)
     while "".join(scrambled) in (word, word[::-1]):
