@@ -105,7 +105,7 @@ class DivergenceStats:
     def concatenated(parts: Sequence[DivergenceStats]) -> DivergenceStats:
         """Statistics of ``parts`` in order, as ``merge`` one after the other gives them."""
         if len(parts) == 1:
-            return parts[0]
+            return parts[0].capped()  # one chunk's diffs beyond sample_size are cut as merged ones are
         first = parts[0]
         n_datums = first.layout.index("n_datums")
         worst, datums = [], 0.0

@@ -112,6 +112,14 @@ def test_a_batch_read_in_whole_datum_chunks_equals_the_batch_read_at_once(
     assert_totals_equal(got, whole)
 
 
+def test_a_batch_read_in_one_chunk_keeps_sample_size_diffs_as_a_chunked_read_does() -> None:
+    """One chunk was returned uncut: 6 diffs for sample_size 5, where a chunked read of the same batch kept 5."""
+    batch = [{"tokens": [0] * 4, "logprobs": [None, -0.5, -0.25, -1.0], "mask": [1.0] * 4,
+              "trainer": [None, -0.5, -0.5, -0.5]}] * 2
+    assert len(stats_of(batch, 0, 5).to_host().diffs) == 5
+    assert len(stats_of(batch, 0, None).to_host().diffs) == 6
+
+
 def test_from_batch_checks_its_counts_as_every_argument_is_checked() -> None:
     from loops_callbacks.divergence.flat_batch import flatten_padded
     from loops_callbacks.divergence.statistics import DivergenceStats
