@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.util
 import socket
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -389,3 +390,22 @@ def run_two_ranks(
             process.terminate()
         pytest.fail(f"the ranks hung: {what}")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+class WarningsDuringFit(pl.Callback):
+    """Records every warning a rank gives during fit; ``said(trainer)`` at its end gets the messages."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catching = warnings.catch_warnings(record=True)
+        self._caught = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catching.__exit__(None, None, None)
+        self.said(trainer, [str(w.message) for w in self._caught])
+
+    def said(self, trainer: pl.Trainer, messages: list[str]) -> None:
+        raise NotImplementedError

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.shadow import no_advantage_message, shadow_scalars, shadow_statistics, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput
-from tests.helpers import TinyPolicy
+from tests.helpers import TinyPolicy, WarningsDuringFit
 from tests.oracle import PREFIX
 
 CORRECTIONS = ["sequence_mask", "token_truncate:2.0", "token_mask:0.5_2.0", "sequence_truncate", "token_tis",
@@ -207,20 +206,11 @@ class NoAdvantagesOnRankOne(TinyPolicy):
         torch.save(self.recorded, os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
 
 
-class SaidPerRank(pl.Callback):
+class SaidPerRank(WarningsDuringFit):
     """Saves what each rank warned about advantages during fit, and the correction metrics it ended with."""
 
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._catching = warnings.catch_warnings(record=True)
-        self._caught = self._catching.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._catching.__exit__(None, None, None)
-        said = [str(w.message) for w in self._caught if "advantage" in str(w.message)]
+    def said(self, trainer: pl.Trainer, messages: list[str]) -> None:
+        said = [message for message in messages if "advantage" in message]
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "/correction/" in k}
         torch.save((said, metrics), os.path.join(self.out_dir, f"said{trainer.global_rank}.pt"))
 

@@ -23,7 +23,7 @@ from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import statistics
 from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
-from tests.helpers import TinyPolicy, quiet_trainer
+from tests.helpers import TinyPolicy, WarningsDuringFit, quiet_trainer
 
 NAN = float("nan")
 SAID = "holds NaN on"
@@ -152,20 +152,11 @@ class NanOnRank(TinyPolicy):
             torch.save(self.recorded, os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
 
 
-class WarningsPerRank(pl.Callback):
+class WarningsPerRank(WarningsDuringFit):
     """Records every warning a rank gives during fit, and saves what was said about NaN advantages."""
 
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._catching = warnings.catch_warnings(record=True)
-        self._caught = self._catching.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._catching.__exit__(None, None, None)
-        said = [str(w.message) for w in self._caught if SAID in str(w.message)]
+    def said(self, trainer: pl.Trainer, messages: list[str]) -> None:
+        said = [message for message in messages if SAID in message]
         torch.save(said, os.path.join(self.out_dir, f"said{trainer.global_rank}.pt"))
 
 
