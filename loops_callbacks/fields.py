@@ -5,7 +5,7 @@ fields), this package's ``TensorData``, or a ``tinker`` / ``baseten-loops`` ``Te
 A datum may be any object with ``.model_input`` and ``.loss_fn_inputs``, or a mapping with those
 keys. Errors name the datum and the key, so a user can find the bad row.
 
-Example:
+Examples:
     >>> field_to_tensor([None, -0.25], where="datum 0, key 'logprobs'")
     tensor([    nan, -0.2500], dtype=torch.float64)
 """

@@ -32,7 +32,7 @@ log ratio is not finite (a logprob None, NaN or ±inf: the tokens the main metri
 Positions outside the mask are never read (their weight is 0, their keep False). An all-empty
 mask gives all-zero weights (verl raises a ValueError there; nothing is wrong with such a batch).
 
-Example:
+Examples:
     >>> import torch
     >>> trainer = torch.tensor([[-1.0, -2.0, 0.0]])
     >>> sampler = torch.tensor([[-1.5, -1.0, 0.0]])
@@ -64,7 +64,7 @@ VERL_MEAN_EPSILON = 1e-8
 class Segments:
     """Rows of given lengths over ``L`` concatenated positions: sums, maxima and spreading per row.
 
-    Example:
+    Examples:
         >>> rows = Segments.of_lengths(torch.tensor([2, 1]), total=3)
         >>> rows.sum(torch.tensor([1.0, 2.0, 5.0])).tolist()
         [3.0, 5.0]
@@ -179,7 +179,7 @@ class CorrectionResult:
 def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
     """A sequence-level ``correction`` (``correction.spec.level == "sequence"``) per row of ``x``.
 
-    Example:
+    Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
         ...                     Segments.of_lengths(torch.tensor([2, 1]), total=3))
         >>> rows = correct_rows(parse_correction("sequence_truncate:2.0"), x)
@@ -208,7 +208,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
 def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
     """``correction`` at every position of ``x``: weights 0 and keep False off the mask.
 
-    Example:
+    Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 2.0], dtype=torch.float64), torch.tensor([True, True]),
         ...                     Segments.of_lengths(torch.tensor([2]), total=2))
         >>> out = correct_flat(parse_correction("token_truncate:2.0"), x)
@@ -293,7 +293,7 @@ def apply_correction(
     ``off_policy_mask``. The inputs are not modified; everything is computed without gradient on
     the trainer logprobs' device.
 
-    Example:
+    Examples:
         >>> t, s = torch.zeros(2, 3), torch.full((2, 3), -0.5)
         >>> apply_correction("sequence_mask", t, s, torch.ones(2, 3)).keep.any().item()  # e^1.5 = 4.5 > 3
         False

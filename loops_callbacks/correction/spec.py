@@ -32,7 +32,7 @@ A spec is a ``Correction`` or a string: ``"sequence_mask"`` (all defaults), ``"s
 (the upper bound), ``"token_mask:0.5_2.0"`` (lower and upper, verl's ``lower_upper`` syntax),
 ``"token_truncate(clip_max=2.0, clip_min=None)"`` (by name).
 
-Example:
+Examples:
     >>> parse_correction("token_truncate(clip_max=2.0)").name
     'token_truncate(clip_max=2.0)'
     >>> parse_correction("seq_mean_k1:0.999_1.001") == Correction("seq_mean_k1", {"lower": 0.999, "upper": 1.001})
@@ -125,7 +125,7 @@ class Correction:
     ``params`` may leave out parameters that have defaults; the stored ``params`` is complete and
     read-only. Bad methods, names or values are a ``ValueError`` naming them.
 
-    Example:
+    Examples:
         >>> Correction("sequence_mask").params["clip_max"]
         3.0
     """
@@ -185,7 +185,7 @@ class Correction:
     def name(self) -> str:
         """The method, then the parameters that differ from their defaults: a stable log name.
 
-        Example:
+        Examples:
             >>> Correction("token_mask", {"clip_min": 0.5}).name
             'token_mask(clip_min=0.5)'
         """
@@ -220,7 +220,7 @@ def parse_correction(spec: str | Correction) -> Correction:
     ``"method:x"`` sets the upper bound (the only parameter of one-parameter methods); ``"method:a_b"``
     the lower and the upper bound.
 
-    Example:
+    Examples:
         >>> parse_correction("sequence_mask:2.5").params["clip_max"]
         2.5
         >>> parse_correction("token_mask(clip_min=0.5, clip_max=None)").name

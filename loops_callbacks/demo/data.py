@@ -10,7 +10,7 @@
   ``loops_callbacks.data.dpo_pair_datums(chosen, rejected, prompt_length)`` turns a pair into
   datums.
 
-Example:
+Examples:
     >>> from loops_callbacks.demo.tasks import ReverseDigitsTask
     >>> task = ReverseDigitsTask(num_digits=3)
     >>> chosen, rejected, prompt_length = make_preference_pairs(task, 1, seed=0)[0]
@@ -78,7 +78,7 @@ class PromptDataModule(LightningDataModule):
         seed: seed of the prompt stream; each process adds its global rank, so DDP ranks see
             different prompts.
 
-    Example:
+    Examples:
         >>> datamodule = PromptDataModule(num_digits=3, batch_size=2, num_batches=5)
         >>> datamodule.setup("fit")
         >>> batch = next(iter(datamodule.train_dataloader()))
@@ -120,7 +120,7 @@ def make_preference_pairs(
     length; ``prompt_length`` is ``task.prompt_length``. A corrupted digit is replaced by a
     different digit of the task's symbols, so the rejected completion is always wrong.
 
-    Example:
+    Examples:
         >>> task = ReverseDigitsTask(num_digits=4)
         >>> chosen, rejected, k = make_preference_pairs(task, 1, seed=1, num_corrupted=2)[0]
         >>> sum(a != b for a, b in zip(chosen, rejected)), k
@@ -159,7 +159,7 @@ class ReversePairsDataModule(DPODataModule):
     A ``DPODataModule`` (reference logprobs attached before training, cached, sharded across
     ranks) whose data come from ``make_preference_pairs`` instead of a file.
 
-    Example:
+    Examples:
         >>> data = ReversePairsDataModule(num_pairs=4, batch_size=2)
         >>> len(data.dpo_data())
         8

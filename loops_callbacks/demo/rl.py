@@ -54,7 +54,7 @@ key                    shape, dtype            meaning
 
 Logged: ``train/reward`` (mean reward of the sampled completions) and ``train/loss``.
 
-Example:
+Examples:
     >>> import lightning
     >>> from loops_callbacks.demo.data import PromptDataModule
     >>> module = RLPolicyModule(num_digits=3, group_size=4, sampler_precision="bfloat16")
@@ -118,7 +118,7 @@ class RLPolicyModule(LightningModule):
     happens in ``on_train_batch_start``, before any checkpoint of the coming step is written. A
     ``precision="bf16-true"`` trainer converts the whole module, sampler included, to bfloat16.
 
-    Example:
+    Examples:
         >>> module = RLPolicyModule(num_digits=2, group_size=2)
         >>> out = module.training_step({"prompt_ids": module.task.sample_prompts(3)}, 0)
         >>> out["mask"].shape, out["advantages"].shape

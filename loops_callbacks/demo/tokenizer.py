@@ -10,7 +10,7 @@ laptop CPU.
 Ids: ``pad_id = 0`` (the padding value of every demo batch), ``bos_id = 1``, ``eos_id = 2``, then
 one id per alphabet character in order.
 
-Example:
+Examples:
     >>> tok = CharTokenizer()
     >>> ids = tok.encode("12=")
     >>> ids, tok.vocab_size
@@ -35,7 +35,7 @@ class CharTokenizer:
     ``encode`` raises ``ValueError`` on a character outside the alphabet; ``decode`` never raises:
     special ids render as ``<pad>``, ``<bos>``, ``<eos>`` and any other unknown id as ``<id>``.
 
-    Example:
+    Examples:
         >>> tok = CharTokenizer("ab")
         >>> tok.decode(tok.encode("abba")), tok.vocab_size
         ('abba', 5)

@@ -22,7 +22,7 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
     """Each prompt's token ids: ids as given (a list, a 1-D tensor, a ``ModelInput``), or chat messages (a
     list of ``{"role": ..., "content": ...}``) through ``tokenizer``'s chat template with the generation prompt.
 
-    Example:
+    Examples:
         >>> import torch
         >>> prompt_token_ids([[1, 2], torch.tensor([3])])
         [[1, 2], [3]]

@@ -28,7 +28,7 @@ def checkpoint_weights(module: nn.Module, *, prefix: str | None = None) -> dict[
     Any other module: its ``state_dict()`` as it is. Wrappers' prefixes (``torch.compile``'s
     ``_orig_mod.``, FSDP's) are dropped first.
 
-    Example:
+    Examples:
         >>> holder = nn.ModuleDict({"policy": nn.Linear(2, 2), "value_head": nn.Linear(2, 1)})
         >>> sorted(checkpoint_weights(holder, prefix="policy."))
         ['bias', 'weight']
