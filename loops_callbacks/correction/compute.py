@@ -305,29 +305,22 @@ def apply_correction(
         if tensor.dim() != 2:
             raise ValueError(f"{key!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
         if tensor.shape != trainer_logprobs.shape:
-            raise ValueError(
-                f"{key!r} has shape {tuple(tensor.shape)} but 'trainer_logprobs' has {tuple(trainer_logprobs.shape)}; "
-                "the fields must be aligned position by position"
-            )
-    for key, tensor in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs)):
-        if not tensor.is_floating_point():
+            raise ValueError(f"{key!r} has shape {tuple(tensor.shape)} but 'trainer_logprobs' has "
+                             f"{tuple(trainer_logprobs.shape)}; the fields must be aligned position by position")
+        if key != "mask" and not tensor.is_floating_point():
             raise TypeError(f"{key!r} must hold floating-point logprobs, got dtype {tensor.dtype}")
     batch, width = trainer_logprobs.shape
     device = trainer_logprobs.device
+    shapes = f"({batch},) or ({batch}, 1)"
     per_row = None
     if advantages is not None:
         if not isinstance(advantages, torch.Tensor):
-            raise TypeError(
-                f"'advantages' must be a tensor of shape ({batch},) or ({batch}, 1), got {type(advantages).__name__}"
-            )
+            raise TypeError(f"'advantages' must be a tensor of shape {shapes}, got {type(advantages).__name__}")
         if tuple(advantages.shape) not in ((batch,), (batch, 1)):
-            raise ValueError(
-                f"'advantages' has shape {tuple(advantages.shape)}; expected ({batch},) or ({batch}, 1), "
-                "one per sequence"
-            )
+            raise ValueError(f"'advantages' has shape {tuple(advantages.shape)}; expected {shapes}, one per sequence")
         per_row = advantages.detach().reshape(batch).to(device=device, dtype=torch.float64)
     elif correction.spec.needs_advantages:
-        raise ValueError(f"correction {correction.name!r} needs 'advantages' of shape ({batch},) or ({batch}, 1)")
+        raise ValueError(f"correction {correction.name!r} needs 'advantages' of shape {shapes}")
     trainer = trainer_logprobs.detach()
     log_ratio = trainer.to(torch.float64) - sampler_logprobs.detach().to(device=device, dtype=torch.float64)
     active = mask.detach().to(device) > 0

@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from loops_callbacks.validation import check_real
+from loops_callbacks.validation import check, check_real
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -134,32 +134,24 @@ class Correction:
     params: Mapping[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, str):
-            raise TypeError(f"Correction.method must be a str, got {type(self.method).__name__}")
+        check("Correction.method", self.method, str, "a str")
         spec = METHODS.get(self.method)
         if spec is None:
             raise ValueError(f"unknown correction method {self.method!r}; known: {sorted(METHODS)}")
-        if not isinstance(self.params, Mapping):
-            raise TypeError(f"Correction.params must be a mapping, got {type(self.params).__name__}")
+        check("Correction.params", self.params, Mapping, "a mapping")
         unknown = sorted(set(self.params) - set(spec.params))
         if unknown:
-            raise ValueError(
-                f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}"
-            )
+            raise ValueError(f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}")
         filled: dict[str, float | None] = {}
         for name, default in spec.defaults.items():
             value = self.params.get(name, default)
             if name == "lower" and name not in self.params and (value is REQUIRED or "upper" in self.params):
                 continue  # verl reads one k1 threshold as the upper bound and 1 / upper (geo's preset too)
             if value is REQUIRED:
-                raise ValueError(
-                    f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
-                    f"e.g. '{self.method}({name}=...)' or '{self.method}:<value>'"
-                )
+                raise ValueError(f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
+                                 f"e.g. '{self.method}({name}=...)' or '{self.method}:<value>'")
             if value is None and spec.family != "trl":
-                raise ValueError(
-                    f"correction {self.method!r}: {name!r} must be a number (only TRL's clips can be None)"
-                )
+                raise ValueError(f"correction {self.method!r}: {name!r} must be a number (only TRL's clips can be None)")
             filled[name] = None if value is None else _number(self.method, name, value)
         _check_bounds(spec, filled)
         if "lower" in spec.defaults and "lower" not in filled:
@@ -232,10 +224,8 @@ def parse_correction(spec: str | Correction) -> Correction:
         raise TypeError(f"a correction is a str like 'sequence_mask:3.0' or a Correction, got {type(spec).__name__}")
     match = _CALL.match(spec)
     if match is None:
-        raise ValueError(
-            f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' "
-            "or 'method(name=value, ...)'"
-        )
+        raise ValueError(f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' or "
+                         "'method(name=value, ...)'")
     method, keywords, shorthand = match.groups()
     if method not in METHODS:
         raise ValueError(f"correction {spec!r}: unknown method {method!r}; known: {sorted(METHODS)}")
