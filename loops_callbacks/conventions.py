@@ -122,10 +122,8 @@ def from_tinker_convention(data: Sequence[Any]) -> list[Datum]:
             )
         last_weight = _last_value(inputs.get("weights"))
         if last_weight is not None and not last_weight > 0:
-            raise ValueError(
-                f"datum {index}: no weight on its last position, so it is in the Loops convention already "
-                "(converting it would append a token that is not there)"
-            )
+            raise ValueError(f"datum {index}: no weight on its last position, so it is in the Loops convention already "
+                             "(converting it would append a token that is not there)")
         length = len(tokens) + 1
         fields = {"target_tokens": TensorData([*targets, 0], "int64", [length])}
         if "weights" in inputs:

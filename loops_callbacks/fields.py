@@ -30,10 +30,8 @@ def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
     """
     tensor = _as_tensor(value, where)
     if tensor.dim() != 1:
-        raise ValueError(
-            f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
-            "pass one row per datum (padded [B, T] tensors only where the API says so)"
-        )
+        raise ValueError(f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
+                         "pass one row per datum (padded [B, T] tensors only where the API says so)")
     return tensor
 
 

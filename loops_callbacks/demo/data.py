@@ -22,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -55,10 +56,8 @@ class PromptBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
-        count = 0
-        while self.num_batches is None or count < self.num_batches:
+        for _ in itertools.count() if self.num_batches is None else range(self.num_batches):
             yield {"prompt_ids": self.task.sample_prompts(self.batch_size, generator)}
-            count += 1
 
     def __len__(self) -> int:
         if self.num_batches is None:
@@ -99,15 +98,11 @@ class PromptDataModule(LightningDataModule):
         self.batch_size = check_int("PromptDataModule batch_size", batch_size, least=1)
         self.num_batches = check_int("PromptDataModule num_batches", num_batches, least=1, optional=True)
         self.seed = seed
-        self._rank = 0
-
-    @override
-    def setup(self, stage: str) -> None:
-        self._rank = self.trainer.global_rank if self.trainer is not None else 0
 
     @override
     def train_dataloader(self) -> DataLoader:
-        dataset = PromptBatches(self.task, self.batch_size, self.num_batches, self.seed + self._rank)
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        dataset = PromptBatches(self.task, self.batch_size, self.num_batches, self.seed + rank)
         return DataLoader(dataset, batch_size=None)  # the dataset yields whole batches
 
 

@@ -74,8 +74,8 @@ class KVCache:
 
 class _Numerics:
     """How one forward computes: ``storage`` = the dtype every stored tensor is rounded to (the
-    parameters' dtype), ``compute`` = the dtype the kernels run in. Equal dtypes: plain module calls,
-    so autocast (mixed precision) applies as usual."""
+    parameters' dtype), ``compute`` = the dtype the kernels run in. Equal dtypes: the functional calls of the
+    modules' own forwards, unrounded, so autocast (mixed precision) applies as usual."""
 
     def __init__(self, storage: torch.dtype, compute: torch.dtype) -> None:
         self.storage = storage
@@ -90,13 +90,9 @@ class _Numerics:
         return parameter if parameter is None or self.exact else parameter.to(self.compute)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            return layer(x)
         return self.round(F.linear(x, self.weight(layer.weight), self.weight(layer.bias)))
 
     def layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            return norm(x)
         weight, bias = self.weight(norm.weight), self.weight(norm.bias)
         return self.round(F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps))
 

@@ -63,14 +63,8 @@ class ReverseDigitsTask:
         self.tokenizer = CharTokenizer(_DIGITS + _SEPARATOR)
         self._digit_ids = torch.tensor(self.tokenizer.encode(_DIGITS[:num_symbols]))
         self._separator_id = self.tokenizer.encode(_SEPARATOR)[0]
-
-    @property
-    def prompt_length(self) -> int:
-        return self.num_digits + 2
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.num_digits + 1
+        self.prompt_length = num_digits + 2
+        self.max_new_tokens = num_digits + 1
 
     def sample_prompts(self, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``count`` random prompts as a ``[count, prompt_length]`` LongTensor."""
