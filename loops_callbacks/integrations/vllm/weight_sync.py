@@ -136,8 +136,7 @@ class VLLMWeightSync:
 
     def push(self, module: nn.Module, *, version: int | None = None) -> int:
         """Load ``module``'s weights into the engine in place; returns the new ``version``."""
-        if version is not None:
-            check_int("version (the trainer's optimizer steps of these weights)", version, least=0)
+        check_int("version (the trainer's optimizer steps of these weights)", version, least=0, optional=True)
         start = time.perf_counter()
         weights = [
             (name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
