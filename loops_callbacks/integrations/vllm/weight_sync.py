@@ -130,9 +130,7 @@ class VLLMWeightSync:
         self.version = 0
         self.stale_prefix_cache = False
         self.last_push_seconds: float | None = None
-        reload_logger = logging.getLogger(_RELOAD_LOGGER)
-        if _not_the_rotary_false_alarm not in reload_logger.filters:
-            reload_logger.addFilter(_not_the_rotary_false_alarm)
+        logging.getLogger(_RELOAD_LOGGER).addFilter(_not_the_rotary_false_alarm)  # once: addFilter skips a known one
 
     def push(self, module: nn.Module, *, version: int | None = None) -> int:
         """Load ``module``'s weights into the engine in place; returns the new ``version``."""
