@@ -10,7 +10,7 @@ A Tinker datum scored under the Loops rule loses the reference logprob of its la
 (``ref[L-1] = 0.0``; measured at -3.6 to -14.6 nats a sequence), and the DPO margins built on it
 are off by that much. A weight > 0 on the last position gives it away: no Loops datum has one.
 
-Example:
+Examples:
     >>> from loops_callbacks.types import Datum, ModelInput, TensorData
     >>> tinker = Datum(ModelInput.from_ints([1, 5]), {"target_tokens": TensorData([5, 6], "int64", [2]),
     ...                                                "weights": TensorData([0.0, 1.0], "float32", [2])})
@@ -78,7 +78,7 @@ def _last_value(field: Any) -> float | None:
 def tinker_convention_message(subject: str) -> str:
     """``subject`` ("3 of 8 datums (index 0, 2, 5) carry") + what it costs and the fix.
 
-    Example:
+    Examples:
         >>> tinker_convention_message("datum 0 carries").split(",")[0]
         'datum 0 carries weight on the last position'
     """
@@ -122,10 +122,8 @@ def from_tinker_convention(data: Sequence[Any]) -> list[Datum]:
             )
         last_weight = _last_value(inputs.get("weights"))
         if last_weight is not None and not last_weight > 0:
-            raise ValueError(
-                f"datum {index}: no weight on its last position, so it is in the Loops convention already "
-                "(converting it would append a token that is not there)"
-            )
+            raise ValueError(f"datum {index}: no weight on its last position, so it is in the Loops convention already "
+                             "(converting it would append a token that is not there)")
         length = len(tokens) + 1
         fields = {"target_tokens": TensorData([*targets, 0], "int64", [length])}
         if "weights" in inputs:

@@ -5,7 +5,7 @@ fields), this package's ``TensorData``, or a ``tinker`` / ``baseten-loops`` ``Te
 A datum may be any object with ``.model_input`` and ``.loss_fn_inputs``, or a mapping with those
 keys. Errors name the datum and the key, so a user can find the bad row.
 
-Example:
+Examples:
     >>> field_to_tensor([None, -0.25], where="datum 0, key 'logprobs'")
     tensor([    nan, -0.2500], dtype=torch.float64)
 """
@@ -30,10 +30,8 @@ def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
     """
     tensor = _as_tensor(value, where)
     if tensor.dim() != 1:
-        raise ValueError(
-            f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
-            "pass one row per datum (padded [B, T] tensors only where the API says so)"
-        )
+        raise ValueError(f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
+                         "pass one row per datum (padded [B, T] tensors only where the API says so)")
     return tensor
 
 

@@ -5,7 +5,7 @@ that names the feature, the package and how to install the extra (``HF_EXTRA_HIN
 editable install of the checkout this runs from, else the extra's packages). The data readers,
 the tokenizer, ``HFDPOModule`` and the demos use it, so the base install works without the extra.
 
-Example:
+Examples:
     >>> import_optional("json", "reading JSON").__name__
     'json'
 """
@@ -26,7 +26,7 @@ HF_EXTRA_PACKAGES = ("transformers>=4.56", "datasets>=3.0", "pyarrow>=15")
 def _hf_extra_hint(checkout: Path = Path(__file__).resolve().parents[1]) -> str:
     """How to install the 'hf' extra: ``pip install -e ".[hf]"`` in the checkout this runs from, else its packages.
 
-    Example:
+    Examples:
         >>> _hf_extra_hint(Path("/nowhere"))
         'pip install "transformers>=4.56" "datasets>=3.0" "pyarrow>=15"'
     """
@@ -41,7 +41,7 @@ HF_EXTRA_HINT = _hf_extra_hint()
 def import_optional(module: str, feature: str) -> Any:
     """Import ``module`` (``transformers``, ``datasets``, ``pyarrow``), or an ImportError naming the extra.
 
-    Example:
+    Examples:
         >>> import_optional("json", "reading JSON").__name__
         'json'
     """

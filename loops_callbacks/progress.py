@@ -3,7 +3,7 @@
 It shows a tqdm bar (``progress=True``), calls ``progress(done, total)`` (a callable), or does
 nothing (``False``). ``advance(n)`` counts ``n`` more steps, ``reach(done)`` sets the count.
 
-Example:
+Examples:
     >>> seen = []
     >>> with ProgressBar(lambda done, total: seen.append((done, total)), 4, desc="pairs", unit="pair") as bar:
     ...     bar.advance(1)

@@ -7,7 +7,7 @@ global rank 0 only. Outside a Lightning run the rank is torchrun's ``RANK``, els
 every step; ``reset`` starts a new run. Only ``lightning_utilities`` is imported, so the plain
 functions stay light.
 
-Example:
+Examples:
     >>> import warnings
     >>> channel = RunWarnings()
     >>> with warnings.catch_warnings(record=True) as caught:

@@ -5,7 +5,7 @@ against either reads the same here. Every function of this package also accepts 
 ``tinker`` / ``baseten-loops`` objects unchanged (duck typing), and plain tensors, numpy arrays
 and lists wherever a per-position field is expected.
 
-Example:
+Examples:
     >>> from loops_callbacks.types import Datum, ModelInput, TensorData
     >>> datum = Datum(
     ...     model_input=ModelInput.from_ints([5, 6, 7]),
@@ -36,7 +36,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
 class TensorData:
     """A flat list of numbers with a dtype and shape; float lists may hold ``None`` (no NaN in JSON).
 
-    Example:
+    Examples:
         >>> TensorData.from_torch(torch.tensor([0.5, float("nan")])).data
         [0.5, None]
     """
@@ -97,7 +97,7 @@ class EncodedTextChunk:
 class ModelInput:
     """The token sequence a datum feeds to the model.
 
-    Example:
+    Examples:
         >>> ModelInput.from_ints([1, 2]).append_int(3).to_ints()
         [1, 2, 3]
     """

@@ -4,7 +4,7 @@ out of range a ``ValueError``, both saying ``"<name> must be <what>, got <value>
 ``check`` is the rule; ``check_int``, ``check_real``, ``check_bool``, ``check_choice`` and
 ``check_dtype`` are its common cases. ``bool`` is never accepted as a number.
 
-Example:
+Examples:
     >>> check_int("top_n", 3, least=0)
     3
     >>> check_int("top_n", -1, least=0)
@@ -51,7 +51,7 @@ def check(
     when ``optional``; else a ``TypeError`` (not a ``kind``) or a ``ValueError`` (not valid) saying what ``name``
     must be.
 
-    Example:
+    Examples:
         >>> check("max_kl", "0.05", numbers.Real, "a number >= 0", optional=True)
         Traceback (most recent call last):
         ...
@@ -75,7 +75,7 @@ def check_int(name: str, value: Any, *, least: int | None, what: str = "", optio
     """``value`` if it is an int ``>= least`` (any int when ``least`` is ``None``), or ``None`` when ``optional``;
     ``what`` adds its meaning.
 
-    Example:
+    Examples:
         >>> check_int("max_histogram_tokens", 1.5, least=None, what=" (<= 0: no cap)")
         Traceback (most recent call last):
         ...
@@ -108,7 +108,7 @@ def check_dtype(name: str, value: Any, allowed: tuple[str, ...] = tuple(FLOAT_DT
     """The ``torch.dtype`` named by ``value`` (``"bfloat16"``, ``"torch.bfloat16"`` or the dtype itself), one of
     ``allowed``; a ``ValueError`` naming the value and the choices otherwise.
 
-    Example:
+    Examples:
         >>> check_dtype("scoring_dtype", 16)
         Traceback (most recent call last):
         ...

@@ -17,7 +17,7 @@ guard rail raised ``SampleTrainDivergenceError``, 130 interrupted by Ctrl-C (the
 the step it stopped at), 137 a DDP rank was killed (SIGKILL; 128 + N for signal N: the summary so
 far, then the rank and the step).
 
-Example:
+Examples:
     loops-callbacks fit --config configs/rl_tiny.yaml
     loops-callbacks fit --config configs/rl_tiny.yaml --trainer.max_steps 20 --trainer.default_root_dir /tmp/run
     python -m loops_callbacks fit --config configs/dpo_tiny.yaml --print_config
@@ -188,7 +188,7 @@ def help_epilog() -> str:
 def shipped_configs(directory: Path = CONFIGS_DIR) -> dict[str, str]:
     """``{path relative to directory: its first comment line}`` for each YAML config under ``directory``.
 
-    Example:
+    Examples:
         >>> "rl_tiny.yaml" in shipped_configs()
         True
     """

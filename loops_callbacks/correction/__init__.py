@@ -5,7 +5,7 @@
 - ``compute``: ``apply_correction`` (padded ``[B, T]`` in, ``CorrectionResult`` out), and the same
   on concatenated positions (``correct_flat`` / ``correct_rows``) for the monitor's shadow statistics.
 
-Example:
+Examples:
     >>> import torch
     >>> sampler = torch.tensor([[-1.0, 0.0]])
     >>> result = apply_correction("token_truncate:2.0", torch.zeros(1, 2), sampler, torch.ones(1, 2))

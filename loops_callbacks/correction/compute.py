@@ -32,7 +32,7 @@ log ratio is not finite (a logprob None, NaN or ±inf: the tokens the main metri
 Positions outside the mask are never read (their weight is 0, their keep False). An all-empty
 mask gives all-zero weights (verl raises a ValueError there; nothing is wrong with such a batch).
 
-Example:
+Examples:
     >>> import torch
     >>> trainer = torch.tensor([[-1.0, -2.0, 0.0]])
     >>> sampler = torch.tensor([[-1.5, -1.0, 0.0]])
@@ -64,7 +64,7 @@ VERL_MEAN_EPSILON = 1e-8
 class Segments:
     """Rows of given lengths over ``L`` concatenated positions: sums, maxima and spreading per row.
 
-    Example:
+    Examples:
         >>> rows = Segments.of_lengths(torch.tensor([2, 1]), total=3)
         >>> rows.sum(torch.tensor([1.0, 2.0, 5.0])).tolist()
         [3.0, 5.0]
@@ -179,7 +179,7 @@ class CorrectionResult:
 def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
     """A sequence-level ``correction`` (``correction.spec.level == "sequence"``) per row of ``x``.
 
-    Example:
+    Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
         ...                     Segments.of_lengths(torch.tensor([2, 1]), total=3))
         >>> rows = correct_rows(parse_correction("sequence_truncate:2.0"), x)
@@ -208,7 +208,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
 def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
     """``correction`` at every position of ``x``: weights 0 and keep False off the mask.
 
-    Example:
+    Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 2.0], dtype=torch.float64), torch.tensor([True, True]),
         ...                     Segments.of_lengths(torch.tensor([2]), total=2))
         >>> out = correct_flat(parse_correction("token_truncate:2.0"), x)
@@ -293,7 +293,7 @@ def apply_correction(
     ``off_policy_mask``. The inputs are not modified; everything is computed without gradient on
     the trainer logprobs' device.
 
-    Example:
+    Examples:
         >>> t, s = torch.zeros(2, 3), torch.full((2, 3), -0.5)
         >>> apply_correction("sequence_mask", t, s, torch.ones(2, 3)).keep.any().item()  # e^1.5 = 4.5 > 3
         False
@@ -305,29 +305,22 @@ def apply_correction(
         if tensor.dim() != 2:
             raise ValueError(f"{key!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
         if tensor.shape != trainer_logprobs.shape:
-            raise ValueError(
-                f"{key!r} has shape {tuple(tensor.shape)} but 'trainer_logprobs' has {tuple(trainer_logprobs.shape)}; "
-                "the fields must be aligned position by position"
-            )
-    for key, tensor in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs)):
-        if not tensor.is_floating_point():
+            raise ValueError(f"{key!r} has shape {tuple(tensor.shape)} but 'trainer_logprobs' has "
+                             f"{tuple(trainer_logprobs.shape)}; the fields must be aligned position by position")
+        if key != "mask" and not tensor.is_floating_point():
             raise TypeError(f"{key!r} must hold floating-point logprobs, got dtype {tensor.dtype}")
     batch, width = trainer_logprobs.shape
     device = trainer_logprobs.device
+    shapes = f"({batch},) or ({batch}, 1)"
     per_row = None
     if advantages is not None:
         if not isinstance(advantages, torch.Tensor):
-            raise TypeError(
-                f"'advantages' must be a tensor of shape ({batch},) or ({batch}, 1), got {type(advantages).__name__}"
-            )
+            raise TypeError(f"'advantages' must be a tensor of shape {shapes}, got {type(advantages).__name__}")
         if tuple(advantages.shape) not in ((batch,), (batch, 1)):
-            raise ValueError(
-                f"'advantages' has shape {tuple(advantages.shape)}; expected ({batch},) or ({batch}, 1), "
-                "one per sequence"
-            )
+            raise ValueError(f"'advantages' has shape {tuple(advantages.shape)}; expected {shapes}, one per sequence")
         per_row = advantages.detach().reshape(batch).to(device=device, dtype=torch.float64)
     elif correction.spec.needs_advantages:
-        raise ValueError(f"correction {correction.name!r} needs 'advantages' of shape ({batch},) or ({batch}, 1)")
+        raise ValueError(f"correction {correction.name!r} needs 'advantages' of shape {shapes}")
     trainer = trainer_logprobs.detach()
     log_ratio = trainer.to(torch.float64) - sampler_logprobs.detach().to(device=device, dtype=torch.float64)
     active = mask.detach().to(device) > 0

@@ -32,7 +32,7 @@ A spec is a ``Correction`` or a string: ``"sequence_mask"`` (all defaults), ``"s
 (the upper bound), ``"token_mask:0.5_2.0"`` (lower and upper, verl's ``lower_upper`` syntax),
 ``"token_truncate(clip_max=2.0, clip_min=None)"`` (by name).
 
-Example:
+Examples:
     >>> parse_correction("token_truncate(clip_max=2.0)").name
     'token_truncate(clip_max=2.0)'
     >>> parse_correction("seq_mean_k1:0.999_1.001") == Correction("seq_mean_k1", {"lower": 0.999, "upper": 1.001})
@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from loops_callbacks.validation import check_real
+from loops_callbacks.validation import check, check_real
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -125,7 +125,7 @@ class Correction:
     ``params`` may leave out parameters that have defaults; the stored ``params`` is complete and
     read-only. Bad methods, names or values are a ``ValueError`` naming them.
 
-    Example:
+    Examples:
         >>> Correction("sequence_mask").params["clip_max"]
         3.0
     """
@@ -134,32 +134,24 @@ class Correction:
     params: Mapping[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.method, str):
-            raise TypeError(f"Correction.method must be a str, got {type(self.method).__name__}")
+        check("Correction.method", self.method, str, "a str")
         spec = METHODS.get(self.method)
         if spec is None:
             raise ValueError(f"unknown correction method {self.method!r}; known: {sorted(METHODS)}")
-        if not isinstance(self.params, Mapping):
-            raise TypeError(f"Correction.params must be a mapping, got {type(self.params).__name__}")
+        check("Correction.params", self.params, Mapping, "a mapping")
         unknown = sorted(set(self.params) - set(spec.params))
         if unknown:
-            raise ValueError(
-                f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}"
-            )
+            raise ValueError(f"correction {self.method!r} has no parameter {unknown}; its parameters: {list(spec.params)}")
         filled: dict[str, float | None] = {}
         for name, default in spec.defaults.items():
             value = self.params.get(name, default)
             if name == "lower" and name not in self.params and (value is REQUIRED or "upper" in self.params):
                 continue  # verl reads one k1 threshold as the upper bound and 1 / upper (geo's preset too)
             if value is REQUIRED:
-                raise ValueError(
-                    f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
-                    f"e.g. '{self.method}({name}=...)' or '{self.method}:<value>'"
-                )
+                raise ValueError(f"correction {self.method!r} needs {name!r} (no default; {spec.source}); "
+                                 f"e.g. '{self.method}({name}=...)' or '{self.method}:<value>'")
             if value is None and spec.family != "trl":
-                raise ValueError(
-                    f"correction {self.method!r}: {name!r} must be a number (only TRL's clips can be None)"
-                )
+                raise ValueError(f"correction {self.method!r}: {name!r} must be a number (only TRL's clips can be None)")
             filled[name] = None if value is None else _number(self.method, name, value)
         _check_bounds(spec, filled)
         if "lower" in spec.defaults and "lower" not in filled:
@@ -185,7 +177,7 @@ class Correction:
     def name(self) -> str:
         """The method, then the parameters that differ from their defaults: a stable log name.
 
-        Example:
+        Examples:
             >>> Correction("token_mask", {"clip_min": 0.5}).name
             'token_mask(clip_min=0.5)'
         """
@@ -220,7 +212,7 @@ def parse_correction(spec: str | Correction) -> Correction:
     ``"method:x"`` sets the upper bound (the only parameter of one-parameter methods); ``"method:a_b"``
     the lower and the upper bound.
 
-    Example:
+    Examples:
         >>> parse_correction("sequence_mask:2.5").params["clip_max"]
         2.5
         >>> parse_correction("token_mask(clip_min=0.5, clip_max=None)").name
@@ -232,10 +224,8 @@ def parse_correction(spec: str | Correction) -> Correction:
         raise TypeError(f"a correction is a str like 'sequence_mask:3.0' or a Correction, got {type(spec).__name__}")
     match = _CALL.match(spec)
     if match is None:
-        raise ValueError(
-            f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' "
-            "or 'method(name=value, ...)'"
-        )
+        raise ValueError(f"cannot read correction {spec!r}; write 'method', 'method:value', 'method:low_high' or "
+                         "'method(name=value, ...)'")
     method, keywords, shorthand = match.groups()
     if method not in METHODS:
         raise ValueError(f"correction {spec!r}: unknown method {method!r}; known: {sorted(METHODS)}")

@@ -10,7 +10,7 @@
   ``loops_callbacks.data.dpo_pair_datums(chosen, rejected, prompt_length)`` turns a pair into
   datums.
 
-Example:
+Examples:
     >>> from loops_callbacks.demo.tasks import ReverseDigitsTask
     >>> task = ReverseDigitsTask(num_digits=3)
     >>> chosen, rejected, prompt_length = make_preference_pairs(task, 1, seed=0)[0]
@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -55,10 +56,8 @@ class PromptBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
-        count = 0
-        while self.num_batches is None or count < self.num_batches:
+        for _ in itertools.count() if self.num_batches is None else range(self.num_batches):
             yield {"prompt_ids": self.task.sample_prompts(self.batch_size, generator)}
-            count += 1
 
     def __len__(self) -> int:
         if self.num_batches is None:
@@ -78,7 +77,7 @@ class PromptDataModule(LightningDataModule):
         seed: seed of the prompt stream; each process adds its global rank, so DDP ranks see
             different prompts.
 
-    Example:
+    Examples:
         >>> datamodule = PromptDataModule(num_digits=3, batch_size=2, num_batches=5)
         >>> datamodule.setup("fit")
         >>> batch = next(iter(datamodule.train_dataloader()))
@@ -99,15 +98,11 @@ class PromptDataModule(LightningDataModule):
         self.batch_size = check_int("PromptDataModule batch_size", batch_size, least=1)
         self.num_batches = check_int("PromptDataModule num_batches", num_batches, least=1, optional=True)
         self.seed = seed
-        self._rank = 0
-
-    @override
-    def setup(self, stage: str) -> None:
-        self._rank = self.trainer.global_rank if self.trainer is not None else 0
 
     @override
     def train_dataloader(self) -> DataLoader:
-        dataset = PromptBatches(self.task, self.batch_size, self.num_batches, self.seed + self._rank)
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        dataset = PromptBatches(self.task, self.batch_size, self.num_batches, self.seed + rank)
         return DataLoader(dataset, batch_size=None)  # the dataset yields whole batches
 
 
@@ -120,7 +115,7 @@ def make_preference_pairs(
     length; ``prompt_length`` is ``task.prompt_length``. A corrupted digit is replaced by a
     different digit of the task's symbols, so the rejected completion is always wrong.
 
-    Example:
+    Examples:
         >>> task = ReverseDigitsTask(num_digits=4)
         >>> chosen, rejected, k = make_preference_pairs(task, 1, seed=1, num_corrupted=2)[0]
         >>> sum(a != b for a, b in zip(chosen, rejected)), k
@@ -159,7 +154,7 @@ class ReversePairsDataModule(DPODataModule):
     A ``DPODataModule`` (reference logprobs attached before training, cached, sharded across
     ranks) whose data come from ``make_preference_pairs`` instead of a file.
 
-    Example:
+    Examples:
         >>> data = ReversePairsDataModule(num_pairs=4, batch_size=2)
         >>> len(data.dpo_data())
         8

@@ -4,7 +4,7 @@ The batch layout, the loss (``dpo_loss``, re-exported here) and the logged metri
 ``DPOModule``'s (see ``loops_callbacks.models.dpo``); this module only builds the
 ``TinyCausalLM`` policy. ``HFDPOModule`` is the same for a Hugging Face causal LM.
 
-Example:
+Examples:
     >>> import torch
     >>> module = DPOPolicyModule(d_model=16, n_layers=1, n_heads=2)
     >>> module(torch.tensor([[1, 4, 2]])).shape[:2]  # the policy's logits [B, T, V]
@@ -37,7 +37,7 @@ class DPOPolicyModule(DPOModule):
     ``forward(input_ids)`` returns the policy's logits, so the module itself can serve as the
     reference scorer: scored before training, it is the usual "reference = initial policy".
 
-    Example:
+    Examples:
         >>> import torch
         >>> module = DPOPolicyModule(d_model=16, n_layers=1, n_heads=2)
         >>> batch = {

@@ -2,7 +2,7 @@
 ``configs/data/chat_tokenizer`` beside the chat preference pairs it was trained on
 (``configs/data/make_chat_data.py`` made both, in code).
 
-Example:
+Examples:
     >>> tokenizer = build_chat_tokenizer()
     >>> len(tokenizer), tokenizer.eos_token
     (512, '<|im_end|>')

@@ -19,7 +19,7 @@ Two things serve the RL demo's sampler:
   multiply the values, normalised in float32. On this model the result agrees with PyTorch's
   native bf16 forward to within summation order (``tests/demo/test_demo_model.py`` checks it).
 
-Example:
+Examples:
     >>> import torch
     >>> model = TinyCausalLM(vocab_size=14, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
     >>> input_ids = torch.tensor([[1, 4, 5, 13]])
@@ -51,7 +51,7 @@ class KVCache:
     Pass the same (initially empty) cache to successive calls: the first gets the prompt, each
     later one only the tokens that follow. ``length`` is the number of positions cached.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model, cache = TinyCausalLM(vocab_size=8, d_model=16, n_layers=2, n_heads=2), KVCache()
         >>> _ = model(torch.zeros(3, 5, dtype=torch.long), cache=cache)
@@ -74,8 +74,8 @@ class KVCache:
 
 class _Numerics:
     """How one forward computes: ``storage`` = the dtype every stored tensor is rounded to (the
-    parameters' dtype), ``compute`` = the dtype the kernels run in. Equal dtypes: plain module calls,
-    so autocast (mixed precision) applies as usual."""
+    parameters' dtype), ``compute`` = the dtype the kernels run in. Equal dtypes: the functional calls of the
+    modules' own forwards, unrounded, so autocast (mixed precision) applies as usual."""
 
     def __init__(self, storage: torch.dtype, compute: torch.dtype) -> None:
         self.storage = storage
@@ -90,13 +90,9 @@ class _Numerics:
         return parameter if parameter is None or self.exact else parameter.to(self.compute)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            return layer(x)
         return self.round(F.linear(x, self.weight(layer.weight), self.weight(layer.bias)))
 
     def layer_norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        if self.exact:
-            return norm(x)
         weight, bias = self.weight(norm.weight), self.weight(norm.bias)
         return self.round(F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps))
 
@@ -171,7 +167,7 @@ class TinyCausalLM(nn.Module):
     ``forward(input_ids [B, T], cache=None) -> logits [B, T, vocab_size]``; position k sees
     tokens 0..k only. With a ``KVCache`` the ids continue the cached sequence.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = TinyCausalLM(vocab_size=8, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
         >>> model(torch.zeros(2, 5, dtype=torch.long)).shape

@@ -54,7 +54,7 @@ key                    shape, dtype            meaning
 
 Logged: ``train/reward`` (mean reward of the sampled completions) and ``train/loss``.
 
-Example:
+Examples:
     >>> import lightning
     >>> from loops_callbacks.demo.data import PromptDataModule
     >>> module = RLPolicyModule(num_digits=3, group_size=4, sampler_precision="bfloat16")
@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -118,7 +117,7 @@ class RLPolicyModule(LightningModule):
     happens in ``on_train_batch_start``, before any checkpoint of the coming step is written. A
     ``precision="bf16-true"`` trainer converts the whole module, sampler included, to bfloat16.
 
-    Example:
+    Examples:
         >>> module = RLPolicyModule(num_digits=2, group_size=2)
         >>> out = module.training_step({"prompt_ids": module.task.sample_prompts(3)}, 0)
         >>> out["mask"].shape, out["advantages"].shape
@@ -188,12 +187,6 @@ class RLPolicyModule(LightningModule):
         self.sampler.load_state_dict(self.policy.state_dict())
         self.sampler_synced_at_step = self._optimizer_steps()
 
-    def _sampler_context(self, device: torch.device) -> Any:
-        # The sampler runs in its own precision, whatever autocast the trainer's precision enables.
-        if device.type in ("cpu", "cuda"):
-            return torch.autocast(device_type=device.type, enabled=False)
-        return nullcontext()
-
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, repeats: int = 1) -> torch.Tensor:
         """Sample completions of ``prompt_ids [P, L]`` with the sampler (temperature 1).
@@ -208,7 +201,7 @@ class RLPolicyModule(LightningModule):
         cache = KVCache()
         completion: list[torch.Tensor] = []
         faults = self.active_faults
-        with self._sampler_context(prompt_ids.device):
+        with torch.autocast(prompt_ids.device.type, enabled=False):  # the sampler's own precision
             logits = self.sampler(faults.perturb(prompt_ids, pad_id=self.tokenizer.pad_id), cache=cache)[:, -1].float()
             if repeats > 1:
                 cache.repeat_interleave(repeats)
@@ -216,22 +209,16 @@ class RLPolicyModule(LightningModule):
             for step in range(self.task.max_new_tokens):  # one pass per new token, all rows at once
                 if step:
                     logits = self.sampler(completion[-1], cache=cache)[:, -1].float()
-                completion.append(self._draw(logits, faults))
+                probs = faults.sampling_logprobs(logits).exp() if faults.changes_sampling else logits.softmax(dim=-1)
+                completion.append(torch.multinomial(probs, num_samples=1))
         completions = torch.cat(completion, dim=1)
         return completions.masked_fill(~_up_to_first(completions, self.tokenizer.eos_id), self.tokenizer.pad_id)
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, faults: SamplerFaults) -> torch.Tensor:
-        """One token per row of ``logits [N, V]``, from the sampler's (possibly faulted) distribution."""
-        if not faults.changes_sampling:
-            return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        return torch.multinomial(faults.sampling_logprobs(logits).exp(), num_samples=1)
 
     @torch.no_grad()
     def sampler_logprobs(self, input_ids: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
         """Float32 logprobs of ``target_tokens`` under the sampler, one forward in its precision."""
         faults = self.active_faults
-        with self._sampler_context(input_ids.device):
+        with torch.autocast(input_ids.device.type, enabled=False):
             if faults == SamplerFaults():
                 return token_logprobs(self.sampler(input_ids), target_tokens)
             seen = faults.perturb(input_ids, pad_id=self.tokenizer.pad_id)
@@ -257,10 +244,8 @@ class RLPolicyModule(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         prompts = batch["prompt_ids"]
         if prompts.dim() != 2 or prompts.shape[1] != self.task.prompt_length:
-            raise ValueError(
-                f"RLPolicyModule({self.task}) expects prompt_ids of shape [P, {self.task.prompt_length}], "
-                f"got {tuple(prompts.shape)}; do the datamodule's num_digits and the module's match?"
-            )
+            raise ValueError(f"RLPolicyModule({self.task}) expects prompt_ids of shape [P, {self.task.prompt_length}], "
+                             f"got {tuple(prompts.shape)}; do the datamodule's num_digits and the module's match?")
         completions = self.sample(prompts, repeats=self.group_size)
         rows = prompts.repeat_interleave(self.group_size, dim=0)  # rows of one group are adjacent
         sequences = torch.cat([rows, completions], dim=1)

@@ -17,7 +17,7 @@ option                      what the sampler does wrong
 With the defaults nothing changes: the sampler's draws and logprobs are the unfaulted ones, bit
 for bit.
 
-Example:
+Examples:
     >>> import torch
     >>> faults = SamplerFaults(top_k=2)
     >>> faults.sampling_logprobs(torch.tensor([[0.0, 1.0, 2.0]])).exp()

@@ -12,7 +12,7 @@ With the defaults (4 digits of 0-9) a randomly initialised ``TinyCausalLM`` trai
 about 15 s of CPU time on one thread of a 2-core AMD EPYC, training alone
 (``benchmarks/demo_learning.py`` measures it; ``configs/rl_tiny.yaml`` stops at 200 steps, near 0.98).
 
-Example:
+Examples:
     >>> task = ReverseDigitsTask(num_digits=3)
     >>> tok = task.tokenizer
     >>> prompt = [tok.bos_id, *tok.encode("123=")]
@@ -50,7 +50,7 @@ class ReverseDigitsTask:
         prompt_length: ``num_digits + 2`` tokens (``<bos>``, the digits, ``=``).
         max_new_tokens: ``num_digits + 1`` (the reversed digits and ``<eos>``).
 
-    Example:
+    Examples:
         >>> task = ReverseDigitsTask(num_digits=2, num_symbols=3)
         >>> prompts = task.sample_prompts(4, torch.Generator().manual_seed(0))
         >>> prompts.shape, task.tokenizer.decode(prompts[0].tolist())[:5]
@@ -63,14 +63,8 @@ class ReverseDigitsTask:
         self.tokenizer = CharTokenizer(_DIGITS + _SEPARATOR)
         self._digit_ids = torch.tensor(self.tokenizer.encode(_DIGITS[:num_symbols]))
         self._separator_id = self.tokenizer.encode(_SEPARATOR)[0]
-
-    @property
-    def prompt_length(self) -> int:
-        return self.num_digits + 2
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.num_digits + 1
+        self.prompt_length = num_digits + 2
+        self.max_new_tokens = num_digits + 1
 
     def sample_prompts(self, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``count`` random prompts as a ``[count, prompt_length]`` LongTensor."""

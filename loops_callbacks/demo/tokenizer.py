@@ -10,7 +10,7 @@ laptop CPU.
 Ids: ``pad_id = 0`` (the padding value of every demo batch), ``bos_id = 1``, ``eos_id = 2``, then
 one id per alphabet character in order.
 
-Example:
+Examples:
     >>> tok = CharTokenizer()
     >>> ids = tok.encode("12=")
     >>> ids, tok.vocab_size
@@ -35,7 +35,7 @@ class CharTokenizer:
     ``encode`` raises ``ValueError`` on a character outside the alphabet; ``decode`` never raises:
     special ids render as ``<pad>``, ``<bos>``, ``<eos>`` and any other unknown id as ``<id>``.
 
-    Example:
+    Examples:
         >>> tok = CharTokenizer("ab")
         >>> tok.decode(tok.encode("abba")), tok.vocab_size
         ('abba', 5)
@@ -54,21 +54,15 @@ class CharTokenizer:
         self.alphabet = alphabet
         self._char_to_id = {c: i + len(_SPECIAL_TOKENS) for i, c in enumerate(alphabet)}
         self._id_to_text = {**dict(enumerate(_SPECIAL_TOKENS)), **{i: c for c, i in self._char_to_id.items()}}
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids: the special tokens plus one per alphabet character."""
-        return len(_SPECIAL_TOKENS) + len(self.alphabet)
+        self.vocab_size = len(_SPECIAL_TOKENS) + len(alphabet)  # the special tokens, then one per character
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``, one per character (no BOS/EOS added)."""
         try:
             return [self._char_to_id[c] for c in text]
         except KeyError as error:
-            raise ValueError(
-                f"CharTokenizer cannot encode character {error.args[0]!r} of {text!r}; "
-                f"its alphabet is {self.alphabet!r}"
-            ) from None
+            raise ValueError(f"CharTokenizer cannot encode character {error.args[0]!r} of {text!r}; "
+                             f"its alphabet is {self.alphabet!r}") from None
 
     def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``; never raises (unknown ids render as ``<id>``)."""

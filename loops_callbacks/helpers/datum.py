@@ -3,7 +3,7 @@
 Only the package name changes: ``from loops_callbacks.helpers.datum import attach_reference_logprobs``.
 The implementation lives in ``loops_callbacks.reference.attach``.
 
-Example:
+Examples:
     >>> from loops_callbacks.helpers.datum import attach_reference_logprobs
     >>> attach_reference_logprobs.__module__
     'loops_callbacks.reference.attach'

@@ -4,7 +4,7 @@
   answer into the monitor's padded batch, with the engine's ``SamplerFacts``), the in-place weight
   sync from the trainer, and ``VLLMSamplingClient``, a reference scorer on vLLM's prompt logprobs.
 
-Example:
+Examples:
     >>> from loops_callbacks.integrations import vllm
     >>> vllm.VLLM_INSTALL_HINT.startswith("pip install vllm")
     True

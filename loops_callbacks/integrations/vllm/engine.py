@@ -48,7 +48,7 @@ def engine_facts(
 ) -> SamplerFacts:
     """``SamplerFacts`` of ``llm`` (a ``vllm.LLM``: its dtype and logprobs mode) sampling with ``sampling_params``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from types import SimpleNamespace as Fake
         >>> model = Fake(dtype=torch.bfloat16, logprobs_mode="raw_logprobs")

@@ -22,7 +22,7 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
     """Each prompt's token ids: ids as given (a list, a 1-D tensor, a ``ModelInput``), or chat messages (a
     list of ``{"role": ..., "content": ...}``) through ``tokenizer``'s chat template with the generation prompt.
 
-    Example:
+    Examples:
         >>> import torch
         >>> prompt_token_ids([[1, 2], torch.tensor([3])])
         [[1, 2], [3]]
@@ -31,7 +31,7 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
         ...
         ValueError: prompt 0 is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)
     """
-    _check_list("prompts", prompts, "a list of prompts")
+    check("prompts", prompts, (list, tuple), "a list of prompts")
     result = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -93,15 +93,13 @@ def rollout_batch(
     Returns ``input_ids``, ``target_tokens`` (int64 ``[B, T]``), ``logprobs``, ``mask`` (float32
     ``[B, T]``), ``group`` (and ``policy_version``) int64 ``[B]``, and ``sampler_facts`` when given.
     """
-    _check_list("outputs", outputs, "the list LLM.generate returns")
+    check("outputs", outputs, (list, tuple), "the list LLM.generate returns")
     prompts, completions, logprobs, counts = [], [], [], []
     for i, output in enumerate(outputs):
         prompt, samples = getattr(output, "prompt_token_ids", None), getattr(output, "outputs", None)
         if prompt is None or samples is None:
-            raise TypeError(
-                f"outputs[{i}] is not a vLLM RequestOutput (it needs prompt_token_ids and outputs), got "
-                f"{type(output).__name__}"
-            )
+            raise TypeError(f"outputs[{i}] is not a vLLM RequestOutput (it needs prompt_token_ids and outputs), got "
+                            f"{type(output).__name__}")
         counts.append(len(samples))
         for j, sample in enumerate(samples):
             tokens = np.asarray(sample.token_ids, dtype=np.int64)
@@ -109,12 +107,6 @@ def rollout_batch(
             completions.append(tokens)
             logprobs.append(_sampled_logprobs(sample.logprobs, tokens, f"outputs[{i}].outputs[{j}]"))
     return _padded_batch(prompts, completions, logprobs, counts, facts, policy_version, groups, pad_id, device)
-
-
-def _check_list(name: str, value: Any, what: str) -> None:
-    if isinstance(value, (str, Mapping)):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
-    check(name, value, Sequence, what)
 
 
 def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarray:

@@ -36,6 +36,8 @@ class VLLMSamplingClient(ScorerClient):
         data = attach_reference_logprobs(data, reference)
     """
 
+    path = "vllm"  # what scored: the engine (a local client's is its model's output head or logits)
+
     def __init__(self, llm: Any) -> None:
         vllm = import_vllm("VLLMSamplingClient")
         config = engine_config(llm)
@@ -64,10 +66,6 @@ class VLLMSamplingClient(ScorerClient):
     def max_tokens_per_batch(self) -> int:
         """The engine's token budget of one forward pass (its ``max_num_batched_tokens``)."""
         return self._budget
-
-    @property
-    def path(self) -> str:
-        return "vllm"
 
     def score_packed(
         self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None, lockstep: Any = None

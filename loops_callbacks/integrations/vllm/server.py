@@ -31,7 +31,7 @@ def completions_request(
     ``options`` go into the body as they are (``seed``, ``min_tokens``, ...); ``model`` may be left
     out when the server serves one model.
 
-    Example:
+    Examples:
         >>> body = completions_request([[1, 2, 3]], max_tokens=8, n=4, stop_token_ids=[2])
         >>> body["prompt"], body["n"], body["logprobs"], body["return_tokens_as_token_ids"]
         ([[1, 2, 3]], 4, 0, True)
@@ -99,7 +99,7 @@ def completions_batch(
     the weights it serves) go into the ``SamplerFacts`` as given; the sampling settings come from
     ``request``. A completion is as many action tokens as its ``logprobs.tokens``.
 
-    Example:
+    Examples:
         >>> request = completions_request([[1, 5]], max_tokens=2)
         >>> choice = {"index": 0, "logprobs": {"tokens": ["token_id:7", "token_id:2"], "token_logprobs": [-0.5, -0.25]}}
         >>> batch = completions_batch(request, {"choices": [choice]}, weight_version=0)

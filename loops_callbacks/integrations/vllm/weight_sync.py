@@ -28,7 +28,7 @@ def checkpoint_weights(module: nn.Module, *, prefix: str | None = None) -> dict[
     Any other module: its ``state_dict()`` as it is. Wrappers' prefixes (``torch.compile``'s
     ``_orig_mod.``, FSDP's) are dropped first.
 
-    Example:
+    Examples:
         >>> holder = nn.ModuleDict({"policy": nn.Linear(2, 2), "value_head": nn.Linear(2, 1)})
         >>> sorted(checkpoint_weights(holder, prefix="policy."))
         ['bias', 'weight']
@@ -130,14 +130,11 @@ class VLLMWeightSync:
         self.version = 0
         self.stale_prefix_cache = False
         self.last_push_seconds: float | None = None
-        reload_logger = logging.getLogger(_RELOAD_LOGGER)
-        if _not_the_rotary_false_alarm not in reload_logger.filters:
-            reload_logger.addFilter(_not_the_rotary_false_alarm)
+        logging.getLogger(_RELOAD_LOGGER).addFilter(_not_the_rotary_false_alarm)  # once: addFilter skips a known one
 
     def push(self, module: nn.Module, *, version: int | None = None) -> int:
         """Load ``module``'s weights into the engine in place; returns the new ``version``."""
-        if version is not None:
-            check_int("version (the trainer's optimizer steps of these weights)", version, least=0)
+        check_int("version (the trainer's optimizer steps of these weights)", version, least=0, optional=True)
         start = time.perf_counter()
         weights = [
             (name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
