@@ -83,13 +83,9 @@ class Group:
         """Rank ``src``'s values, in place in ``tensor`` on every rank (same shape and dtype everywhere)."""
         if self.world_size == 1 or tensor.numel() == 0:
             return tensor
-        if tensor.device == self.device:
-            dist.broadcast(tensor, src=src)
-            return tensor
-        moved = tensor.to(self.device)
+        moved = tensor.to(self.device)  # ``tensor`` itself when it is there
         dist.broadcast(moved, src=src)
-        tensor.copy_(moved)
-        return tensor
+        return tensor.copy_(moved) if moved is not tensor else tensor
 
     def gather_blocks(self, local: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
         """The concatenation of every rank's 1-D block: rank r's ``local`` fills ``[bounds[r], bounds[r + 1])``.
