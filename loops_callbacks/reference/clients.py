@@ -30,7 +30,7 @@ from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
-from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
+from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.types import ModelInput
 from loops_callbacks.validation import check_bool, check_dtype, check_int
 
@@ -209,8 +209,6 @@ class TorchSamplingClient(ScorerClient):
         self.scorer = TokenScorer(model, model=model if is_module else None, device=self.device,
                                   max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
                                   vocab_size=self.vocab_size)
-
-    default_tokens_per_batch = staticmethod(default_tokens_per_batch)
 
     @classmethod
     def snapshot(cls, module: nn.Module, *, dtype: str | torch.dtype | None = None,
