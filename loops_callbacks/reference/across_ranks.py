@@ -14,13 +14,14 @@ mean (DPO pairs are checked by the caller, ``loops_callbacks.data``). In order:
    scored: every rank reads it into its own memory and checks that what it read has rank 0's
    checksum, or, where a rank cannot, receives rank 0's values. A damaged file is warned about and
    replaced; caches of other keys (reference, data, dtype) are named in a warning and kept;
-3. otherwise each rank scores one contiguous block of ``shard_unit``-sequence units with about the
-   same number of tokens as every other rank's: with ``score_packed`` when the reference has it
+3. otherwise each rank scores one contiguous block of whole *shard units* (``shard_unit``
+   consecutive sequences that always go to the same rank: 2 for a DPO pair's chosen and rejected)
+   with about the same number of tokens as every other rank's: with ``score_packed`` when the reference has it
    (``TorchSamplingClient``, ``PolicyReference``, which scores in lock-step), else through the SDK's
    calls (``score_prompts``: remote clients). The blocks are gathered into one float32 tensor on
    every rank, and rank 0 writes the cache.
 
-With ``cached_only`` nothing is scored: the values must come from the cache (a resumed run whose
+With ``cache_only_reason`` nothing is scored: the values must come from the cache (a resumed run whose
 reference was the initial policy), and a missing or mismatching file is a ``ReferenceCacheError``.
 Before each collective step the ranks meet (``StallGuard``): a rank that does not come within
 ``scoring_timeout`` seconds is named, with the step, by a ``RankStalledError`` on every rank.
@@ -67,7 +68,7 @@ class ReferenceCacheWarning(UserWarning):
 
 
 class ReferenceCacheError(RuntimeError):
-    """The values had to come from the cache (``cached_only``) and it is missing or does not match."""
+    """The values had to come from the cache (``cache_only_reason``) and it is missing or does not match."""
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ReferenceLogprobsReport:
     """
 
     source: Literal["cache", "scored"]
-    num_datums: int
+    n_datums: int
     scored_here: int
     seconds: float
     cache_path: str | None
@@ -90,6 +91,11 @@ class ReferenceLogprobsReport:
     cache_key: CacheKey | None = None
     reference_fingerprint: str | None = None
     cache_written: bool = False
+
+    @property
+    def num_datums(self) -> int:
+        """The former name of ``n_datums``."""
+        return self.n_datums
 
 
 def score_across_ranks(
@@ -99,9 +105,10 @@ def score_across_ranks(
     *,
     datums: Sequence[Any] | None = None,
     cache_tag: str | None = None,
-    cached_only: str | None = None,
+    cache_only_reason: str | None = None,
     shard_unit: int = 1,
     datum_name: Callable[[int], str] | None = None,
+    cached_only: str | None = None,
 ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
     """The reference values of every sequence of ``tokens``, scored once across ranks and cached (module docstring).
 
@@ -111,20 +118,22 @@ def score_across_ranks(
     Args:
         tokens: the token ids, packed (or one list per sequence).
         reference: a ``SamplingClient``; a ``TorchSamplingClient`` whose weights differ across ranks
-            is given rank 0's weights first (as DDP does to the policy). Unused with ``cached_only``.
+            is given rank 0's weights first (as DDP does to the policy). Unused with ``cache_only_reason``.
         config: the settings (``cache_dir``: no cache when ``None``; ``reference_fingerprint``: the
-            reference's identity when it has no ``fingerprint()``, or with ``cached_only`` the
+            reference's identity when it has no ``fingerprint()``, or with ``cache_only_reason`` the
             identity the cached values must have, ``None`` for any; ``progress``; ``scoring_timeout``).
         datums: the sequences as datums, for a reference without ``score_packed``: it is called
             with their own ``model_input`` (default: ``ModelInput``\\ s of ``tokens``).
-        cache_tag: the cache key's tag, what the values depend on besides the reference's weights
-            and the data (default ``config.cache_tag()``; ``policy_tag`` for the policy).
-        cached_only: never score; the cache must hold the values. The text says why (and how to fix
-            a miss): it ends the ``ReferenceCacheError`` message.
-        shard_unit: sequences that stay together on one rank (2: a DPO pair's two).
+        cache_tag: the cache key's ``dtype`` (``CacheKey``), what the values depend on besides the
+            reference's weights and the data (default ``config.cache_tag()``; ``policy_tag`` for the policy).
+        cache_only_reason: never score, the cache must hold the values; the text says why (and how to
+            fix a miss) and ends the ``ReferenceCacheError`` message.
+        shard_unit: the shard unit, sequences that always go to the same rank (2: a DPO pair's two).
         datum_name: how an error names sequence ``i`` (default ``datum i``), e.g. ``datum_label``.
+        cached_only: the former name of ``cache_only_reason``.
     """
     start = time.perf_counter()
+    cache_only_reason = cache_only_reason if cache_only_reason is not None else cached_only
     config = config if config is not None else ReferenceConfig()
     tokens = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
     count = len(tokens)
@@ -141,10 +150,11 @@ def score_across_ranks(
                           item_name=name, guard=guard)
     tokens = check_token_ids(tokens, getattr(reference, "vocab_size", None), datum_name=name)  # the one check
     path = os.path.join(config.cache_dir, CACHE_FILE_NAME) if config.use_cache and config.cache_dir else None
-    if cached_only is not None and path is None:
-        raise ReferenceCacheError(f"there is no reference-logprob cache to read (the cache is off): {cached_only}")
+    if cache_only_reason is not None and path is None:
+        raise ReferenceCacheError("there is no reference-logprob cache to read (the cache is off): "
+                                  f"{cache_only_reason}")
     fingerprint = config.reference_fingerprint
-    if cached_only is None:
+    if cache_only_reason is None:
         guard.arrive("the reference's fingerprint")
         fingerprint = _reference_fingerprint(reference, fingerprint, group)
         if path is not None and fingerprint is None:
@@ -154,9 +164,9 @@ def score_across_ranks(
             path = None
     key = CacheKey(fingerprint, digest(), cache_tag or config.cache_tag()) if path is not None else None
     values, status, reason, stored_reference, file = _load(path, key, tokens.lengths, group,
-                                                           warn=cached_only is None)
-    if values is None and cached_only is not None:
-        raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cached_only}")
+                                                           warn=cache_only_reason is None)
+    if values is None and cache_only_reason is not None:
+        raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cache_only_reason}")
     scored_here, written = 0, False
     if values is None:
         bounds = _shard_bounds(tokens.lengths, shard_unit, group.world_size)

@@ -66,8 +66,12 @@ _HOST = socket.gethostname().replace(os.sep, "_") or "host"  # in temporary file
 class CacheKey:
     """What the cached values depend on; a file made for another key is never used.
 
-    ``reference=None`` asks for a file of these data and dtype whatever reference made it (a
-    resumed run that cannot know its initial weights' fingerprint).
+    ``reference``: the reference weights' fingerprint; ``data``: the token data's
+    (``data_fingerprint``); ``dtype``: the *cache tag*, what else the values depend on: the scoring
+    dtype, ``"model"`` (the model's own dtype) or, for the policy scored in place,
+    ``"policy|precision=<the trainer's precision>"`` (``policy_tag``). ``reference=None`` asks for a
+    file of these data and dtype whatever reference made it (a resumed run that cannot know its
+    initial weights' fingerprint).
     """
 
     reference: str | None

@@ -35,7 +35,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,8 +66,8 @@ class CacheInfo:
     size: int
     modified: float
     key: CacheKey | None
-    num_datums: int | None = None
-    num_values: int | None = None
+    n_datums: int | None = None
+    n_values: int | None = None
     problem: str = ""
 
     def describe(self) -> str:
@@ -233,28 +233,23 @@ def _line(info: CacheInfo) -> str:
         return f"{info.describe()}  unreadable: {info.problem}"
     reference = (info.key.reference or "?")[:12]
     fields = f"reference {reference}  data {info.key.data[:12]}  dtype {info.key.dtype}"
-    counts = f"{info.num_datums:,} datums, {info.num_values:,} tokens"
+    counts = f"{info.n_datums:,} datums, {info.n_values:,} tokens"
     return f"{info.describe()}  {fields}  {counts}{'  DAMAGED: ' + info.problem if info.problem else ''}"
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
-    return value
+def _at_least_zero(cast: type, what: str) -> Callable[[str], float]:
+    """An argparse ``type``: ``cast(text)``, rejected (naming ``what`` and the text) unless 0 or more."""
 
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = -1
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be {what}, 0 or more, got {text!r}")
+        return value
 
-def _days(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of days, 0 or more, got {text!r}")
-    return value
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("list", help="every cache in DIR: size, date, key").add_argument("directory", metavar="DIR")
     prune = commands.add_parser("prune", help="remove the caches of DIR that the options select")
     prune.add_argument("directory", metavar="DIR")
-    prune.add_argument("--older-than", type=_days, metavar="DAYS", help="remove those not modified for DAYS days")
-    prune.add_argument("--keep-newest", type=_count, metavar="N", help="remove all but the N newest")
+    prune.add_argument("--older-than", type=_at_least_zero(float, "a number of days"), metavar="DAYS", help="remove those not modified for DAYS days")
+    prune.add_argument("--keep-newest", type=_at_least_zero(int, "a whole number"), metavar="N", help="remove all but the N newest")
     prune.add_argument(
         "--damaged",
         action="store_true",

@@ -30,7 +30,7 @@ from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
-from loops_callbacks.reference.scorer import TokenScorer, default_tokens_per_batch
+from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.types import ModelInput
 from loops_callbacks.validation import check_bool, check_dtype, check_int
 
@@ -99,16 +99,25 @@ def find_vocab_size(model: nn.Module) -> int | None:
 class ScorerClient:
     """What the local clients share: the ``SamplingClient`` forms of ``score_packed``.
 
-    A subclass defines ``score_packed(packed, *, progress, lockstep)`` (flat values in the
-    ``ref_logprobs`` layout), ``max_tokens_per_batch`` and ``path``; ``compute_logprobs`` and
-    ``compute_logprobs_batch`` are the SDK's list forms of it.
+    A subclass sets ``scorer`` (a ``TokenScorer``) and ``vocab_size``; ``compute_logprobs`` and
+    ``compute_logprobs_batch`` are the SDK's list forms of ``score_packed``.
     """
 
     scorer: TokenScorer
+    vocab_size: int | None
 
     def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
                      lockstep: Any = None) -> torch.Tensor:
-        raise NotImplementedError
+        """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
+        of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
+
+        Example:
+            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
+            >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
+            torch.Size([3])
+        """
+        check_token_ids(packed, self.vocab_size)
+        return self.scorer.score(packed, progress=progress, lockstep=lockstep)
 
     @property
     def max_tokens_per_batch(self) -> int:
@@ -201,8 +210,6 @@ class TorchSamplingClient(ScorerClient):
                                   max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
                                   vocab_size=self.vocab_size)
 
-    default_tokens_per_batch = staticmethod(default_tokens_per_batch)
-
     @classmethod
     def snapshot(cls, module: nn.Module, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_tokens_per_batch: int | None = None,
@@ -241,19 +248,6 @@ class TorchSamplingClient(ScorerClient):
         if not isinstance(self.model, nn.Module):
             return None
         return weights_fingerprint(self.model, tag=str(self.dtype), group=Group.local())
-
-    def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
-                     lockstep: Any = None) -> torch.Tensor:
-        """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
-        of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
-
-        Example:
-            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
-            >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
-            torch.Size([3])
-        """
-        check_token_ids(packed, self.vocab_size)
-        return self.scorer.score(packed, progress=progress, lockstep=lockstep)
 
 
 def _checked(model: Any, device: Any, dtype: Any, max_tokens_per_batch: Any,

@@ -83,13 +83,9 @@ class Group:
         """Rank ``src``'s values, in place in ``tensor`` on every rank (same shape and dtype everywhere)."""
         if self.world_size == 1 or tensor.numel() == 0:
             return tensor
-        if tensor.device == self.device:
-            dist.broadcast(tensor, src=src)
-            return tensor
-        moved = tensor.to(self.device)
+        moved = tensor.to(self.device)  # ``tensor`` itself when it is there
         dist.broadcast(moved, src=src)
-        tensor.copy_(moved)
-        return tensor
+        return tensor.copy_(moved) if moved is not tensor else tensor
 
     def gather_blocks(self, local: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
         """The concatenation of every rank's 1-D block: rank r's ``local`` fills ``[bounds[r], bounds[r + 1])``.
@@ -113,10 +109,6 @@ class Group:
                 block.copy_(local)
             dist.broadcast(block, src=rank)
         return out
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 def raise_together(group: Group, failure: BaseException | None, what: str) -> None:
@@ -205,35 +197,36 @@ class StallGuard:
     def note(self, phase: str) -> None:
         """Record that this rank is now in ``phase`` (named if another rank times out waiting for it)."""
         if self.store is not None:
-            self._store_call(phase, self.store.set, f"{self._PREFIX}/last/{self.rank}", phase)
+            with self._store_lost(phase):
+                self.store.set(f"{self._PREFIX}/last/{self.rank}", phase)
 
     def arrive(self, phase: str) -> None:
         """Wait until every rank has arrived at ``phase`` (at most ``timeout`` seconds)."""
         if self.store is None or self.timeout is None:
             return
-        store = self.store
-        abort = f"{self._PREFIX}/aborted"
-        self._raise_if_aborted(phase, abort)
-        number = self._store_call(phase, store.add, f"{self._PREFIX}/count/{self.rank}", 1)
-        keys = [f"{self._PREFIX}/{number}/{rank}" for rank in range(self.world_size)]
-        self._store_call(phase, store.set, f"{self._PREFIX}/last/{self.rank}", f"waiting to start {phase}")
-        self._store_call(phase, store.set, keys[self.rank], phase)
-        deadline = time.monotonic() + self.timeout
-        pause = 0.001
-        while not self._store_call(phase, store.check, keys):
+        store, abort = self.store, f"{self._PREFIX}/aborted"
+        with self._store_lost(phase):
             self._raise_if_aborted(phase, abort)
-            if time.monotonic() > deadline:
-                missing = [rank for rank, key in enumerate(keys) if not self._store_call(phase, store.check, [key])]
-                where = "; ".join(f"rank {rank} is still at: {self._last(rank)}" for rank in missing)
-                message = (
-                    f"rank(s) {', '.join(map(str, missing))} did not reach {phase!r} within {self.timeout:g} s "
-                    f"(a stalled or failed rank; {where}). Raise the timeout (scoring_timeout) if the work is "
-                    "just slow"
-                )
-                self._store_call(phase, store.set, abort, f"rank {self.rank} gave up waiting: {message}")
-                raise RankStalledError(f"rank {self.rank}: {message}")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+            number = store.add(f"{self._PREFIX}/count/{self.rank}", 1)
+            keys = [f"{self._PREFIX}/{number}/{rank}" for rank in range(self.world_size)]
+            store.set(f"{self._PREFIX}/last/{self.rank}", f"waiting to start {phase}")
+            store.set(keys[self.rank], phase)
+            deadline = time.monotonic() + self.timeout
+            pause = 0.001
+            while not store.check(keys):
+                self._raise_if_aborted(phase, abort)
+                if time.monotonic() > deadline:
+                    missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                    where = "; ".join(f"rank {rank} is still at: {self._last(rank)}" for rank in missing)
+                    message = (
+                        f"rank(s) {', '.join(map(str, missing))} did not reach {phase!r} within {self.timeout:g} s "
+                        f"(a stalled or failed rank; {where}). Raise the timeout (scoring_timeout) if the work is "
+                        "just slow"
+                    )
+                    store.set(abort, f"rank {self.rank} gave up waiting: {message}")
+                    raise RankStalledError(f"rank {self.rank}: {message}")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
 
     def _last(self, rank: int) -> str:
         key = f"{self._PREFIX}/last/{rank}"
@@ -243,16 +236,17 @@ class StallGuard:
 
     def _raise_if_aborted(self, phase: str, abort: str) -> None:
         assert self.store is not None
-        if self._store_call(phase, self.store.check, [abort]):
-            message = self._store_call(phase, self.store.get, abort).decode()
-            raise RankStalledError(f"rank {self.rank} stops before {phase!r}: {message}")
+        if self.store.check([abort]):
+            raise RankStalledError(f"rank {self.rank} stops before {phase!r}: {self.store.get(abort).decode()}")
 
-    def _store_call(self, phase: str, method: Any, *args: Any) -> Any:
+    @contextmanager
+    def _store_lost(self, phase: str) -> Iterator[None]:
+        """A store that fails (its host, rank 0, has ended) is a ``RankStalledError`` naming the phase."""
         try:
-            return method(*args)
+            yield
         except RankStalledError:
             raise
-        except (RuntimeError, ConnectionError) as error:  # the store's host (rank 0) has ended
+        except (RuntimeError, ConnectionError) as error:
             raise RankStalledError(
                 f"rank {self.rank} lost the process group's store before {phase!r} (its host, rank 0, has "
                 f"probably ended): {error}"

@@ -103,7 +103,8 @@ class ReferenceConfig:
             check_bool(name, getattr(self, name))
 
     def cache_tag(self) -> str:
-        """The cache key's tag for a reference scored with these settings: the scoring dtype, or ``"model"``."""
+        """The cache tag (``CacheKey.dtype``) of a reference scored with these settings: the scoring dtype, or
+        ``"model"``."""
         return self.scoring_dtype or "model"
 
 

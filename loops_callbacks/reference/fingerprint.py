@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import importlib
 import re
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from loops_callbacks.reference.collectives import Group
 
-__all__ = ["clean_name", "fsdp1_class", "fsdp2_class", "weights_fingerprint"]
+__all__ = ["clean_name", "fsdp_classes", "weights_fingerprint"]
 
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
 
@@ -76,22 +77,14 @@ def _is_dtensor(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None))
 
 
-def fsdp1_class() -> type | None:
-    """FSDP (1)'s wrapper class (``None`` for a torch without it)."""
+def fsdp_classes() -> tuple[type | None, type | None]:
+    """FSDP (1)'s wrapper class and FSDP2's module class (of every module ``fully_shard`` has sharded); ``None`` for
+    one that this torch lacks (no distributed, or older than FSDP2)."""
     try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        fsdp = importlib.import_module("torch.distributed.fsdp")
     except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return FullyShardedDataParallel
-
-
-def fsdp2_class() -> type | None:
-    """FSDP2's module class, of every module ``fully_shard`` has sharded (``None`` for a torch without it)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed or older than FSDP2
-        return None
-    return FSDPModule
+        return None, None
+    return fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)
 
 
 def weights_fingerprint(module: nn.Module, *, tag: str = "", group: Group | None = None) -> str:
@@ -116,7 +109,7 @@ def weights_fingerprint(module: nn.Module, *, tag: str = "", group: Group | None
 
 def _model_class(module: nn.Module) -> type:
     """The model's own class: inside an FSDP (1) wrapper, and not FSDP2's dynamic ``FSDP<Class>`` subclass."""
-    fsdp, fsdp2 = fsdp1_class(), fsdp2_class()
+    fsdp, fsdp2 = fsdp_classes()
     while fsdp is not None and isinstance(module, fsdp):
         module = module.module
     return next(c for c in type(module).__mro__ if fsdp2 is None or not issubclass(c, fsdp2))
@@ -124,7 +117,7 @@ def _model_class(module: nn.Module) -> type:
 
 def _entries(module: nn.Module, group: Group) -> dict[str, str]:
     """This rank's share of the ``name -> entry`` lines."""
-    fsdp = fsdp1_class()
+    fsdp, _ = fsdp_classes()
     if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
         return _fsdp1_entries(module, fsdp, group)
     entries: dict[str, str] = {}

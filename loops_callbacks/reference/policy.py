@@ -18,7 +18,7 @@ DataModule for data (``ReferenceLogprobsMixin``). No copy of the weights exists 
 
 Example:
     >>> import torch
-    >>> from loops_callbacks.reference.packing import PackedTokens, check_token_ids
+    >>> from loops_callbacks.reference.packing import PackedTokens
     >>> policy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     >>> reference = PolicyReference(policy)
     >>> reference.score_packed(PackedTokens.from_sequences([[1, 2, 3]])).shape, len(reference.fingerprint())
@@ -38,8 +38,8 @@ from torch import nn
 
 from loops_callbacks.reference.clients import ScorerClient, find_vocab_size, module_device
 from loops_callbacks.reference.collectives import Group
-from loops_callbacks.reference.fingerprint import fsdp1_class, fsdp2_class, weights_fingerprint
-from loops_callbacks.reference.packing import PackedTokens, check_token_ids
+from loops_callbacks.reference.fingerprint import fsdp_classes, weights_fingerprint
+from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.validation import FLOAT_DTYPES
 
@@ -112,7 +112,7 @@ class PolicyReference(ScorerClient):
     def from_trainer(cls, trainer: Any, *, scoring_dtype: str | None = None,
                      max_tokens_per_batch: int | None = None) -> PolicyReference:
         """The trainer's LightningModule as the strategy has set it up, on the strategy's root device."""
-        module, wrapped, fsdp = trainer.lightning_module, trainer.strategy.model, fsdp1_class()
+        module, wrapped, (fsdp, _) = trainer.lightning_module, trainer.strategy.model, fsdp_classes()
         return cls(module, forward_module=wrapped if fsdp is not None and isinstance(wrapped, fsdp) else module,
                    device=trainer.strategy.root_device, scoring_dtype=scoring_dtype,
                    max_tokens_per_batch=max_tokens_per_batch, autocast=trainer.precision_plugin.forward_context,
@@ -130,13 +130,12 @@ class PolicyReference(ScorerClient):
     def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
                      lockstep: Any = None) -> torch.Tensor:
         """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
-        check_token_ids(packed, self.vocab_size)
         try:
-            return self.scorer.score(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
+            return super().score_packed(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
         finally:
             # FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one); after
             # scoring there is none: shard them again, so that training starts as it would have
-            fsdp2 = fsdp2_class()
+            _, fsdp2 = fsdp_classes()
             for m in self.module.modules():
                 if fsdp2 is not None and isinstance(m, fsdp2):
                     m.reshard()

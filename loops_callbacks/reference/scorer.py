@@ -7,9 +7,11 @@ log-probabilities of the target tokens either from the model's output head fed c
 (no ``[B, T, V]`` logits) or from its logits (``heads``). The head path is verified once on a
 short probe before it is trusted; a model that fails the check is scored on the general path.
 
-In lock-step (``lockstep=`` a process group), every rank runs the same number of forward passes
-(the ranks with fewer batches run tiny padding batches), so a model whose forward is a collective
-(FSDP, FSDP2) never waits for a rank that has finished.
+*Lock-step* scoring (``lockstep=`` a ``Group`` or ``StallGuard``): every rank runs the same number
+of forward passes, the ranks with fewer batches running tiny padding batches, and (with a
+``StallGuard``) the ranks meet before each one, so a model whose forward is a collective (FSDP,
+FSDP2) never waits for a rank that has finished or stalled. This is what "lock-step" means
+everywhere in this package.
 
 Right padding needs no attention mask: with causal attention a real position only attends to
 the positions before it, so a padded row scores as it would alone (up to float rounding).
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from loops_callbacks import run_warnings
 from loops_callbacks.logprobs import token_logprobs
+from loops_callbacks.reference.collectives import Group, StallGuard
 from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
 from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, plan_batches
 
@@ -105,18 +108,6 @@ def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
     return max(1, min(max(fewest, target // row_bytes), most // row_bytes))
 
 
-class Lockstep(Protocol):
-    """What lock-step scoring needs of a process group: every rank's largest batch count, and a
-    meeting before each forward (``collectives.Group``: none; ``collectives.StallGuard``: a rank
-    that does not come in time is named instead of waited for inside a sharded forward)."""
-
-    world_size: int
-
-    def max_int(self, value: int) -> int: ...
-
-    def before_forward(self, index: int, count: int) -> None: ...
-
-
 class TokenScorer:
     """Scores ``PackedTokens`` with a causal LM; see the module docstring.
 
@@ -178,7 +169,7 @@ class TokenScorer:
         self,
         packed: PackedTokens,
         *,
-        lockstep: Lockstep | None = None,
+        lockstep: Group | StallGuard | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Flat float32 log-probabilities of ``packed`` (``ref_logprobs`` layout), on the device.
@@ -198,23 +189,21 @@ class TokenScorer:
                 )
             self._tell_fallback = False
             order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
+            ranks = lockstep if lockstep is not None else Group.local()
             # Agreed before the first forward: a rank must not wait in this collective while
             # another is inside a forward's (FSDP's all-gathers).
-            forwards = lockstep.max_int(len(plan)) if lockstep is not None and lockstep.world_size > 1 else len(plan)
+            forwards = ranks.max_int(len(plan))
             batches = DeviceBatches(packed, order, self.device)
             lengths = packed.lengths[order]
-            meet = lockstep.before_forward if lockstep is not None and lockstep.world_size > 1 else None
             for index, (start, stop) in enumerate(plan):
                 ids = batches.input_ids(start, stop, int(lengths[start]))
-                if meet is not None:
-                    meet(index, forwards)
+                ranks.before_forward(index, forwards)
                 batches.store(start, stop, self._batch_logprobs(ids))
                 if progress is not None:
                     progress(int(lengths[start:stop].sum()))
             padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
             for index in range(len(plan), forwards):
-                if meet is not None:
-                    meet(index, forwards)
+                ranks.before_forward(index, forwards)
                 self._batch_logprobs(padding)
             return batches.result()
 
@@ -245,48 +234,22 @@ class TokenScorer:
 
     @contextlib.contextmanager
     def _scoring(self) -> Iterator[None]:
-        grad = torch.inference_mode() if self.grad_mode == "inference" else _no_grad_outside_inference()
-        with grad, _eval_mode(self.model), _kv_cache_off(self.model):
-            yield
-
-
-@contextlib.contextmanager
-def _no_grad_outside_inference() -> Iterator[None]:
-    """``no_grad`` with inference mode off (FSDP's collectives write into its own tensors)."""
-    with torch.inference_mode(False), torch.no_grad():
-        yield
-
-
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module | None) -> Iterator[None]:
-    """Run in eval mode (no dropout), then give every submodule its own mode back."""
-    if module is None:
-        yield
-        return
-    training = [m for m in module.modules() if m.training]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m in training:
-            m.training = True
-
-
-@contextlib.contextmanager
-def _kv_cache_off(module: nn.Module | None) -> Iterator[None]:
-    """Hugging Face models build no key/value cache while scoring (``config.use_cache = False``)."""
-    configs = []
-    if module is not None:
-        seen: set[int] = set()
-        for m in module.modules():
-            config = getattr(m, "config", None)
-            if getattr(config, "use_cache", None) is True and id(config) not in seen:
-                seen.add(id(config))
-                configs.append(config)
-    for config in configs:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        for config in configs:
-            config.use_cache = True
+        """Eval mode (no dropout) and no Hugging Face key/value cache (``config.use_cache = False``) while scoring,
+        then every submodule's own mode and config back; no autograd (``no_grad`` outside inference mode for FSDP,
+        whose collectives write into its own tensors)."""
+        modules = list(self.model.modules()) if self.model is not None else []
+        training = [m for m in modules if m.training]
+        configs = {id(m.config): m.config for m in modules if getattr(getattr(m, "config", None), "use_cache", 0) is True}
+        grad = torch.inference_mode() if self.grad_mode == "inference" else torch.inference_mode(False)
+        if self.model is not None:
+            self.model.eval()
+        for config in configs.values():
+            config.use_cache = False
+        try:
+            with grad, torch.no_grad():
+                yield
+        finally:
+            for module in training:
+                module.training = True
+            for config in configs.values():
+                config.use_cache = True

@@ -346,7 +346,7 @@ def test_the_summary_says_cached_only_when_the_cache_was_written() -> None:
     from loops_callbacks.reference import ReferenceLogprobsReport
 
     def line(**fields: object) -> str:
-        report = ReferenceLogprobsReport(source="scored", num_datums=4, scored_here=4, seconds=0.5,
+        report = ReferenceLogprobsReport(source="scored", n_datums=4, scored_here=4, seconds=0.5,
                                          cache_path="/c/ref.cache", cache_status="missing", **fields)
         (text,) = reference_lines(SimpleNamespace(reference_report=report))
         return text

@@ -15,7 +15,7 @@ from torch import nn
 
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.heads import LogitTransform, find_output_head, head_logprobs
-from loops_callbacks.reference.scorer import OutputHeadWarning, TokenScorer
+from loops_callbacks.reference.scorer import OutputHeadWarning, TokenScorer, default_tokens_per_batch
 
 transformers = pytest.importorskip("transformers", reason="the architectures come from transformers")
 
@@ -142,7 +142,7 @@ def test_head_logprobs_by_hand_with_a_transform() -> None:
 
 def test_the_default_budget_does_not_depend_on_the_vocabulary_on_the_head_path() -> None:
     big_vocab = 200_000
-    general = TorchSamplingClient.default_tokens_per_batch("cuda", big_vocab)
+    general = default_tokens_per_batch("cuda", big_vocab)
     assert general < 16384
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

@@ -16,6 +16,7 @@ import pytest
 from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME, CacheKey, read_cache, write_cache
 from loops_callbacks.reference.config import ReferenceConfig
+from loops_callbacks.types import ModelInput
 
 KEY = CacheKey(reference="r", data="d", dtype="float32")
 VALUES = [np.array([-0.5, 0.0]), np.array([0.0])]

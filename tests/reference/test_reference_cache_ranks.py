@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 import loops_callbacks.reference.across_ranks as across_ranks
 from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.config import ReferenceConfig
+from loops_callbacks.types import ModelInput
 from tests.helpers import free_port
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [3, 1, 4, 1, 5]]

@@ -71,7 +71,7 @@ def score(base: Path, value: float, fingerprint: str, tokens: list[list[int]] = 
 
 
 def resume(base: Path, fingerprint: str | None, tokens: list[list[int]] = TOKENS) -> tuple[np.ndarray, Any]:
-    return score_across_ranks(tokens, None, config(base, fingerprint), cached_only="(the fix)")
+    return score_across_ranks(tokens, None, config(base, fingerprint), cache_only_reason="(the fix)")
 
 
 # ----------------------------------------------------------------------------- a file changed under a running job

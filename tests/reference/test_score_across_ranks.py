@@ -51,7 +51,7 @@ def test_the_values_are_one_float32_buffer_in_the_packed_layout() -> None:
     values, report = score_across_ranks(packed, client(), QUIET, shard_unit=2)
     assert isinstance(values, np.ndarray) and values.dtype == np.float32 and values.shape == (packed.num_tokens,)
     assert values[packed.offsets[1:] - 1].tolist() == [0.0] * len(SEQUENCES)  # nothing predicted at a last token
-    assert report.num_datums == len(SEQUENCES) and report.source == "scored"
+    assert report.n_datums == len(SEQUENCES) and report.source == "scored"
     datums = [Datum(ModelInput.from_ints(s)) for s in SEQUENCES]
     attached = attach_reference_logprobs(datums, client())
     assert np.allclose(np.concatenate([d.loss_fn_inputs["ref_logprobs"].data for d in attached]), values, atol=1e-6)
