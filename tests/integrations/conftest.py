@@ -12,6 +12,7 @@ elsewhere and nothing is sent.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,3 +86,23 @@ def engine(tiny_llama_dir: Path) -> Iterator[Any]:
         shutdown_engine(llm)
         os.environ.clear()
         os.environ.update(environment)
+
+
+@pytest.fixture(scope="module")
+def updated_model(hf_model: Any) -> Any:
+    """The checkpoint a few optimizer steps later: every weight moved by 5% of its spread."""
+    generator = torch.Generator().manual_seed(1)
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+@pytest.fixture
+def engine_back(engine: Any, hf_model: Any) -> Iterator[Any]:
+    """The engine, holding the checkpoint's weights again (and a clean prefix cache) after the test."""
+    yield engine
+    from loops_callbacks.integrations.vllm import VLLMWeightSync
+
+    VLLMWeightSync(engine).push(hf_model, version=0)

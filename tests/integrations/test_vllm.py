@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,20 +18,20 @@ from lightning.pytorch import LightningModule
 
 vllm = pytest.importorskip("vllm")
 
-from loops_callbacks import attach_reference_logprobs, token_logprobs
-from loops_callbacks.integrations.vllm import rollouts
-from loops_callbacks.integrations.vllm import (
+from loops_callbacks import attach_reference_logprobs, token_logprobs  # noqa: E402
+from loops_callbacks.integrations.vllm import rollouts  # noqa: E402
+from loops_callbacks.integrations.vllm import (  # noqa: E402
     VLLMSamplingClient,
     VLLMWarning,
     VLLMWeightSync,
     generate_rollouts,
     rollout_batch,
 )
-from loops_callbacks.reference import ReferenceConfig, score_across_ranks
-from loops_callbacks.reference.clients import TorchSamplingClient
-from loops_callbacks.reference.packing import PackedTokens
-from loops_callbacks.types import Datum, ModelInput
-from tests.integrations.conftest import VOCAB
+from loops_callbacks.reference import ReferenceConfig, score_across_ranks  # noqa: E402
+from loops_callbacks.reference.clients import TorchSamplingClient  # noqa: E402
+from loops_callbacks.reference.packing import PackedTokens  # noqa: E402
+from loops_callbacks.types import Datum, ModelInput  # noqa: E402
+from tests.integrations.conftest import VOCAB  # noqa: E402
 
 FP32_BOUND = 1e-4
 BLOCK = 128  # tokens per KV block on the CPU: a prefix of two full blocks is served from the prefix cache
@@ -56,24 +55,6 @@ def trainer_gap(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         trainer = token_logprobs(model(batch["input_ids"]).logits, batch["target_tokens"])
     return (trainer - batch["logprobs"])[batch["mask"] > 0].double()
-
-
-@pytest.fixture(scope="module")
-def updated_model(hf_model: Any) -> Any:
-    """The checkpoint a few optimizer steps later: every weight moved by 5% of its spread."""
-    generator = torch.Generator().manual_seed(1)
-    model = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * parameter.std() * torch.randn(parameter.shape, generator=generator))
-    return model
-
-
-@pytest.fixture
-def engine_back(engine: Any, hf_model: Any) -> Iterator[Any]:
-    """The engine, holding the checkpoint's weights again (and a clean prefix cache) after the test."""
-    yield engine
-    VLLMWeightSync(engine).push(hf_model, version=0)
 
 
 def test_fp32_rollouts_equal_a_hugging_face_forward_and_end_at_their_stop_token(engine: Any, hf_model: Any) -> None:

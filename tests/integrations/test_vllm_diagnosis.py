@@ -29,7 +29,7 @@ from loops_callbacks.integrations.vllm import rollouts as vllm_rollouts  # noqa:
 from loops_callbacks.integrations.vllm import VLLMWeightSync, generate_rollouts  # noqa: E402
 from tests.helpers import quiet_trainer  # noqa: E402
 from tests.integrations.conftest import VOCAB  # noqa: E402
-from tests.integrations.test_vllm import BLOCK, engine_back, random_prompts, updated_model  # noqa: E402, F401
+from tests.integrations.test_vllm import BLOCK, random_prompts  # noqa: E402
 
 
 class Replay(LightningModule):
