@@ -153,16 +153,8 @@ def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, 
     """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
     dropped, clipped = scored & ~rows.keep, scored & rows.clipped
     weight = rows.weights * scored  # a row without action tokens is no sequence; its weight never applies
-    return {
-        _key(correction, "n_tokens_masked"): (count * dropped).sum(),
-        _key(correction, "n_tokens_clipped"): (count * clipped).sum(),
-        _key(correction, "n_seqs_masked"): dropped.sum().to(torch.float64),
-        _key(correction, "n_seqs_clipped"): clipped.sum().to(torch.float64),
-        _key(correction, "sum_weight"): (count * weight).sum(),
-        _key(correction, "sum_weight2"): (count * weight.square()).sum(),
-        _key(correction, "sum_seq_weight"): weight.sum(),
-        _key(correction, "sum_seq_weight2"): weight.square().sum(),
-    }
+    return _per_correction(correction, (count * dropped).sum(), (count * clipped).sum(), dropped.sum(), clipped.sum(),
+                           (count * weight).sum(), (count * weight.square()).sum(), weight.sum(), weight.square().sum())
 
 
 def _token_level(correction: Correction, result: Weights, x: CorrectionInput) -> dict[str, torch.Tensor]:
@@ -172,16 +164,17 @@ def _token_level(correction: Correction, result: Weights, x: CorrectionInput) ->
     zero = weights.new_zeros(())
     can_drop, can_clip = _can_drop(correction), not _can_drop(correction)
     dropped = x.finite & ~result.keep if can_drop else None
-    return {
-        _key(correction, "n_tokens_masked"): dropped.sum().to(torch.float64) if can_drop else zero,
-        _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64) if can_clip else zero,
-        _key(correction, "n_seqs_masked"): _rows_with_any(dropped, x) if can_drop else zero,
-        _key(correction, "n_seqs_clipped"): _rows_with_any(clipped, x) if can_clip else zero,
-        _key(correction, "sum_weight"): weights.sum(),
-        _key(correction, "sum_weight2"): weights.square().sum(),
-        _key(correction, "sum_seq_weight"): seq_weight.sum(),
-        _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
-    }
+    return _per_correction(
+        correction, dropped.sum() if can_drop else zero, clipped.sum() if can_clip else zero,
+        _rows_with_any(dropped, x) if can_drop else zero, _rows_with_any(clipped, x) if can_clip else zero,
+        weights.sum(), weights.square().sum(), seq_weight.sum(), seq_weight.square().sum(),
+    )
+
+
+def _per_correction(correction: Correction, *values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``PER_CORRECTION_TOTALS`` of ``correction``, in that order, as float64."""
+    return {_key(correction, stat): value.to(torch.float64) for stat, value in zip(PER_CORRECTION_TOTALS, values,
+                                                                                    strict=True)}
 
 
 def _can_drop(correction: Correction) -> bool:
