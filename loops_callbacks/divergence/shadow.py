@@ -52,7 +52,7 @@ from loops_callbacks.divergence.states import State
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
-SHARED_TOTALS = ("n_tokens", "n_sequences", "n_seqs_no_advantage")
+SHARED_TOTALS = ("n_tokens", "n_scored_datums", "n_datums_no_advantage")
 SHARED_EXTREMA = (
     "max_token_log_ratio", "neg_min_token_log_ratio",
     "max_seq_log_ratio", "neg_min_seq_log_ratio",
@@ -60,7 +60,7 @@ SHARED_EXTREMA = (
     "max_rank_no_advantage", "neg_min_rank_no_advantage",  # the ranks whose advantages could not be read
 )
 PER_CORRECTION_TOTALS = (
-    "n_tokens_masked", "n_tokens_clipped", "n_seqs_masked", "n_seqs_clipped",
+    "n_tokens_masked", "n_tokens_clipped", "n_datums_masked", "n_datums_clipped",
     "sum_weight", "sum_weight2", "sum_seq_weight", "sum_seq_weight2",
 )
 
@@ -95,7 +95,7 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, .
 
     Example:
         >>> [s.name for s in shadow_statistics(["geo"])][2:4]
-        ['correction::n_seqs_no_advantage', 'correction:geo:n_tokens_masked']
+        ['correction::n_datums_no_advantage', 'correction:geo:n_tokens_masked']
     """
     parsed = parse_corrections(corrections)
     if not parsed:
@@ -132,8 +132,8 @@ def shadow_values(
     at_rank = torch.full_like(unjudged, float(rank))
     values: dict[str, torch.Tensor] = {
         _key(None, "n_tokens"): count.sum(),
-        _key(None, "n_sequences"): scored.sum().to(torch.float64),
-        _key(None, "n_seqs_no_advantage"): unjudged,
+        _key(None, "n_scored_datums"): scored.sum().to(torch.float64),
+        _key(None, "n_datums_no_advantage"): unjudged,
         _key(None, "max_rank_no_advantage"): at_rank.where(unjudged > 0, -math.inf),
         _key(None, "neg_min_rank_no_advantage"): (-at_rank).where(unjudged > 0, -math.inf),
     }
@@ -211,7 +211,7 @@ def shadow_scalars(
         return {}
     total = {name: float(value) for name, value in totals.items()}
     peak = {name: float(value) for name, value in extrema.items()}
-    n_tokens, n_seqs = total[_key(None, "n_tokens")], total[_key(None, "n_sequences")]
+    n_tokens, n_scored = total[_key(None, "n_tokens")], total[_key(None, "n_scored_datums")]
     if n_tokens == 0:
         return {}
     scalars = {}
@@ -228,10 +228,10 @@ def shadow_scalars(
         out = f"{PREFIX}{correction.name}/"
         scalars[out + "frac_tokens_masked"] = get("n_tokens_masked") / n_tokens
         scalars[out + "frac_tokens_clipped"] = get("n_tokens_clipped") / n_tokens
-        scalars[out + "frac_seqs_masked"] = get("n_seqs_masked") / n_seqs
-        scalars[out + "frac_seqs_clipped"] = get("n_seqs_clipped") / n_seqs
+        scalars[out + "frac_seqs_masked"] = get("n_datums_masked") / n_scored
+        scalars[out + "frac_seqs_clipped"] = get("n_datums_clipped") / n_scored
         scalars[out + "ess_tokens"] = _ess(get("sum_weight"), get("sum_weight2"), n_tokens)
-        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_seqs)
+        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_scored)
         scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
     return scalars
 
@@ -243,12 +243,12 @@ def no_advantage_message(
     and extrema (every rank's): how many, and on which ranks; ``None`` when there are none.
 
     Example:
-        >>> totals = {"correction::n_seqs_no_advantage": 4.0, "correction::n_sequences": 8.0}
+        >>> totals = {"correction::n_datums_no_advantage": 4.0, "correction::n_scored_datums": 8.0}
         >>> extrema = {"correction::max_rank_no_advantage": 1.0, "correction::neg_min_rank_no_advantage": -1.0}
         >>> no_advantage_message(totals, extrema, "'advantages'").split(";")[0]
         "off_policy_mask had no usable 'advantages' for 4 of the step's 8 sequences, on rank 1"
     """
-    n = float(totals.get(_key(None, "n_seqs_no_advantage"), 0.0))
+    n = float(totals.get(_key(None, "n_datums_no_advantage"), 0.0))
     if not n > 0:
         return None
     low = -float(extrema[_key(None, "neg_min_rank_no_advantage")])
@@ -256,7 +256,7 @@ def no_advantage_message(
     ranks = f"rank {low:.0f}" if low == high else f"ranks {low:.0f} (lowest) to {high:.0f} (highest)"
     return (
         f"off_policy_mask had no usable {label} for {n:.0f} of the step's "
-        f"{float(totals[_key(None, 'n_sequences')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
+        f"{float(totals[_key(None, 'n_scored_datums')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
         "shadow metrics count them as masked (give one advantage per datum, or per token)"
     )
 

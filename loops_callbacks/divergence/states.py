@@ -5,7 +5,7 @@ torchmetrics' ``add_state(name, default, dist_reduce_fx)`` declares one; its for
 name, is in ``sums``. Merging micro-batches, the one host transfer and the reduction across ranks
 follow from the declarations (``statistics``, ``reduction``): every sum is added, every maximum
 maxed. A monitor's declarations follow its options (``statistics.layout_of``): the diagnosis' sums
-with ``signatures``, the strata with ``max_groups``, the shadow statistics of its corrections.
+when ``diagnosing``, the strata with ``max_groups``, the shadow statistics of its corrections.
 
 Example:
     >>> layout = Layout(MAIN, max_groups=None, corrections=())
@@ -99,7 +99,7 @@ SIGNATURES = (
     State("token_sums", "sum", (3, TOKEN_BUCKETS)),  # per hashed token id: count, sum d, sum d²
     State("offset_sums", "sum", (OFFSET_SIZE,)),  # the rows' votes for an offset (``alignment``)
 )
-"""The diagnosis' sums (``metrics.signature_numbers``), kept with ``signatures``."""
+"""The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnosing``."""
 STRATA = (State("strata", "sum", (len(COLUMNS), len(STRATUM_NAMES))),)
 """The divergence by stratum, kept with ``max_groups`` (and the groups' table, merged its own way)."""
 
