@@ -34,7 +34,7 @@ from loops_callbacks.divergence import sums as formulas
 from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.shadow import parse_corrections, shadow_statistics
 from loops_callbacks.divergence.states import (
-    GROUP_ROWS, LAG_LABELS, LAG_STRATA, MAIN, ROW, SIGNATURES, STRATA, STRATUM_NAMES, Layout,
+    GROUP_ROWS, LAG_LABELS, LAG_STRATA, MAIN, ROW, SIGNATURES, STRATA, STRATUM_NAMES, Layout, by_group, ranked_rows,
 )
 from loops_callbacks.validation import check_int
 
@@ -124,7 +124,7 @@ class DivergenceStats:
             first,
             sums=functools.reduce(torch.add, [part.sums for part in parts]),
             maxima=functools.reduce(torch.maximum, [part.maxima for part in parts]),
-            worst=formulas.ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
+            worst=ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
             sample=torch.cat([part.sample for part in parts]),
             keys=keys,
             groups=formulas.merged_groups(torch.cat(groups, dim=1)) if groups else None,
@@ -150,7 +150,7 @@ class DivergenceStats:
         strata = None
         if self.layout.max_groups is not None:
             strata = {name: StratumSums(*map(float, arrays["strata"][:, i])) for i, name in enumerate(STRATUM_NAMES)}
-            table = formulas.by_group(torch.from_numpy(groups_.reshape(GROUP_ROWS, -1))).numpy()
+            table = by_group(torch.from_numpy(groups_.reshape(GROUP_ROWS, -1))).numpy()
             for index, *column in table[:, table[1] > 0].T.tolist():  # the groups with tokens, in index order
                 strata["group_other" if index >= self.layout.max_groups else f"group_{int(index)}"] = StratumSums(*column)
         return HostDivergence(

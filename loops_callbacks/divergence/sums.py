@@ -29,7 +29,7 @@ from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR
 from loops_callbacks.divergence.shadow import shadow_values
 from loops_callbacks.divergence.states import (
     GROUP_ROWS, LAG_STRATA, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
-    STRATUM_NAMES, TOKEN_BUCKETS, Layout, context_total,
+    STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
 )
 
 IS_RATIO_CLAMP = 80.0
@@ -256,20 +256,6 @@ def merged_groups(table: torch.Tensor) -> torch.Tensor:
     return by_group(table) if _on_host(table.device) else table
 
 
-def by_group(table: torch.Tensor) -> torch.Tensor:
-    """The groups' table with one column per group, in ascending order of their index.
-
-    Example:
-        >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
-        [[0.0, 1.0], [1.0, 7.0]]
-    """
-    indices, column = torch.unique(table[0], return_inverse=True)
-    merged = table.new_zeros(table.shape[0], indices.numel())
-    merged[0] = indices
-    merged[1:].index_add_(1, column, table[1:])
-    return merged
-
-
 def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each place's datum and its rank among its datum's action tokens (0: the datum's first); the places are
@@ -395,11 +381,3 @@ def _worst_rows(flat: FlatBatch, flat_index: torch.Tensor, chosen: torch.Tensor,
         token, before, after = flat.tokens.lookup(datum, position)
         picked[:, ROW.TOKEN], picked[:, ROW.BEFORE], picked[:, ROW.AFTER] = token, before, after
     return ranked_rows(rows, top_n)
-
-
-def ranked_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:
-    """Rows ordered by |d| descending, then datum, then position; the first ``top_n``."""
-    order = torch.sort(rows[:, ROW.POSITION], stable=True).indices
-    order = order[torch.sort(rows[order, ROW.DATUM], stable=True).indices]
-    order = order[torch.sort(rows[order, ROW.ABS], descending=True, stable=True).indices]
-    return rows[order[:top_n]]
