@@ -18,8 +18,8 @@ the logged scalars:
   reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
 
 The action tokens are those the main metrics count (``FlatBatch.active``). A token with a missing or
-non-finite logprob is in none of these numbers, though it may decide its sequence's fate as ``correct_flat`` reads it (verl's rejection drops a sequence
-with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
+non-finite logprob is in none of these numbers, though it may decide its sequence's fate as ``correct_flat``
+reads it (verl's rejection drops a sequence with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
 by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
 its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
