@@ -89,8 +89,8 @@ def _report(data: Sequence[Any], training_logprobs: Any, media: MediaOptions, pr
 
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
     """
-    flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, with_token_ids=False)
-    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, signatures=False).to_host()
+    flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnosing=False)
+    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, diagnosing=False).to_host()
     for message in impossible_inputs(host).values():
         logger.warning("%s", message)
     report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(None, "kl_sample_train_k3"),

@@ -166,7 +166,7 @@ class _Window:
 
     s: torch.Tensor  # float64 sampler logprobs (0 off the row)
     t: torch.Tensor  # float64 trainer logprobs
-    action: torch.Tensor  # bool, action tokens in the row
+    active: torch.Tensor  # bool, FlatBatch.active in the row (its action tokens)
     usable: torch.Tensor  # bool, sampler values that can pair (finite, not exactly 0, not a sentinel)
     first: torch.Tensor  # int64 [rows], first action position; width when none
 
@@ -178,10 +178,10 @@ class _Window:
         in_row = steps < lengths[:, None]
         index = (starts[:, None] + steps).clamp_(max=values.shape[1] - 1)
         s, t = values[:, index].unbind(0)
-        action = active[index] & in_row
+        active = active[index] & in_row
         usable = torch.isfinite(s) & (s != 0.0) & (s > LOGPROB_FLOOR) & in_row
-        first = torch.where(action, steps, width).amin(dim=-1)
-        return cls(s, t, action, usable, first)
+        first = torch.where(active, steps, width).amin(dim=-1)
+        return cls(s, t, active, usable, first)
 
 
 def _row_votes(window: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,9 +193,9 @@ def _row_votes(window: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     unrelated pair's mean), so that no offset wins by leaving a bad pair out.
     """
     width = window.s.shape[1]
-    m = window.action.to(torch.float64)
+    m = window.active.to(torch.float64)
     v = window.usable.to(torch.float64)
-    t = torch.where(window.action, window.t, 0.0)
+    t = torch.where(window.active, window.t, 0.0)
     s = torch.where(window.usable, window.s, 0.0)
     size = 2 * width
     omega = torch.tensor((0.0, *FREQUENCIES), dtype=torch.float64, device=m.device)[:, None, None]
@@ -251,16 +251,10 @@ def _left_aligned(window: _Window, *, voted: torch.Tensor, vote: torch.Tensor) -
     steps = torch.arange(width, device=window.s.device)
     shifted = (window.first > 0) & (window.first < width)
     source = (steps - window.first[:, None]).clamp_(min=0)
-    pair = window.action & shifted[:, None] & (steps >= window.first[:, None]) & window.usable.gather(1, source)
+    pair = window.active & shifted[:, None] & (steps >= window.first[:, None]) & window.usable.gather(1, source)
     weight = pair.to(torch.float64)
     left = (window.t - window.s.gather(1, source)).abs_().nan_to_num_(0.0, GAP_CAP, GAP_CAP).clamp_(max=GAP_CAP)
     aligned = (window.t - window.s).abs_().nan_to_num_(0.0, GAP_CAP, GAP_CAP).clamp_(max=GAP_CAP)
-    return torch.stack(
-        [
-            shifted.sum(dtype=torch.float64),
-            (voted & shifted & (vote == -window.first)).sum(dtype=torch.float64),
-            weight.sum(),
-            (left * weight).sum(),
-            (aligned * weight).sum(),
-        ]
-    )
+    votes_left = (voted & shifted & (vote == -window.first)).sum(dtype=torch.float64)
+    return torch.stack([shifted.sum(dtype=torch.float64), votes_left, weight.sum(), (left * weight).sum(),
+                        (aligned * weight).sum()])

@@ -72,7 +72,8 @@ def read_step(
     keys: Mapping[str, str],
     *,
     with_tokens: bool = False,
-    with_token_ids: bool = True,
+    diagnosing: bool = True,
+    with_token_ids: bool | None = None,
     optimizer_step: int | None = None,
     max_groups: int = per_datum.DEFAULT_MAX_GROUPS,
     datum_advantages: bool = False,
@@ -81,7 +82,8 @@ def read_step(
     """The step's positions, in either contract form (module docstring).
 
     ``keys`` maps every name of ``DATA_KEYS`` to its key (``data_keys``); ``with_tokens`` keeps the
-    worst tokens' look-up, ``with_token_ids`` the predicted ids the diagnosis groups by. With
+    worst tokens' look-up, ``diagnosing`` what the diagnosis needs (the predicted ids it groups by;
+    ``with_token_ids``: its former name). With
     ``optimizer_step`` (the caller keeps strata) the policy versions become lags and the groups ids
     (``max_groups``: the index of ``group_other``); ``datum_advantages`` reads one advantage per datum
     (for a correction that needs them). What these per-datum keys hold that cannot be used is a
@@ -100,7 +102,8 @@ def read_step(
                 "return the batch's sampler 'logprobs' and 'mask' as [B, T] tensors to check what was sampled"
             )
         flat = flatten_datums(data, step.trainer_logprobs(datums=True), with_tokens=with_tokens,
-                              with_token_ids=with_token_ids, advantages_key=keys["advantages"])
+                              diagnosing=diagnosing if with_token_ids is None else with_token_ids,
+                              advantages_key=keys["advantages"])
     else:
         missing = [keys[name] for name in ("logprobs", "mask") if step.get(name) is None]
         if missing:

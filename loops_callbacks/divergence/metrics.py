@@ -72,35 +72,15 @@ from loops_callbacks.divergence.sums import IS_RATIO_CLAMP
 DEFAULT_PREFIX = "optim/train-sample-div/"
 
 SDK_METRICS = (
-    "kl_sample_train_v1_loops",
-    "kl_sample_train_v2_loops",
-    "kl_sample_train_k3",
-    "is_ratio_mean",
-    "ess_fraction",
-    "diff_mean",
-    "diff_abs_p50",
-    "diff_abs_p90",
-    "diff_abs_p99",
-    "diff_abs_max",
-    "frac_abs_gt_1",
-    "frac_abs_gt_2",
-    "frac_abs_gt_4",
-    "entropy",
-    "n_action_tokens",
+    "kl_sample_train_v1_loops", "kl_sample_train_v2_loops", "kl_sample_train_k3", "is_ratio_mean", "ess_fraction",
+    "diff_mean", "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max", "frac_abs_gt_1", "frac_abs_gt_2",
+    "frac_abs_gt_4", "entropy", "n_action_tokens",
 )
 """The scalar keys of the Loops SDK, in its order."""
 
 EXTRA_METRICS = (
-    "is_ratio_max",
-    "is_ratio_min",
-    "chi2_token",
-    "seq_log_ratio_mean",
-    "seq_is_ratio_mean",
-    "seq_is_ratio_max",
-    "frac_is_ratio_gt_2",
-    "frac_is_ratio_lt_0.5",
-    "n_sequences",
-    "n_skipped_nonfinite",
+    "is_ratio_max", "is_ratio_min", "chi2_token", "seq_log_ratio_mean", "seq_is_ratio_mean", "seq_is_ratio_max",
+    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
 )
 """Scalar keys this package adds beside the SDK's."""
 

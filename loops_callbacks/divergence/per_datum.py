@@ -123,25 +123,20 @@ def advantages(step: Any, data: Sequence[Any] | None, flat: FlatBatch, say: RunW
     key, label = step.keys["advantages"], step.label("advantages")
     value, per_position = step.get("advantages"), False
     try:
-        if value is None and data is not None:
-            inputs = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
+        if value is None:
+            inputs = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data or ())]
             fields = [fields.get(key) for fields in inputs]
-            lengths = [field_length(fields["logprobs"], where=f"datum {i}") for i, fields in enumerate(inputs)]
-            if any(field is None for field in fields):
-                where = "in the batch, the step's output, or each datum's loss_fn_inputs"
-                raise _Unusable("", f"no advantage per datum under {key!r} ({where})")
-            rows = []
-            for i, (field, n) in enumerate(zip(fields, lengths)):
+            if data is None or any(field is None for field in fields):
+                raise _Unusable("", f"no advantage per datum under {key!r} (in the batch, the step's output, or each "
+                                "datum's loss_fn_inputs)")
+            rows = []  # flatten_datums read these fields: each is 1-D, with 1 value or one per position
+            for i, field in enumerate(fields):
                 _no_bools(field, f"datum {i}'s {label}")
-                rows.append(field_to_tensor(_as_row(field), where=f"datum {i}, key {key!r}").detach())
-                if rows[-1].numel() not in (1, n):
-                    raise _Unusable("", f"datum {i}'s {key!r} has {rows[-1].numel()} values for {n} positions")
+                rows.append(field_to_tensor(field, where=f"datum {i}, key {key!r}").detach())
             per_position = any(row.numel() != 1 for row in rows)
+            lengths = [field_length(fields["logprobs"], where=f"datum {i}") for i, fields in enumerate(inputs)]
             value = torch.cat([row.to(rows[0].device, torch.float64).expand(n if per_position else 1)
                                for row, n in zip(rows, lengths)])
-        elif value is None:
-            raise _Unusable("", f"no advantage per datum under {key!r} (in the batch, the step's output, or each "
-                            "datum's loss_fn_inputs)")
         _no_bools(value, label)
         values = field_to_tensor(_as_row(value) if not isinstance(value, torch.Tensor) else value.reshape(-1),
                                  where=label).detach().to(flat.device, torch.float64)

@@ -17,10 +17,9 @@ the logged scalars:
   ratios p_trainer / p_sampler before any truncation. Only action tokens count: padding never
   reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
 
-The action tokens are those the main metrics count (``FlatBatch.active``: mask > 0, advantage != 0,
-both logprobs finite). A token with a missing or non-finite logprob is in none of these numbers, though
-it may decide its sequence's fate as ``correct_flat`` reads it (verl's rejection drops a sequence
-with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
+The action tokens are those the main metrics count (``FlatBatch.active``). A token with a missing or
+non-finite logprob is in none of these numbers, though it may decide its sequence's fate as ``correct_flat``
+reads it (verl's rejection drops a sequence with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
 by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
 its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
@@ -52,7 +51,7 @@ from loops_callbacks.divergence.states import State
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
-SHARED_TOTALS = ("n_tokens", "n_sequences", "n_seqs_no_advantage")
+SHARED_TOTALS = ("n_tokens", "n_scored_datums", "n_datums_no_advantage")
 SHARED_EXTREMA = (
     "max_token_log_ratio", "neg_min_token_log_ratio",
     "max_seq_log_ratio", "neg_min_seq_log_ratio",
@@ -60,7 +59,7 @@ SHARED_EXTREMA = (
     "max_rank_no_advantage", "neg_min_rank_no_advantage",  # the ranks whose advantages could not be read
 )
 PER_CORRECTION_TOTALS = (
-    "n_tokens_masked", "n_tokens_clipped", "n_seqs_masked", "n_seqs_clipped",
+    "n_tokens_masked", "n_tokens_clipped", "n_datums_masked", "n_datums_clipped",
     "sum_weight", "sum_weight2", "sum_seq_weight", "sum_seq_weight2",
 )
 
@@ -95,7 +94,7 @@ def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, .
 
     Example:
         >>> [s.name for s in shadow_statistics(["geo"])][2:4]
-        ['correction::n_seqs_no_advantage', 'correction:geo:n_tokens_masked']
+        ['correction::n_datums_no_advantage', 'correction:geo:n_tokens_masked']
     """
     parsed = parse_corrections(corrections)
     if not parsed:
@@ -132,8 +131,8 @@ def shadow_values(
     at_rank = torch.full_like(unjudged, float(rank))
     values: dict[str, torch.Tensor] = {
         _key(None, "n_tokens"): count.sum(),
-        _key(None, "n_sequences"): scored.sum().to(torch.float64),
-        _key(None, "n_seqs_no_advantage"): unjudged,
+        _key(None, "n_scored_datums"): scored.sum().to(torch.float64),
+        _key(None, "n_datums_no_advantage"): unjudged,
         _key(None, "max_rank_no_advantage"): at_rank.where(unjudged > 0, -math.inf),
         _key(None, "neg_min_rank_no_advantage"): (-at_rank).where(unjudged > 0, -math.inf),
     }
@@ -153,16 +152,8 @@ def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, 
     """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
     dropped, clipped = scored & ~rows.keep, scored & rows.clipped
     weight = rows.weights * scored  # a row without action tokens is no sequence; its weight never applies
-    return {
-        _key(correction, "n_tokens_masked"): (count * dropped).sum(),
-        _key(correction, "n_tokens_clipped"): (count * clipped).sum(),
-        _key(correction, "n_seqs_masked"): dropped.sum().to(torch.float64),
-        _key(correction, "n_seqs_clipped"): clipped.sum().to(torch.float64),
-        _key(correction, "sum_weight"): (count * weight).sum(),
-        _key(correction, "sum_weight2"): (count * weight.square()).sum(),
-        _key(correction, "sum_seq_weight"): weight.sum(),
-        _key(correction, "sum_seq_weight2"): weight.square().sum(),
-    }
+    return _per_correction(correction, (count * dropped).sum(), (count * clipped).sum(), dropped.sum(), clipped.sum(),
+                           (count * weight).sum(), (count * weight.square()).sum(), weight.sum(), weight.square().sum())
 
 
 def _token_level(correction: Correction, result: Weights, x: CorrectionInput) -> dict[str, torch.Tensor]:
@@ -172,16 +163,17 @@ def _token_level(correction: Correction, result: Weights, x: CorrectionInput) ->
     zero = weights.new_zeros(())
     can_drop, can_clip = _can_drop(correction), not _can_drop(correction)
     dropped = x.finite & ~result.keep if can_drop else None
-    return {
-        _key(correction, "n_tokens_masked"): dropped.sum().to(torch.float64) if can_drop else zero,
-        _key(correction, "n_tokens_clipped"): clipped.sum().to(torch.float64) if can_clip else zero,
-        _key(correction, "n_seqs_masked"): _rows_with_any(dropped, x) if can_drop else zero,
-        _key(correction, "n_seqs_clipped"): _rows_with_any(clipped, x) if can_clip else zero,
-        _key(correction, "sum_weight"): weights.sum(),
-        _key(correction, "sum_weight2"): weights.square().sum(),
-        _key(correction, "sum_seq_weight"): seq_weight.sum(),
-        _key(correction, "sum_seq_weight2"): seq_weight.square().sum(),
-    }
+    return _per_correction(
+        correction, dropped.sum() if can_drop else zero, clipped.sum() if can_clip else zero,
+        _rows_with_any(dropped, x) if can_drop else zero, _rows_with_any(clipped, x) if can_clip else zero,
+        weights.sum(), weights.square().sum(), seq_weight.sum(), seq_weight.square().sum(),
+    )
+
+
+def _per_correction(correction: Correction, *values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``PER_CORRECTION_TOTALS`` of ``correction``, in that order, as float64."""
+    return {_key(correction, stat): value.to(torch.float64) for stat, value in zip(PER_CORRECTION_TOTALS, values,
+                                                                                    strict=True)}
 
 
 def _can_drop(correction: Correction) -> bool:
@@ -218,7 +210,7 @@ def shadow_scalars(
         return {}
     total = {name: float(value) for name, value in totals.items()}
     peak = {name: float(value) for name, value in extrema.items()}
-    n_tokens, n_seqs = total[_key(None, "n_tokens")], total[_key(None, "n_sequences")]
+    n_tokens, n_scored = total[_key(None, "n_tokens")], total[_key(None, "n_scored_datums")]
     if n_tokens == 0:
         return {}
     scalars = {}
@@ -235,10 +227,10 @@ def shadow_scalars(
         out = f"{PREFIX}{correction.name}/"
         scalars[out + "frac_tokens_masked"] = get("n_tokens_masked") / n_tokens
         scalars[out + "frac_tokens_clipped"] = get("n_tokens_clipped") / n_tokens
-        scalars[out + "frac_seqs_masked"] = get("n_seqs_masked") / n_seqs
-        scalars[out + "frac_seqs_clipped"] = get("n_seqs_clipped") / n_seqs
+        scalars[out + "frac_seqs_masked"] = get("n_datums_masked") / n_scored
+        scalars[out + "frac_seqs_clipped"] = get("n_datums_clipped") / n_scored
         scalars[out + "ess_tokens"] = _ess(get("sum_weight"), get("sum_weight2"), n_tokens)
-        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_seqs)
+        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_scored)
         scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
     return scalars
 
@@ -250,12 +242,12 @@ def no_advantage_message(
     and extrema (every rank's): how many, and on which ranks; ``None`` when there are none.
 
     Example:
-        >>> totals = {"correction::n_seqs_no_advantage": 4.0, "correction::n_sequences": 8.0}
+        >>> totals = {"correction::n_datums_no_advantage": 4.0, "correction::n_scored_datums": 8.0}
         >>> extrema = {"correction::max_rank_no_advantage": 1.0, "correction::neg_min_rank_no_advantage": -1.0}
         >>> no_advantage_message(totals, extrema, "'advantages'").split(";")[0]
         "off_policy_mask had no usable 'advantages' for 4 of the step's 8 sequences, on rank 1"
     """
-    n = float(totals.get(_key(None, "n_seqs_no_advantage"), 0.0))
+    n = float(totals.get(_key(None, "n_datums_no_advantage"), 0.0))
     if not n > 0:
         return None
     low = -float(extrema[_key(None, "neg_min_rank_no_advantage")])
@@ -263,7 +255,7 @@ def no_advantage_message(
     ranks = f"rank {low:.0f}" if low == high else f"ranks {low:.0f} (lowest) to {high:.0f} (highest)"
     return (
         f"off_policy_mask had no usable {label} for {n:.0f} of the step's "
-        f"{float(totals[_key(None, 'n_sequences')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
+        f"{float(totals[_key(None, 'n_scored_datums')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
         "shadow metrics count them as masked (give one advantage per datum, or per token)"
     )
 

@@ -4,8 +4,9 @@ A ``State`` is a name, a reduction (``"sum"``; ``"max"``, minima stored negated)
 torchmetrics' ``add_state(name, default, dist_reduce_fx)`` declares one; its formula, by the same
 name, is in ``sums``. Merging micro-batches, the one host transfer and the reduction across ranks
 follow from the declarations (``statistics``, ``reduction``): every sum is added, every maximum
-maxed. A monitor's declarations follow its options (``statistics.layout_of``): the diagnosis' sums
-with ``signatures``, the strata with ``max_groups``, the shadow statistics of its corrections.
+maxed; the two tables that merge their own way keep their order here (``ranked_rows``: the worst
+tokens, ``by_group``: the groups). A monitor's declarations follow its options (``statistics.layout_of``):
+the diagnosis' sums when ``diagnosing``, the strata with ``max_groups``, the shadow statistics of its corrections.
 
 Example:
     >>> layout = Layout(MAIN, max_groups=None, corrections=())
@@ -99,7 +100,7 @@ SIGNATURES = (
     State("token_sums", "sum", (3, TOKEN_BUCKETS)),  # per hashed token id: count, sum d, sum d²
     State("offset_sums", "sum", (OFFSET_SIZE,)),  # the rows' votes for an offset (``alignment``)
 )
-"""The diagnosis' sums (``metrics.signature_numbers``), kept with ``signatures``."""
+"""The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnosing``."""
 STRATA = (State("strata", "sum", (len(COLUMNS), len(STRATUM_NAMES))),)
 """The divergence by stratum, kept with ``max_groups`` (and the groups' table, merged its own way)."""
 
@@ -111,6 +112,28 @@ class ROW:
     BEFORE = slice(7, 7 + CONTEXT_BEFORE)  # model_input ids before index k+1, NO_TOKEN-padded on the left
     AFTER = slice(7 + CONTEXT_BEFORE, 7 + CONTEXT_BEFORE + CONTEXT_AFTER)  # the id at k+1, then the ids after it
     WIDTH = 7 + CONTEXT_BEFORE + CONTEXT_AFTER
+
+
+def ranked_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:
+    """Rows ordered by |d| descending, then datum, then position; the first ``top_n``."""
+    order = torch.sort(rows[:, ROW.POSITION], stable=True).indices
+    order = order[torch.sort(rows[order, ROW.DATUM], stable=True).indices]
+    order = order[torch.sort(rows[order, ROW.ABS], descending=True, stable=True).indices]
+    return rows[order[:top_n]]
+
+
+def by_group(table: torch.Tensor) -> torch.Tensor:
+    """The groups' table with one column per group, in ascending order of their index.
+
+    Example:
+        >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
+        [[0.0, 1.0], [1.0, 7.0]]
+    """
+    indices, column = torch.unique(table[0], return_inverse=True)
+    merged = table.new_zeros(table.shape[0], indices.numel())
+    merged[0] = indices
+    merged[1:].index_add_(1, column, table[1:])
+    return merged
 
 
 class Layout:

@@ -34,7 +34,7 @@ from loops_callbacks.divergence import sums as formulas
 from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.shadow import parse_corrections, shadow_statistics
 from loops_callbacks.divergence.states import (
-    GROUP_ROWS, LAG_LABELS, LAG_STRATA, MAIN, ROW, SIGNATURES, STRATA, STRATUM_NAMES, Layout,
+    GROUP_ROWS, LAG_LABELS, LAG_STRATA, MAIN, ROW, SIGNATURES, STRATA, STRATUM_NAMES, Layout, by_group, ranked_rows,
 )
 from loops_callbacks.validation import check_int
 
@@ -43,13 +43,13 @@ CHUNK_POSITIONS = 1 << 18
 
 
 @functools.lru_cache(maxsize=64)
-def layout_of(signatures: bool = True, max_groups: int | None = None, corrections: tuple[Correction, ...] = ()
+def layout_of(diagnosing: bool = True, max_groups: int | None = None, corrections: tuple[Correction, ...] = ()
               ) -> Layout:
-    """The states a monitor with these options keeps: every step's, the diagnosis' sums with ``signatures``,
+    """The states a monitor with these options keeps: every step's, the diagnosis' sums when ``diagnosing``,
     the strata with ``max_groups``, the shadow statistics of ``corrections``; made once per set of options."""
     if max_groups is not None:
         check_int("max_groups", max_groups, least=1)
-    states = MAIN + (SIGNATURES if signatures else ()) + (STRATA if max_groups is not None else ())
+    states = MAIN + (SIGNATURES if diagnosing else ()) + (STRATA if max_groups is not None else ())
     return Layout(states + shadow_statistics(corrections), max_groups, corrections)
 
 
@@ -75,21 +75,24 @@ class DivergenceStats:
         top_n: int = 0,
         sample_size: int | None = None,
         generator: torch.Generator | None = None,
-        signatures: bool = True,
+        diagnosing: bool = True,
+        signatures: bool | None = None,
         max_groups: int | None = None,
         corrections: Sequence[str | Correction] = (),
         rank: int = 0,
     ) -> DivergenceStats:
         """Read one flattened batch: ``top_n`` worst rows (with token ids when ``flat.tokens`` is set), a
         sample of at most ``sample_size`` diffs (``generator`` draws its keys), and the states ``layout_of``
-        declares (``signatures=False``: none of the diagnosis' sums, as the plain SDK functions need none;
+        declares (``diagnosing=False``: none of the diagnosis' sums, as the plain SDK functions need none;
+        ``signatures``: its former name;
         ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``: their shadow statistics,
         with this process's ``rank`` where advantages could not be read). On the CPU a batch of more than
         ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay small."""
         check_int("top_n", top_n, least=0)
         if sample_size is not None:
             check_int("sample_size", sample_size, least=1, what=" or None")
-        layout = layout_of(signatures, max_groups, parse_corrections(corrections))
+        diagnosing = diagnosing if signatures is None else signatures
+        layout = layout_of(diagnosing, max_groups, parse_corrections(corrections))
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:
@@ -121,7 +124,7 @@ class DivergenceStats:
             first,
             sums=functools.reduce(torch.add, [part.sums for part in parts]),
             maxima=functools.reduce(torch.maximum, [part.maxima for part in parts]),
-            worst=formulas.ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
+            worst=ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
             sample=torch.cat([part.sample for part in parts]),
             keys=keys,
             groups=formulas.merged_groups(torch.cat(groups, dim=1)) if groups else None,
@@ -147,7 +150,7 @@ class DivergenceStats:
         strata = None
         if self.layout.max_groups is not None:
             strata = {name: StratumSums(*map(float, arrays["strata"][:, i])) for i, name in enumerate(STRATUM_NAMES)}
-            table = formulas.by_group(torch.from_numpy(groups_.reshape(GROUP_ROWS, -1))).numpy()
+            table = by_group(torch.from_numpy(groups_.reshape(GROUP_ROWS, -1))).numpy()
             for index, *column in table[:, table[1] > 0].T.tolist():  # the groups with tokens, in index order
                 strata["group_other" if index >= self.layout.max_groups else f"group_{int(index)}"] = StratumSums(*column)
         return HostDivergence(

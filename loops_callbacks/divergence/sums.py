@@ -1,8 +1,8 @@
 """The formula of every statistic ``states`` declares, by its name, for one chunk of a ``FlatBatch``.
 
-On the CPU the action tokens are selected first (fewer, cheaper passes); on an accelerator every
-position is kept and ``valid`` masks them, so that no shape depends on the data and nothing waits
-for the device. With d = trainer - sampler logprob, e^d = exp(min(d, 80)) the importance ratio and
+On the CPU the action tokens are selected first (fewer, cheaper passes; the formulas' ``active`` is then
+``None``); on an accelerator every position is kept and ``active`` (``FlatBatch.active``) masks them, so
+that no shape depends on the data and nothing waits for the device. With d = trainer - sampler logprob, e^d = exp(min(d, 80)) the importance ratio and
 k3 = e^d - 1 - d. Everything is a sum, a count or an extremum, so chunks, micro-batches and ranks
 merge by their reduction.
 
@@ -11,7 +11,7 @@ Example:
     >>> from loops_callbacks.divergence.statistics import layout_of
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(signatures=False), 0, None, None, 0)
+    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(diagnosing=False), 0, None, None, 0)
     >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
     (-0.5, 2, [-0.5, 0.0])
 """
@@ -29,7 +29,7 @@ from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR
 from loops_callbacks.divergence.shadow import shadow_values
 from loops_callbacks.divergence.states import (
     GROUP_ROWS, LAG_STRATA, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
-    STRATUM_NAMES, TOKEN_BUCKETS, Layout, context_total,
+    STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
 )
 
 IS_RATIO_CLAMP = 80.0
@@ -54,14 +54,14 @@ def of_chunk(
     """Every declared state's value by name, the ``top_n`` worst rows, the sampled diffs and their keys
     (``None``: all kept), and the groups' table (``None`` without groups or strata)."""
     compact = _on_host(flat.device)
-    active, valid = flat.active, None if compact else flat.active
-    d, sampler, trainer = (_select(x, active) if compact else x.masked_fill(~active, 0.0)
+    active = None if compact else flat.active
+    d, sampler, trainer = (_select(x, flat.active) if compact else x.masked_fill(~active, 0.0)
                            for x in (flat.diff, flat.sampler, flat.trainer))
     is_ratio = d.clamp(max=IS_RATIO_CLAMP).exp_()
-    if valid is not None:
-        is_ratio.masked_fill_(~valid, 0.0)
+    if active is not None:
+        is_ratio.masked_fill_(~active, 0.0)
     abs_d = d.abs()
-    row_counts = _row_sums(active, flat.row_lengths)  # int64 action tokens per datum
+    row_counts = _row_sums(flat.active, flat.row_lengths)  # int64 action tokens per datum
     scored = row_counts > 0
     seq_mean = (_row_sums(d, row_counts if compact else flat.row_lengths) / row_counts.clamp(min=1)).masked_fill(
         ~scored, 0.0)
@@ -69,72 +69,73 @@ def of_chunk(
     count, inf = torch.count_nonzero, math.inf
     values: dict[str, torch.Tensor] = {
         "n_datums": torch.full((), float(flat.n_datums), dtype=torch.float64, device=d.device),
-        "n_scored_datums": count(scored), "n_action_tokens": count(active),
-        "n_skipped_nonfinite": count(flat.counted & ~active), "n_trainer_zero": count((flat.trainer == 0.0) & active),
+        "n_scored_datums": count(scored), "n_action_tokens": count(flat.active),
+        "n_skipped_nonfinite": count(flat.counted & ~flat.active),
+        "n_trainer_zero": count((flat.trainer == 0.0) & flat.active),
         "sum_d": d.sum(), "sum_d2": torch.dot(d, d), "sum_is_ratio": is_ratio.sum(),
         "sum_is_ratio2": torch.dot(is_ratio, is_ratio), "sum_sampler": sampler.sum(dtype=torch.float64),
         "sum_seq_mean_d": seq_mean.sum(), "sum_seq_is_ratio": seq_is_ratio.sum(),
         "n_abs_gt_1": count(abs_d > 1.0), "n_abs_gt_2": count(abs_d > 2.0), "n_abs_gt_4": count(abs_d > 4.0),
         "n_is_ratio_gt_2": count(is_ratio > 2.0),
-        "n_is_ratio_lt_half": count(is_ratio < 0.5 if valid is None else (is_ratio < 0.5) & valid),
+        "n_is_ratio_lt_half": count(is_ratio < 0.5 if active is None else (is_ratio < 0.5) & active),
         "n_sampler_above_zero": count(sampler > LOGPROB_CEILING), "n_trainer_above_zero": count(trainer > LOGPROB_CEILING),
         "n_sampler_below_floor": count(sampler < LOGPROB_FLOOR), "n_trainer_below_floor": count(trainer < LOGPROB_FLOOR),
         "n_masked_in": count(flat.masked_in),
         "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
-        "max_seq_mean_d": _min_max(seq_mean.masked_fill(~scored, -inf))[1],
+        "max_seq_mean_d": _max_and_negated_min(seq_mean, scored)[0],
         **_sampling_sums(flat),
     }
     for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
-        values[f"max_{name}"], values[f"neg_min_{name}"] = _max_and_negated_min(x, valid)
+        values[f"max_{name}"], values[f"neg_min_{name}"] = _max_and_negated_min(x, active)
     signatures, strata = "token_sums" in layout.slots, "strata" in layout.slots
     if signatures or strata:  # each token's datum, rank among its datum's action tokens, probability bucket
-        datum, rank_in_datum = _datums_and_ranks(active, flat.row_lengths, row_counts, compact=compact)
+        datum, rank_in_datum = _datums_and_ranks(flat.active, flat.row_lengths, row_counts, compact=compact)
         p_bucket = _probability_buckets(sampler)
     if signatures:
-        values.update(_signature_sums(flat, d, abs_d, sampler, trainer, valid))
-        values.update(_context_sums(abs_d, rank_in_datum, p_bucket, valid))
-        values["token_sums"] = _token_sums(flat, d, valid, compact)
+        values.update(_signature_sums(flat, d, abs_d, sampler, trainer, active))
+        values.update(_context_sums(abs_d, rank_in_datum, p_bucket, active))
+        values["token_sums"] = _token_sums(flat, d, active, compact)
         chunks = flat.datum_chunks(OFFSET_CHUNK_POSITIONS) if compact else [flat]
         values["offset_sums"] = functools.reduce(operator.add, [offset_sums(chunk) for chunk in chunks])
     # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
     k3 = is_ratio.sub_(1.0).sub_(d) if not strata else (is_ratio - 1.0).sub_(d)
-    if valid is not None:
-        k3.masked_fill_(~valid, 0.0)
+    if active is not None:
+        k3.masked_fill_(~active, 0.0)
     values["sum_k3"] = k3.sum()
     groups = None
     if strata:
         values["strata"] = _strata_sums(d, abs_d, is_ratio, k3, datum, rank_in_datum, p_bucket, row_counts,
-                                        flat.lags, valid)
+                                        flat.lags, active)
         if flat.groups is not None:
-            groups = _group_table(abs_d, is_ratio, k3, datum, flat.groups, valid, layout.max_groups)
+            groups = _group_table(abs_d, is_ratio, k3, datum, flat.groups, active, layout.max_groups)
     if layout.corrections:
         values.update(shadow_values(flat, layout.corrections, flat.datum_advantages, rank=rank))
     worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=d.device)
     if top_n:
-        ranked = abs_d if valid is None else abs_d.masked_fill(~valid, -inf)
+        ranked = abs_d if active is None else abs_d.masked_fill(~active, -inf)
         chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
-        index = _positions_of_selected(active, flat.row_lengths, row_counts, chosen) if compact else chosen
+        index = _positions_of_selected(flat.active, flat.row_lengths, row_counts, chosen) if compact else chosen
         worst = _worst_rows(flat, index, chosen, ranked, d, top_n)
     keys = None if sample_size is None else torch.rand(d.shape, dtype=torch.float64, device=d.device,
                                                        generator=generator)
-    if valid is not None:
-        keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~valid, inf)
+    if active is not None:
+        keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~active, inf)
     return values, worst, d, keys, groups
 
 
 def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampler: torch.Tensor,
-                    trainer: torch.Tensor, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                    trainer: torch.Tensor, active: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The diagnosis' sums and counts over the action tokens (``states.SIGNATURES``)."""
     s, t = sampler.to(torch.float64), trainer.to(torch.float64)
     negative, positive = d < 0, d > 0
     high, low = sampler > P_HIGH, sampler < P_LOW
-    if valid is not None:  # masked-out places hold s = 0 (p = 1): keep them out of the buckets
-        high &= valid
-        low &= valid
+    if active is not None:  # masked-out places hold s = 0 (p = 1): keep them out of the buckets
+        high &= active
+        low &= active
     d2 = d * d
     count, n_16_bit = torch.count_nonzero, torch.zeros((), device=d.device)
     if flat.sampler.dtype in _16_BIT and flat.trainer.dtype in _16_BIT:  # rounded to 16 bits, exact matches say less
-        n_16_bit = count(valid) if valid is not None else torch.tensor(float(d.numel()), device=d.device)
+        n_16_bit = count(active) if active is not None else torch.tensor(float(d.numel()), device=d.device)
     sums = {
         "sum_trainer": t.sum(), "sum_sampler2": torch.dot(s, s), "sum_trainer2": torch.dot(t, t),
         "sum_sampler_trainer": torch.dot(s, t), "sum_d4": torch.dot(d2, d2),
@@ -176,7 +177,7 @@ def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
     return sums | dict(zip(extrema, _max_and_negated_min(t + h, drawn)))
 
 
-def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, valid: torch.Tensor | None
+def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, active: torch.Tensor | None
                   ) -> dict[str, torch.Tensor]:
     """Tokens, |d| and d² on each datum's first ``FIRST_ACTIONS`` action tokens and on those from the
     ``LATER_ACTIONS_FROM``-th on, per sampler-probability bucket (``states.CONTEXT_KINDS``)."""
@@ -184,8 +185,8 @@ def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tenso
     values = torch.stack([torch.ones_like(abs_d), abs_d, abs_d * abs_d])
     sums: dict[str, torch.Tensor] = {}
     for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
-        if valid is not None:
-            chosen &= valid
+        if active is not None:
+            chosen &= active
         slot = torch.where(chosen, p_bucket, buckets)  # the others in one more slot, dropped
         totals = abs_d.new_zeros(len(values), buckets + 1).index_add_(1, slot, values)
         for row, name in enumerate(("n", "sum_abs_d", "sum_d2")):
@@ -193,12 +194,12 @@ def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tenso
     return sums
 
 
-def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, compact: bool) -> torch.Tensor:
+def _token_sums(flat: FlatBatch, d: torch.Tensor, active: torch.Tensor | None, compact: bool) -> torch.Tensor:
     """Float64 ``[3, TOKEN_BUCKETS]``: per hashed token id, the count, sum of d and sum of d²."""
     buckets = torch.zeros(3, TOKEN_BUCKETS + 1, dtype=torch.float64, device=d.device)  # last: unknown ids
     if flat.token_ids is not None:
         ids = _select(flat.token_ids, flat.active) if compact else flat.token_ids
-        known = ids >= 0 if valid is None else (ids >= 0) & valid
+        known = ids >= 0 if active is None else (ids >= 0) & active
         buckets.index_add_(1, torch.where(known, ids.remainder(TOKEN_BUCKETS), TOKEN_BUCKETS),
                            torch.stack([torch.ones_like(d), d, d * d]))
     return buckets[:, :TOKEN_BUCKETS]
@@ -206,22 +207,18 @@ def _token_sums(flat: FlatBatch, d: torch.Tensor, valid: torch.Tensor | None, co
 
 def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k3: torch.Tensor, datum: torch.Tensor,
                  rank: torch.Tensor, p_bucket: torch.Tensor, row_counts: torch.Tensor, lags: torch.Tensor | None,
-                 valid: torch.Tensor | None) -> torch.Tensor:
-    """Float64 ``[len(COLUMNS), len(STRATUM_NAMES)]``: each stratum's tokens, Σ k3 (as handed in), Σ |d|, Σ e^d.
-
-    A family is one index per token; places that are not action tokens go to a last, dropped column.
-    On the CPU each family is four weighted ``bincount``s, elsewhere one ``index_add_`` (``bincount``
-    would read its size on the host).
-    """
+                 active: torch.Tensor | None) -> torch.Tensor:
+    """Float64 ``[len(COLUMNS), len(STRATUM_NAMES)]``: each stratum's tokens, Σ k3, Σ |d|, Σ e^d; a family is one
+    index per token (others: a last, dropped column), four ``bincount``s on the CPU, else one ``index_add_``."""
     trash = len(STRATUM_NAMES)
-    weights = (k3, abs_d, is_ratio) if valid is None else tuple(w.masked_fill(~valid, 0.0) for w in (k3, abs_d,
+    weights = (k3, abs_d, is_ratio) if active is None else tuple(w.masked_fill(~active, 0.0) for w in (k3, abs_d,
                                                                                                       is_ratio))
     out = torch.zeros(1 + len(weights), trash + 1, dtype=torch.float64, device=d.device)
     stacked = None if _on_host(d.device) else torch.stack([torch.ones_like(d), *weights])
 
     def add(index: torch.Tensor) -> None:
-        if valid is not None:
-            index.masked_fill_(~valid, trash)
+        if active is not None:
+            index.masked_fill_(~active, trash)
         if stacked is not None:
             out.index_add_(1, index, stacked)
             return
@@ -241,12 +238,12 @@ def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k
 
 
 def _group_table(abs_d: torch.Tensor, is_ratio: torch.Tensor, k3: torch.Tensor, datum: torch.Tensor,
-                 groups: torch.Tensor, valid: torch.Tensor | None, max_groups: int) -> torch.Tensor:
+                 groups: torch.Tensor, active: torch.Tensor | None, max_groups: int) -> torch.Tensor:
     """Float64 ``[GROUP_ROWS, K]``: each group's index (``max_groups``: ``group_other``) and its sums, from one
     int64 id per datum: a column per datum, merged into one per group where that reads nothing (the CPU)."""
     weights = torch.stack([torch.ones_like(k3), k3, abs_d, is_ratio])
-    if valid is not None:
-        weights.masked_fill_(~valid, 0.0)
+    if active is not None:
+        weights.masked_fill_(~active, 0.0)
     table = torch.zeros(GROUP_ROWS, groups.numel(), dtype=torch.float64, device=k3.device)
     table[0] = groups.clamp(max=max_groups)
     table[1:].index_add_(1, datum, weights)
@@ -257,20 +254,6 @@ def merged_groups(table: torch.Tensor) -> torch.Tensor:
     """``by_group`` on the CPU (the groups' number is read there); elsewhere the table as it is (side by side:
     the reduction and ``to_host`` merge them)."""
     return by_group(table) if _on_host(table.device) else table
-
-
-def by_group(table: torch.Tensor) -> torch.Tensor:
-    """The groups' table with one column per group, in ascending order of their index.
-
-    Example:
-        >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
-        [[0.0, 1.0], [1.0, 7.0]]
-    """
-    indices, column = torch.unique(table[0], return_inverse=True)
-    merged = table.new_zeros(table.shape[0], indices.numel())
-    merged[0] = indices
-    merged[1:].index_add_(1, column, table[1:])
-    return merged
 
 
 def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
@@ -333,22 +316,16 @@ def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.zeros(rows, dtype=summed.dtype, device=values.device).index_add_(0, row_of, summed)
 
 
-def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) as float64; (inf, -inf) when empty."""
-    if values.numel() == 0:
-        inf = torch.full((), math.inf, dtype=torch.float64, device=values.device)
-        return inf, -inf
-    low, high = torch.aminmax(values)
-    return low.to(torch.float64), high.to(torch.float64)
-
-
-def _max_and_negated_min(values: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max, -min) of ``values`` where ``valid`` (all when ``None``); -inf for both when there are none."""
-    if valid is None:
-        low, high = _min_max(values)
+def _max_and_negated_min(values: torch.Tensor, where: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, -min) of ``values`` where ``where`` (all when ``None``), float64; -inf for both when there are none."""
+    if values.numel() == 0:  # aminmax of nothing is an error
+        none = torch.full((), -math.inf, dtype=torch.float64, device=values.device)
+        return none, none
+    if where is None:
+        low, high = torch.aminmax(values)
     else:
-        low, high = _min_max(values.masked_fill(~valid, math.inf))[0], _min_max(values.masked_fill(~valid, -math.inf))[1]
-    return high, -low
+        low, high = values.masked_fill(~where, math.inf).amin(), values.masked_fill(~where, -math.inf).amax()
+    return high.to(torch.float64), -low.to(torch.float64)
 
 
 def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
@@ -404,11 +381,3 @@ def _worst_rows(flat: FlatBatch, flat_index: torch.Tensor, chosen: torch.Tensor,
         token, before, after = flat.tokens.lookup(datum, position)
         picked[:, ROW.TOKEN], picked[:, ROW.BEFORE], picked[:, ROW.AFTER] = token, before, after
     return ranked_rows(rows, top_n)
-
-
-def ranked_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:
-    """Rows ordered by |d| descending, then datum, then position; the first ``top_n``."""
-    order = torch.sort(rows[:, ROW.POSITION], stable=True).indices
-    order = order[torch.sort(rows[order, ROW.DATUM], stable=True).indices]
-    order = order[torch.sort(rows[order, ROW.ABS], descending=True, stable=True).indices]
-    return rows[order[:top_n]]
