@@ -28,12 +28,12 @@ from typing_extensions import override
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import step_warnings
-from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
+from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
 from loops_callbacks.divergence.history import (
-    RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
+    Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
 )
 from loops_callbacks.divergence.inputs import data_keys, read_sampler_facts, read_step
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX

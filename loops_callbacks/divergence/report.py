@@ -7,6 +7,7 @@ every logger), what is impossible about the inputs, and the guard rail's judgeme
 the prefix is added when delivering.
 
 Example:
+    >>> import torch
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from loops_callbacks.correction import Correction
-from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.causes import Diagnosis, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.flat_batch import NO_TOKEN
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs

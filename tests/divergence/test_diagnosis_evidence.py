@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.causes import CAUSES, DROPOUT, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.report import MediaOptions, step_report

@@ -250,7 +250,7 @@ def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
 
 
 def test_an_effective_temperature_is_said_only_where_the_first_order_estimate_means_one() -> None:
-    from loops_callbacks.divergence.diagnosis import Diagnosis
+    from loops_callbacks.divergence.causes import Diagnosis
 
     far = Diagnosis("sampling", 0.9, {"sampling_z": -2e5, "sampling_temperature": 2e5}).message
     assert "drawn flatter)" in far and "effective temperature" not in far
