@@ -21,6 +21,7 @@ from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.history import Calibration
 from loops_callbacks.divergence.signatures import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
+from loops_callbacks.divergence.monitor import GuardRail
 from tests.helpers import TinyPolicy, TokenDataset, assert_totals_equal, quiet_trainer, reduce_in_threads
 from tests.oracle import PREFIX
 
@@ -192,7 +193,7 @@ class ShiftedSampler(TinyPolicy):
 
 
 def test_the_guard_rail_names_the_likely_cause_and_each_step_logs_it() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, patience=1, on_exceed="stop", log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=1, on_exceed="stop"), log_every_n_steps=1)
     trainer = quiet_trainer(max_steps=5, callbacks=[monitor])
     with pytest.warns(UserWarning, match="likely cause: sampler logprobs are shifted by one position"):
         trainer.fit(ShiftedSampler())

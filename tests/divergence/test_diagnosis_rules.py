@@ -132,7 +132,7 @@ def test_per_lag_numbers_and_offsets_merge_through_the_report_defaults() -> None
 
     batch = case("unrelated")
     host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
-    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnosing=True)
+    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnose=True)
     by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3)}
     assert step_report(host, **options).diagnosis.cause == "unrelated"
     assert step_report(host, **options, by_lag=by_lag).diagnosis.cause == "stale"
