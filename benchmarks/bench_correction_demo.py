@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
@@ -90,7 +91,7 @@ def run(
         torch.manual_seed(10_000)  # the same held-out prompts for every run
         prompts = module.task.sample_prompts(128)
     curves = _Curves(prompts, eval_every)
-    options: dict[str, Any] = {"max_kl": None, "log_histogram": False, "log_worst_tokens": False}
+    options: dict[str, Any] = {"media": MediaOptions(log_histogram=False, log_worst_tokens=False)}
     if shadow and "corrections" in inspect.signature(KLSampleTrainMonitor).parameters:
         options["corrections"] = shadow
     trainer = pl.Trainer(

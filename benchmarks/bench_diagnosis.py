@@ -66,11 +66,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
-from loops_callbacks.divergence.diagnosis import CAUSES  # noqa: E402
+from loops_callbacks.divergence.causes import CAUSES  # noqa: E402
 from loops_callbacks.divergence.signatures import SIGNATURES, signature_numbers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import heldout_faults  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions
 from machine import cpu_name  # noqa: E402
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -162,7 +163,7 @@ def run_fault(
     pl.seed_everything(seed, verbose=False)
     module = RLPolicyModule(**with_healthy_start(options, skip))
     module.policy.load_state_dict(base)
-    monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
     def fresh() -> bool:  # synced after the last optimizer step
         return module.sampler_synced_at_step == module.trainer.global_step - 1
 
@@ -234,7 +235,7 @@ def after_steps(step: dict[str, Any], count: int) -> dict[str, Any]:
     return {**step, "policy_version": step["policy_version"] + count}
 
 
-BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnosing", "noise_floor"}
+BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnose", "noise_floor"}
 """``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
 
 
@@ -312,7 +313,8 @@ def heldout_counts(
             faults=faults,
         )
         for fault in faults:
-            monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+            monitor = KLSampleTrainMonitor(
+                media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
             # a healthy engine calibrates on its own first steps, which are then not counted (they were seen)
             own = fault.cause != "template" and healthy_engine(heldout_set, fault.sampler_dtype) == fault
             prefix = [] if own else healthy_prefix(data, fault, heldout_set)

@@ -51,7 +51,7 @@ def logged_step(batch: dict, strata: bool) -> None:
         prefix="optim/train-sample-div/",
         media=MediaOptions(),
         guard_rail=GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3"),
-        diagnosing=True,
+        diagnose=True,
     )
 
 

@@ -50,6 +50,7 @@ from loops_callbacks.demo.vllm_rl import VLLMRLModule  # noqa: E402
 from loops_callbacks.integrations.vllm import VLLMSamplingClient, VLLMWarning  # noqa: E402
 from loops_callbacks.reference.clients import TorchSamplingClient  # noqa: E402
 from loops_callbacks.reference.packing import PackedTokens  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "float32": ("float32 engine", {}),
@@ -158,7 +159,8 @@ def gaps(root: str, steps: int, variants: list[str]) -> None:
     print("|---|---|---|---|---|")
     for name in variants:
         label, module_args = VARIANTS[name]
-        monitor = KLSampleTrainMonitor(log_every_n_steps=1, max_kl=None, log_histogram=False, log_worst_tokens=False)
+        monitor = KLSampleTrainMonitor(
+            media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
         recorder = GapRecorder(monitor)
         fit(os.path.join(root, name), steps, [monitor, recorder], log_every_n_steps=1, **module_args)
         rows = recorder.rows[1:] or recorder.rows  # step 0: no cached prefix of older weights yet

@@ -34,6 +34,7 @@ from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from loops_callbacks.divergence import diagnosis  # noqa: E402
 from loops_callbacks.divergence.signatures import signature_numbers  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions
 
 
 def record(
@@ -60,7 +61,8 @@ def record(
 
     monitor_module.step_report = report_and_keep
     try:
-        monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+        monitor = KLSampleTrainMonitor(
+            media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
         bench_diagnosis._trainer(steps, [monitor]).fit(module, PromptDataModule(seed=seed))
     finally:
         monitor_module.step_report = original

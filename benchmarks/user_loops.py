@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions
 
 HEALTHY_CAUSES = ("none", "precision", "unclear")
 
@@ -211,7 +212,7 @@ def replay(setting: Setting, steps: list[dict[str, torch.Tensor]]) -> list[Step]
 
 
 def _diagnoses(module: pl.LightningModule, steps: int) -> list[Step]:
-    monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
     record = _Record(monitor)
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=[monitor, record],

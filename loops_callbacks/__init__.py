@@ -9,8 +9,8 @@ scorer's). The SDK's import paths ``loops_callbacks.rl_metrics`` and ``loops_cal
 are kept.
 
 Example:
-    >>> from loops_callbacks import KLSampleTrainMonitor, attach_reference_logprobs
-    >>> KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop").on_exceed
+    >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor, attach_reference_logprobs
+    >>> KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop")).guard_rail.on_exceed
     'stop'
     >>> from loops_callbacks import DPODataModule, ReferenceLogprobsMixin
     >>> issubclass(DPODataModule, ReferenceLogprobsMixin)
@@ -30,7 +30,9 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "GuardRail",
     "KLSampleTrainMonitor",
+    "MediaOptions",
     "ModelInput",
     "ReferenceLogprobsMixin",
     "SampleTrainDivergenceError",
@@ -45,6 +47,8 @@ __all__ = [
 
 _LIGHTNING_NAMES = {
     "KLSampleTrainMonitor": "loops_callbacks.divergence.monitor",
+    "GuardRail": "loops_callbacks.divergence.monitor",
+    "MediaOptions": "loops_callbacks.divergence.monitor",
     "SampleTrainDivergenceError": "loops_callbacks.divergence.monitor",
     "DPODataModule": "loops_callbacks.data",
     "ReferenceLogprobsMixin": "loops_callbacks.data",

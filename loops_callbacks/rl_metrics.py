@@ -25,7 +25,7 @@ from loops_callbacks.divergence.flat_batch import flatten_datums
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.inputs import trainer_logprobs_from_output
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
-from loops_callbacks.divergence.report import MediaOptions, Tokenizer, step_report, wandb_media
+from loops_callbacks.divergence.report import MediaOptions, Tokenizer, checked_tokenizer, step_report, wandb_media
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train"]
@@ -69,12 +69,13 @@ def loops_log_kl_sample_train(
     ``.log(metrics, step=...)`` or ``None``; the dict is returned either way. A failing
     ``wandb_run.log`` is logged as a warning, never raised: monitoring must not stop training.
     """
-    media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, top_n, tokenizer)
+    media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, top_n)
+    tokenizer = checked_tokenizer(tokenizer)
     if training_logprobs is None:
         if forward_backward_output is None:
             raise ValueError("pass either forward_backward_output or training_logprobs")
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
-    scalars, report = _report(data, training_logprobs, media, prefix)
+    scalars, report = _report(data, training_logprobs, media, prefix, tokenizer)
     metrics: dict[str, Any] = {**scalars, **wandb_media(report, prefix)}
     if wandb_run is not None:
         try:
@@ -84,7 +85,9 @@ def loops_log_kl_sample_train(
     return metrics
 
 
-def _report(data: Sequence[Any], training_logprobs: Any, media: MediaOptions, prefix: str) -> tuple[dict[str, float], Any]:
+def _report(
+    data: Sequence[Any], training_logprobs: Any, media: MediaOptions, prefix: str, tokenizer: Tokenizer | None = None,
+) -> tuple[dict[str, float], Any]:
     """The batch's metrics (under ``prefix``) and report, impossible inputs logged as warnings.
 
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
@@ -93,6 +96,5 @@ def _report(data: Sequence[Any], training_logprobs: Any, media: MediaOptions, pr
     host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, diagnosing=False).to_host()
     for message in impossible_inputs(host).values():
         logger.warning("%s", message)
-    report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(None, "kl_sample_train_k3"),
-                         diagnosing=False)
+    report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(), diagnose=False, tokenizer=tokenizer)
     return {prefix + name: value for name, value in report.scalars.items()}, report

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -98,7 +99,7 @@ class PromptZeros(TinyPolicy):
 def test_bool_masks_and_bf16_sampler_logprobs_give_the_float_numbers() -> None:
     metrics = []
     for mask_dtype, logprob_dtype in ((torch.float32, torch.float32), (torch.bool, torch.bfloat16)):
-        monitor = KLSampleTrainMonitor(log_every_n_steps=1, log_worst_tokens=False)
+        monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False), log_every_n_steps=1)
         quiet_trainer(max_steps=2, callbacks=[monitor]).fit(PromptZeros(mask_dtype, logprob_dtype))
         metrics.append(monitor.last_metrics)
     assert metrics[0] and metrics[0][PREFIX + "kl_sample_train_k3"] > 0

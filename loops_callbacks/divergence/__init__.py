@@ -9,14 +9,15 @@ A logged step, in data-flow order (each module one job):
   ``reduction`` reduces them across ranks in two collectives (``alignment``: the offset votes;
   ``shadow``: what each listed correction would do);
 - ``metrics`` and ``signatures``: the logged scalars and the diagnosis' numbers, one formula each;
-- ``diagnosis`` (with ``evidence``): the likely cause; ``guard_rail``: whether the step exceeds;
+- ``diagnosis`` (with ``evidence``, ``causes``): the likely cause; ``guard_rail``: whether the step exceeds;
 - ``report``: the step's report, built once; ``sinks``: its delivery to each Lightning logger;
 - ``monitor``: ``KLSampleTrainMonitor``, the callback that wires them (``history``: the run's summary,
   ``step_warnings``: what it says about the inputs).
 
 Example:
-    >>> from loops_callbacks.divergence import KLSampleTrainMonitor
-    >>> KLSampleTrainMonitor(max_kl=0.05, kl_metric="optim/train-sample-div/kl_sample_train_k3").kl_metric
+    >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor
+    >>> rail = GuardRail(max_kl=0.05, kl_metric="optim/train-sample-div/kl_sample_train_k3")
+    >>> KLSampleTrainMonitor(guard_rail=rail).guard_rail.kl_metric
     'kl_sample_train_k3'
 """
 

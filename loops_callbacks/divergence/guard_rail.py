@@ -22,7 +22,7 @@ when the step exceeds.
 Example:
     >>> totals = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 64.0}
     >>> host = HostDivergence(totals, {})
-    >>> rail = GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3")
+    >>> rail = GuardRail(max_kl=0.05)
     >>> rail.untrusted({"n_action_tokens": 0.0}, host)
     '64 of 64 action tokens had a non-finite logprob (None, NaN or inf), more than max_nonfinite_fraction = 0.01'
 """
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
+from typing import Literal
 
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR
 from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
 from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.validation import check_real
+from loops_callbacks.validation import check, check_choice, check_int, check_real
 
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
 """Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
@@ -59,42 +60,48 @@ def watchable_metric(kl_metric: str, prefix: str) -> str:
         ...
         ValueError: kl_metric='kl_k3' is not a metric the monitor logs; use one of ['kl_sample_train_v1_loops', ...
     """
-    names = SCALAR_METRICS
     name = kl_metric.removeprefix(prefix) if prefix else kl_metric
-    if name not in names:
+    if name not in SCALAR_METRICS:
         raise ValueError(
-            f"kl_metric={kl_metric!r} is not a metric the monitor logs; use one of {list(names)} "
+            f"kl_metric={kl_metric!r} is not a metric the monitor logs; use one of {list(SCALAR_METRICS)} "
             f"(or the full key, with the prefix {prefix!r})"
         )
     return name
 
 
-@dataclass
+@dataclass(frozen=True)
 class GuardRail:
-    """The bound on one metric, with the rules of the module docstring; ``None`` bound: never exceeds.
+    """The guard rail's settings (``KLSampleTrainMonitor(guard_rail=...)``) and its judgement of a step.
 
-    ``kl_metric`` is the watched metric's bare name (given bare, or with ``prefix``, which is only
-    read to remove it); the step's scalars are judged by their bare names.
+    ``max_kl``: the bound on ``kl_metric`` (bare, ``"kl_sample_train_k3"``, or with the monitor's prefix);
+    ``None``: no bound (untrusted steps are then still warned about, never acted on). ``patience``: logged
+    steps in a row that exceed before acting. ``on_exceed``: ``"warn"``, ``"stop"`` (end training cleanly, as
+    ``EarlyStopping`` does) or ``"raise"`` (``SampleTrainDivergenceError``). ``max_nonfinite_fraction``: a step
+    whose masked-in action tokens had more than this share of missing, NaN or infinite logprobs exceeds.
+    ``max_sampling_z``: a bound on |``sampling_z``|, the check of what was sampled (needs the trainer's
+    entropies); ``None``: off. A step's scalars are judged by their bare names.
     """
 
-    max_kl: float | None
-    kl_metric: str
-    prefix: InitVar[str] = ""
+    max_kl: float | None = None
+    kl_metric: str = "kl_sample_train_k3"
+    patience: int = 1
+    on_exceed: Literal["warn", "stop", "raise"] = "stop"
     max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
-    max_sampling_z: float | None = None  # a bound on |sampling_z|, the check of what was sampled; None: off
+    max_sampling_z: float | None = None
 
-    def __post_init__(self, prefix: str) -> None:
-        for name, value in (("kl_metric", self.kl_metric), ("prefix", prefix)):
-            if not isinstance(value, str):
-                raise TypeError(f"{name} must be a str, got {value!r}")
-        self.kl_metric = watchable_metric(self.kl_metric, prefix)
-        if self.max_kl is not None:
-            self.max_kl = check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0 or None")
-        self.max_nonfinite_fraction = check_real(
-            "max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0, most=1.0, what="a number in [0, 1]"
-        )
-        if self.max_sampling_z is not None:
-            self.max_sampling_z = check_real("max_sampling_z", self.max_sampling_z, least=0.0, what="a number >= 0 or None")
+    def __post_init__(self) -> None:
+        check("kl_metric", self.kl_metric, str, "a str")
+        check_int("patience", self.patience, least=1)
+        check_choice("on_exceed", self.on_exceed, ("warn", "stop", "raise"))
+        numbers = {
+            "max_kl": check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0", optional=True),
+            "max_nonfinite_fraction": check_real("max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0,
+                                                 most=1.0, what="a number in [0, 1]"),
+            "max_sampling_z": check_real("max_sampling_z", self.max_sampling_z, least=0.0,
+                                         what="a number >= 0", optional=True),
+        }
+        for name, value in numbers.items():  # numbers of any real type, kept as floats
+            object.__setattr__(self, name, value)
 
     @property
     def judges(self) -> bool:

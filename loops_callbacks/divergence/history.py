@@ -1,5 +1,5 @@
-"""What the monitor saw over one run and the guard rail's verdict (the end-of-run summary), and the facts of
-Lightning's training loop it reads.
+"""What the monitor saw and learned over one run: the guard rail's verdict and the end-of-run summary
+(``RunHistory``), the noise floor (``Calibration``), and the facts of Lightning's training loop it reads.
 
 ``RunHistory`` counts the logged steps per likely cause (with the step where each first appeared),
 remembers the last step with action tokens, its metrics and the last diagnosis, and holds the guard
@@ -12,7 +12,7 @@ optimizer step a micro-batch belongs to) and ``fit_loop._should_accumulate()``; 
 fails at setup, naming the Lightning version, if a release renames them.
 
 Example:
-    >>> from loops_callbacks.divergence.diagnosis import Diagnosis
+    >>> from loops_callbacks.divergence.causes import Diagnosis
     >>> history = RunHistory(watched="kl_sample_train_k3", max_kl=0.05)
     >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, Diagnosis("stale", 0.8, {"token_eta2": 0.2}))
     >>> history.observe(1, {"n_action_tokens": 0.0}, None)
@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,10 @@ import lightning
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from loops_callbacks.divergence.diagnosis import Diagnosis
+from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import (
+    CALIBRATION_SPREAD, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_bound, noise_shaped,
+)
 
 
 class Verdict(enum.Enum):
@@ -178,11 +182,76 @@ class RunHistory:
         return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"
 
 
+@dataclass
+class Calibration:
+    """What the monitor learns over a run for the diagnosis: the run's noise floor and its trend.
+
+    ``healthy_gaps`` holds the relative gaps of the latest ``HEALTHY_STEPS`` steps taken as healthy;
+    the floor is their median once ``calibration_steps`` of them agree. ``recent_gaps`` holds the
+    last ``TREND_STEPS`` relative gaps. Every field is plain data: the monitor's checkpoint state is
+    these fields.
+
+    Example:
+        >>> calibration = Calibration(calibration_steps=2)
+        >>> calibration.noise_bound  # the prior, until calibrated
+        0.001
+        >>> for gap in (2e-5, 3e-5):
+        ...     calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": gap})
+        >>> calibration.noise_bound
+        0.0005
+    """
+
+    calibration_steps: int = 5
+    healthy_gaps: list[float] = field(default_factory=list)
+    recent_gaps: list[float] = field(default_factory=list)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the floor is known (never, with ``calibration_steps=0``: the prior bound then holds)."""
+        return self.calibration_steps > 0 and len(self.healthy_gaps) >= self.calibration_steps
+
+    @property
+    def noise_floor(self) -> float | None:
+        """The median relative gap of the healthy steps; ``None`` until calibrated."""
+        return statistics.median(self.healthy_gaps) if self.calibrated else None
+
+    @property
+    def noise_bound(self) -> float:
+        """The largest relative gap taken as rounding noise: ``NOISE_FACTOR`` x the floor, the prior before."""
+        return noise_bound(self.noise_floor)
+
+    def observe(self, diagnosis: Diagnosis, signatures: Mapping[str, float]) -> None:
+        """Learn from a step: its relative gap joins the trend; a healthy one sets the floor.
+
+        A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
+        also an ``unclear`` step whose every number is rounding noise's (``noise_shaped``): a bf16
+        engine's floor can sit above the prior. The first floor is taken only from steps that agree
+        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not.
+        """
+        gap = signatures.get("relative_gap", math.nan)
+        if not math.isfinite(gap):
+            return
+        self.recent_gaps = [*self.recent_gaps, gap][-TREND_STEPS:]
+        healthy = diagnosis.cause in ("none", "precision") or (
+            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)
+        )
+        if not healthy:
+            return
+        gaps = [*self.healthy_gaps, gap][-HEALTHY_STEPS:]
+        if len(self.healthy_gaps) < self.calibration_steps:  # not calibrated: keep the latest steps that agree
+            while len(gaps) > 1 and max(gaps) > CALIBRATION_SPREAD * max(min(gaps), NOISE_MIN / NOISE_FACTOR):
+                gaps = gaps[1:]
+        self.healthy_gaps = gaps
+
+
 def _diagnosis(saved: Mapping[str, Any] | None) -> Diagnosis | None:
     """A ``Diagnosis`` from its ``dataclasses.asdict`` data."""
     if saved is None:
         return None
-    return Diagnosis(**{**saved, "problems": tuple(saved.get("problems", ())), "beyond": _diagnosis(saved.get("beyond"))})
+    fields = {**saved, "problems": tuple(saved.get("problems", ())), "beyond": _diagnosis(saved.get("beyond"))}
+    if "evidence" in fields:  # the name of ``numbers`` in older checkpoints
+        fields["numbers"] = fields.pop("evidence")
+    return Diagnosis(**fields)
 
 
 def check_loop_internals(trainer: pl.Trainer) -> None:

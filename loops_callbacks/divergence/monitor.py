@@ -18,6 +18,7 @@ A logged step, top to bottom (``on_train_batch_end``):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -28,34 +29,33 @@ from typing_extensions import override
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import step_warnings
-from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, Calibration, Diagnosis
+from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.flat_batch import FlatBatch
-from loops_callbacks.divergence.guard_rail import DEFAULT_MAX_NONFINITE_FRACTION, GuardRail, SampleTrainDivergenceError
+from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
-    RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
+    Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
 )
 from loops_callbacks.divergence.inputs import data_keys, read_sampler_facts, read_step
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
-from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
 from loops_callbacks.divergence.reduction import reduce_across_ranks
-from loops_callbacks.divergence.report import MediaOptions, StepReport, Tokenizer, step_report
+from loops_callbacks.divergence.report import MediaOptions, StepReport, Tokenizer, checked_tokenizer, step_report
 from loops_callbacks.divergence.shadow import parse_corrections
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings
-from loops_callbacks.validation import check_bool, check_int
+from loops_callbacks.validation import check, check_bool, check_choice, check_int
 
-__all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError", "Verdict"]
+__all__ = ["GuardRail", "KLSampleTrainMonitor", "MediaOptions", "SampleTrainDivergenceError", "Verdict"]
 
 
 class KLSampleTrainMonitor(Callback):
     r"""Log sampler-vs-trainer logprob divergence once per optimizer step, and stop a run whose sampler broke.
 
     The metrics are those of ``loops_log_kl_sample_train`` (same keys, same formulas), computed over
-    all micro-batches of an accumulation window on every rank and logged once per optimizer step — the
+    all micro-batches of an optimizer step on every rank and logged once per optimizer step — the
     numbers ``loops_compute_kl_sample_train`` gives on the concatenation of those micro-batches (rank
     0's first). Steps that are not logged cost nothing. What it reads and every key it logs: the docs'
     "The monitor" page. The ranks' monitors must share their settings: they are compared at setup, and
@@ -68,33 +68,20 @@ class KLSampleTrainMonitor(Callback):
             ``Trainer(log_every_n_steps=...)`` (steps n-1, 2n-1, ...). A fit that would end without a
             judged step also logs its last step, so a short run is judged too.
         prefix: prepended to every key.
-        log_histogram: log the per-token diff histogram (W&B, TensorBoard).
-        max_histogram_tokens: at most this many diffs in the histogram (evenly subsampled).
-        log_worst_tokens: log the worst-divergent-tokens table (W&B table, TensorBoard text).
-        top_n: rows of that table.
-        tokenizer: anything with ``decode(list[int]) -> str`` to show the table's tokens as text.
+        guard_rail: when to act on a logged step, and how (:class:`GuardRail`: ``max_kl``, ``kl_metric``,
+            ``patience``, ``on_exceed``, ``max_nonfinite_fraction``, ``max_sampling_z``); the default has no
+            bound.
+        media: what is logged beside the scalars (:class:`MediaOptions`: the histogram, the worst-tokens
+            table, the strata).
+        tokenizer: anything with ``decode(list[int]) -> str`` to show the worst tokens as text.
         sample_size: diffs kept per logged step for percentiles and the histogram: exact up to this many
             action tokens; beyond, a uniform sample (a percentile's rank error below
             3·sqrt(q(1-q)/sample_size): ±0.09 percentile points at p99 with the default).
-        max_kl: guard rail: the bound on ``kl_metric``; ``None`` disables it (untrusted steps are then
-            still warned about, never acted on).
-        kl_metric: the metric the guard rail watches, bare (``"kl_sample_train_k3"``) or with the prefix.
-        patience: logged steps in a row that exceed before acting.
-        on_exceed: ``"warn"``, ``"stop"`` (end training cleanly, as ``EarlyStopping`` does) or ``"raise"``
-            (:class:`SampleTrainDivergenceError`).
-        max_sampling_z: guard rail: a bound on |``sampling_z``|, the check of what was sampled (needs
-            ``training_entropy`` and ``training_varentropy``, from ``token_logprobs(..., with_entropy=True)``).
-        max_nonfinite_fraction: a logged step whose masked-in action tokens had more than this share of
-            missing, NaN or infinite logprobs exceeds (each is counted in ``n_skipped_nonfinite``).
         keys: where to read the data, ``{name: key}`` for any of ``inputs.DATA_KEYS``.
         diagnose: name the likely cause of each logged step's divergence with its numbers (``diagnosis``):
             ``diagnosis/<cause>``, ``diagnosis/confidence``, ``signature/<name>`` and the text ``diagnosis``.
         calibration_steps: healthy logged steps from which the run's rounding-noise floor is learned
-            (``diagnosis.Calibration``); ``0``: never, the prior bound holds.
-        log_strata: log the divergence by stratum: by sampler probability, by quartile of each datum's
-            action tokens, by policy lag and by group.
-        max_groups: groups kept apart in the strata (ids ``0`` to ``max_groups - 1``); larger ids are
-            pooled in ``group_other``. The cost follows the groups given, not ``max_groups``.
+            (``history.Calibration``); ``0``: never, the prior bound holds.
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"geo:0.999_1.001"`` or ``Correction`` objects; each logged step
             logs what each would do, applying nothing (``shadow``). ``off_policy_mask`` reads one
@@ -117,8 +104,8 @@ class KLSampleTrainMonitor(Callback):
     Example::
 
         >>> from lightning.pytorch import Trainer
-        >>> from loops_callbacks import KLSampleTrainMonitor
-        >>> trainer = Trainer(callbacks=[KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")])
+        >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor
+        >>> trainer = Trainer(callbacks=[KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))])
     """
 
     def __init__(
@@ -126,44 +113,28 @@ class KLSampleTrainMonitor(Callback):
         interval: Literal["optimizer_step", "forward_backward"] = "optimizer_step",
         log_every_n_steps: int | None = None,
         prefix: str = DEFAULT_PREFIX,
-        log_histogram: bool = True,
-        max_histogram_tokens: int = 50000,
-        log_worst_tokens: bool = True,
-        top_n: int = 20,
+        guard_rail: GuardRail = GuardRail(),  # noqa: B008 - frozen: one shared default is safe
+        media: MediaOptions = MediaOptions(),  # noqa: B008
         tokenizer: Tokenizer | None = None,
         sample_size: int = 100_000,
-        max_kl: float | None = None,
-        kl_metric: str = "kl_sample_train_k3",
-        patience: int = 1,
-        on_exceed: Literal["warn", "stop", "raise"] = "stop",
-        max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION,
-        max_sampling_z: float | None = None,
         keys: Mapping[str, str] | None = None,
         diagnose: bool = True,
         calibration_steps: int = 5,
-        log_strata: bool = True,
-        max_groups: int = DEFAULT_MAX_GROUPS,
         corrections: Sequence[str | Correction] = (),
     ) -> None:
         super().__init__()
-        if interval not in ("optimizer_step", "forward_backward"):
-            raise ValueError(f"interval must be 'optimizer_step' or 'forward_backward', got {interval!r}")
-        if on_exceed not in ("warn", "stop", "raise"):
-            raise ValueError(f"on_exceed must be 'warn', 'stop' or 'raise', got {on_exceed!r}")
-        if log_every_n_steps is not None:
-            check_int("log_every_n_steps", log_every_n_steps, least=1)
-        self.interval, self.log_every_n_steps, self.prefix, self.on_exceed = interval, log_every_n_steps, prefix, on_exceed
-        self.media = MediaOptions(log_histogram, max_histogram_tokens, log_worst_tokens, top_n, tokenizer)
+        self.interval = check_choice("interval", interval, ("optimizer_step", "forward_backward"))
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, least=1, optional=True)
+        self.prefix = check("prefix", prefix, str, "a str")
+        check("guard_rail", guard_rail, GuardRail, "a GuardRail")
+        # the watched metric by its bare name (given bare or with the prefix)
+        self.guard_rail = dataclasses.replace(guard_rail, kl_metric=watchable_metric(guard_rail.kl_metric, prefix))
+        self.media = check("media", media, MediaOptions, "a MediaOptions")
+        self.tokenizer = checked_tokenizer(tokenizer)
         self.sample_size = check_int("sample_size", sample_size, least=1)
-        self.patience = check_int("patience", patience, least=1)
+        self.diagnose = check_bool("diagnose", diagnose)
         self.calibration_steps = check_int("calibration_steps", calibration_steps, least=0)
-        self.diagnosing = check_bool("diagnose", diagnose)
-        self.log_strata = check_bool("log_strata", log_strata)
-        self.max_groups = check_int("max_groups", max_groups, least=1)
-        self._strata_groups = self.max_groups if log_strata else None  # the strata's groups; None: no strata
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
-        self.guard_rail = GuardRail(max_kl, kl_metric, prefix, max_nonfinite_fraction, max_sampling_z)  # checks them
-        self.max_kl, self.kl_metric = self.guard_rail.max_kl, self.guard_rail.kl_metric  # the bare name
         self.keys = data_keys(keys)
         self.exceeded_steps = 0
         self.warnings = RunWarnings()
@@ -173,7 +144,7 @@ class KLSampleTrainMonitor(Callback):
     @override
     def state_key(self) -> str:
         # kl_metric with the prefix, as older versions named it: their checkpoints still load
-        return self._generate_state_key(prefix=self.prefix, kl_metric=self.prefix + self.kl_metric)
+        return self._generate_state_key(prefix=self.prefix, kl_metric=self.prefix + self.guard_rail.kl_metric)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -189,15 +160,12 @@ class KLSampleTrainMonitor(Callback):
         group = Group()
         if trainer.world_size == 1 or group.world_size != trainer.world_size:  # a strategy off torch.distributed
             return
-        rail = self.guard_rail
+        media = self.media
         shared = {
             "interval": self.interval, "log_every_n_steps": self._every(trainer), "prefix": self.prefix,
-            "top_n": self.media.rows, "sample_size": self.sample_size, "diagnose": self.diagnosing,
-            "calibration_steps": self.calibration_steps, "log_strata": self.log_strata,
-            "max_groups": self.max_groups, "corrections": [c.name for c in self.corrections], "keys": self.keys,
-            "max_kl": self.max_kl, "kl_metric": self.kl_metric, "patience": self.patience,
-            "on_exceed": self.on_exceed, "max_nonfinite_fraction": rail.max_nonfinite_fraction,
-            "max_sampling_z": rail.max_sampling_z,
+            "top_n": media.rows, "sample_size": self.sample_size, "diagnose": self.diagnose,
+            "calibration_steps": self.calibration_steps, "log_strata": media.log_strata, "max_groups": media.max_groups,
+            "corrections": [c.name for c in self.corrections], "keys": self.keys, **dataclasses.asdict(self.guard_rail),
         }
         listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
         if listed:
@@ -211,9 +179,9 @@ class KLSampleTrainMonitor(Callback):
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.last_metrics: dict[str, float] = {}
         self.last_diagnosis: Diagnosis | None = None
-        self.history = RunHistory(self.kl_metric, self.max_kl, self.guard_rail.max_sampling_z)
+        self.history = RunHistory(self.guard_rail.kl_metric, self.guard_rail.max_kl, self.guard_rail.max_sampling_z)
         self.calibration = Calibration(self.calibration_steps)
-        self._window: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
+        self._step_stats: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
         self._last_flat: FlatBatch | None = None
         self._logged_keys: set[str] = set()  # the keys put in callback_metrics last
         self._contract_checked = False
@@ -234,8 +202,8 @@ class KLSampleTrainMonitor(Callback):
         if not logged and self._contract_checked:
             return
         flat = read_step(
-            outputs, batch, self.keys, with_tokens=self.media.rows > 0, with_token_ids=self.diagnosing,
-            optimizer_step=step if self.log_strata else None, max_groups=self.max_groups,
+            outputs, batch, self.keys, with_tokens=self.media.rows > 0, with_token_ids=self.diagnose,
+            optimizer_step=step if self.media.log_strata else None, max_groups=self.media.max_groups,
             datum_advantages=any(c.spec.needs_advantages for c in self.corrections), warnings=self.warnings,
         )
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
@@ -244,23 +212,24 @@ class KLSampleTrainMonitor(Callback):
         facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # this rank's engine's own account
         stats = DivergenceStats.from_batch(
             flat, top_n=self.media.rows, sample_size=self.sample_size,
-            generator=self._generator(flat.device, trainer.global_rank), signatures=self.diagnosing,
-            max_groups=self._strata_groups, corrections=self.corrections, rank=trainer.global_rank,
+            generator=self._generator(flat.device, trainer.global_rank), signatures=self.diagnose,
+            max_groups=self.media.max_groups if self.media.log_strata else None, corrections=self.corrections,
+            rank=trainer.global_rank,
         )
-        self._window = stats if self._window is None else self._window.merge(stats)
+        self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)
         self._last_flat = flat
         if self.interval == "optimizer_step" and accumulating(trainer):
             return
-        window, self._window = self._window, None
+        step_stats, self._step_stats = self._step_stats, None
         if trainer.world_size > 1:
-            window = reduce_across_ranks(window, trainer.strategy, generator=self._generator(flat.device,
-                                                                                             trainer.global_rank))
-        host = window.to_host()  # the one host synchronization of a logged step
+            generator = self._generator(flat.device, trainer.global_rank)
+            step_stats = reduce_across_ranks(step_stats, trainer.strategy, generator=generator)
+        host = step_stats.to_host()  # the one host synchronization of a logged step
         report = step_report(
-            host, prefix=self.prefix, media=self.media, guard_rail=self.guard_rail, diagnosing=self.diagnosing,
-            corrections=self.corrections, noise_floor=self.calibration.noise_floor,
+            host, prefix=self.prefix, media=self.media, guard_rail=self.guard_rail, diagnose=self.diagnose,
+            tokenizer=self.tokenizer, corrections=self.corrections, noise_floor=self.calibration.noise_floor,
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
-            evidence=observe_training(trainer, pl_module) if self.diagnosing else None, facts=facts,
+            evidence=observe_training(trainer, pl_module) if self.diagnose else None, facts=facts,
             trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
         )
         self._deliver(trainer, report, step)
@@ -272,7 +241,7 @@ class KLSampleTrainMonitor(Callback):
         if self.history.fit_logged_steps == step_warnings.WATCHING_NOTHING_AFTER and not self.history.judged_steps:
             step_warnings.watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
         step_warnings.about_step(self.warnings, self.keys, report, host, self._last_flat, step,
-                                 max_groups=self.max_groups, max_sampling_z=self.guard_rail.max_sampling_z)
+                                 max_groups=self.media.max_groups, max_sampling_z=self.guard_rail.max_sampling_z)
         self._act(trainer, report, step)
         self._last_flat = None
 
@@ -376,20 +345,21 @@ class KLSampleTrainMonitor(Callback):
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
-        if self.exceeded_steps < self.patience:
+        patience, on_exceed = self.guard_rail.patience, self.guard_rail.on_exceed
+        if self.exceeded_steps < patience:
             return
         message = (
             f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience "
-            f"{self.patience}): the sampler's logprobs no longer match the trainer's — {_advice(report)}"
+            f"{patience}): the sampler's logprobs no longer match the trainer's — {_advice(report)}"
         )
-        self.history.acted({"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[self.on_exceed],
+        self.history.acted({"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[on_exceed],
                            step, message)
-        if self.on_exceed == "stop":
+        if on_exceed == "stop":
             trainer.should_stop = True
             message += " Signaling Trainer to stop."
         if trainer.is_global_zero:
             deliver_text(trainer.loggers, self.prefix + "guard_rail", message, step=step, warnings=self.warnings)
-        if self.on_exceed == "raise":
+        if on_exceed == "raise":
             raise SampleTrainDivergenceError(message)
         self.warnings.warn(f"exceeded:{step}", message)
 

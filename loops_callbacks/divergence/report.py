@@ -7,12 +7,13 @@ every logger), what is impossible about the inputs, and the guard rail's judgeme
 the prefix is added when delivering.
 
 Example:
+    >>> import torch
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
     >>> report = step_report(DivergenceStats.from_batch(flat).to_host(), prefix="div/", media=MediaOptions(),
-    ...                      guard_rail=GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3"), diagnosing=True)
+    ...                      guard_rail=GuardRail(max_kl=0.05), diagnose=True)
     >>> report.scalars["kl_sample_train_v1_loops"], report.diagnosis.cause, report.exceeds
     (0.25, 'unclear', 'div/kl_sample_train_k3 = 0.0532653 exceeded max_kl = 0.05')
 """
@@ -25,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from loops_callbacks.correction import Correction
-from loops_callbacks.divergence.diagnosis import Diagnosis, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.causes import Diagnosis, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import diagnose as likely_cause
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.flat_batch import NO_TOKEN
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
+from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
 from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values, is_ratio, scalar_metrics, stratum_scalars
 from loops_callbacks.divergence.shadow import shadow_scalars
 from loops_callbacks.divergence.signatures import signature_numbers
@@ -54,28 +56,41 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class MediaOptions:
-    """What to build beside the scalars: the per-token-diff histogram (at most ``max_histogram_tokens`` values,
-    evenly subsampled; <= 0: no cap) and the worst-tokens table (``top_n`` rows; ``tokenizer``, anything with
-    ``decode(list[int]) -> str``, shows their tokens as text)."""
+    """What the monitor logs beside the scalars (``KLSampleTrainMonitor(media=...)``).
+
+    ``log_histogram``: the per-token diff histogram (W&B, TensorBoard), of at most ``max_histogram_tokens``
+    diffs, evenly subsampled (<= 0: no cap). ``log_worst_tokens``: the worst-divergent-tokens table (W&B table,
+    TensorBoard text) of ``top_n`` rows. ``log_strata``: the divergence by stratum (by sampler probability, by
+    quartile of each datum's action tokens, by policy lag and by group); ``max_groups`` groups are kept apart
+    (ids ``0`` to ``max_groups - 1``), larger ids pooled in ``group_other``.
+    """
 
     log_histogram: bool = True
     max_histogram_tokens: int = 50000
     log_worst_tokens: bool = True
     top_n: int = 20
-    tokenizer: Tokenizer | None = None
+    log_strata: bool = True
+    max_groups: int = DEFAULT_MAX_GROUPS
 
     def __post_init__(self) -> None:
         check_bool("log_histogram", self.log_histogram)
         check_int("max_histogram_tokens", self.max_histogram_tokens, least=None, what=" (<= 0: no cap)")
         check_bool("log_worst_tokens", self.log_worst_tokens)
         check_int("top_n", self.top_n, least=0)
-        if self.tokenizer is not None and not callable(getattr(self.tokenizer, "decode", None)):
-            raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(self.tokenizer).__name__}")
+        check_bool("log_strata", self.log_strata)
+        check_int("max_groups", self.max_groups, least=1)
 
     @property
     def rows(self) -> int:
         """The worst rows the statistics keep: none without the table."""
         return self.top_n if self.log_worst_tokens else 0
+
+
+def checked_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer | None:
+    """``tokenizer`` if it is ``None`` or has a ``decode`` method; a ``TypeError`` otherwise."""
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,8 @@ def step_report(
     prefix: str,
     media: MediaOptions,
     guard_rail: GuardRail,
-    diagnosing: bool,
+    diagnose: bool,
+    tokenizer: Tokenizer | None = None,
     corrections: Sequence[Correction] = (),
     noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
@@ -115,17 +131,18 @@ def step_report(
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
-    ``diagnosing`` names the likely cause (impossible inputs first: the statistical rule would read them
-    as something else), from ``noise_floor`` (the run's, ``Calibration``), ``evidence`` (what was seen of
-    the trainer), ``facts`` (what the sampling engine says), ``by_lag`` (``host.by_lag`` when ``None``)
-    and ``trend`` (the relative gaps of the run's previous logged steps, oldest first).
+    ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
+    as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
+    seen of the trainer), ``facts`` (what the sampling engine says), ``by_lag`` (``host.by_lag`` when
+    ``None``) and ``trend`` (the relative gaps of the run's previous logged steps, oldest first);
+    ``tokenizer`` shows the worst tokens as text.
     """
     scalars = scalar_metrics(host, prefix="")
     problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
     diagnosis, signatures, breakdown = None, {}, {}
-    if diagnosing and n > 0:
+    if diagnose and n > 0:
         signatures = signature_numbers(host)
-        diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else diagnose(
+        diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
             signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts,
             by_lag=by_lag if by_lag is not None else host.by_lag, trend=trend,
         )
@@ -137,7 +154,7 @@ def step_report(
         histogram = histogram_values(host.diffs, media.max_histogram_tokens)
     return StepReport(
         scalars, diagnosis, breakdown, signatures, histogram,
-        worst_rows=worst_token_rows(host.worst, media.tokenizer) if n and media.log_worst_tokens else None,
+        worst_rows=worst_token_rows(host.worst, tokenizer) if n and media.log_worst_tokens else None,
         strata_rows=[[name, *(float(getattr(s, metric)) for metric in STRATUM_METRICS)]
                      for name, s in strata.items() if s.n_tokens],
         problems=problems,

@@ -1,5 +1,12 @@
 """The signature numbers of a logged step, from its mergeable sums: what the diagnosis reads.
 
+A *signature number* is one number of a step that a cause leaves its mark on (logged as
+``signature/<name>``; each cause's pattern across them is in the docs' rules table). Two of them
+need a word: the *context fade* (``context_fade``) is how many times larger the gap is on each
+completion's first action tokens than on its later ones (a different prompt on the two sides
+leaves it), and ``token_eta2`` is the share of the gap's variance that the token's identity
+explains (stale weights leave it: each token's logit is off by its own amount).
+
 With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p = e^s:
 
 ======================  ============================================================================
@@ -69,32 +76,10 @@ from loops_callbacks.divergence.states import PROBABILITY_STRATA, context_total
 from loops_callbacks.divergence.statistics import HostDivergence
 
 SIGNATURES = (
-    "frac_d_zero",
-    "frac_d_pos",
-    "both_16_bit_share",
-    "is_ratio_mean",
-    "is_ratio_se",
-    "pearson",
-    "temperature",
-    "temperature_se",
-    "relative_gap",
-    "relative_gap_se",
-    "sign_split",
-    "temperature_sign",
-    "shift_ratio",
-    "shift_direction",
-    "token_eta2",
-    "low_high_abs_ratio",
-    "rms_d",
-    "kl_sample_train_k3",
-    "sd_ratio",
-    "context_fade",
-    "context_fade_z",
-    "offset",
-    "offset_share",
-    "offset_ratio",
-    "left_aligned_ratio",
-    "left_aligned_share",
+    "frac_d_zero", "frac_d_pos", "both_16_bit_share", "is_ratio_mean", "is_ratio_se", "pearson", "temperature",
+    "temperature_se", "relative_gap", "relative_gap_se", "sign_split", "temperature_sign", "shift_ratio",
+    "shift_direction", "token_eta2", "low_high_abs_ratio", "rms_d", "kl_sample_train_k3", "sd_ratio", "context_fade",
+    "context_fade_z", "offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share",
 )
 
 _NAN = float("nan")

@@ -67,7 +67,7 @@ def test_the_rl_config_runs_and_leaves_an_offline_wandb_run_with_the_tables(caps
     config, monitored = "rl_tiny.yaml", [1, 3]
     cli = fit(config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
     monitor = next(c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor))
-    assert isinstance(monitor.media.tokenizer, CharTokenizer)
+    assert isinstance(monitor.tokenizer, CharTokenizer)
     assert K3 in monitor.last_metrics
     run = wandb_run_dir(f"runs/{config.removesuffix('.yaml')}")
     tables = glob.glob(os.path.join(run, "files", "media", "table", "**", "*.table.json"), recursive=True)
@@ -165,7 +165,7 @@ def test_the_snippet_command_monitors_the_unmonitored_rl_experiment_and_wandb_wr
     cli = run_cli(["fit", "--config", "configs/rl_unmonitored.yaml", SNIPPET,  # the command line of the README
                    "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1"])
     monitors = [c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor)]
-    assert len(monitors) == 1 and monitors[0].max_kl == 0.05 and monitors[0].on_exceed == "stop"
+    assert len(monitors) == 1 and monitors[0].guard_rail.max_kl == 0.05 and monitors[0].guard_rail.on_exceed == "stop"
     assert K3 in monitors[0].last_metrics
     assert "kl_sample_train_k3" in capsys.readouterr().out
     (logger,) = [logger for logger in cli.trainer.loggers if isinstance(logger, WandbLogger)]
@@ -247,9 +247,9 @@ trainer:
     [
         (["--trainer.callbacks.init_args.corrections", "[geo, geo]"],
          "trainer.callbacks[0] (KLSampleTrainMonitor): corrections ['geo'] are listed more than once"),
-        (["--trainer.callbacks.init_args.max_kl", "-1"],
-         "trainer.callbacks[0] (KLSampleTrainMonitor): max_kl must be a number >= 0 or None, got -1.0"),
-        (["--trainer.callbacks.init_args.kl_metric", "kl_foo"],
+        (["--trainer.callbacks.init_args.guard_rail.max_kl", "-1"],
+         "trainer.callbacks[0].init_args.guard_rail (GuardRail): max_kl must be a number >= 0 or None, got -1.0"),
+        (["--trainer.callbacks.init_args.guard_rail.kl_metric", "kl_foo"],
          "trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo' is not a metric the monitor logs; use one"),
         (["--config", "clip_max.yaml"],  # a dataclass in a union (str | Correction) given by its fields
          "trainer.callbacks[0].init_args.corrections[0] (Correction): correction 'token_mask': 'clip_max' must be "

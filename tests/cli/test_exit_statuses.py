@@ -129,8 +129,9 @@ def test_a_guard_rail_raise_exits_4_with_its_message_last_and_no_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    status = exit_of("fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.callbacks.init_args.on_exceed",
-                     "raise", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path))
+    status = exit_of("fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"),
+                     "--trainer.callbacks.init_args.guard_rail.on_exceed", "raise", "--trainer.logger", "false",
+                     "--trainer.default_root_dir", str(tmp_path))
     out, err = capsys.readouterr()
     assert status == EXIT_GUARD_RAIL_RAISED, out[-3000:] + err[-3000:]
     assert "Traceback" not in out + err

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.types import ForwardBackwardOutput
+from loops_callbacks.divergence.monitor import GuardRail, MediaOptions
 from tests.helpers import (
     RecordingLogger,
     TinyPolicy,
@@ -39,7 +40,7 @@ def test_one_log_per_optimizer_step_equal_to_the_function_on_the_window(accumula
     model, logger = TinyPolicy(), RecordingLogger()
     trainer = quiet_trainer(
         max_steps=3, accumulate_grad_batches=accumulate, logger=logger,
-        callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)],
+        callbacks=[KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))],
     )
     trainer.fit(model)
     ours = [(step, m) for step, m in logger.calls if K3 in m]
@@ -174,7 +175,7 @@ def test_early_stopping_and_checkpointing_can_monitor_the_metric(tmp_path: Any) 
 
 
 def test_stop_ends_training_with_a_message_naming_step_value_and_bound() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, patience=2, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=2, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=50, callbacks=[monitor])
     with pytest.warns(UserWarning, match="exceeded max_kl"):
         trainer.fit(TinyPolicy(offset=1.0))  # a stale sampler: every token off by 1 nat
@@ -184,27 +185,28 @@ def test_stop_ends_training_with_a_message_naming_step_value_and_bound() -> None
 
 
 def test_raise_raises() -> None:
-    trainer = quiet_trainer(max_steps=5, callbacks=[KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise")])
+    trainer = quiet_trainer(max_steps=5, callbacks=[KLSampleTrainMonitor(
+        guard_rail=GuardRail(max_kl=0.05, on_exceed="raise"))])
     with pytest.raises(SampleTrainDivergenceError, match="exceeded max_kl"):
         trainer.fit(TinyPolicy(offset=1.0))
 
 
 def test_healthy_run_is_not_stopped() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.5, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.5, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=4, callbacks=[monitor])
     trainer.fit(TinyPolicy())
     assert trainer.global_step == 4 and monitor.stop_reason is None
 
 
 def test_resume_keeps_the_patience_counter(tmp_path: Any) -> None:
-    first = KLSampleTrainMonitor(max_kl=0.05, patience=3, on_exceed="stop")
+    first = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=3, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=2, callbacks=[first], default_root_dir=str(tmp_path))
     trainer.fit(TinyPolicy(offset=1.0))
     assert first.exceeded_steps == 2
     path = str(tmp_path / "two.ckpt")
     trainer.save_checkpoint(path)
 
-    resumed = KLSampleTrainMonitor(max_kl=0.05, patience=3, on_exceed="stop")
+    resumed = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=3, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=50, callbacks=[resumed], default_root_dir=str(tmp_path))
     with pytest.warns(UserWarning, match="exceeded max_kl"):
         trainer.fit(TinyPolicy(offset=1.0), ckpt_path=path)
@@ -289,9 +291,9 @@ def test_invalid_arguments_name_the_value() -> None:
     with pytest.raises(ValueError, match="interval must be"):
         KLSampleTrainMonitor(interval="epoch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top_n must be an int >= 0, got -1"):
-        KLSampleTrainMonitor(top_n=-1)
+        KLSampleTrainMonitor(media=MediaOptions(top_n=-1))
     with pytest.raises(ValueError, match="on_exceed"):
-        KLSampleTrainMonitor(on_exceed="panic")  # type: ignore[arg-type]
+        KLSampleTrainMonitor(guard_rail=GuardRail(on_exceed="panic"))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="decode"):
         KLSampleTrainMonitor(tokenizer=object())
 

@@ -16,9 +16,12 @@ from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
+from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import diagnose
+from loops_callbacks.divergence.history import Calibration
 from loops_callbacks.divergence.signatures import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
+from loops_callbacks.divergence.monitor import GuardRail
 from tests.helpers import TinyPolicy, TokenDataset, assert_totals_equal, quiet_trainer, reduce_in_threads
 from tests.oracle import PREFIX
 
@@ -190,7 +193,7 @@ class ShiftedSampler(TinyPolicy):
 
 
 def test_the_guard_rail_names_the_likely_cause_and_each_step_logs_it() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, patience=1, on_exceed="stop", log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=1, on_exceed="stop"), log_every_n_steps=1)
     trainer = quiet_trainer(max_steps=5, callbacks=[monitor])
     with pytest.warns(UserWarning, match="likely cause: sampler logprobs are shifted by one position"):
         trainer.fit(ShiftedSampler())
@@ -204,7 +207,7 @@ def test_the_guard_rail_names_the_likely_cause_and_each_step_logs_it() -> None:
 
 
 def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -> None:
-    from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, diagnosis_metrics
+    from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, diagnosis_metrics
     from loops_callbacks.divergence.guard_rail import impossible_inputs
 
     batch = case("none")
@@ -223,7 +226,7 @@ def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -
 
 def test_a_signature_that_is_a_scalar_metric_is_logged_once_under_the_scalar_key() -> None:
     """mean e^d and k3 are scalar metrics; the diagnosis reads them but does not log them again."""
-    from loops_callbacks.divergence.diagnosis import diagnosis_metrics
+    from loops_callbacks.divergence.causes import diagnosis_metrics
     from loops_callbacks.divergence.metrics import scalar_metrics
 
     host = host_of(case("stale"))

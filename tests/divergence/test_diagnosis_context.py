@@ -57,13 +57,13 @@ def test_a_small_gap_that_fades_along_the_completion_is_said_not_called_precisio
     found = diagnose(sig, n_tokens=host.totals["n_action_tokens"])
     assert sig["context_fade"] > 3 and sig["context_fade_z"] > 3 and found.cause == "unclear"
     assert "first tokens" in found.message and "chat template" in found.message and "KV cache" in found.message
-    assert "context fade" in found.message and found.evidence["context_fade"] == sig["context_fade"]
+    assert "context fade" in found.message and found.numbers["context_fade"] == sig["context_fade"]
 
 
 def test_a_large_gap_that_fades_is_said_too() -> None:
     sig = signature_numbers(host_of(faded_context(2.0)))
     found = diagnose(sig, n_tokens=B * T)
-    assert sig["kl_sample_train_k3"] > 1e-2 and found.cause == "unclear" and "context_fade" in found.evidence
+    assert sig["kl_sample_train_k3"] > 1e-2 and found.cause == "unclear" and "context_fade" in found.numbers
 
 
 def test_rounding_noise_spread_along_the_completion_has_no_fade_and_stays_precision() -> None:
@@ -76,7 +76,7 @@ def test_completions_too_short_for_later_tokens_have_no_fade() -> None:
     """With fewer than ``LATER_ACTIONS_FROM + 1`` action tokens per datum there is nothing to compare."""
     sig = signature_numbers(host_of(faded_context(0.05, width=LATER_ACTIONS_FROM)))
     found = diagnose(sig, n_tokens=B * LATER_ACTIONS_FROM)
-    assert math.isnan(sig["context_fade"]) and "context_fade" not in found.evidence
+    assert math.isnan(sig["context_fade"]) and "context_fade" not in found.numbers
 
 
 def test_first_and_later_action_tokens_are_counted_per_datum_from_its_own_first_action() -> None:
@@ -120,7 +120,7 @@ def test_a_temperature_on_completions_whose_first_tokens_are_harder_is_not_a_con
     host = host_of(batch)
     sig = signature_numbers(host)
     assert sig["context_fade"] < 1.3
-    assert "context_fade" not in diagnose(sig, n_tokens=host.totals["n_action_tokens"]).evidence
+    assert "context_fade" not in diagnose(sig, n_tokens=host.totals["n_action_tokens"]).numbers
 
 
 def scaled_logits(first: float, later: float, top_k: int, seed: int) -> dict[str, torch.Tensor]:
@@ -161,7 +161,7 @@ def test_heavy_tailed_noise_on_a_small_batch_is_not_taken_for_a_fade() -> None:
         host = host_of({"sampler_logprobs": trainer - noise, "training_logprobs": trainer, "mask": torch.ones(24, 12)})
         sig = signature_numbers(host)
         by_ratio += sig["context_fade"] >= 1.5
-        by_rule += "context_fade" in diagnose(sig, n_tokens=24 * 12).evidence
+        by_rule += "context_fade" in diagnose(sig, n_tokens=24 * 12).numbers
     assert by_ratio >= 5 and by_rule == 0
 
 

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.diagnosis import DROPOUT
+from loops_callbacks.divergence.causes import DROPOUT
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -72,7 +73,7 @@ class GPT2Policy(pl.LightningModule):
 
 def causes_of(dropout: float, steps: int = 8) -> tuple[KLSampleTrainMonitor, list[str]]:
     pl.seed_everything(0, verbose=False)
-    monitor = KLSampleTrainMonitor(log_histogram=False, log_worst_tokens=False, log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_histogram=False, log_worst_tokens=False), log_every_n_steps=1)
     quiet_trainer(max_steps=steps, callbacks=[monitor]).fit(GPT2Policy(dropout))
     counts = monitor.history.causes
     return monitor, [cause for cause, (steps, _) in counts.items() for _ in range(steps)]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnose, diagnosis_metrics
+from loops_callbacks.divergence.causes import CAUSES, DROPOUT, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.report import MediaOptions, step_report
@@ -113,7 +114,7 @@ def test_dropout_that_does_not_reach_the_logprobs_is_not_named() -> None:
 def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None:
     evidence = observe_modules(torch.nn.Sequential(torch.nn.Dropout(0.1)), precision="32-true")
     guard_rail = GuardRail(None, "kl_sample_train_k3")
-    options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnosing=True)
+    options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnose=True)
     host = host_of(case("stale"))
     assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
     report = step_report(host, **options, evidence=evidence, by_lag=None)

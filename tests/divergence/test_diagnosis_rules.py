@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnose
+from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import diagnose
+from loops_callbacks.divergence.history import Calibration
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.divergence.test_diagnosis import case, host_of
@@ -64,9 +66,9 @@ def test_a_gap_that_grows_with_the_policy_lag_is_stale_with_the_per_lag_numbers(
         "0": Lag(400, 0.02), "1": Lag(300, 0.3), "2": Lag(200, 0.7), "3": Lag(0, float("nan")), "4-7": Lag(90, 1.4)
     }
     found = diagnose(sig, n_tokens=1024, by_lag=by_lag)
-    assert found.cause == "stale" and found.evidence["lag_growth"] == pytest.approx(70.0)
+    assert found.cause == "stale" and found.numbers["lag_growth"] == pytest.approx(70.0)
     assert "abs d lag 0 0.02" in found.message and "abs d lag 4-7 1.4" in found.message
-    assert "abs_d_lag_3" not in found.evidence  # no tokens there
+    assert "abs_d_lag_3" not in found.numbers  # no tokens there
 
 
 def test_versions_that_show_no_growth_with_the_lag_rule_stale_out() -> None:
@@ -75,7 +77,7 @@ def test_versions_that_show_no_growth_with_the_lag_rule_stale_out() -> None:
     assert diagnose(sig, n_tokens=1024, noise_floor=1e-6).cause == "stale"  # token identity alone says stale
     flat = {"0": Lag(500, 0.3), "1": Lag(500, 0.31), "2": Lag(24, 5.0)}  # lag 2: too few tokens to count
     found = diagnose(sig, n_tokens=1024, by_lag=flat, noise_floor=1e-6)
-    assert found.cause == "unclear" and found.evidence["lag_growth"] == pytest.approx(0.31 / 0.3)
+    assert found.cause == "unclear" and found.numbers["lag_growth"] == pytest.approx(0.31 / 0.3)
 
 
 def test_a_gap_that_grows_step_after_step_since_the_last_sync_is_stale() -> None:
@@ -84,7 +86,7 @@ def test_a_gap_that_grows_step_after_step_since_the_last_sync_is_stale() -> None
     assert diagnose(sig, n_tokens=1024).cause == "unclear"
     growing = (1e-6, 0.1 * gap, 0.3 * gap, 0.6 * gap)  # in sync, then further apart each step
     found = diagnose(sig, n_tokens=1024, trend=growing)
-    assert found.cause == "stale" and found.evidence["steps_growing"] == 4.0
+    assert found.cause == "stale" and found.numbers["steps_growing"] == 4.0
     assert "gap growth" in found.message
     assert diagnose(sig, n_tokens=1024, trend=(1e-6, gap, 0.9 * gap, 1.1 * gap)).cause == "unclear"  # a jump
     assert diagnose(sig, n_tokens=1024, trend=(0.1 * gap, 0.3 * gap, 0.6 * gap)).cause == "unclear"  # never in sync
@@ -103,7 +105,7 @@ def test_versions_outrank_the_history_a_growing_gap_at_lag_zero_is_not_stale() -
     assert diagnose(sig, n_tokens=1024, trend=growing, by_lag=no_growth).cause != "stale"
     all_behind = {"0": Lag(0, float("nan")), "2": Lag(1024, 0.3)}  # every datum 2 steps behind
     found = diagnose(sig, n_tokens=1024, by_lag=all_behind)  # no history needed: the versions say it
-    assert found.cause == "stale" and found.evidence["lag"] == 2.0
+    assert found.cause == "stale" and found.numbers["lag"] == 2.0
 
 
 def test_every_datum_behind_is_stale_from_the_first_lagged_step_when_the_gap_is_beyond_noise() -> None:
@@ -130,7 +132,7 @@ def test_per_lag_numbers_and_offsets_merge_through_the_report_defaults() -> None
 
     batch = case("unrelated")
     host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
-    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnosing=True)
+    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnose=True)
     by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3)}
     assert step_report(host, **options).diagnosis.cause == "unrelated"
     assert step_report(host, **options, by_lag=by_lag).diagnosis.cause == "stale"
@@ -143,7 +145,7 @@ def test_token_identity_at_the_level_of_rounding_noise_is_not_staleness() -> Non
            "is_ratio_se": 0.001, "sign_split": 0.5, "shift_ratio": 50.0, "kl_sample_train_k3": 2e-3,
            "relative_gap": 2e-3, "relative_gap_se": 1e-5}
     weak = diagnose(sig | {"token_eta2": 0.08}, n_tokens=1000, noise_floor=1e-5)
-    assert weak.cause == "unclear" and weak.evidence["token_eta2"] == 0.08
+    assert weak.cause == "unclear" and weak.numbers["token_eta2"] == 0.08
     assert diagnose(sig | {"token_eta2": 0.25}, n_tokens=1000, noise_floor=1e-5).cause == "stale"
     # at the level of the run's own noise, token identity is not read at all
     assert diagnose(sig | {"token_eta2": 0.25}, n_tokens=1000, noise_floor=1e-4).cause == "precision"

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
+from loops_callbacks.divergence.monitor import GuardRail
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -67,7 +68,7 @@ def fit(model: TinyPolicy, monitor: KLSampleTrainMonitor, **kwargs: Any) -> Any:
 
 @pytest.mark.parametrize("key", ["training_logprobs", "logprobs"])
 def test_all_nan_logprobs_stop_at_the_first_logged_step_after_the_break(key: str) -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", log_every_n_steps=2)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"), log_every_n_steps=2)
     with pytest.warns(UserWarning, match="cannot be trusted"):
         trainer = fit(BrokenSampler(all_nan(key), from_step=2), monitor)
     assert trainer.global_step == 4  # logged steps are 1, 3, ...; the break came at step 2
@@ -78,7 +79,7 @@ def test_all_nan_logprobs_stop_at_the_first_logged_step_after_the_break(key: str
 
 
 def test_all_nan_logprobs_raise() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="raise"))
     trainer = quiet_trainer(max_steps=8, callbacks=[monitor])
     with pytest.raises(SampleTrainDivergenceError, match=r"(\d+) of \1 action tokens had a non-finite logprob.*at step 0"):
         trainer.fit(BrokenSampler(all_nan("logprobs")))
@@ -86,7 +87,7 @@ def test_all_nan_logprobs_raise() -> None:
 
 
 def test_a_sentinel_sampler_logprob_stops_and_is_named() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     with pytest.warns(UserWarning) as caught:
         trainer = fit(BrokenSampler(sentinel_on_first_action_token, from_step=1), monitor)
     assert trainer.global_step == 2 and "at step 1" in monitor.stop_reason
@@ -100,7 +101,7 @@ def test_a_sentinel_sampler_logprob_stops_and_is_named() -> None:
 
 
 def test_a_sentinel_raises_even_when_patience_would_wait_for_more() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise", patience=2)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="raise", patience=2))
     trainer = quiet_trainer(max_steps=8, callbacks=[monitor])
     with pytest.raises(SampleTrainDivergenceError, match="looks like a sentinel.*at step 1 \\(2 logged step"):
         trainer.fit(BrokenSampler(sentinel_on_first_action_token))
@@ -111,7 +112,7 @@ def test_float64_diffs_that_overflow_make_the_metric_infinite_and_stop() -> None
         out["logprobs"] = out["logprobs"].double()
         out["logprobs"][:, 4:] = -1.7e308  # each diff finite, their sum is not
 
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     with pytest.warns(UserWarning):
         trainer = fit(BrokenSampler(overflow), monitor)
     assert trainer.global_step == 1
@@ -120,13 +121,14 @@ def test_float64_diffs_that_overflow_make_the_metric_infinite_and_stop() -> None
 
 
 def test_v1_may_be_negative_but_not_infinite() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=10.0, kl_metric="kl_sample_train_v1_loops", on_exceed="raise")
+    monitor = KLSampleTrainMonitor(
+        guard_rail=GuardRail(max_kl=10.0, kl_metric="kl_sample_train_v1_loops", on_exceed="raise"))
     fit(TinyPolicy(offset=-0.05), monitor, max_steps=3)  # v1 = -mean(d) < 0 here: healthy
     assert monitor.last_metrics[PREFIX + "kl_sample_train_v1_loops"] < 0 and monitor.stop_reason is None
 
 
 def test_probabilities_passed_as_logprobs_warn_once_and_stop_with_a_hint() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", patience=3)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop", patience=3))
     with pytest.warns(UserWarning) as caught:
         trainer = fit(BrokenSampler(probabilities), monitor)
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
@@ -154,7 +156,7 @@ def all_zero_trainer(out: dict[str, torch.Tensor]) -> None:
     ],
 )
 def test_impossible_inputs_are_the_cause_the_stop_names_not_a_statistical_one(corrupt: Corruption, named: str) -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     with pytest.warns(UserWarning):
         fit(WiderBatches(corrupt), monitor)
     assert monitor.last_metrics[PREFIX + "n_action_tokens"] >= 64  # the statistical rule would have judged it
@@ -165,7 +167,7 @@ def test_impossible_inputs_are_the_cause_the_stop_names_not_a_statistical_one(co
 
 
 def test_without_the_diagnosis_the_stop_still_names_impossible_inputs() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", diagnose=False)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"), diagnose=False)
     with pytest.warns(UserWarning):
         fit(WiderBatches(probabilities), monitor)
     assert monitor.last_diagnosis is None
@@ -174,7 +176,7 @@ def test_without_the_diagnosis_the_stop_still_names_impossible_inputs() -> None:
 
 
 def test_a_share_of_nonfinite_tokens_above_the_bound_exceeds() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     with pytest.warns(UserWarning, match="more than max_nonfinite_fraction = 0.01"):
         trainer = fit(BrokenSampler(nan_share(0.25), from_step=2), monitor)
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
@@ -182,14 +184,14 @@ def test_a_share_of_nonfinite_tokens_above_the_bound_exceeds() -> None:
 
 
 def test_a_share_below_the_bound_is_counted_but_trusted() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise", max_nonfinite_fraction=0.5)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="raise", max_nonfinite_fraction=0.5))
     trainer = fit(BrokenSampler(nan_share(0.1)), monitor, max_steps=3)
     assert trainer.global_step == 3 and monitor.stop_reason is None
     assert monitor.last_metrics[PREFIX + "n_skipped_nonfinite"] > 0
 
 
 def test_nothing_skipped_is_the_healthy_case() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.5, on_exceed="raise", max_nonfinite_fraction=0.0)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.5, on_exceed="raise", max_nonfinite_fraction=0.0))
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="KLSampleTrainMonitor")
         trainer = fit(TinyPolicy(), monitor, max_steps=4)
@@ -198,17 +200,19 @@ def test_nothing_skipped_is_the_healthy_case() -> None:
 
 def test_a_typo_in_kl_metric_fails_at_construction_listing_the_names() -> None:
     with pytest.raises(ValueError, match=r"kl_metric='kl_k3' is not a metric the monitor logs.*'kl_sample_train_k3'"):
-        KLSampleTrainMonitor(max_kl=0.05, kl_metric="kl_k3")
+        KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, kl_metric="kl_k3"))
     with pytest.raises(ValueError, match=r"with the prefix 'div/'"):
-        KLSampleTrainMonitor(max_kl=0.05, prefix="div/", kl_metric="optim/train-sample-div/kl_sample_train_k3")
-    assert KLSampleTrainMonitor(prefix="div/", kl_metric="div/diff_abs_p99").kl_metric == "diff_abs_p99"
+        KLSampleTrainMonitor(
+            guard_rail=GuardRail(max_kl=0.05, kl_metric="optim/train-sample-div/kl_sample_train_k3"), prefix="div/")
+    assert KLSampleTrainMonitor(
+        guard_rail=GuardRail(kl_metric="div/diff_abs_p99"), prefix="div/").guard_rail.kl_metric == "diff_abs_p99"
 
 
 def test_steps_without_action_tokens_are_not_exceedances_but_say_the_monitor_watches_nothing() -> None:
     def no_mask(out: dict[str, torch.Tensor]) -> None:
         out["mask"] = torch.zeros_like(out["logprobs"])  # the returned dict is read before the batch
 
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="raise"))
     with pytest.warns(UserWarning, match="watching nothing") as caught:
         trainer = fit(BrokenSampler(no_mask), monitor, max_steps=6)
     assert trainer.global_step == 6 and monitor.stop_reason is None
@@ -226,7 +230,7 @@ def test_the_stop_is_visible_in_tensorboard_at_its_step(tmp_path: Any) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     with pytest.warns(UserWarning):
         fit(BrokenSampler(all_nan("logprobs"), from_step=1), monitor, logger=logger)
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0}).Reload()
@@ -236,6 +240,6 @@ def test_the_stop_is_visible_in_tensorboard_at_its_step(tmp_path: Any) -> None:
 
 
 def test_the_patience_counter_resets_after_a_trusted_step_below_the_bound() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", patience=2)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop", patience=2))
     fit(BrokenSampler(sentinel_on_first_action_token, from_step=5), monitor, max_steps=5, logger=RecordingLogger())
     assert monitor.exceeded_steps == 0 and monitor.stop_reason is None

@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from loops_callbacks import KLSampleTrainMonitor
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -23,14 +24,14 @@ class DropoutPolicy(TinyPolicy):
 
 
 def test_live_dropout_in_the_module_is_named_by_the_monitor() -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     quiet_trainer(max_steps=2, callbacks=[monitor]).fit(DropoutPolicy())
     assert monitor.last_diagnosis.cause == "dropout"
     assert "1 Dropout module with p = 0.1" in monitor.last_diagnosis.message
 
 
 def test_without_dropout_the_statistical_cause_stays() -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     quiet_trainer(max_steps=2, callbacks=[monitor]).fit(TinyPolicy(offset=0.3))
     assert monitor.last_diagnosis.cause != "dropout"
 
@@ -46,7 +47,7 @@ def test_each_report_gets_the_evidence_and_the_relative_gaps_of_the_previous_log
         return real(host, **options)
 
     monkeypatch.setattr(monitor_module, "step_report", spy)
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     history = []
 
     class Gap(Callback):

@@ -19,6 +19,7 @@ from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.shadow import shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.metrics import stratum_scalars
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -81,7 +82,7 @@ def assert_close(got: dict[str, float], want: dict[str, float]) -> None:
 
 def test_strata_of_each_accumulation_window_and_one_pooled_groups_warning() -> None:
     model, logger = VersionedPolicy(), RecordingLogger()
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False, max_groups=MAX_GROUPS))
     trainer = quiet_trainer(max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[monitor])
     pooled = r"'group' >= max_groups = 2 \(or negative\) are pooled in the stratum 'group_other'"
     with pytest.warns(UserWarning, match=pooled) as seen:
@@ -111,7 +112,7 @@ class MislabelledPolicy(TinyPolicy):
 
 def test_per_datum_keys_the_strata_cannot_use_never_stop_training() -> None:
     logger = RecordingLogger()
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=MAX_GROUPS)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False, max_groups=MAX_GROUPS))
     trainer = quiet_trainer(max_steps=4, logger=logger, callbacks=[monitor])
     with pytest.warns(UserWarning) as seen:
         trainer.fit(MislabelledPolicy())
@@ -138,7 +139,8 @@ def test_on_an_accelerator_the_keys_are_used_unread_and_what_they_hide_is_said_a
 
     monkeypatch.setattr(per_datum, "_on_accelerator", lambda values: True)
     logger = RecordingLogger()
-    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(
+        media=MediaOptions(log_worst_tokens=False))])
     with pytest.warns(UserWarning) as seen:
         trainer.fit(OnDevice())
     messages = [str(w.message) for w in seen]
@@ -156,7 +158,8 @@ def test_a_policy_version_on_the_meta_device_never_stops_training() -> None:
             return {**super().training_step(batch, batch_idx), "policy_version": versions}
 
     logger = RecordingLogger()
-    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(
+        media=MediaOptions(log_worst_tokens=False))])
     with pytest.warns(UserWarning, match="'policy_version' cannot be read from the meta device") as seen:
         trainer.fit(OnMeta())
     assert trainer.global_step == 2 and sum("meta device" in str(w.message) for w in seen) == 1
@@ -166,7 +169,7 @@ def test_a_policy_version_on_the_meta_device_never_stops_training() -> None:
 
 def test_strata_off_logs_nothing_more() -> None:
     logger = RecordingLogger()
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_strata=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False, log_strata=False))
     quiet_trainer(max_steps=2, logger=logger, callbacks=[monitor]).fit(VersionedPolicy())
     assert logger.calls and not any("/stratum/" in key for _, metrics in logger.calls for key in metrics)
 
@@ -176,7 +179,8 @@ def test_shadow_metrics_of_each_accumulation_window_and_nothing_else_changes() -
     for corrections in ([], CORRECTIONS):
         torch.manual_seed(0)  # the same policy in both runs
         model, logger = VersionedPolicy(), RecordingLogger()
-        monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_histogram=False, corrections=corrections)
+        monitor = KLSampleTrainMonitor(
+            media=MediaOptions(log_worst_tokens=False, log_histogram=False), corrections=corrections)
         quiet_trainer(max_steps=3, accumulate_grad_batches=2, logger=logger, callbacks=[monitor]).fit(model)
         runs[len(corrections)] = model, logger.calls
     model, calls = runs[len(CORRECTIONS)]
@@ -194,7 +198,7 @@ def test_shadow_metrics_of_each_accumulation_window_and_nothing_else_changes() -
 def test_strata_and_shadow_scalars_are_in_callback_metrics_for_early_stopping() -> None:
     """What the loggers get beside the metrics is also in ``trainer.callback_metrics`` (every rank)."""
     logger = RecordingLogger()
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, corrections=CORRECTIONS[:2])
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False), corrections=CORRECTIONS[:2])
     trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[monitor])
     trainer.fit(VersionedPolicy())
     last = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m][-1]
@@ -213,7 +217,8 @@ def test_a_stratum_not_logged_at_a_step_leaves_callback_metrics() -> None:
             return {**super().training_step(batch, batch_idx), "group": [self.global_step % 2] * len(batch["mask"])}
 
     logger = RecordingLogger()
-    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False)])
+    trainer = quiet_trainer(max_steps=2, logger=logger, callbacks=[KLSampleTrainMonitor(
+        media=MediaOptions(log_worst_tokens=False))])
     trainer.fit(OneGroupPerStep())
     first, last = [m for _, m in logger.calls if PREFIX + "stratum/pos_q1/k3" in m]
     assert PREFIX + "stratum/group_0/k3" in first and PREFIX + "stratum/group_0/k3" not in last

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.rl import RLPolicyModule
-from loops_callbacks.divergence.diagnosis import CAUSES
+from loops_callbacks.divergence.causes import CAUSES
 from loops_callbacks.divergence.history import Verdict
+from loops_callbacks.divergence.monitor import GuardRail, MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -59,7 +60,7 @@ def test_the_summary_counts_steps_per_cause_and_keeps_the_last_step_with_action_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     recording, tensorboard = RecordingLogger(), TensorBoardLogger(str(tmp_path), name="tb")
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="warn")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="warn"))
     trainer = quiet_trainer(max_steps=6, logger=[recording, tensorboard], callbacks=[monitor])
     with pytest.warns(UserWarning):
         trainer.fit(Scripted(probabilities_from=2, empty_from=5))
@@ -94,7 +95,7 @@ class Validated(Scripted):
 
 
 def test_a_stop_is_the_last_line_with_its_step_and_reason() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop", log_every_n_steps=1)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"), log_every_n_steps=1)
     trainer, model = quiet_trainer(max_steps=8, callbacks=[monitor], limit_val_batches=0), Validated(nan_from=2)
     with pytest.warns(UserWarning):
         trainer.fit(model)
@@ -109,7 +110,7 @@ def test_a_raise_is_recorded_and_the_summary_is_logged_on_the_way_out(tmp_path: 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tensorboard = TensorBoardLogger(str(tmp_path), name="tb")
-    monitor = KLSampleTrainMonitor(max_kl=0.05, on_exceed="raise")
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="raise"))
     with pytest.raises(SampleTrainDivergenceError) as raised:
         quiet_trainer(max_steps=8, logger=tensorboard, callbacks=[monitor]).fit(Scripted(nan_from=1))
     assert monitor.verdict is Verdict.RAISED and monitor.verdict_step == 1 and monitor.stop_reason is None
@@ -125,7 +126,7 @@ def test_a_raise_is_recorded_and_the_summary_is_logged_on_the_way_out(tmp_path: 
     (0.5, Verdict.NO_EXCEEDANCE, "Guard rail: no exceedance (kl_sample_train_k3 <= 0.5 on every judged step)"),
 ])
 def test_a_healthy_run_says_so_last(max_kl: float | None, verdict: Verdict, last: str) -> None:
-    monitor = KLSampleTrainMonitor(max_kl=max_kl)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=max_kl))
     quiet_trainer(max_steps=2, callbacks=[monitor]).fit(Scripted())
     assert monitor.verdict is verdict and monitor.verdict_step is None and monitor.summary_lines()[-1] == last
 
@@ -143,7 +144,7 @@ class PatienceProbe(pl.Callback):
 
 
 def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_path: Any) -> None:
-    stopping = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    stopping = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     first = quiet_trainer(max_steps=8, callbacks=[stopping], default_root_dir=str(tmp_path))
     with pytest.warns(UserWarning):
         first.fit(Scripted(nan_from=1))
@@ -151,7 +152,7 @@ def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_pat
     checkpoint = str(tmp_path / "stopped.ckpt")
     first.save_checkpoint(checkpoint)
 
-    resumed = KLSampleTrainMonitor(max_kl=0.05, on_exceed="stop")
+    resumed = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     probe = PatienceProbe(resumed)
     second = quiet_trainer(max_steps=4, callbacks=[resumed, probe], default_root_dir=str(tmp_path))
     with warnings.catch_warnings():
@@ -166,7 +167,7 @@ def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_pat
 
 
 def test_a_run_shorter_than_the_logging_interval_judges_its_last_step() -> None:
-    recording, monitor = RecordingLogger(), KLSampleTrainMonitor(max_kl=0.05, on_exceed="warn")
+    recording, monitor = RecordingLogger(), KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="warn"))
     trainer = quiet_trainer(max_steps=3, log_every_n_steps=50, logger=recording, callbacks=[monitor])
     with pytest.warns(UserWarning, match="exceeded max_kl = 0.05"):
         trainer.fit(TinyPolicy(offset=5.0))  # the sampler 5 nats off
@@ -188,7 +189,7 @@ class StopsAtOnce(pl.Callback):
      "no step was logged: the fit ended at optimizer step 1, before its first logged step (log_every_n_steps = 50)"),
 ], ids=["no action tokens", "stopped before the first logged step"])
 def test_a_run_that_judged_nothing_says_so_never_no_exceedance(model: Any, callbacks: list[Any], why: str) -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05, log_every_n_steps=1 if not callbacks else 50)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05), log_every_n_steps=1 if not callbacks else 50)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quiet_trainer(max_steps=2, callbacks=[monitor, *callbacks]).fit(model)
@@ -214,7 +215,8 @@ def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: An
     def fit(max_steps: int, ckpt_path: Any = None) -> tuple[pl.Trainer, KLSampleTrainMonitor, list[tuple[int, str]]]:
         torch.manual_seed(0)
         logger = RecordingLogger()
-        monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_histogram=False, calibration_steps=3)
+        monitor = KLSampleTrainMonitor(
+            media=MediaOptions(log_worst_tokens=False, log_histogram=False), calibration_steps=3)
         trainer = quiet_trainer(max_steps=max_steps, logger=logger, callbacks=[monitor])
         module = StepSeeded(sampler_precision="bfloat16", sampler_temperature=1.05, faults_from_step=4)
         with warnings.catch_warnings():
@@ -237,17 +239,17 @@ def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: An
 
 
 def test_a_checkpoint_of_an_older_version_still_loads() -> None:
-    monitor = KLSampleTrainMonitor(max_kl=0.05)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05))
     monitor.load_state_dict({"exceeded_steps": 2, "stop_reason": "an older version saved it"})
     assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_gaps
 
 
 def test_a_resumed_fit_that_logs_nothing_says_so_and_not_that_the_run_watched_nothing(tmp_path: Any) -> None:
-    first = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(max_kl=0.5)])
+    first = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.5))])
     first.fit(Scripted())
     checkpoint = str(tmp_path / "two.ckpt")
     first.save_checkpoint(checkpoint)
-    resumed = KLSampleTrainMonitor(max_kl=0.5, log_every_n_steps=50)
+    resumed = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.5), log_every_n_steps=50)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="KLSampleTrainMonitor")
         quiet_trainer(max_steps=10, callbacks=[resumed, StopsAtOnce()]).fit(Scripted(), ckpt_path=checkpoint)

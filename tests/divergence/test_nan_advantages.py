@@ -23,6 +23,7 @@ from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import statistics
 from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, WarningsDuringFit, quiet_trainer
 
 NAN = float("nan")
@@ -169,7 +170,7 @@ def expected_message(window: list[dict[str, Any]], step: int) -> str:
 
 def test_the_monitor_says_a_window_of_micro_batches_once_per_run(tmp_path: Any) -> None:
     policy = NanOnRank(str(tmp_path))
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[monitor])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

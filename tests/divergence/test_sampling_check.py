@@ -19,6 +19,7 @@ from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.metrics import sampling_metrics, scalar_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, assert_totals_equal, quiet_trainer, reduce_in_threads
 from tests.oracle import PREFIX
 
@@ -165,14 +166,14 @@ class DrawingPolicy(pl.LightningModule):
 
 
 def test_the_monitor_names_draws_at_another_temperature_and_logs_the_check() -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     quiet_trainer(max_steps=3, callbacks=[monitor]).fit(DrawingPolicy(0.7))
     found = monitor.last_diagnosis
     assert found.cause == "sampling" and "drawn sharper: effective temperature ≈ 0.7" in found.message, found.message
     assert not found.is_observation  # inferred from what was sampled, not said by the engine
     assert "logprobs_mode='processed_logprobs'" in found.message
     assert monitor.last_metrics[PREFIX + "sampling_z"] > 20 and PREFIX + "sampling_temperature" in monitor.last_metrics
-    honest = KLSampleTrainMonitor(log_worst_tokens=False)
+    honest = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     quiet_trainer(max_steps=3, callbacks=[honest]).fit(DrawingPolicy(1.0))
     assert honest.last_diagnosis.cause == "none" and abs(honest.last_metrics[PREFIX + "sampling_z"]) < 4
 
@@ -197,23 +198,23 @@ def test_a_prefix_cache_kept_across_a_weight_reload_is_named_from_the_engines_ac
 
 
 def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_sampling_z=6.0), media=MediaOptions(log_worst_tokens=False))
     trainer = quiet_trainer(max_steps=3, callbacks=[monitor])
     trainer.fit(DrawingPolicy(0.7))
     assert trainer.should_stop and "sampling_z" in monitor.stop_reason and "exceeded max_sampling_z = 6" in (
         monitor.stop_reason
     )
     assert "drawn sharper" in monitor.stop_reason and "(a hint, confidence" in monitor.stop_reason  # inferred
-    told = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    told = KLSampleTrainMonitor(guard_rail=GuardRail(max_sampling_z=6.0), media=MediaOptions(log_worst_tokens=False))
     facts = SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=0.7)
     quiet_trainer(max_steps=3, callbacks=[told]).fit(DrawingPolicy(0.7, facts))
     assert told.last_diagnosis.is_observation and told.stop_reason.endswith("(observed)."), told.stop_reason
-    missing = KLSampleTrainMonitor(log_worst_tokens=False, max_sampling_z=6.0)
+    missing = KLSampleTrainMonitor(guard_rail=GuardRail(max_sampling_z=6.0), media=MediaOptions(log_worst_tokens=False))
     with pytest.warns(UserWarning, match="max_sampling_z = 6 is set but the step has no 'training_entropy'"):
         quiet_trainer(max_steps=2, callbacks=[missing]).fit(TinyPolicy())
     assert not missing.stop_reason and "|sampling_z| <= 6" in missing.summary_lines()[-1]
     with pytest.raises(ValueError, match="max_sampling_z"):
-        KLSampleTrainMonitor(max_sampling_z=-1.0)
+        KLSampleTrainMonitor(guard_rail=GuardRail(max_sampling_z=-1.0))
 
 
 def test_an_engine_that_says_it_computes_in_float32_has_a_float32_prior() -> None:
@@ -242,7 +243,7 @@ def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
                 out = {k: v for k, v in out.items() if not k.startswith("training_") or k == "training_logprobs"}
             return out
 
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_every_n_steps=2)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False), log_every_n_steps=2)
     quiet_trainer(max_steps=4, callbacks=[monitor]).fit(OnLoggedSteps(0.7))
     assert asked == [False, True, False, True] and monitor.last_diagnosis.cause == "sampling"
     scored = token_logprobs(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), with_entropy=True)
@@ -250,7 +251,7 @@ def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
 
 
 def test_an_effective_temperature_is_said_only_where_the_first_order_estimate_means_one() -> None:
-    from loops_callbacks.divergence.diagnosis import Diagnosis
+    from loops_callbacks.divergence.causes import Diagnosis
 
     far = Diagnosis("sampling", 0.9, {"sampling_z": -2e5, "sampling_temperature": 2e5}).message
     assert "drawn flatter)" in far and "effective temperature" not in far

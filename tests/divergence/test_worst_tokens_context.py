@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from loops_callbacks import KLSampleTrainMonitor, loops_log_kl_sample_train
 from loops_callbacks.divergence.sinks import worst_tokens_markdown
 from loops_callbacks.types import Datum, ModelInput
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests import oracle
 from tests.helpers import LENGTH, TinyPolicy, quiet_trainer
 
@@ -84,7 +85,8 @@ def test_the_monitors_table_shows_model_input_at_the_last_position_and_with_shif
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     model = policy()
     top_n = 4 * LENGTH  # every action token of the step
-    trainer = quiet_trainer(max_steps=1, logger=logger, callbacks=[KLSampleTrainMonitor(top_n=top_n)])
+    trainer = quiet_trainer(max_steps=1, logger=logger, callbacks=[KLSampleTrainMonitor(
+        media=MediaOptions(top_n=top_n))])
     trainer.fit(model)
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0}).Reload()
     [tag] = [t for t in events.Tags()["tensors"] if t.startswith(P + "worst_tokens")]

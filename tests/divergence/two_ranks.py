@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.reduction import ProcessGroupCollectives, reduce_across_ranks
+from loops_callbacks.divergence.monitor import MediaOptions
 from tests.divergence import test_callback_ddp, test_correction_shadow, test_divergence_reduction
 from tests.divergence import test_monitor_strata, test_nan_advantages
 from tests.helpers import TinyPolicy, quiet_trainer, stats_of
@@ -30,27 +31,30 @@ def _trainer(**kwargs: Any) -> Any:
 
 
 def global_batch(rank: int, out: Path) -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     _trainer(max_steps=3, accumulate_grad_batches=2, logger=CSVLogger(str(out), name="csv", version=0),
              callbacks=[monitor, test_callback_ddp.MetricsPerRank(monitor, str(out))]
              ).fit(test_callback_ddp.RecordingPolicy(str(out)))
 
 
 def strata_and_shadow(rank: int, out: Path) -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, max_groups=test_monitor_strata.MAX_GROUPS,
-                                   corrections=test_monitor_strata.CORRECTIONS)
+    monitor = KLSampleTrainMonitor(
+        media=MediaOptions(log_worst_tokens=False, max_groups=test_monitor_strata.MAX_GROUPS),
+        corrections=test_monitor_strata.CORRECTIONS,
+    )
     _trainer(max_steps=2, accumulate_grad_batches=2, logger=CSVLogger(str(out), name="csv", version=0),
              callbacks=[monitor]).fit(test_monitor_strata.VersionedPolicy(str(out)))
 
 
 def nan_on_rank_one(rank: int, out: Path) -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))
     _trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[monitor, test_nan_advantages.WarningsPerRank(str(out))]
              ).fit(test_nan_advantages.NanOnRank(str(out), nan_rank=1))
 
 
 def no_advantages_on_rank_one(rank: int, out: Path) -> None:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, diagnose=False, corrections=["off_policy_mask:100"])
+    monitor = KLSampleTrainMonitor(
+        media=MediaOptions(log_worst_tokens=False), diagnose=False, corrections=["off_policy_mask:100"])
     _trainer(max_steps=1, callbacks=[monitor, test_correction_shadow.SaidPerRank(str(out))]
              ).fit(test_correction_shadow.NoAdvantagesOnRankOne(str(out)))
 
@@ -82,7 +86,9 @@ def run_scenarios(rank: int, port: int, out: str) -> None:
             (Path(out) / name).mkdir(exist_ok=True)
             scenario(rank, Path(out) / name)
         differing = {name: values[rank] for name, values in test_callback_ddp.DIFFERING.items()}
-        trainer = _trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(log_worst_tokens=False, **differing)])
+        media = MediaOptions(log_worst_tokens=False, max_groups=differing.pop("max_groups"),
+                             log_strata=differing.pop("log_strata"))
+        trainer = _trainer(max_steps=2, callbacks=[KLSampleTrainMonitor(media=media, **differing)])
         try:
             trainer.fit(TinyPolicy())
         except Exception as error:  # noqa: BLE001 - the test reads it

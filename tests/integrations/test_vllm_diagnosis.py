@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 vllm = pytest.importorskip("vllm")
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs  # noqa: E402
+from loops_callbacks.divergence.monitor import MediaOptions  # noqa: E402
 from loops_callbacks.integrations import vllm as integration  # noqa: E402
 from loops_callbacks.integrations.vllm import rollouts as vllm_rollouts  # noqa: E402
 from loops_callbacks.integrations.vllm import VLLMWeightSync, generate_rollouts  # noqa: E402
@@ -55,7 +56,7 @@ class Replay(LightningModule):
 
 
 def monitored(model: Any, steps: list[dict[str, Any]]) -> KLSampleTrainMonitor:
-    monitor = KLSampleTrainMonitor(log_worst_tokens=False, log_histogram=False)
+    monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False, log_histogram=False))
     quiet_trainer(max_steps=len(steps), callbacks=[monitor]).fit(Replay(model, steps))
     return monitor
 
