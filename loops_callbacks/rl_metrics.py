@@ -92,8 +92,8 @@ def _report(
 
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
     """
-    flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnosing=False)
-    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, diagnosing=False).to_host()
+    flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnose=False)
+    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, diagnose=False).to_host()
     for message in impossible_inputs(host).values():
         logger.warning("%s", message)
     report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(), diagnose=False, tokenizer=tokenizer)

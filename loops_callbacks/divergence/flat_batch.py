@@ -128,13 +128,13 @@ def flatten_datums(
     training_logprobs: Sequence[Any] | torch.Tensor,
     *,
     with_tokens: bool = False,
-    diagnosing: bool = True,
+    diagnose: bool = True,
     advantages_key: str = "advantages",
 ) -> FlatBatch:
     """Flatten Loops / Tinker datums and the trainer's per-datum logprobs (module docstring).
 
     ``training_logprobs``: one row per datum (tensors, arrays, lists or ``TensorData``), or one
-    right-padded ``[B, T]`` tensor; ``diagnosing`` reads what the diagnosis needs (the predicted ids, ``FlatBatch.token_ids``);
+    right-padded ``[B, T]`` tensor; ``diagnose`` reads what the diagnosis needs (the predicted ids, ``FlatBatch.token_ids``);
     ``advantages_key`` names the ``loss_fn_inputs`` field of the advantages.
     """
     if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Sequence):
@@ -199,7 +199,7 @@ def flatten_datums(
                 f"datum {i}: loss_fn_inputs['target_tokens'] has length "
                 f"{field_length(target, where='')}, but loss_fn_inputs['logprobs'] has {length}"
             )
-        if diagnosing:
+        if diagnose:
             token_rows.append(_predicted_ids(target, model_input, length, where=f"datum {i}"))
         samplers.append(sampler)
         masks.append(mask)
@@ -215,7 +215,7 @@ def flatten_datums(
     return _build(
         _cat(samplers).to(device), trainer.to(device), _cat(masks).to(device), advantage, row_lengths.to(device),
         tokens=DatumTokens(data) if with_tokens else None,
-        token_ids=_cat(token_rows).to(device, torch.int64) if diagnosing else None,
+        token_ids=_cat(token_rows).to(device, torch.int64) if diagnose else None,
     )
 
 

@@ -72,8 +72,7 @@ def read_step(
     keys: Mapping[str, str],
     *,
     with_tokens: bool = False,
-    diagnosing: bool = True,
-    with_token_ids: bool | None = None,
+    diagnose: bool = True,
     optimizer_step: int | None = None,
     max_groups: int = per_datum.DEFAULT_MAX_GROUPS,
     datum_advantages: bool = False,
@@ -82,8 +81,7 @@ def read_step(
     """The step's positions, in either contract form (module docstring).
 
     ``keys`` maps every name of ``DATA_KEYS`` to its key (``data_keys``); ``with_tokens`` keeps the
-    worst tokens' look-up, ``diagnosing`` what the diagnosis needs (the predicted ids it groups by;
-    ``with_token_ids``: its former name). With
+    worst tokens' look-up, ``diagnose`` what the diagnosis needs (the predicted ids it groups by). With
     ``optimizer_step`` (the caller keeps strata) the policy versions become lags and the groups ids
     (``max_groups``: the index of ``group_other``); ``datum_advantages`` reads one advantage per datum
     (for a correction that needs them). What these per-datum keys hold that cannot be used is a
@@ -102,7 +100,7 @@ def read_step(
                 "return the batch's sampler 'logprobs' and 'mask' as [B, T] tensors to check what was sampled"
             )
         flat = flatten_datums(data, step.trainer_logprobs(datums=True), with_tokens=with_tokens,
-                              diagnosing=diagnosing if with_token_ids is None else with_token_ids,
+                              diagnose=diagnose,
                               advantages_key=keys["advantages"])
     else:
         missing = [keys[name] for name in ("logprobs", "mask") if step.get(name) is None]

@@ -202,7 +202,7 @@ class KLSampleTrainMonitor(Callback):
         if not logged and self._contract_checked:
             return
         flat = read_step(
-            outputs, batch, self.keys, with_tokens=self.media.rows > 0, with_token_ids=self.diagnose,
+            outputs, batch, self.keys, with_tokens=self.media.rows > 0, diagnose=self.diagnose,
             optimizer_step=step if self.media.log_strata else None, max_groups=self.media.max_groups,
             datum_advantages=any(c.spec.needs_advantages for c in self.corrections), warnings=self.warnings,
         )
@@ -212,7 +212,7 @@ class KLSampleTrainMonitor(Callback):
         facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # this rank's engine's own account
         stats = DivergenceStats.from_batch(
             flat, top_n=self.media.rows, sample_size=self.sample_size,
-            generator=self._generator(flat.device, trainer.global_rank), signatures=self.diagnose,
+            generator=self._generator(flat.device, trainer.global_rank), diagnose=self.diagnose,
             max_groups=self.media.max_groups if self.media.log_strata else None, corrections=self.corrections,
             rank=trainer.global_rank,
         )

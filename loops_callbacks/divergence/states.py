@@ -6,7 +6,7 @@ name, is in ``sums``. Merging micro-batches, the one host transfer and the reduc
 follow from the declarations (``statistics``, ``reduction``): every sum is added, every maximum
 maxed; the two tables that merge their own way keep their order here (``ranked_rows``: the worst
 tokens, ``by_group``: the groups). A monitor's declarations follow its options (``statistics.layout_of``):
-the diagnosis' sums when ``diagnosing``, the strata with ``max_groups``, the shadow statistics of its corrections.
+the diagnosis' sums when ``diagnose``, the strata with ``max_groups``, the shadow statistics of its corrections.
 
 Example:
     >>> layout = Layout(MAIN, max_groups=None, corrections=())
@@ -100,7 +100,7 @@ SIGNATURES = (
     State("token_sums", "sum", (3, TOKEN_BUCKETS)),  # per hashed token id: count, sum d, sum d²
     State("offset_sums", "sum", (OFFSET_SIZE,)),  # the rows' votes for an offset (``alignment``)
 )
-"""The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnosing``."""
+"""The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnose``."""
 STRATA = (State("strata", "sum", (len(COLUMNS), len(STRATUM_NAMES))),)
 """The divergence by stratum, kept with ``max_groups`` (and the groups' table, merged its own way)."""
 

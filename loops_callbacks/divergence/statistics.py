@@ -43,13 +43,13 @@ CHUNK_POSITIONS = 1 << 18
 
 
 @functools.lru_cache(maxsize=64)
-def layout_of(diagnosing: bool = True, max_groups: int | None = None, corrections: tuple[Correction, ...] = ()
+def layout_of(diagnose: bool = True, max_groups: int | None = None, corrections: tuple[Correction, ...] = ()
               ) -> Layout:
-    """The states a monitor with these options keeps: every step's, the diagnosis' sums when ``diagnosing``,
+    """The states a monitor with these options keeps: every step's, the diagnosis' sums when ``diagnose``,
     the strata with ``max_groups``, the shadow statistics of ``corrections``; made once per set of options."""
     if max_groups is not None:
         check_int("max_groups", max_groups, least=1)
-    states = MAIN + (SIGNATURES if diagnosing else ()) + (STRATA if max_groups is not None else ())
+    states = MAIN + (SIGNATURES if diagnose else ()) + (STRATA if max_groups is not None else ())
     return Layout(states + shadow_statistics(corrections), max_groups, corrections)
 
 
@@ -75,24 +75,21 @@ class DivergenceStats:
         top_n: int = 0,
         sample_size: int | None = None,
         generator: torch.Generator | None = None,
-        diagnosing: bool = True,
-        signatures: bool | None = None,
+        diagnose: bool = True,
         max_groups: int | None = None,
         corrections: Sequence[str | Correction] = (),
         rank: int = 0,
     ) -> DivergenceStats:
         """Read one flattened batch: ``top_n`` worst rows (with token ids when ``flat.tokens`` is set), a
         sample of at most ``sample_size`` diffs (``generator`` draws its keys), and the states ``layout_of``
-        declares (``diagnosing=False``: none of the diagnosis' sums, as the plain SDK functions need none;
-        ``signatures``: its former name;
+        declares (``diagnose=False``: none of the diagnosis' sums, as the plain SDK functions need none;
         ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``: their shadow statistics,
         with this process's ``rank`` where advantages could not be read). On the CPU a batch of more than
         ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay small."""
         check_int("top_n", top_n, least=0)
         if sample_size is not None:
             check_int("sample_size", sample_size, least=1, what=" or None")
-        diagnosing = diagnosing if signatures is None else signatures
-        layout = layout_of(diagnosing, max_groups, parse_corrections(corrections))
+        layout = layout_of(diagnose, max_groups, parse_corrections(corrections))
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:

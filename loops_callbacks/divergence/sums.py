@@ -11,7 +11,7 @@ Example:
     >>> from loops_callbacks.divergence.statistics import layout_of
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(diagnosing=False), 0, None, None, 0)
+    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None, 0)
     >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
     (-0.5, 2, [-0.5, 0.0])
 """

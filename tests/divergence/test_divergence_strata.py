@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from loops_callbacks.divergence import sums
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_padded
 from loops_callbacks.divergence.inputs import data_keys, read_step
-from loops_callbacks.divergence.reduction import reduce_across_ranks
 from loops_callbacks.divergence.states import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows

@@ -68,7 +68,7 @@ def test_a_padded_batch_counts_nan_advantages_on_masked_in_positions_only() -> N
     assert flat.advantage_nan.reshape(3, 8).nonzero().tolist() == [[0, 1], [0, 4], [1, 2]]
     assert int(flat.masked_in.sum()) == 8 and int(flat.counted.sum()) == 8 - 3 - 1  # NaN and zero are not counted
     assert totals(flat) == (3.0, 8.0)
-    assert totals(flat, diagnosing=False) == (3.0, 8.0)  # the plain functions' statistics count them too
+    assert totals(flat, diagnose=False) == (3.0, 8.0)  # the plain functions' statistics count them too
     for name, value in batch.items():  # the caller's tensors are not written
         assert torch.equal(value.isnan(), kept[name].isnan())
         assert torch.equal(value.nan_to_num(), kept[name].nan_to_num())
