@@ -57,15 +57,7 @@ from loops_callbacks.data.tokenizer import load_tokenizer, tokenize_preferences
 from loops_callbacks.types import Datum
 from loops_callbacks.validation import check_int
 
-__all__ = [
-    "PreferenceDataWarning",
-    "TokenizationReport",
-    "apply_length_limits",
-    "check_limits",
-    "preference_pairs",
-    "read_dpo_jsonl",
-    "tokenize_records",
-]
+__all__ = ["PreferenceDataWarning", "TokenizationReport", "preference_pairs", "read_dpo_jsonl"]
 
 class PreferenceDataWarning(UserWarning):
     """Preference pairs were truncated or dropped by the length limits, or hold something rarely right.
@@ -112,39 +104,31 @@ class TokenizationReport:
         """One message for everything worth a warning, or ``None``."""
         parts = []
         if self.prompt_not_prefix:
-            parts.append(
-                f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
-                "prompt+completion, usually because the chat template renders the prompt alone differently or "
-                "because tokens merge across the boundary; their completion starts where the two diverge, and the "
-                f"rest of the prompt is left out of the training sequence (first: {self.examples['prompt_not_prefix']}). "
-                "The model is trained on a context that differs from the one it sees at inference: use a chat template "
-                "that renders the prompt the same way in both cases, or end the prompt on a token boundary"
-            )
-        for event, text in (
-            ("prompt_truncated", "had their prompt cut to its last max_prompt_length tokens"),
-            ("truncated", "had a sequence cut to its first max_length tokens"),
-            ("dropped_prompt_fills_max_length", "were dropped: their prompt alone fills max_length"),
-            ("dropped_empty_completion", "were dropped: no completion token left in the chosen or rejected sequence"),
-            (
-                "identical",
-                "have the same chosen and rejected sequence, so they give no gradient and only cost compute: "
-                "remove them",
-            ),
-            (
-                "unusual_role",
-                f"have a message role outside {sorted(USUAL_ROLES)}, which the chat template renders as is: "
-                "check for a typo",
-            ),
-            (
-                "completion_not_assistant",
-                "have a chosen or rejected completion that does not start with an assistant turn, so that turn's "
-                "role header is trained as completion",
-            ),
-        ):
+            parts.append(f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
+                         "prompt+completion, usually because the chat template renders the prompt alone differently or "
+                         "because tokens merge across the boundary; their completion starts where the two diverge, and "
+                         "the rest of the prompt is left out of the training sequence (first: "
+                         f"{self.examples['prompt_not_prefix']}). The model is trained on a context that differs from "
+                         "the one it sees at inference: use a chat template that renders the prompt the same way in both "
+                         "cases, or end the prompt on a token boundary")
+        for event, text in _EVENTS.items():
             count = getattr(self, event)
             if count:
                 parts.append(f"{count} of {self.num_records} pair(s) {text} (first: {self.examples[event]})")
         return "; ".join(parts) + "." if parts else None
+
+
+_EVENTS = {  # what the warning says of each event counted in a TokenizationReport
+    "prompt_truncated": "had their prompt cut to its last max_prompt_length tokens",
+    "truncated": "had a sequence cut to its first max_length tokens",
+    "dropped_prompt_fills_max_length": "were dropped: their prompt alone fills max_length",
+    "dropped_empty_completion": "were dropped: no completion token left in the chosen or rejected sequence",
+    "identical": "have the same chosen and rejected sequence, so they give no gradient and only cost compute: remove them",
+    "unusual_role": f"have a message role outside {sorted(USUAL_ROLES)}, which the chat template renders as is: check "
+                    "for a typo",
+    "completion_not_assistant": "have a chosen or rejected completion that does not start with an assistant turn, so "
+                                "that turn's role header is trained as completion",
+}
 
 
 def apply_length_limits(
