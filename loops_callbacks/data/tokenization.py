@@ -131,14 +131,8 @@ _EVENTS = {  # what the warning says of each event counted in a TokenizationRepo
 }
 
 
-def apply_length_limits(
-    chosen: list[int],
-    rejected: list[int],
-    prompt_length: int,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> tuple[list[int], list[int], int, list[str]]:
+def apply_length_limits(chosen: list[int], rejected: list[int], prompt_length: int, *, max_length: int | None = None,
+                        max_prompt_length: int | None = None) -> tuple[list[int], list[int], int, list[str]]:
     """The pair within the limits, and what happened (events of ``TokenizationReport``; a ``dropped_*`` one means drop it).
 
     ``max_prompt_length`` keeps the last tokens of a longer prompt; then ``max_length`` keeps the
@@ -166,15 +160,9 @@ def apply_length_limits(
     return chosen, rejected, prompt_length, events
 
 
-def preference_pairs(
-    source: Any,
-    tokenizer: Any = None,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    progress: bool = True,
-    warn: bool = True,
-) -> tuple[PackedPairs, TokenizationReport]:
+def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | None = None,
+                     max_prompt_length: int | None = None, progress: bool = True, warn: bool = True
+                     ) -> tuple[PackedPairs, TokenizationReport]:
     """Interleaved DPO pairs (chosen at even indices, rejected at odd) from preference records, packed:
     each sequence's ids, targets and weights go straight into flat arrays (no datum is made).
 
@@ -260,9 +248,9 @@ def tokenize_records(located: Sequence[LocatedRecord], tokenizer: Any, *, max_le
                     _note_prompt_split(report, example.where, prompt_ids, 0, tokenizer)
                     report.note("dropped_empty_completion", example.where)
                     continue
-        chosen, rejected, prompt_length, events = apply_length_limits(
-            chosen, rejected, prompt_length, max_length=max_length, max_prompt_length=max_prompt_length
-        )
+        chosen, rejected, prompt_length, events = apply_length_limits(chosen, rejected, prompt_length,
+                                                                      max_length=max_length,
+                                                                      max_prompt_length=max_prompt_length)
         if split is not None and "dropped_prompt_fills_max_length" not in events:
             _note_prompt_split(report, example.where, prompt_ids, split, tokenizer)
         for event in events:
@@ -305,14 +293,10 @@ def _check_weighted_within_limits(record: Mapping[str, Any], label: str, max_len
     for name in ("chosen", "rejected"):
         length = len(record[name])
         prompt = int(np.flatnonzero(np.asarray(record[f"{name}_weights"]) > 0)[0])
-        if (max_length is not None and length > max_length) or (
-            max_prompt_length is not None and prompt > max_prompt_length
-        ):
-            raise ValueError(
-                f"{label}: the {name} sequence ({length} tokens, {prompt} before the first weighted one) exceeds "
-                f"max_length={max_length} / max_prompt_length={max_prompt_length}, and a record given by per-token "
-                "weights is not truncated: give prompt_length instead, or shorten it"
-            )
+        if length > (max_length or length) or prompt > (max_prompt_length or prompt):
+            raise ValueError(f"{label}: the {name} sequence ({length} tokens, {prompt} before the first weighted one) "
+                             f"exceeds max_length={max_length} / max_prompt_length={max_prompt_length}, and a record "
+                             "given by per-token weights is not truncated: give prompt_length instead, or shorten it")
 
 
 def check_limits(max_length: Any, max_prompt_length: Any, owner: str = "") -> None:

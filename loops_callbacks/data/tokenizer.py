@@ -47,10 +47,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
         return _from_pretrained(transformers.AutoTokenizer, name)
     if callable(tokenizer) and callable(getattr(tokenizer, "apply_chat_template", None)):
         return tokenizer
-    raise TypeError(
-        f"tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
-        f"got {type(tokenizer).__name__}"
-    )
+    raise TypeError("tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
+                    f"got {type(tokenizer).__name__}")
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
@@ -73,10 +71,8 @@ def check_tokenizer_path(name: str, what: str = "tokenizer") -> None:
     if os.path.isdir(name) or (hub_name and not os.path.exists(name)):
         return
     problem = "is a file, not a directory" if os.path.exists(name) else f"does not exist{relative_path_note(name)}"
-    raise ValueError(
-        f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
-        "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'"
-    )
+    raise ValueError(f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
+                     "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'")
 
 
 def _from_pretrained(auto: Any, name: str) -> Any:
@@ -149,37 +145,25 @@ def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> No
     """
     if not example.chat_template_kwargs:
         return
-    reserved = _RESERVED_TEMPLATE_NAMES | {
-        name
-        for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-        if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    }
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.items()
+    reserved = _RESERVED_TEMPLATE_NAMES | {name for name, parameter in parameters
+                                           if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
     special = set(getattr(tokenizer, "special_tokens_map", {}) or {})
     for key in example.chat_template_kwargs:
         if key in reserved:
-            fix = {
-                "chat_template": "; a record cannot replace the chat template: set tokenizer.chat_template",
-                "tools": "; give tools as the record's own 'tools'",
-            }.get(key, "; only template variables (such as enable_thinking) may be set per record")
-            raise ValueError(
-                f"{example.where}: chat_template_kwargs sets {key!r}, an argument of apply_chat_template, not a "
-                f"template variable{fix}"
-            )
+            fix = {"chat_template": "; a record cannot replace the chat template: set tokenizer.chat_template",
+                   "tools": "; give tools as the record's own 'tools'"}.get(
+                key, "; only template variables (such as enable_thinking) may be set per record")
+            raise ValueError(f"{example.where}: chat_template_kwargs sets {key!r}, an argument of apply_chat_template, "
+                             f"not a template variable{fix}")
         if key in special:
-            raise ValueError(
-                f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's special "
-                "token in the template; remove it (set the tokenizer's own special tokens instead)"
-            )
+            raise ValueError(f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's "
+                             "special token in the template; remove it (set the tokenizer's own special tokens instead)")
 
 
-def tokenize_preferences(
-    examples: Sequence[PreferenceExample],
-    tokenizer: Any,
-    *,
-    progress: bool = False,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> list[tuple[list[int], list[int], list[int]]]:
+def tokenize_preferences(examples: Sequence[PreferenceExample], tokenizer: Any, *, progress: bool = False,
+                         max_length: int | None = None, max_prompt_length: int | None = None
+                         ) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, prompt_chosen_ids, prompt_rejected_ids)`` of each text or chat example, as TRL 1.x computes them.
 
     A chat example is rendered with its chat template, then tokenized without special tokens (what
@@ -264,15 +248,9 @@ def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
     else:
         vocabulary = getattr(tokenizer, "get_vocab", None)
         rules = json.dumps(sorted(vocabulary().items())) if callable(vocabulary) else repr(tokenizer)
-    special = {
-        "class": type(tokenizer).__qualname__,
-        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
-        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
-    }
-    parts = {
-        "tokenizer vocabulary and rules": rules,
-        "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
-        "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str),
-    }
+    special = {"class": type(tokenizer).__qualname__, "special_tokens": getattr(tokenizer, "special_tokens_map", None),
+               **{key: getattr(tokenizer, key, None) for key in ("add_bos_token", "add_eos_token")}}
+    parts = {"tokenizer vocabulary and rules": rules,
+             "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
+             "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)}
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
