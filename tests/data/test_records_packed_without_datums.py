@@ -15,7 +15,6 @@ from loops_callbacks.data import (
     PackedPairs,
     ReferenceLogprobsMixin,
     check_dpo_pairs,
-    dpo_pair_datums,
     preference_pairs,
 )
 from loops_callbacks.helpers.datum import attach_reference_logprobs
