@@ -36,22 +36,8 @@ from loops_callbacks.reference.across_ranks import ReferenceCacheError, Referenc
 from loops_callbacks.reference.config import ReferenceConfig
 
 __all__ = [
-    "DPODataModule",
-    "DPOPairDataset",
-    "PackedPairs",
-    "PreferenceDataWarning",
-    "ReferenceCacheError",
-    "ReferenceCacheWarning",
-    "ReferenceConfig",
-    "ReferenceLogprobsMixin",
-    "ReferenceLogprobsReport",
-    "Scoring",
-    "TokenizationReport",
-    "check_dpo_pairs",
-    "collate_dpo_pairs",
-    "dpo_pair_datums",
-    "from_tinker_convention",
-    "preference_pairs",
-    "read_dpo_jsonl",
-    "read_preference_records",
+    "DPODataModule", "DPOPairDataset", "PackedPairs", "PreferenceDataWarning", "ReferenceCacheError",
+    "ReferenceCacheWarning", "ReferenceConfig", "ReferenceLogprobsMixin", "ReferenceLogprobsReport", "Scoring",
+    "TokenizationReport", "check_dpo_pairs", "collate_dpo_pairs", "dpo_pair_datums", "from_tinker_convention",
+    "preference_pairs", "read_dpo_jsonl", "read_preference_records",
 ]

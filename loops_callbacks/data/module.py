@@ -140,26 +140,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
               scoring_dtype: bfloat16
     """
 
-    def __init__(
-        self,
-        data: list | Any = None,
-        jsonl_path: str | None = None,
-        batch_size: int = 8,
-        reference: str | nn.Module | SamplingClient | None = None,
-        cache_dir: str | None = None,
-        use_cache: bool = True,
-        shuffle: bool = True,
-        seed: int = 0,
-        num_workers: int = 0,
-        val_fraction: float = 0.0,
-        progress: bool = True,
-        path: str | None = None,
-        dataset: dict[str, Any] | None = None,
-        tokenizer: str | Any = None,
-        max_length: int | None = None,
-        max_prompt_length: int | None = None,
-        scoring: Scoring = Scoring(),
-    ) -> None:
+    def __init__(self, data: list | Any = None, jsonl_path: str | None = None, batch_size: int = 8,
+                 reference: str | nn.Module | SamplingClient | None = None, cache_dir: str | None = None,
+                 use_cache: bool = True, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                 val_fraction: float = 0.0, progress: bool = True, path: str | None = None,
+                 dataset: dict[str, Any] | None = None, tokenizer: str | Any = None, max_length: int | None = None,
+                 max_prompt_length: int | None = None, scoring: Scoring = Scoring()) -> None:
         super().__init__()
         given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset),
                                           ("jsonl_path", jsonl_path)) if value is not None]
@@ -259,9 +245,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         if self.val_fraction > 0:
             num_val = max(1, round(num_pairs * self.val_fraction))
             if num_val >= num_pairs:
-                raise ValueError(
-                    f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no training pairs"
-                )
+                raise ValueError(f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no "
+                                 "training pairs")
             order = np.random.default_rng(self.seed).permutation(num_pairs)
         self._val = sorted(order[:num_val].tolist())
         self._train = sorted(order[num_val:].tolist())
@@ -284,9 +269,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
         return self._loader(self._val, shuffle=False, generator=None, unrepeated=True) if len(self._val) else []
 
-    def _loader(
-        self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None, unrepeated: bool = False
-    ) -> DataLoader:
+    def _loader(self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None,
+                unrepeated: bool = False) -> DataLoader:
         """Batches of the pairs ``indices``; ``unrepeated``: under DDP each held-out pair goes to one rank once.
 
         Lightning's own ``DistributedSampler`` pads every rank to the same count by repeating up
@@ -297,16 +281,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         trainer = getattr(self, "trainer", None)
         sampler = None
         if unrepeated and trainer is not None and 1 < trainer.world_size <= len(indices):
-            sampler = UnrepeatedDistributedSampler(
-                subset, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
-            )
-        return DataLoader(
-            subset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            generator=generator,
-            collate_fn=collate_dpo_pairs,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+            sampler = UnrepeatedDistributedSampler(subset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                                   shuffle=False)
+        return DataLoader(subset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, generator=generator,
+                          collate_fn=collate_dpo_pairs, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)

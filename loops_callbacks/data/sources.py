@@ -7,9 +7,15 @@ pairs.jsonl"``, ``"row 7 of pairs.parquet"``), so every error can say; a file th
 preference file (a directory, a FIFO, bytes that are not UTF-8, a line longer than
 ``MAX_LINE_BYTES``) is named for what it is, in bounded memory.
 
+Every error and warning names a pair, a datum and a place in a file one way, so that a message can be
+searched for (``pair_label``, ``datum_label``, ``file_line``): ``pair 3 (line 8 of pairs.jsonl)``,
+``pair 1: the rejected datum (index 3)``.
+
 Example:
     >>> [r.where for r in read_preference_records([{"chosen": "a", "rejected": "b"}])]
     ['item 0 of the data list']
+    >>> pair_label(3, file_line(8, "pairs.jsonl")), datum_label(3)
+    ('pair 3 (line 8 of pairs.jsonl)', 'pair 1: the rejected datum (index 3)')
 """
 
 from __future__ import annotations
@@ -21,12 +27,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loops_callbacks.data.labels import file_line, pair_label
 from loops_callbacks.optional import import_optional
 
 __all__ = ["read_preference_records"]
 
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def pair_label(pair: int, where: str | None = None) -> str:
+    """``pair p``, with where it came from in parentheses when known."""
+    return f"pair {pair} ({where})" if where else f"pair {pair}"
+
+
+def file_line(number: int, path: str | os.PathLike[str]) -> str:
+    """``line n of path`` (1-based line numbers, as editors count)."""
+    return f"line {number} of {os.fspath(path)}"
+
+
+def datum_label(index: int, where: str | None = None) -> str:
+    """Datum ``index`` of interleaved pairs (chosen at even indices, rejected at odd), and where its pair was read."""
+    return f"{pair_label(index // 2, where)}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
 
 
 @dataclass(frozen=True)
@@ -38,7 +58,7 @@ class LocatedRecord:
 
 
 
-def read_preference_records(source: Any, *, description: str | None = None) -> list[LocatedRecord]:
+def read_preference_records(source: Any) -> list[LocatedRecord]:
     """Every record of ``source``, each with where it was found.
 
     ``source`` is a path (``.jsonl``, ``.json`` — an array of records or one per line —, or
@@ -54,12 +74,11 @@ def read_preference_records(source: Any, *, description: str | None = None) -> l
     if isinstance(source, Mapping):
         return _read_load_dataset(source)
     if _is_dataset(source):
-        return _read_dataset(source, description or "the dataset")
+        return _read_dataset(source, "the dataset")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        label = description or "the data list"
-        return [LocatedRecord(record, f"item {index} of {label}") for index, record in enumerate(source)]
-    raise ValueError("preference data must be a file path, a list of records, a datasets.Dataset or load_dataset "
-                     f"arguments, got {type(source).__name__}")
+        return [LocatedRecord(record, f"item {index} of the data list") for index, record in enumerate(source)]
+    raise TypeError("preference data must be a file path, a list of records, a datasets.Dataset or load_dataset "
+                    f"arguments, got {type(source).__name__}")
 
 
 def _read_file(path: str) -> list[LocatedRecord]:

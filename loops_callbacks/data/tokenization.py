@@ -48,10 +48,9 @@ import numpy as np
 
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import pair_rows, prompt_rows
-from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import USUAL_ROLES, parse_preference, unusual_turns
-from loops_callbacks.data.sources import LocatedRecord, read_preference_records
+from loops_callbacks.data.sources import LocatedRecord, pair_label, read_preference_records
 from loops_callbacks.data.token_window import common_prefix_length
 from loops_callbacks.data.tokenizer import load_tokenizer, tokenize_preferences
 from loops_callbacks.types import Datum

@@ -825,16 +825,18 @@ def test_yaml_configs_parse(tmp_path: Any) -> None:
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(DPODataModule, "data")
     config = parser.parse_string(
-        f"data:\n  jsonl_path: {pairs}\n  reference: path/to.ckpt\n  scoring_dtype: bfloat16\n  batch_size: 4\n"
+        f"data:\n  jsonl_path: {pairs}\n  reference: path/to.ckpt\n  scoring:\n    scoring_dtype: bfloat16\n"
+        "  batch_size: 4\n"
     )
-    assert config.data.reference == "path/to.ckpt" and config.data.scoring_dtype == "bfloat16"
+    assert config.data.reference == "path/to.ckpt" and config.data.scoring.scoring_dtype == "bfloat16"
     module = parser.instantiate(config).data
     assert isinstance(module, DPODataModule) and module.reference_config.reference == "path/to.ckpt"
+    assert module.reference_config.scoring_dtype == "bfloat16"
     config = parser.parse_string("data:\n  data: [{chosen: [1, 2, 3], rejected: [1, 2, 4], prompt_length: 2}]\n")
     assert config.data.reference is None
     assert parser.instantiate(config).data.dpo_data().datums()[1].model_input.to_ints() == [1, 2, 4]
     with pytest.raises(jsonargparse.ArgumentError):
-        parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring_dtype: float64\n")
+        parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring:\n    scoring_dtype: float64\n")
 
 
 # ----------------------------------------------------------------------------- two ranks
