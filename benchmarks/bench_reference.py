@@ -453,7 +453,7 @@ def probe_fit(args: argparse.Namespace, variant: str, cache_dir: str) -> dict[st
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
-    from loops_callbacks.data import DPODataModule
+    from loops_callbacks.data import DPODataModule, Scoring
 
     class FitLM(L.LightningModule):
         def __init__(self) -> None:
@@ -482,7 +482,7 @@ def probe_fit(args: argparse.Namespace, variant: str, cache_dir: str) -> dict[st
     reference = model.net if variant == "snapshot" else None  # an nn.Module: a frozen deep copy
     datamodule = DPODataModule(
         fit_pairs(args), batch_size=2, reference=reference, cache_dir=cache_dir, use_cache=variant != "snapshot",
-        progress=False, max_tokens_per_batch=args.budget,
+        progress=False, scoring=Scoring(max_tokens_per_batch=args.budget),
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,

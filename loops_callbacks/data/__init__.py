@@ -27,7 +27,7 @@ Example (your own DataModule)::
 
 from loops_callbacks.conventions import from_tinker_convention
 from loops_callbacks.data.dpo import DPOPairDataset, check_dpo_pairs, collate_dpo_pairs, dpo_pair_datums
-from loops_callbacks.data.module import DPODataModule
+from loops_callbacks.data.module import DPODataModule, Scoring
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.sources import read_preference_records
 from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
@@ -36,21 +36,8 @@ from loops_callbacks.reference.across_ranks import ReferenceCacheError, Referenc
 from loops_callbacks.reference.config import ReferenceConfig
 
 __all__ = [
-    "DPODataModule",
-    "DPOPairDataset",
-    "PackedPairs",
-    "PreferenceDataWarning",
-    "ReferenceCacheError",
-    "ReferenceCacheWarning",
-    "ReferenceConfig",
-    "ReferenceLogprobsMixin",
-    "ReferenceLogprobsReport",
-    "TokenizationReport",
-    "check_dpo_pairs",
-    "collate_dpo_pairs",
-    "dpo_pair_datums",
-    "from_tinker_convention",
-    "preference_pairs",
-    "read_dpo_jsonl",
-    "read_preference_records",
+    "DPODataModule", "DPOPairDataset", "PackedPairs", "PreferenceDataWarning", "ReferenceCacheError",
+    "ReferenceCacheWarning", "ReferenceConfig", "ReferenceLogprobsMixin", "ReferenceLogprobsReport", "Scoring",
+    "TokenizationReport", "check_dpo_pairs", "collate_dpo_pairs", "dpo_pair_datums", "from_tinker_convention",
+    "preference_pairs", "read_dpo_jsonl", "read_preference_records",
 ]

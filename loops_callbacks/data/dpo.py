@@ -29,13 +29,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
 from loops_callbacks.conventions import tinker_convention_message
-from loops_callbacks.data.labels import pair_label
+from loops_callbacks.data.sources import pair_label
 from loops_callbacks.data.packed_pairs import FIELDS, PackedPairs
 from loops_callbacks.reference.packing import OutOfVocabularyError
 from loops_callbacks.types import Datum, ModelInput, TensorData
+from loops_callbacks.validation import check
 
 __all__ = ["DPOPairDataset", "OutOfVocabularyError", "check_dpo_pairs", "collate_dpo_pairs", "dpo_pair_datums",
            "pair_rows"]
@@ -107,11 +109,17 @@ def _row(ids: np.ndarray, token_weights: np.ndarray) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "target_tokens": np.append(ids[1:], 0), "weights": np.append(token_weights[1:], np.float32(0))}
 
 
+def _listed(values: Any, what: str) -> Sequence[Any]:
+    """``values`` as a list (a tensor or an array converted), else a ``TypeError``: ``what`` must be a list of ..."""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{what}, got {type(values).__name__}")
+    return values
+
+
 def _token_ids(tokens: Any, name: str) -> np.ndarray:
-    if isinstance(tokens, (torch.Tensor, np.ndarray)):
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise TypeError(f"the {name} sequence must be a list of token ids, got {type(tokens).__name__}")
+    tokens = _listed(tokens, f"the {name} sequence must be a list of token ids")
     for position, token in enumerate(tokens):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise TypeError(f"the {name} sequence has {token!r} at position {position}; token ids must be ints")
@@ -124,8 +132,7 @@ def _token_ids(tokens: Any, name: str) -> np.ndarray:
 
 
 def _check_prompt_length(prompt_length: Any, chosen: np.ndarray, rejected: np.ndarray) -> None:
-    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int):
-        raise TypeError(f"prompt_length must be an int, got {prompt_length!r}")
+    check("prompt_length", prompt_length, int, "an int")
     if prompt_length < 1:
         raise ValueError(f"prompt_length={prompt_length} must be at least 1 (token 0 is never predicted)")
     for name, tokens in (("chosen", chosen), ("rejected", rejected)):
@@ -140,15 +147,11 @@ def _check_prompt_length(prompt_length: Any, chosen: np.ndarray, rejected: np.nd
 
 
 def _token_weights(weights: Any, length: int, name: str) -> np.ndarray:
-    if isinstance(weights, (torch.Tensor, np.ndarray)):
-        weights = weights.tolist()
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-        raise TypeError(f"{name}_weights must be a list of numbers, got {type(weights).__name__}")
+    weights = _listed(weights, f"{name}_weights must be a list of numbers")
     if len(weights) != length:
         raise ValueError(f"{name}_weights has {len(weights)} values for a {name} sequence of {length} tokens")
     for position, value in enumerate(weights):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name}_weights[{position}]={value!r} must be a finite number >= 0")
+        check(f"{name}_weights[{position}]", value, numbers.Real, "a finite number >= 0", lambda v: 0 <= v < math.inf)
     if weights[0] != 0:
         raise ValueError(f"{name}_weights[0]={weights[0]!r} must be 0: nothing predicts token 0")
     if not any(value > 0 for value in weights):
@@ -274,12 +277,7 @@ def collate_dpo_pairs(pairs: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[
     """A batch of ``DPOPairDataset`` items: ``[2P, T]`` tensors ``FIELDS`` (0 on padding) and ``attention_mask``
     (bool, True on real tokens), rows interleaved, right-padded."""
     rows = [row for pair in pairs for row in pair]
-    width = max((row["input_ids"].numel() for row in rows), default=0)
-    batch = {key: torch.from_numpy(np.zeros((len(rows), width), dtype)) for key, dtype in FIELDS.items()}
-    batch["attention_mask"] = torch.zeros(len(rows), width, dtype=torch.bool)
-    for index, row in enumerate(rows):
-        length = row["input_ids"].numel()
-        for key in FIELDS:
-            batch[key][index, :length] = row[key]
-        batch["attention_mask"][index, :length] = True
+    batch = {key: pad_sequence([row[key] for row in rows], batch_first=True) for key in FIELDS}
+    real = [torch.ones(row["input_ids"].numel(), dtype=torch.bool) for row in rows]
+    batch["attention_mask"] = pad_sequence(real, batch_first=True)
     return batch

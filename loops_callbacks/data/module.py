@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,26 @@ from loops_callbacks.reference.collectives import Group, StallGuard, fail_togeth
 from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ScoringDtype
 from loops_callbacks.validation import check, check_bool, check_int, check_real
 
-__all__ = ["DPODataModule"]
+__all__ = ["DPODataModule", "Scoring"]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a local reference is run while its logprobs are scored: ``DPODataModule``'s ``scoring``, one group in a
+    YAML config. Each field is ``ReferenceConfig``'s of that name, checked there.
+
+    Example::
+
+        scoring:
+          scoring_dtype: bfloat16       # default: the model's own dtype
+          max_tokens_per_batch: 8192    # padded tokens per forward pass
+          scoring_timeout: 1200         # seconds a rank waits for the others (null: no limit)
+    """
+
+    scoring_dtype: ScoringDtype | None = None
+    max_tokens_per_batch: int | None = None
+    reference_fingerprint: str | None = None
+    scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT
 
 
 class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
@@ -84,20 +104,20 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             an ``nn.Module``, a ``SamplingClient``, or ``None`` for the initial policy.
         cache_dir: the cache's directory (default ``<trainer.default_root_dir>/reference_logprobs``).
         use_cache: ``False`` scores on every run and writes nothing.
-        scoring_dtype: dtype of a local reference while scoring (default: the model's own).
-        max_tokens_per_batch: padded-token budget per forward pass of a local reference.
         shuffle: shuffle the training pairs each epoch (Lightning's ``DistributedSampler`` takes
             over under DDP and seeds itself from ``seed_everything``).
         seed: seed of the shuffling and of the validation split.
         num_workers: ``DataLoader`` workers.
         val_fraction: share of the pairs held out for ``val_dataloader`` (0: no validation; the
             Trainer's validation loop is then switched off, ``limit_val_batches = 0``).
-        reference_fingerprint: identity of a client whose weights cannot be hashed here, so that
-            its logprobs can be cached.
         progress: progress bars on rank 0 while tokenizing and scoring.
-        scoring_timeout: seconds a rank waits for the others at each step of reading, tokenizing
-            and scoring before every waiting rank names the ones that stalled (``RankStalledError``);
-            ``None``: no limit (the backend's own timeout).
+        scoring: how the reference is run (``Scoring``): ``scoring_dtype``, the dtype of a local
+            reference while scoring (default: the model's own); ``max_tokens_per_batch``, its
+            padded-token budget per forward pass; ``reference_fingerprint``, the identity of a client
+            whose weights cannot be hashed here, so that its logprobs can be cached;
+            ``scoring_timeout``, the seconds a rank waits for the others at each step of reading,
+            tokenizing and scoring before every waiting rank names the ones that stalled
+            (``RankStalledError``; ``None``: no limit, the backend's own timeout).
 
     Under DDP each rank reads the records, the ranks check that they read the same records with
     the same tokenizer and limits (else a ``RanksDisagreeError`` on every rank names the first
@@ -116,32 +136,16 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             max_prompt_length: 512
             batch_size: 16
             reference: checkpoints/sft.ckpt   # omit for the initial policy
-            scoring_dtype: bfloat16
+            scoring:
+              scoring_dtype: bfloat16
     """
 
-    def __init__(
-        self,
-        data: list | Any = None,
-        jsonl_path: str | None = None,
-        batch_size: int = 8,
-        reference: str | nn.Module | SamplingClient | None = None,
-        cache_dir: str | None = None,
-        use_cache: bool = True,
-        scoring_dtype: ScoringDtype | None = None,
-        max_tokens_per_batch: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        num_workers: int = 0,
-        val_fraction: float = 0.0,
-        reference_fingerprint: str | None = None,
-        progress: bool = True,
-        path: str | None = None,
-        dataset: dict[str, Any] | None = None,
-        tokenizer: str | Any = None,
-        max_length: int | None = None,
-        max_prompt_length: int | None = None,
-        scoring_timeout: float | None = DEFAULT_SCORING_TIMEOUT,
-    ) -> None:
+    def __init__(self, data: list | Any = None, jsonl_path: str | None = None, batch_size: int = 8,
+                 reference: str | nn.Module | SamplingClient | None = None, cache_dir: str | None = None,
+                 use_cache: bool = True, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
+                 val_fraction: float = 0.0, progress: bool = True, path: str | None = None,
+                 dataset: dict[str, Any] | None = None, tokenizer: str | Any = None, max_length: int | None = None,
+                 max_prompt_length: int | None = None, scoring: Scoring = Scoring()) -> None:
         super().__init__()
         given = [name for name, value in (("data", data), ("path", path), ("dataset", dataset),
                                           ("jsonl_path", jsonl_path)) if value is not None]
@@ -149,17 +153,17 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             raise ValueError("DPODataModule needs exactly one of data, path, dataset and jsonl_path, got "
                              f"{' and '.join(given) if given else 'neither'}")
         if data is not None and (isinstance(data, (str, bytes, Mapping)) or not hasattr(data, "__len__")):
-            files = isinstance(data, (str, Mapping))
-            hint = " (a file goes in path=, load_dataset arguments in dataset=)" if files else ""
+            hint = " (a file goes in path=, load_dataset arguments in dataset=)" if isinstance(data, (str, Mapping)) else ""
             raise TypeError(f"DPODataModule data must be a list of datums or records, or a datasets.Dataset, got "
                             f"{type(data).__name__}{hint}")
-        file = path if path is not None else jsonl_path
-        check(f"DPODataModule {'path' if path is not None else 'jsonl_path'}", file, (str, os.PathLike), "a path",
-              optional=True)
+        name = "path" if path is not None else "jsonl_path"
+        file = check(f"DPODataModule {name}", path if path is not None else jsonl_path, (str, os.PathLike), "a path",
+                     optional=True)
         check("DPODataModule dataset", dataset, Mapping, "load_dataset arguments (a dict)", optional=True)
         if dataset is not None and "path" not in dataset:
             raise ValueError(f"DPODataModule dataset={dataset!r} must be load_dataset arguments with a 'path', e.g. "
                              "{'path': 'json', 'data_files': 'pairs.jsonl', 'split': 'train'}")
+        check("DPODataModule scoring", scoring, Scoring, "a Scoring (scoring_dtype, max_tokens_per_batch, ...)")
         check_int("DPODataModule batch_size", batch_size, least=1)
         check_int("DPODataModule num_workers", num_workers, least=0)
         check_limits(max_length, max_prompt_length, "DPODataModule ")
@@ -167,14 +171,12 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         check_bool("DPODataModule shuffle", shuffle)
         check_real("DPODataModule val_fraction", val_fraction, least=0.0, most=math.nextafter(1.0, 0.0),
                    what="a number in [0, 1)")
-        self.configure_reference(reference, cache_dir=cache_dir, use_cache=use_cache, scoring_dtype=scoring_dtype,
-                                 max_tokens_per_batch=max_tokens_per_batch, reference_fingerprint=reference_fingerprint,
-                                 progress=progress, scoring_timeout=scoring_timeout)
+        self.configure_reference(reference, cache_dir=cache_dir, use_cache=use_cache, progress=progress,
+                                 **asdict(scoring))
         self.data = list(data) if isinstance(data, (list, tuple)) else data
         self.path = os.fspath(file) if file is not None else None
         if not Group().distributed:  # ranks already in a group meet a missing file together, when they read it
             if self.path is not None and not os.path.lexists(self.path):
-                name = "path" if path is not None else "jsonl_path"
                 raise ValueError(f"DPODataModule {name}={self.path!r} does not exist{relative_path_note(self.path)}")
             if isinstance(tokenizer, (str, os.PathLike)):
                 check_tokenizer_path(os.fspath(tokenizer), "DPODataModule tokenizer")
@@ -243,9 +245,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         if self.val_fraction > 0:
             num_val = max(1, round(num_pairs * self.val_fraction))
             if num_val >= num_pairs:
-                raise ValueError(
-                    f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no training pairs"
-                )
+                raise ValueError(f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no "
+                                 "training pairs")
             order = np.random.default_rng(self.seed).permutation(num_pairs)
         self._val = sorted(order[:num_val].tolist())
         self._train = sorted(order[num_val:].tolist())
@@ -268,9 +269,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
         return self._loader(self._val, shuffle=False, generator=None, unrepeated=True) if len(self._val) else []
 
-    def _loader(
-        self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None, unrepeated: bool = False
-    ) -> DataLoader:
+    def _loader(self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None,
+                unrepeated: bool = False) -> DataLoader:
         """Batches of the pairs ``indices``; ``unrepeated``: under DDP each held-out pair goes to one rank once.
 
         Lightning's own ``DistributedSampler`` pads every rank to the same count by repeating up
@@ -281,16 +281,8 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         trainer = getattr(self, "trainer", None)
         sampler = None
         if unrepeated and trainer is not None and 1 < trainer.world_size <= len(indices):
-            sampler = UnrepeatedDistributedSampler(
-                subset, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False
-            )
-        return DataLoader(
-            subset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            generator=generator,
-            collate_fn=collate_dpo_pairs,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+            sampler = UnrepeatedDistributedSampler(subset, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                                   shuffle=False)
+        return DataLoader(subset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, generator=generator,
+                          collate_fn=collate_dpo_pairs, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)

@@ -6,7 +6,9 @@ tokenized straight into it (``preference_pairs``); datums are read into it once 
 each field checked, the datum named), and kept as its ``source``, so that ``datums()`` gives them
 back with the reference values attached and every field of theirs kept. Values that are views of
 one buffer (as scoring gives them) are kept as that buffer, not copied. ``row(i)`` gives sequence
-i's tensors as views, which batches are cut from.
+i's tensors as views, which batches are cut from. Pairs are *scored* once they hold their reference
+logprobs (``ref_logprobs``; ``scored()``, ``ReferenceLogprobsMixin.scored_pairs``): "scored" means that
+everywhere in ``loops_callbacks.data``.
 
 Example:
     >>> from loops_callbacks.data.dpo import dpo_pair_datums
@@ -25,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loops_callbacks.data.labels import datum_label
+from loops_callbacks.data.sources import datum_label
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
 from loops_callbacks.reference.attach import reference_field, with_ref_logprobs
 from loops_callbacks.reference.packing import PackedTokens
@@ -69,8 +71,7 @@ class PackedPairs:
         return datum_label(index, self.where[index // 2] if self.where else None)
 
     def row(self, index: int) -> dict[str, torch.Tensor]:
-        """Sequence ``index``'s ``FIELDS`` as tensors (views of the flat arrays)."""
-        self.check_batchable()
+        """Sequence ``index``'s ``FIELDS`` as tensors (views of the flat arrays; ``check_batchable`` first)."""
         start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
         return {key: torch.from_numpy(getattr(self, key)[start:stop]) for key in FIELDS}
 
@@ -83,11 +84,8 @@ class PackedPairs:
                              "attach_reference_logprobs)")
 
     def scored(self, ref_logprobs: np.ndarray) -> PackedPairs:
-        """These pairs with ``ref_logprobs``: every sequence's values back to back (one float32 buffer, kept as it is)."""
-        total = int(self.offsets[-1])
-        if ref_logprobs.dtype != np.float32 or ref_logprobs.shape != (total,):
-            raise ValueError(f"ref_logprobs must be {total} float32 values (one per token of the {len(self)} datums), "
-                             f"got {ref_logprobs.dtype} of shape {ref_logprobs.shape}")
+        """These pairs with ``ref_logprobs``: every sequence's values back to back, one float32 value per token (the
+        buffer kept as it is)."""
         return replace(self, ref_logprobs=ref_logprobs)
 
     def datums(self) -> list[Any]:

@@ -72,10 +72,8 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
     present = {key: value for key, value in record.items() if value is not None}
     missing = [key for key in ("chosen", "rejected") if key not in present]
     if missing:
-        raise ValueError(
-            f"{where}: the record has no {' or '.join(repr(k) for k in missing)}, so it fits no preference format "
-            f"(keys: {sorted(record)}). {_FORMATS_HELP}"
-        )
+        raise ValueError(f"{where}: the record has no {' or '.join(repr(k) for k in missing)}, so it fits no "
+                         f"preference format (keys: {sorted(record)}). {_FORMATS_HELP}")
     chosen, rejected = present["chosen"], present["rejected"]
     kinds = (_kind(chosen), _kind(rejected))
     if kinds == ("ids", "ids"):
@@ -88,10 +86,8 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
             prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
             return PreferenceExample(prompt, chosen, rejected, "implicit_standard", where)
         if not isinstance(prompt, str):
-            raise ValueError(
-                f"{where}: 'chosen' and 'rejected' are strings but 'prompt' is {_describe(prompt)}; a standard record "
-                f"has a string prompt (keys: {sorted(record)}). {_FORMATS_HELP}"
-            )
+            raise ValueError(f"{where}: 'chosen' and 'rejected' are strings but 'prompt' is {_describe(prompt)}; a "
+                             f"standard record has a string prompt (keys: {sorted(record)}). {_FORMATS_HELP}")
         return PreferenceExample(prompt, chosen, rejected, "standard", where)
     if kinds == ("messages", "messages"):
         _check_messages(chosen, "chosen", where)
@@ -106,24 +102,19 @@ def parse_preference(record: Any, where: str) -> PreferenceExample:
             fmt: PreferenceFormat = "implicit_conversational"
         else:
             if _kind(prompt) != "messages" or not prompt:
-                raise ValueError(
-                    f"{where}: 'chosen' and 'rejected' are conversations but 'prompt' is {_describe(prompt)}; "
-                    f"a conversational prompt is a non-empty list of messages (keys: {sorted(record)})"
-                )
+                raise ValueError(f"{where}: 'chosen' and 'rejected' are conversations but 'prompt' is "
+                                 f"{_describe(prompt)}; a conversational prompt is a non-empty list of messages (keys: "
+                                 f"{sorted(record)})")
             _check_messages(prompt, "prompt", where)
             fmt = "conversational"
         return PreferenceExample(list(prompt), list(chosen), list(rejected), fmt, where, tools, dict(kwargs))
-    raise ValueError(
-        f"{where}: the record fits no preference format: 'chosen' is {_describe(chosen)} and 'rejected' is "
-        f"{_describe(rejected)} (keys: {sorted(record)}). {_FORMATS_HELP}"
-    )
+    raise ValueError(f"{where}: the record fits no preference format: 'chosen' is {_describe(chosen)} and 'rejected' "
+                     f"is {_describe(rejected)} (keys: {sorted(record)}). {_FORMATS_HELP}")
 
 
-_FORMATS_HELP = (
-    "Formats: standard {prompt, chosen, rejected} strings; conversational lists of {role, content} messages; "
-    "implicit prompt (chosen and rejected full texts or conversations, no prompt); or token ids "
-    "{chosen: [ids], rejected: [ids], prompt_length: k}."
-)
+_FORMATS_HELP = ("Formats: standard {prompt, chosen, rejected} strings; conversational lists of {role, content} "
+                 "messages; implicit prompt (chosen and rejected full texts or conversations, no prompt); or token ids "
+                 "{chosen: [ids], rejected: [ids], prompt_length: k}.")
 
 
 def _kind(value: Any) -> str:
@@ -133,12 +124,7 @@ def _kind(value: Any) -> str:
         value = value.tolist()
     if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
         return "messages"
-    if (
-        isinstance(value, Sequence)
-        and value
-        and isinstance(value[0], numbers.Integral)
-        and not isinstance(value[0], bool)
-    ):
+    if isinstance(value, Sequence) and value and isinstance(value[0], numbers.Integral) and not isinstance(value[0], bool):
         return "ids"  # the first id decides; dpo_pair_datums checks every one
     return "other"
 
@@ -173,10 +159,9 @@ def _check_unicode(value: Any, key: str, where: str) -> None:
     if isinstance(value, str):
         found = _LONE_SURROGATE.search(value)
         if found:
-            raise ValueError(
-                f"{where}: {key} holds a lone surrogate {found.group()!r} at character {found.start()} (a JSON "
-                "escape \\ud800-\\udfff without its pair), which no tokenizer takes; give valid Unicode text"
-            )
+            raise ValueError(f"{where}: {key} holds a lone surrogate {found.group()!r} at character {found.start()} "
+                             "(a JSON escape \\ud800-\\udfff without its pair), which no tokenizer takes; give valid "
+                             "Unicode text")
     elif isinstance(value, Mapping):
         for name, item in value.items():
             _check_unicode(item, f"{key}[{name!r}]", where)
@@ -193,10 +178,8 @@ def _parse_tools(tools: Any, where: str) -> list[Any] | None:
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{where}: 'tools' is a string that is not valid JSON ({error}); give a list of tool schemas "
-                "(dicts), or a JSON string of one"
-            ) from None
+            raise ValueError(f"{where}: 'tools' is a string that is not valid JSON ({error}); give a list of tool "
+                             "schemas (dicts), or a JSON string of one") from None
     if hasattr(tools, "tolist"):  # numpy arrays from Arrow / pandas
         tools = tools.tolist()
     if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
@@ -219,20 +202,16 @@ def _check_messages(messages: Sequence[Any], name: str, where: str) -> None:
         if content is None:
             if message.get("tool_calls") is not None:
                 continue
-            raise ValueError(
-                f"{where}: {name}[{index}] (role {role!r}) has no 'content' (keys: {sorted(message)}); give every "
-                "message a 'content' string (an assistant message with 'tool_calls' may have none)"
-            )
+            raise ValueError(f"{where}: {name}[{index}] (role {role!r}) has no 'content' (keys: {sorted(message)}); "
+                             "give every message a 'content' string (an assistant message with 'tool_calls' may have none)")
         if isinstance(content, str):
             continue
         if hasattr(content, "tolist"):
             content = content.tolist()
         if isinstance(content, list) and content and all(_is_text_part(part) for part in content):
             continue
-        raise TypeError(
-            f"{where}: {name}[{index}] (role {role!r}) has 'content' that is {_describe(content)}; a message's "
-            "content is a string or a non-empty list of text parts {'type': 'text', 'text': str}"
-        )
+        raise TypeError(f"{where}: {name}[{index}] (role {role!r}) has 'content' that is {_describe(content)}; a "
+                        "message's content is a string or a non-empty list of text parts {'type': 'text', 'text': str}")
 
 
 def _is_text_part(part: Any) -> bool:

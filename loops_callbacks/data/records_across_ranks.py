@@ -41,7 +41,6 @@ from loops_callbacks.data.tokenizer import load_tokenizer, tokenizer_digests
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
-__all__ = ["record_digests", "tokenize_across_ranks"]
 
 
 def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
@@ -53,9 +52,8 @@ def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
         >>> bool((a == b).all())
         True
     """
-    return item_digests(
-        json.dumps(item.record, sort_keys=True, ensure_ascii=False, default=_plain).encode() for item in records
-    )
+    return item_digests(json.dumps(item.record, sort_keys=True, ensure_ascii=False, default=_plain).encode()
+                        for item in records)
 
 
 def _plain(value: Any) -> Any:
@@ -65,15 +63,9 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def tokenize_across_ranks(
-    records: Sequence[LocatedRecord],
-    tokenizer: Any,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    progress: bool = True,
-    timeout: float | None = None,
-) -> tuple[PackedPairs, TokenizationReport]:
+def tokenize_across_ranks(records: Sequence[LocatedRecord], tokenizer: Any, *, max_length: int | None = None,
+                          max_prompt_length: int | None = None, progress: bool = True, timeout: float | None = None
+                          ) -> tuple[PackedPairs, TokenizationReport]:
     """``preference_pairs(records, ...)``, each rank tokenizing 1/world_size of the records, after checking they agree.
 
     Collective: call it on every rank with what that rank read. Raises ``RanksDisagreeError``
@@ -83,35 +75,19 @@ def tokenize_across_ranks(
     """
     group = Group()
     if group.world_size == 1:
-        return preference_pairs(
-            list(records), tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, progress=progress
-        )
+        return preference_pairs(list(records), tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
+                                progress=progress)
     guard = StallGuard(group, timeout)
     digests = record_digests(records)
-    check_ranks_agree(
-        group,
-        what="preference records",
-        unit="pairs",
-        count=len(records),
-        digest=combined_digest(digests),
-        item_digests=lambda: digests,
-        item_name=lambda index: f"pair {index}",
-        item_source=lambda index: records[index].where,
-        settings={"max_length": str(max_length), "max_prompt_length": str(max_prompt_length)},
-        guard=guard,
-    )
+    check_ranks_agree(group, what="preference records", unit="pairs", count=len(records),
+                      digest=combined_digest(digests), item_digests=lambda: digests,
+                      item_name=lambda index: f"pair {index}", item_source=lambda index: records[index].where,
+                      settings={"max_length": str(max_length), "max_prompt_length": str(max_prompt_length)}, guard=guard)
     with fail_together(guard, "loading the tokenizer", then="loading the tokenizer"):
         loaded = _tokenizer_for(records, tokenizer)
         digests = {} if loaded is None else tokenizer_digests(loaded)
-    check_ranks_agree(
-        group,
-        what="preference records",
-        count=0,
-        digest="",
-        item_digests=lambda: np.zeros((0, 16), np.uint8),
-        item_name=str,
-        settings=digests,
-    )
+    check_ranks_agree(group, what="preference records", count=0, digest="",
+                      item_digests=lambda: np.zeros((0, 16), np.uint8), item_name=str, settings=digests)
     bounds = [len(records) * rank // group.world_size for rank in range(group.world_size + 1)]
     first, last = bounds[group.rank], bounds[group.rank + 1]
     guard.note(f"tokenizing its share of the preference records ({first} to {last - 1} of {len(records)})")

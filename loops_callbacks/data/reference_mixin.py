@@ -17,8 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,22 +32,14 @@ from loops_callbacks.reference.collectives import Group, StallGuard, fail_togeth
 from loops_callbacks.reference.config import ReferenceConfig, resolve_reference
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 
-__all__ = ["ReferenceLogprobsMixin", "Stage"]
+__all__ = ["ReferenceLogprobsMixin"]
 
 
-class Stage(Enum):
-    """Where a ``ReferenceLogprobsMixin`` is: ``setup("fit")`` checks the data (``PENDING``), scoring attaches
-    the values (``SCORED``).
-
-    ``AFTER_RESTORE``: checked, under a strategy that restores checkpoints after ``on_fit_start``
-    (FSDP, model parallel, DeepSpeed), where that hook cannot know whether a checkpoint follows:
-    scored in ``on_load_checkpoint`` when the run resumes, else on the first read of ``scored_pairs``.
-    """
-
-    NOT_SET_UP = "not set up"
-    PENDING = "pending"
-    AFTER_RESTORE = "after the strategy's restore"
-    SCORED = "scored"
+# Where a ReferenceLogprobsMixin is: setup("fit") checks the data ("pending"), scoring attaches the values ("scored").
+# "awaiting restore": checked, under a strategy that restores checkpoints after on_fit_start (FSDP, model parallel,
+# DeepSpeed), where that hook cannot know whether a checkpoint follows: scored in on_load_checkpoint when the run
+# resumes, else on the first read of scored_pairs.
+Stage = Literal["not set up", "pending", "awaiting restore", "scored"]
 
 
 class _ScoreReferenceAfterStrategySetup(Callback):
@@ -56,7 +47,7 @@ class _ScoreReferenceAfterStrategySetup(Callback):
 
     ``on_fit_start`` runs after ``strategy.setup`` (device, DDP, FSDP sharding, ``configure_model``),
     before the sanity check and any dataloader; a checkpoint's state is restored before it, except
-    under a strategy that restores after its setup (``Stage.AFTER_RESTORE``): a resumed run there is
+    under a strategy that restores after its setup (stage ``"awaiting restore"``): a resumed run there is
     scored in ``on_load_checkpoint``, once the DataModule's state is back.
     """
 
@@ -71,13 +62,13 @@ class _ScoreReferenceAfterStrategySetup(Callback):
     @override
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.strategy.restore_checkpoint_after_setup:
-            self.datamodule._stage = Stage.AFTER_RESTORE  # a checkpoint may still come
+            self.datamodule._stage = "awaiting restore"  # a checkpoint may still come
         else:
             self.datamodule.score_reference()
 
     @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.datamodule.reference_stage is Stage.AFTER_RESTORE:
+        if self.datamodule.reference_stage == "awaiting restore":
             self.datamodule.score_reference()
 
 
@@ -92,9 +83,9 @@ class ReferenceLogprobsMixin:
     ``super().__init__()``, ``super().setup(stage)`` if you override ``setup``, and ``super()`` in
     ``state_dict`` / ``load_state_dict`` if you override them.
 
-    ``setup("fit")`` checks the data (stage ``PENDING``), then ``score_reference()`` loads the
+    ``setup("fit")`` checks the data (stage ``"pending"``), then ``score_reference()`` loads the
     reference logprobs from the cache or scores them (each rank its share of the pairs,
-    ``score_across_ranks``; stage ``SCORED``). It runs:
+    ``score_across_ranks``; stage ``"scored"``). It runs:
 
     - for an explicit reference, in ``setup("fit")`` (a checkpoint is loaded into a copy of the
       LightningModule before the strategy moves, wraps or shards it);
@@ -129,7 +120,7 @@ class ReferenceLogprobsMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._reference_config = ReferenceConfig()
-        self._stage = Stage.NOT_SET_UP
+        self._stage: Stage = "not set up"
         self._pairs: PackedPairs | None = None
         self._report: ReferenceLogprobsReport | None = None
         self._saved: dict[str, Any] | None = None  # what checkpoints record: the initial policy's fingerprint
@@ -167,12 +158,12 @@ class ReferenceLogprobsMixin:
         checkpoints after its setup (FSDP, ...) and without a checkpoint, the first read scores the
         policy (no hook comes between that restore and the dataloaders).
         """
-        if self._stage is Stage.AFTER_RESTORE:  # no checkpoint came: the strategy's restore is over
+        if self._stage == "awaiting restore":  # no checkpoint came: the restore is over
             self.score_reference()
-        if self._stage is Stage.SCORED:
+        if self._stage == "scored":
             assert self._pairs is not None
             return self._pairs
-        if self._stage is Stage.PENDING:
+        if self._stage == "pending":
             raise RuntimeError(f"{type(self).__name__}.scored_pairs was read before the strategy set the "
                                "LightningModule up: with the default reference (the policy itself) it is scored in "
                                "on_fit_start; read it in train_dataloader / val_dataloader, not in setup")
@@ -190,12 +181,12 @@ class ReferenceLogprobsMixin:
         super().setup(stage)  # type: ignore[misc]
         if stage != "fit":
             return
-        self._stage, self._pairs, self._report, self._saved = Stage.NOT_SET_UP, None, None, None
+        self._stage, self._pairs, self._report, self._saved = "not set up", None, None, None
         config = self._reference_config
         with fail_together(StallGuard(Group(), config.scoring_timeout), "checking the DPO pairs",
                            then="the end of checking the DPO pairs"):
             pairs = check_dpo_pairs(self.dpo_data(), check_prompts=config.check_prompts)  # before any reference
-        self._pairs, self._stage = pairs, Stage.PENDING
+        self._pairs, self._stage = pairs, "pending"
         trainer = getattr(self, "trainer", None)
         if trainer is None or config.reference is not None:
             self.score_reference()
@@ -209,9 +200,9 @@ class ReferenceLogprobsMixin:
         Called for you (see the class docstring); with the default reference, the strategy must
         have set the LightningModule up. A second call returns the first one's report.
         """
-        if self._stage is Stage.NOT_SET_UP:
+        if self._stage == "not set up":
             raise RuntimeError(f"{type(self).__name__}.score_reference needs setup('fit') first")
-        if self._stage is not Stage.SCORED:
+        if self._stage != "scored":
             assert self._pairs is not None
             trainer = getattr(self, "trainer", None)
             config = self._reference_config
@@ -221,7 +212,7 @@ class ReferenceLogprobsMixin:
                 values, self._report = self._score_policy(trainer, config)
             else:
                 values, self._report = self._score_explicit(trainer, config)
-            self._pairs, self._stage = self._pairs.scored(values), Stage.SCORED
+            self._pairs, self._stage = self._pairs.scored(values), "scored"
         assert self._report is not None
         return self._report
 

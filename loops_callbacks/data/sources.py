@@ -7,9 +7,15 @@ pairs.jsonl"``, ``"row 7 of pairs.parquet"``), so every error can say; a file th
 preference file (a directory, a FIFO, bytes that are not UTF-8, a line longer than
 ``MAX_LINE_BYTES``) is named for what it is, in bounded memory.
 
+Every error and warning names a pair, a datum and a place in a file one way, so that a message can be
+searched for (``pair_label``, ``datum_label``, ``file_line``): ``pair 3 (line 8 of pairs.jsonl)``,
+``pair 1: the rejected datum (index 3)``.
+
 Example:
     >>> [r.where for r in read_preference_records([{"chosen": "a", "rejected": "b"}])]
     ['item 0 of the data list']
+    >>> pair_label(3, file_line(8, "pairs.jsonl")), datum_label(3)
+    ('pair 3 (line 8 of pairs.jsonl)', 'pair 1: the rejected datum (index 3)')
 """
 
 from __future__ import annotations
@@ -21,12 +27,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loops_callbacks.data.labels import file_line, pair_label
 from loops_callbacks.optional import import_optional
 
-__all__ = ["MAX_LINE_BYTES", "LocatedRecord", "read_preference_records", "relative_path_note"]
+__all__ = ["read_preference_records"]
 
 _FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+
+
+def pair_label(pair: int, where: str | None = None) -> str:
+    """``pair p``, with where it came from in parentheses when known."""
+    return f"pair {pair} ({where})" if where else f"pair {pair}"
+
+
+def file_line(number: int, path: str | os.PathLike[str]) -> str:
+    """``line n of path`` (1-based line numbers, as editors count)."""
+    return f"line {number} of {os.fspath(path)}"
+
+
+def datum_label(index: int, where: str | None = None) -> str:
+    """Datum ``index`` of interleaved pairs (chosen at even indices, rejected at odd), and where its pair was read."""
+    return f"{pair_label(index // 2, where)}: the {'rejected' if index % 2 else 'chosen'} datum (index {index})"
 
 
 @dataclass(frozen=True)
@@ -38,7 +58,7 @@ class LocatedRecord:
 
 
 
-def read_preference_records(source: Any, *, description: str | None = None) -> list[LocatedRecord]:
+def read_preference_records(source: Any) -> list[LocatedRecord]:
     """Every record of ``source``, each with where it was found.
 
     ``source`` is a path (``.jsonl``, ``.json`` — an array of records or one per line —, or
@@ -49,20 +69,16 @@ def read_preference_records(source: Any, *, description: str | None = None) -> l
     if isinstance(source, (str, os.PathLike)):
         return _read_file(os.fspath(source))
     if _is_dataset_dict(source):
-        raise ValueError(
-            f"a DatasetDict holds several splits ({sorted(source)}); pass one, e.g. dataset[{next(iter(source))!r}]"
-        )
+        raise ValueError(f"a DatasetDict holds several splits ({sorted(source)}); pass one, e.g. "
+                         f"dataset[{next(iter(source))!r}]")
     if isinstance(source, Mapping):
         return _read_load_dataset(source)
     if _is_dataset(source):
-        return _read_dataset(source, description or "the dataset")
+        return _read_dataset(source, "the dataset")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        label = description or "the data list"
-        return [LocatedRecord(record, f"item {index} of {label}") for index, record in enumerate(source)]
-    raise ValueError(
-        f"preference data must be a file path, a list of records, a datasets.Dataset or load_dataset arguments, "
-        f"got {type(source).__name__}"
-    )
+        return [LocatedRecord(record, f"item {index} of the data list") for index, record in enumerate(source)]
+    raise TypeError("preference data must be a file path, a list of records, a datasets.Dataset or load_dataset "
+                    f"arguments, got {type(source).__name__}")
 
 
 def _read_file(path: str) -> list[LocatedRecord]:
@@ -70,10 +86,8 @@ def _read_file(path: str) -> list[LocatedRecord]:
     if kind is not None or os.path.lexists(path):  # a directory or FIFO is named as such, whatever its name
         _check_regular_file(path)
     if kind is None:
-        raise ValueError(
-            f"{path!r}: unknown preference file type; use .jsonl, .json or .parquet "
-            "(or dataset={'path': 'json', 'data_files': ...} for anything load_dataset reads)"
-        )
+        raise ValueError(f"{path!r}: unknown preference file type; use .jsonl, .json or .parquet (or "
+                         "dataset={'path': 'json', 'data_files': ...} for anything load_dataset reads)")
     if kind == "parquet":
         parquet = import_optional("pyarrow.parquet", f"reading the Parquet file {path!r}")
         rows = parquet.read_table(path).to_pylist()
@@ -111,15 +125,11 @@ def _check_regular_file(path: str) -> None:
         raise ValueError(f"preference file {path!r} cannot be opened: {error.strerror}; give a readable file") from None
     if stat.S_ISREG(mode):
         return
-    what = (
-        "a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
-    )
-    hint = (
-        "; give one .jsonl, .json or .parquet file in it, or dataset={'path': 'json', 'data_files': ...} for many"
-        if stat.S_ISDIR(mode)
-        else "; write the records to a regular .jsonl, .json or .parquet file"
-    )
-    raise ValueError(f"preference file {path!r} is {what}{hint}")
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"preference file {path!r} is a directory; give one .jsonl, .json or .parquet file in it, or "
+                         "dataset={'path': 'json', 'data_files': ...} for many")
+    what = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "not a regular file"
+    raise ValueError(f"preference file {path!r} is {what}; write the records to a regular .jsonl, .json or .parquet file")
 
 
 def _json_document(text: str, path: str) -> Any:
@@ -133,9 +143,7 @@ def _json_document(text: str, path: str) -> Any:
         raise ValueError(f"{path}: JSON nested deeper than Python's parser allows; flatten the records") from None
     except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
-            raise ValueError(
-                f"{path}: not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"
-            ) from None
+            raise ValueError(f"{path}: not valid JSON at line {error.lineno} column {error.colno}: {error.msg}") from None
         return None  # maybe one record per line
 
 
@@ -172,10 +180,8 @@ def _utf8_line(line: bytes, label: str) -> str:
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{label}: not UTF-8 text (byte {line[error.start]:#04x} at byte {error.start} of the line: "
-            f"{error.reason}); save the file as UTF-8"
-        ) from None
+        raise ValueError(f"{label}: not UTF-8 text (byte {line[error.start]:#04x} at byte {error.start} of the line: "
+                         f"{error.reason}); save the file as UTF-8") from None
 
 
 def _json_lines(path: str) -> Iterator[LocatedRecord]:
@@ -186,19 +192,15 @@ def _json_lines(path: str) -> Iterator[LocatedRecord]:
         for number, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), start=1):
             label = pair_label(count, file_line(number, path))
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                raise ValueError(
-                    f"{label}: longer than {MAX_LINE_BYTES >> 20} MiB without a line break, which no preference "
-                    "record is (a binary or damaged file?)"
-                )
+                raise ValueError(f"{label}: longer than {MAX_LINE_BYTES >> 20} MiB without a line break, which no "
+                                 "preference record is (a binary or damaged file?)")
             line = _utf8_line(raw.removesuffix(b"\n"), label)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except RecursionError:
-                raise ValueError(
-                    f"{label}: JSON nested deeper than Python's parser allows; flatten the record"
-                ) from None
+                raise ValueError(f"{label}: JSON nested deeper than Python's parser allows; flatten the record") from None
             except json.JSONDecodeError as error:
                 raise ValueError(f"{label}: not valid JSON: {error}{_one_document_hint(path)}") from None
             yield LocatedRecord(record, file_line(number, path))
@@ -214,10 +216,8 @@ def _one_document_hint(path: str) -> str:
     except (ValueError, RecursionError):  # json.JSONDecodeError and a line that is not UTF-8 are ValueErrors
         return ""
     what = "an array" if isinstance(document, list) else "an object" if isinstance(document, Mapping) else "a value"
-    return (
-        f". The file holds one JSON document ({what}) over several lines, not one record per line: name it "
-        f"{os.path.splitext(path)[0]}.json, or write one record per line"
-    )
+    return (f". The file holds one JSON document ({what}) over several lines, not one record per line: name it "
+            f"{os.path.splitext(path)[0]}.json, or write one record per line")
 
 
 def _is_dataset(source: Any) -> bool:
@@ -237,10 +237,8 @@ _LOAD_DATASET_KEYS = ("path", "name", "split", "data_files", "data_dir", "revisi
 
 def _read_load_dataset(arguments: Mapping[str, Any]) -> list[LocatedRecord]:
     if "path" not in arguments:
-        raise ValueError(
-            f"dataset={dict(arguments)!r}: load_dataset arguments need 'path' (a hub name, a directory, or a "
-            "builder such as 'json' / 'parquet' with data_files)"
-        )
+        raise ValueError(f"dataset={dict(arguments)!r}: load_dataset arguments need 'path' (a hub name, a directory, "
+                         "or a builder such as 'json' / 'parquet' with data_files)")
     unknown = sorted(set(arguments) - set(_LOAD_DATASET_KEYS))
     if unknown:
         raise ValueError(f"dataset: unknown load_dataset argument(s) {unknown}; use {list(_LOAD_DATASET_KEYS)}")

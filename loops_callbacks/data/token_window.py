@@ -1,10 +1,13 @@
 """The token ids of a long preference pair that survive the length limits, from a window of its text.
 
+A *window* of a text is the slice of it, cut between two words, that holds every token the length
+limits can keep: what a very long record is tokenized from instead of its whole text.
+
 ``max_length`` keeps the first tokens of a sequence and ``max_prompt_length`` the last tokens of
 its prompt, so only the text around the start (no ``max_prompt_length``) or around the end of
 the prompt (with it) can reach the datums. Tokenizing a 50 MB record whole to keep 128 tokens
 costs gigabytes; ``window_token_ids`` tokenizes a window of the text instead and returns lists
-that give ``preference_datums`` *the same* datums, limits and events as the whole text would.
+that give ``preference_pairs`` *the same* pairs, limits and events as the whole text would.
 
 The three texts of a pair (``prompt``, ``prompt + chosen``, ``prompt + rejected``, as rendered)
 share a start ``shared``; their ``tails`` follow it. A window keeps the last ``before`` characters
@@ -72,15 +75,8 @@ def worth_a_window(length: int, max_length: int | None, max_prompt_length: int |
     return length > 4 * _CHARS_PER_TOKEN * budget
 
 
-def window_token_ids(
-    tokenizer: Any,
-    shared: str,
-    tails: Sequence[str],
-    *,
-    add_special_tokens: bool = True,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> list[list[int]]:
+def window_token_ids(tokenizer: Any, shared: str, tails: Sequence[str], *, add_special_tokens: bool = True,
+                     max_length: int | None = None, max_prompt_length: int | None = None) -> list[list[int]]:
     """``[prompt, prompt + chosen, prompt + rejected]`` ids, cut to what the limits can keep.
 
     ``tails`` are the three texts past ``shared``. The lists are slices ``ids[o:e]`` of the whole
@@ -93,10 +89,8 @@ def window_token_ids(
     before = _CHARS_PER_TOKEN * ((max_prompt_length or 0) + 2 * _MARGIN + 2)
     after = _CHARS_PER_TOKEN * ((max_length or 0) + 2 * _MARGIN + 2)
     if not cuts_between_words(tokenizer):
-        raise ValueError(
-            f"window_token_ids needs a tokenizer with a pre-tokenizer, not {type(tokenizer).__name__}: a cut may "
-            "change its tokens far away (worth_a_window says False for it; tokenize the whole text)"
-        )
+        raise ValueError(f"window_token_ids needs a tokenizer with a pre-tokenizer, not {type(tokenizer).__name__}: a "
+                         "cut may change its tokens far away (worth_a_window says False for it; tokenize the whole text)")
     previous: list[list[int]] | None = None
     while True:
         lo = max(0, len(shared) - before) if max_prompt_length is not None else 0
@@ -159,13 +153,8 @@ def _window_text(shared: str, tail: str, lo: int, hi: int | None) -> str:
     return shared[lo:] + tail[: hi - len(shared)]
 
 
-def _kept(
-    ids: list[list[int]],
-    left_cut: bool,
-    right_cut: list[bool],
-    max_length: int | None,
-    max_prompt_length: int | None,
-) -> list[list[int]] | None:
+def _kept(ids: list[list[int]], left_cut: bool, right_cut: list[bool], max_length: int | None,
+          max_prompt_length: int | None) -> list[list[int]] | None:
     """The slices of the window's ids that the limits can keep, or ``None`` when they reach tokens near a cut."""
     prompt, chosen, rejected = ids
     start = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))  # the completion start

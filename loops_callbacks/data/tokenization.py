@@ -48,24 +48,15 @@ import numpy as np
 
 from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import pair_rows, prompt_rows
-from loops_callbacks.data.labels import pair_label
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import USUAL_ROLES, parse_preference, unusual_turns
-from loops_callbacks.data.sources import LocatedRecord, read_preference_records
+from loops_callbacks.data.sources import LocatedRecord, pair_label, read_preference_records
 from loops_callbacks.data.token_window import common_prefix_length
 from loops_callbacks.data.tokenizer import load_tokenizer, tokenize_preferences
 from loops_callbacks.types import Datum
 from loops_callbacks.validation import check_int
 
-__all__ = [
-    "PreferenceDataWarning",
-    "TokenizationReport",
-    "apply_length_limits",
-    "check_limits",
-    "preference_pairs",
-    "read_dpo_jsonl",
-    "tokenize_records",
-]
+__all__ = ["PreferenceDataWarning", "TokenizationReport", "preference_pairs", "read_dpo_jsonl"]
 
 class PreferenceDataWarning(UserWarning):
     """Preference pairs were truncated or dropped by the length limits, or hold something rarely right.
@@ -112,49 +103,35 @@ class TokenizationReport:
         """One message for everything worth a warning, or ``None``."""
         parts = []
         if self.prompt_not_prefix:
-            parts.append(
-                f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
-                "prompt+completion, usually because the chat template renders the prompt alone differently or "
-                "because tokens merge across the boundary; their completion starts where the two diverge, and the "
-                f"rest of the prompt is left out of the training sequence (first: {self.examples['prompt_not_prefix']}). "
-                "The model is trained on a context that differs from the one it sees at inference: use a chat template "
-                "that renders the prompt the same way in both cases, or end the prompt on a token boundary"
-            )
-        for event, text in (
-            ("prompt_truncated", "had their prompt cut to its last max_prompt_length tokens"),
-            ("truncated", "had a sequence cut to its first max_length tokens"),
-            ("dropped_prompt_fills_max_length", "were dropped: their prompt alone fills max_length"),
-            ("dropped_empty_completion", "were dropped: no completion token left in the chosen or rejected sequence"),
-            (
-                "identical",
-                "have the same chosen and rejected sequence, so they give no gradient and only cost compute: "
-                "remove them",
-            ),
-            (
-                "unusual_role",
-                f"have a message role outside {sorted(USUAL_ROLES)}, which the chat template renders as is: "
-                "check for a typo",
-            ),
-            (
-                "completion_not_assistant",
-                "have a chosen or rejected completion that does not start with an assistant turn, so that turn's "
-                "role header is trained as completion",
-            ),
-        ):
+            parts.append(f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
+                         "prompt+completion, usually because the chat template renders the prompt alone differently or "
+                         "because tokens merge across the boundary; their completion starts where the two diverge, and "
+                         "the rest of the prompt is left out of the training sequence (first: "
+                         f"{self.examples['prompt_not_prefix']}). The model is trained on a context that differs from "
+                         "the one it sees at inference: use a chat template that renders the prompt the same way in both "
+                         "cases, or end the prompt on a token boundary")
+        for event, text in _EVENTS.items():
             count = getattr(self, event)
             if count:
                 parts.append(f"{count} of {self.num_records} pair(s) {text} (first: {self.examples[event]})")
         return "; ".join(parts) + "." if parts else None
 
 
-def apply_length_limits(
-    chosen: list[int],
-    rejected: list[int],
-    prompt_length: int,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> tuple[list[int], list[int], int, list[str]]:
+_EVENTS = {  # what the warning says of each event counted in a TokenizationReport
+    "prompt_truncated": "had their prompt cut to its last max_prompt_length tokens",
+    "truncated": "had a sequence cut to its first max_length tokens",
+    "dropped_prompt_fills_max_length": "were dropped: their prompt alone fills max_length",
+    "dropped_empty_completion": "were dropped: no completion token left in the chosen or rejected sequence",
+    "identical": "have the same chosen and rejected sequence, so they give no gradient and only cost compute: remove them",
+    "unusual_role": f"have a message role outside {sorted(USUAL_ROLES)}, which the chat template renders as is: check "
+                    "for a typo",
+    "completion_not_assistant": "have a chosen or rejected completion that does not start with an assistant turn, so "
+                                "that turn's role header is trained as completion",
+}
+
+
+def apply_length_limits(chosen: list[int], rejected: list[int], prompt_length: int, *, max_length: int | None = None,
+                        max_prompt_length: int | None = None) -> tuple[list[int], list[int], int, list[str]]:
     """The pair within the limits, and what happened (events of ``TokenizationReport``; a ``dropped_*`` one means drop it).
 
     ``max_prompt_length`` keeps the last tokens of a longer prompt; then ``max_length`` keeps the
@@ -182,15 +159,9 @@ def apply_length_limits(
     return chosen, rejected, prompt_length, events
 
 
-def preference_pairs(
-    source: Any,
-    tokenizer: Any = None,
-    *,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-    progress: bool = True,
-    warn: bool = True,
-) -> tuple[PackedPairs, TokenizationReport]:
+def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | None = None,
+                     max_prompt_length: int | None = None, progress: bool = True, warn: bool = True
+                     ) -> tuple[PackedPairs, TokenizationReport]:
     """Interleaved DPO pairs (chosen at even indices, rejected at odd) from preference records, packed:
     each sequence's ids, targets and weights go straight into flat arrays (no datum is made).
 
@@ -276,9 +247,9 @@ def tokenize_records(located: Sequence[LocatedRecord], tokenizer: Any, *, max_le
                     _note_prompt_split(report, example.where, prompt_ids, 0, tokenizer)
                     report.note("dropped_empty_completion", example.where)
                     continue
-        chosen, rejected, prompt_length, events = apply_length_limits(
-            chosen, rejected, prompt_length, max_length=max_length, max_prompt_length=max_prompt_length
-        )
+        chosen, rejected, prompt_length, events = apply_length_limits(chosen, rejected, prompt_length,
+                                                                      max_length=max_length,
+                                                                      max_prompt_length=max_prompt_length)
         if split is not None and "dropped_prompt_fills_max_length" not in events:
             _note_prompt_split(report, example.where, prompt_ids, split, tokenizer)
         for event in events:
@@ -321,14 +292,10 @@ def _check_weighted_within_limits(record: Mapping[str, Any], label: str, max_len
     for name in ("chosen", "rejected"):
         length = len(record[name])
         prompt = int(np.flatnonzero(np.asarray(record[f"{name}_weights"]) > 0)[0])
-        if (max_length is not None and length > max_length) or (
-            max_prompt_length is not None and prompt > max_prompt_length
-        ):
-            raise ValueError(
-                f"{label}: the {name} sequence ({length} tokens, {prompt} before the first weighted one) exceeds "
-                f"max_length={max_length} / max_prompt_length={max_prompt_length}, and a record given by per-token "
-                "weights is not truncated: give prompt_length instead, or shorten it"
-            )
+        if length > (max_length or length) or prompt > (max_prompt_length or prompt):
+            raise ValueError(f"{label}: the {name} sequence ({length} tokens, {prompt} before the first weighted one) "
+                             f"exceeds max_length={max_length} / max_prompt_length={max_prompt_length}, and a record "
+                             "given by per-token weights is not truncated: give prompt_length instead, or shorten it")
 
 
 def check_limits(max_length: Any, max_prompt_length: Any, owner: str = "") -> None:

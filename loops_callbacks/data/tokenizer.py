@@ -18,8 +18,10 @@ import inspect
 import json
 import os
 import re
+import socket
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 from loops_callbacks.data.preference import PreferenceExample
 from loops_callbacks.data.sources import relative_path_note
@@ -45,10 +47,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
         return _from_pretrained(transformers.AutoTokenizer, name)
     if callable(tokenizer) and callable(getattr(tokenizer, "apply_chat_template", None)):
         return tokenizer
-    raise TypeError(
-        f"tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
-        f"got {type(tokenizer).__name__}"
-    )
+    raise TypeError("tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
+                    f"got {type(tokenizer).__name__}")
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
@@ -71,10 +71,8 @@ def check_tokenizer_path(name: str, what: str = "tokenizer") -> None:
     if os.path.isdir(name) or (hub_name and not os.path.exists(name)):
         return
     problem = "is a file, not a directory" if os.path.exists(name) else f"does not exist{relative_path_note(name)}"
-    raise ValueError(
-        f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
-        "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'"
-    )
+    raise ValueError(f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
+                     "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'")
 
 
 def _from_pretrained(auto: Any, name: str) -> Any:
@@ -86,40 +84,27 @@ def _from_pretrained(auto: Any, name: str) -> Any:
         return auto.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
         pass  # not in the local cache
+    missing = f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and"
+    fetch = f"fetch it where there is a network (hf download {name} --exclude '*.safetensors' '*.bin')"
     if _hub_offline():
-        raise ValueError(
-            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and the Hub is "
-            f"offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE): fetch it where there is a network "
-            f"(hf download {name} --exclude '*.safetensors' '*.bin') or give the path of its directory"
-        )
+        raise ValueError(f"{missing} the Hub is offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE): {fetch} or give "
+                         "the path of its directory")
     unreachable = _hub_unreachable()
     if unreachable:
-        raise ValueError(
-            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and the Hub cannot "
-            f"be reached ({unreachable}): fetch it where there is a network (hf download {name} --exclude "
-            "'*.safetensors' '*.bin') or give the path of its directory; set HF_HUB_OFFLINE=1 on machines without one"
-        )
+        raise ValueError(f"{missing} the Hub cannot be reached ({unreachable}): {fetch} or give the path of its "
+                         "directory; set HF_HUB_OFFLINE=1 on machines without one")
     try:
         return auto.from_pretrained(name)
     except OSError as error:
-        raise ValueError(
-            f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and could not be "
-            f"downloaded ({error}); check the name and the network, or give the path of its directory"
-        ) from error
+        raise ValueError(f"{missing} could not be downloaded ({error}); check the name and the network, or give the "
+                         "path of its directory") from error
 
 
 def _hub_unreachable() -> str | None:
     """Why the Hub cannot be reached when its host name does not resolve (no network: fail now, not after retries)."""
-    import socket
-    from urllib.parse import urlparse
+    from huggingface_hub import constants
 
-    try:
-        from huggingface_hub import constants
-
-        endpoint = constants.ENDPOINT
-    except ImportError:
-        endpoint = "https://huggingface.co"
-    host = urlparse(endpoint).hostname or "huggingface.co"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError as error:
@@ -128,40 +113,20 @@ def _hub_unreachable() -> str | None:
 
 
 def _hub_offline() -> bool:
-    if any(
-        os.environ.get(key, "").upper() in ("1", "ON", "YES", "TRUE")
-        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    ):
-        return True
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return False
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+    """``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` as set now (``huggingface_hub`` reads them once, at import)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(key, "").upper() for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(flag in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
 # apply_chat_template's own arguments and the template's own variables: a record's
 # chat_template_kwargs may not set them (the signature adds any a newer transformers has)
-_RESERVED_TEMPLATE_NAMES = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "sanitize_control_tokens",
-    }
-)
+_RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
 
 
 def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> None:
@@ -180,176 +145,86 @@ def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> No
     """
     if not example.chat_template_kwargs:
         return
-    reserved = _RESERVED_TEMPLATE_NAMES | {
-        name
-        for name, parameter in inspect.signature(tokenizer.apply_chat_template).parameters.items()
-        if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-    }
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.items()
+    reserved = _RESERVED_TEMPLATE_NAMES | {name for name, parameter in parameters
+                                           if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
     special = set(getattr(tokenizer, "special_tokens_map", {}) or {})
     for key in example.chat_template_kwargs:
         if key in reserved:
-            fix = {
-                "chat_template": "; a record cannot replace the chat template: set tokenizer.chat_template",
-                "tools": "; give tools as the record's own 'tools'",
-            }.get(key, "; only template variables (such as enable_thinking) may be set per record")
-            raise ValueError(
-                f"{example.where}: chat_template_kwargs sets {key!r}, an argument of apply_chat_template, not a "
-                f"template variable{fix}"
-            )
+            fix = {"chat_template": "; a record cannot replace the chat template: set tokenizer.chat_template",
+                   "tools": "; give tools as the record's own 'tools'"}.get(
+                key, "; only template variables (such as enable_thinking) may be set per record")
+            raise ValueError(f"{example.where}: chat_template_kwargs sets {key!r}, an argument of apply_chat_template, "
+                             f"not a template variable{fix}")
         if key in special:
-            raise ValueError(
-                f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's special "
-                "token in the template; remove it (set the tokenizer's own special tokens instead)"
-            )
+            raise ValueError(f"{example.where}: chat_template_kwargs sets {key!r}, which would replace the tokenizer's "
+                             "special token in the template; remove it (set the tokenizer's own special tokens instead)")
 
 
-def tokenize_preferences(
-    examples: Sequence[PreferenceExample],
-    tokenizer: Any,
-    *,
-    progress: bool = False,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> list[tuple[list[int], list[int], list[int]]]:
+def tokenize_preferences(examples: Sequence[PreferenceExample], tokenizer: Any, *, progress: bool = False,
+                         max_length: int | None = None, max_prompt_length: int | None = None
+                         ) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, prompt_chosen_ids, prompt_rejected_ids)`` of each text or chat example, as TRL 1.x computes them.
 
-    Batched: one tokenizer call per chunk of records (and per distinct ``tools`` /
-    ``chat_template_kwargs``), which gives the same ids as TRL's one call per record. With a
-    limit, a record much longer than it is tokenized from a window of its text
-    (``loops_callbacks.data.token_window``): its lists are then the slices of the whole ids that
-    the limits can keep, which give the same datums.
+    A chat example is rendered with its chat template, then tokenized without special tokens (what
+    ``apply_chat_template(tokenize=True)`` does); a text example is tokenized with them, EOS appended
+    to a completion that lacks it. Batched: one tokenizer call per chunk of records, which gives the
+    same ids as TRL's one call per record. With a limit, a record much longer than it is tokenized
+    from a window of its text (``loops_callbacks.data.token_window``): its lists are then the slices
+    of the whole ids that the limits can keep, which give the same pairs.
     """
     checked_keys: set[frozenset[str]] = set()  # the check reads only the keys: once per distinct set
     for example in examples:
         if example.conversational and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"{example.where}: a conversational record needs a tokenizer with a chat template, and "
-                f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has none; set "
-                "tokenizer.chat_template or use the model's own tokenizer"
-            )
+            raise ValueError(f"{example.where}: a conversational record needs a tokenizer with a chat template, and "
+                             f"{type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '')!r}) has none; set "
+                             "tokenizer.chat_template or use the model's own tokenizer")
         keys = frozenset(example.chat_template_kwargs or ())
         if keys not in checked_keys:
             check_chat_template_kwargs(example, tokenizer)
             checked_keys.add(keys)
     results: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(examples)
-    shown = progress and bool(examples)
-    with ProgressBar(shown, len(examples), desc="tokenizing preference pairs", unit="pair") as bar:
+    with ProgressBar(progress and bool(examples), len(examples), desc="tokenizing preference pairs", unit="pair") as bar:
         for start in range(0, len(examples), _CHUNK):
-            groups: dict[str, list[int]] = {}
+            whole: dict[bool, list[tuple[int, list[str]]]] = {True: [], False: []}  # by add_special_tokens
             for index in range(start, min(start + _CHUNK, len(examples))):
-                example = examples[index]
-                if worth_a_window(_text_length(example), max_length, max_prompt_length, tokenizer):
-                    results[index] = _window_ids(example, tokenizer, max_length, max_prompt_length)
+                shared, tails, special = _texts(examples[index], tokenizer)
+                if worth_a_window(len(shared) + max(map(len, tails)), max_length, max_prompt_length, tokenizer):
+                    prompt, chosen, rejected = window_token_ids(tokenizer, shared, tails, add_special_tokens=special,
+                                                                max_length=max_length,
+                                                                max_prompt_length=max_prompt_length)
+                    results[index] = (prompt, chosen, rejected)
                 else:
-                    groups.setdefault(_call_key(example), []).append(index)
-            for indices in groups.values():
-                for index, ids in zip(indices, _tokenize_group([examples[i] for i in indices], tokenizer)):
-                    results[index] = ids
+                    whole[special].append((index, [shared + tail for tail in tails]))
+            for special, items in whole.items():
+                if items:
+                    ids = tokenizer([text for _, texts in items for text in texts], add_special_tokens=special)
+                    for number, (index, _) in enumerate(items):
+                        prompt, chosen, rejected = (list(i) for i in ids["input_ids"][3 * number : 3 * number + 3])
+                        results[index] = (prompt, chosen, rejected)
             bar.advance(min(_CHUNK, len(examples) - start))
     return results
 
 
-def _text_length(example: PreferenceExample) -> int:
-    """The characters of the longer of prompt + chosen and prompt + rejected (message contents for chats)."""
+def _texts(example: PreferenceExample, tokenizer: Any) -> tuple[str, list[str], bool]:
+    """The start the three texts share (prompt, prompt + chosen, prompt + rejected), what follows it in each, and
+    whether they are tokenized with special tokens (text records) or not (rendered chats already hold them)."""
     if not example.conversational:
-        return len(example.prompt) + max(len(example.chosen), len(example.rejected))
-
-    def characters(messages: list[Any]) -> int:
-        total = 0
-        for message in messages:
-            content = message.get("content")
-            total += len(content) if isinstance(content, str) else sum(len(p["text"]) for p in content or [])
-        return total
-
-    return characters(example.prompt) + max(characters(example.chosen), characters(example.rejected))
-
-
-def _window_ids(
-    example: PreferenceExample, tokenizer: Any, max_length: int | None, max_prompt_length: int | None
-) -> tuple[list[int], list[int], list[int]]:
-    """One long example's ids from a window of its text (``window_token_ids``)."""
-    if example.conversational:
-        kwargs: dict[str, Any] = {"tools": example.tools, **example.chat_template_kwargs}
-        texts = []
-        for conversation, generation_prompt in (
-            (example.prompt, True),
-            (example.prompt + example.chosen, False),
-            (example.prompt + example.rejected, False),
-        ):
-            try:  # as apply_chat_template(tokenize=True) does: render, then tokenize without special tokens
-                texts.append(
-                    tokenizer.apply_chat_template(
-                        conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
-                    )
-                )
-            except Exception as error:
-                _name_the_failing_record([example], [conversation], generation_prompt, kwargs, tokenizer, error)
-                raise
-        shared, special = texts[1][: shared_start(texts)], False
-        tails = [text[len(shared) :] for text in texts]
-    else:
         eos = tokenizer.eos_token
-        shared, special = example.prompt, True
-        tails = ["", _with_eos(example.chosen, eos), _with_eos(example.rejected, eos)]
-    prompt, chosen, rejected = window_token_ids(
-        tokenizer, shared, tails, add_special_tokens=special, max_length=max_length, max_prompt_length=max_prompt_length
-    )
-    return prompt, chosen, rejected
-
-
-def _call_key(example: PreferenceExample) -> str:
-    if not example.conversational:
-        return "text"
-    return json.dumps([example.tools, example.chat_template_kwargs], sort_keys=True, default=str)
-
-
-def _tokenize_group(examples: list[PreferenceExample], tokenizer: Any) -> list[tuple[list[int], list[int], list[int]]]:
-    if examples[0].conversational:
-        kwargs: dict[str, Any] = {"tools": examples[0].tools, **examples[0].chat_template_kwargs}
-
-        def render(conversations: list[list[Any]], generation_prompt: bool) -> list[list[int]]:
-            try:
-                encoded = tokenizer.apply_chat_template(
-                    conversations, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True, **kwargs
-                )
-            except Exception as error:
-                _name_the_failing_record(examples, conversations, generation_prompt, kwargs, tokenizer, error)
-                raise
-            return [list(ids) for ids in encoded["input_ids"]]
-
-        prompts = render([e.prompt for e in examples], True)
-        chosen = render([e.prompt + e.chosen for e in examples], False)
-        rejected = render([e.prompt + e.rejected for e in examples], False)
-    else:
-        eos = tokenizer.eos_token
-        texts = [e.prompt for e in examples]
-        texts += [e.prompt + _with_eos(e.chosen, eos) for e in examples]
-        texts += [e.prompt + _with_eos(e.rejected, eos) for e in examples]
-        ids = [list(i) for i in tokenizer(texts)["input_ids"]]
-        count = len(examples)
-        prompts, chosen, rejected = ids[:count], ids[count : 2 * count], ids[2 * count :]
-    return list(zip(prompts, chosen, rejected))
-
-
-def _name_the_failing_record(
-    examples: list[PreferenceExample],
-    conversations: list[list[Any]],
-    generation_prompt: bool,
-    kwargs: dict[str, Any],
-    tokenizer: Any,
-    error: Exception,
-) -> None:
-    """A batch the chat template failed on: a ``ValueError`` naming the first record it fails on alone."""
-    for example, conversation in zip(examples, conversations):
+        return example.prompt, ["", *(_with_eos(text, eos) for text in (example.chosen, example.rejected))], True
+    kwargs: dict[str, Any] = {"tools": example.tools, **example.chat_template_kwargs}
+    texts = []
+    for conversation, generation_prompt in ((example.prompt, True), (example.prompt + example.chosen, False),
+                                            (example.prompt + example.rejected, False)):
         try:
-            tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
-            )
-        except Exception as own:
-            raise ValueError(
-                f"{example.where}: the chat template of {type(tokenizer).__name__} "
-                f"({getattr(tokenizer, 'name_or_path', '')!r}) fails on this record: {type(own).__name__}: {own}"
-            ) from error
+            texts.append(tokenizer.apply_chat_template(conversation, add_generation_prompt=generation_prompt,
+                                                       tokenize=False, **kwargs))
+        except Exception as error:
+            raise ValueError(f"{example.where}: the chat template of {type(tokenizer).__name__} "
+                             f"({getattr(tokenizer, 'name_or_path', '')!r}) fails on this record: "
+                             f"{type(error).__name__}: {error}") from error
+    shared = texts[1][: shared_start(texts)]
+    return shared, [text[len(shared) :] for text in texts], False
 
 
 def _with_eos(text: str, eos: str | None) -> str:
@@ -373,15 +248,9 @@ def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
     else:
         vocabulary = getattr(tokenizer, "get_vocab", None)
         rules = json.dumps(sorted(vocabulary().items())) if callable(vocabulary) else repr(tokenizer)
-    special = {
-        "class": type(tokenizer).__qualname__,
-        "special_tokens": getattr(tokenizer, "special_tokens_map", None),
-        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
-    }
-    parts = {
-        "tokenizer vocabulary and rules": rules,
-        "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
-        "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str),
-    }
+    special = {"class": type(tokenizer).__qualname__, "special_tokens": getattr(tokenizer, "special_tokens_map", None),
+               **{key: getattr(tokenizer, key, None) for key in ("add_bos_token", "add_eos_token")}}
+    parts = {"tokenizer vocabulary and rules": rules,
+             "tokenizer special tokens": json.dumps(special, sort_keys=True, default=str),
+             "chat template": json.dumps(getattr(tokenizer, "chat_template", None), sort_keys=True, default=str)}
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}

@@ -53,9 +53,8 @@ _METRIC_NAMES = ("dpo_loss", "dpo_accuracy", "dpo_margin", "chosen_reward", "rej
 _PROGRESS_BAR = ("dpo_loss", "dpo_accuracy")
 
 
-def dpo_loss(
-    policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor, beta: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor,
+             beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DPO loss of interleaved rows, and its metrics (detached, means over pairs).
 
     Args:
@@ -70,14 +69,12 @@ def dpo_loss(
         ``chosen_reward``, ``rejected_reward``.
     """
     if not (policy_logprobs.shape == ref_logprobs.shape == weights.shape) or policy_logprobs.dim() != 2:
-        raise ValueError(
-            f"dpo_loss needs [2P, T] tensors of one shape, got policy_logprobs {tuple(policy_logprobs.shape)}, "
-            f"ref_logprobs {tuple(ref_logprobs.shape)}, weights {tuple(weights.shape)}"
-        )
+        raise ValueError(f"dpo_loss needs [2P, T] tensors of one shape, got policy_logprobs "
+                         f"{tuple(policy_logprobs.shape)}, ref_logprobs {tuple(ref_logprobs.shape)}, weights "
+                         f"{tuple(weights.shape)}")
     if policy_logprobs.shape[0] % 2:
-        raise ValueError(
-            f"dpo_loss needs interleaved chosen/rejected rows, got an odd number of rows: {policy_logprobs.shape[0]}"
-        )
+        raise ValueError(f"dpo_loss needs interleaved chosen/rejected rows, got an odd number of rows: "
+                         f"{policy_logprobs.shape[0]}")
     active = weights != 0
     weights = weights.to(policy_logprobs.dtype)
     policy = (torch.where(active, policy_logprobs, 0.0) * weights).sum(dim=1)
@@ -86,13 +83,9 @@ def dpo_loss(
     chosen_reward, rejected_reward = rewards[0::2], rewards[1::2]
     margin = chosen_reward - rejected_reward
     loss = -F.logsigmoid(margin).mean()
-    metrics = {
-        "dpo_loss": loss.detach(),
-        "dpo_accuracy": (margin > 0).float().mean(),
-        "dpo_margin": margin.detach().mean(),
-        "chosen_reward": chosen_reward.detach().mean(),
-        "rejected_reward": rejected_reward.detach().mean(),
-    }
+    metrics = {"dpo_loss": loss.detach(), "dpo_accuracy": (margin > 0).float().mean(),
+               "dpo_margin": margin.detach().mean(), "chosen_reward": chosen_reward.detach().mean(),
+               "rejected_reward": rejected_reward.detach().mean()}
     return loss, metrics
 
 
@@ -179,13 +172,11 @@ class DPOModule(LightningModule):
     def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         name = type(self).__name__
         if "ref_logprobs" not in batch:
-            raise ValueError(
-                f"{name}: the batch has no 'ref_logprobs' - the reference logprobs were not attached. "
-                "Score every datum with a frozen reference model before training: use "
-                "loops_callbacks.data.DPODataModule (it attaches them), or call "
-                "loops_callbacks.attach_reference_logprobs(datums, reference) on the datums the "
-                f"batches are built from. The batch has keys {sorted(batch)}."
-            )
+            raise ValueError(f"{name}: the batch has no 'ref_logprobs' - the reference logprobs were not attached. "
+                             "Score every datum with a frozen reference model before training: use "
+                             "loops_callbacks.data.DPODataModule (it attaches them), or call "
+                             "loops_callbacks.attach_reference_logprobs(datums, reference) on the datums the batches "
+                             f"are built from. The batch has keys {sorted(batch)}.")
         missing = [key for key in _REQUIRED_KEYS if key not in batch]
         if missing:
             raise ValueError(f"{name}: the batch lacks {missing}; it has keys {sorted(batch)}")
@@ -220,14 +211,8 @@ class HFDPOModule(DPOModule):
             lr: 1.0e-6
     """
 
-    def __init__(
-        self,
-        model: str | dict[str, Any],
-        beta: PositiveFloat = 0.1,
-        lr: PositiveFloat = 1e-6,
-        weight_decay: float = 0.0,
-        from_pretrained_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, model: str | dict[str, Any], beta: PositiveFloat = 0.1, lr: PositiveFloat = 1e-6,
+                 weight_decay: float = 0.0, from_pretrained_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(beta=beta, lr=lr, weight_decay=weight_decay)
         self.save_hyperparameters()
         transformers = import_optional("transformers", "HFDPOModule")
@@ -239,9 +224,8 @@ class HFDPOModule(DPOModule):
             config, self.tokenizer_name_or_path = _config_and_tokenizer(model)
             config = dict(config)
             if "model_type" not in config:
-                raise ValueError(
-                    f"HFDPOModule model config {sorted(config)} has no 'model_type' (e.g. 'llama', 'qwen2', 'gpt2')"
-                )
+                raise ValueError(f"HFDPOModule model config {sorted(config)} has no 'model_type' (e.g. 'llama', "
+                                 "'qwen2', 'gpt2')")
             if self.tokenizer_name_or_path is not None:  # a missing path now, not when the data are read
                 check_tokenizer_path(self.tokenizer_name_or_path, "HFDPOModule model['tokenizer']")
             if "vocab_size" not in config and self.tokenizer_name_or_path is not None:
@@ -267,9 +251,7 @@ def _config_and_tokenizer(model: Mapping[str, Any]) -> tuple[Mapping[str, Any], 
         return model, None
     unknown = sorted(set(model) - {"config", "tokenizer"})
     if unknown or not isinstance(model["config"], Mapping):
-        raise ValueError(
-            f"HFDPOModule model: a dict is a config ({{'model_type': ...}}) or {{'config': {{...}}, 'tokenizer': "
-            f"name_or_path}}; got keys {sorted(model)}"
-        )
+        raise ValueError(f"HFDPOModule model: a dict is a config ({{'model_type': ...}}) or {{'config': {{...}}, "
+                         f"'tokenizer': name_or_path}}; got keys {sorted(model)}")
     tokenizer = check("HFDPOModule model['tokenizer']", model.get("tokenizer"), str, "a name or path", optional=True)
     return model["config"], tokenizer

@@ -29,6 +29,7 @@ from loops_callbacks.data import (
     ReferenceCacheWarning,
     ReferenceConfig,
     ReferenceLogprobsMixin,
+    Scoring,
     check_dpo_pairs,
     collate_dpo_pairs,
     dpo_pair_datums,
@@ -254,7 +255,8 @@ def test_changed_data_or_dtype_invalidate_the_cache(tmp_path: Any) -> None:
     with pytest.warns(ReferenceCacheWarning, match="the data changed"):
         fit(toy_model(), DPODataModule(swapped, reference=client, progress=False), tmp_path)
     with pytest.warns(ReferenceCacheWarning, match="the scoring dtype changed"):
-        fit(toy_model(), DPODataModule(swapped, reference=client, scoring_dtype="bfloat16", progress=False), tmp_path)
+        fit(toy_model(), DPODataModule(swapped, reference=client, scoring=Scoring(scoring_dtype="bfloat16"),
+                                          progress=False), tmp_path)
 
 
 def _memmap_of(array: np.ndarray) -> np.memmap | None:
@@ -340,10 +342,12 @@ def test_client_without_fingerprint_is_not_cached(tmp_path: Any) -> None:
     with pytest.warns(ReferenceCacheWarning, match="not cached"):
         fit(toy_model(), DPODataModule(data, reference=client, progress=False), tmp_path, max_steps=1)
     assert list_caches(tmp_path / "reference_logprobs") == []
-    module = DPODataModule(data, reference=client, reference_fingerprint="sampler@step-0", progress=False)
+    module = DPODataModule(data, reference=client, scoring=Scoring(reference_fingerprint="sampler@step-0"),
+                           progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
     client.scored = 0
-    module = DPODataModule(data, reference=client, reference_fingerprint="sampler@step-0", progress=False)
+    module = DPODataModule(data, reference=client, scoring=Scoring(reference_fingerprint="sampler@step-0"),
+                           progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
     assert client.scored == 0 and module.reference_report.source == "cache"
 
@@ -534,7 +538,8 @@ def test_a_callable_reference(tmp_path: Any) -> None:
     with pytest.warns(ReferenceCacheWarning, match="not cached"):
         fit(toy_model(), module, tmp_path, max_steps=1)
     assert_close_rows(ref_values(module.scored_pairs.datums()), ref_values(attach_reference_logprobs(data, TorchSamplingClient(reference))))
-    module = DPODataModule(data, reference=lambda ids: reference(ids), reference_fingerprint="toy-8", progress=False)
+    module = DPODataModule(data, reference=lambda ids: reference(ids), scoring=Scoring(reference_fingerprint="toy-8"),
+                           progress=False)
     fit(toy_model(), module, tmp_path, max_steps=1)
     assert the_cache_file(tmp_path / "reference_logprobs").is_file()
 
@@ -553,7 +558,8 @@ def test_checkpoint_and_module_references(tmp_path: Any) -> None:
         fit(toy_model(0), module, tmp_path, max_steps=1)
         assert ref_values(module.scored_pairs.datums()) == expected, path
     # an nn.Module is scored as a frozen copy: the module itself is not cast
-    module = DPODataModule(data, reference=reference, scoring_dtype="float16", use_cache=False, progress=False)
+    module = DPODataModule(data, reference=reference, scoring=Scoring(scoring_dtype="float16"), use_cache=False,
+                           progress=False)
     fit(toy_model(0), module, tmp_path, max_steps=1)
     assert next(reference.parameters()).dtype == torch.float32
     half = ref_values(attach_reference_logprobs(data, TorchSamplingClient.snapshot(reference, dtype="float16")))
@@ -800,8 +806,8 @@ def test_jsonl_input(tmp_path: Any) -> None:
         ({"path": "x.jsonl", "max_length": 1}, r"max_length \(or None\) must be an int >= 2, got 1"),
         ({"path": "x.jsonl", "max_length": 8, "max_prompt_length": 8}, "max_prompt_length=8 must be less than"),
         ({"data": [], "batch_size": 0}, "batch_size must be an int >= 1, got 0"),
-        ({"data": [], "scoring_dtype": "float64"}, "scoring_dtype='float64' is not one of"),
-        ({"data": [], "max_tokens_per_batch": -5}, "max_tokens_per_batch must be an int >= 1, got -5"),
+        ({"data": [], "scoring": Scoring(scoring_dtype="float64")}, "scoring_dtype='float64' is not one of"),
+        ({"data": [], "scoring": Scoring(max_tokens_per_batch=-5)}, "max_tokens_per_batch must be an int >= 1, got -5"),
         ({"data": [], "val_fraction": 1.0}, r"val_fraction must be a number in \[0, 1\), got 1.0"),
         ({"data": [], "num_workers": -1}, "num_workers must be an int >= 0, got -1"),
     ],
@@ -819,16 +825,18 @@ def test_yaml_configs_parse(tmp_path: Any) -> None:
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(DPODataModule, "data")
     config = parser.parse_string(
-        f"data:\n  jsonl_path: {pairs}\n  reference: path/to.ckpt\n  scoring_dtype: bfloat16\n  batch_size: 4\n"
+        f"data:\n  jsonl_path: {pairs}\n  reference: path/to.ckpt\n  scoring:\n    scoring_dtype: bfloat16\n"
+        "  batch_size: 4\n"
     )
-    assert config.data.reference == "path/to.ckpt" and config.data.scoring_dtype == "bfloat16"
+    assert config.data.reference == "path/to.ckpt" and config.data.scoring.scoring_dtype == "bfloat16"
     module = parser.instantiate(config).data
     assert isinstance(module, DPODataModule) and module.reference_config.reference == "path/to.ckpt"
+    assert module.reference_config.scoring_dtype == "bfloat16"
     config = parser.parse_string("data:\n  data: [{chosen: [1, 2, 3], rejected: [1, 2, 4], prompt_length: 2}]\n")
     assert config.data.reference is None
     assert parser.instantiate(config).data.dpo_data().datums()[1].model_input.to_ints() == [1, 2, 4]
     with pytest.raises(jsonargparse.ArgumentError):
-        parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring_dtype: float64\n")
+        parser.parse_string("data:\n  jsonl_path: pairs.jsonl\n  scoring:\n    scoring_dtype: float64\n")
 
 
 # ----------------------------------------------------------------------------- two ranks

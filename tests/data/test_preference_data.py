@@ -233,7 +233,7 @@ def test_bad_sources_are_explained(tmp_path: Path) -> None:
         read_preference_records({"data_files": "x.jsonl"})
     with pytest.raises(ValueError, match=r"unknown load_dataset argument\(s\) \['streaming'\]"):
         read_preference_records({"path": "json", "streaming": True})
-    with pytest.raises(ValueError, match="got int"):
+    with pytest.raises(TypeError, match="got int"):  # a wrong type is a TypeError
         read_preference_records(5)
 
 

@@ -197,8 +197,8 @@ def _case_sharded(rank: int, out_dir: Path) -> dict[str, Any]:
     render = tokenizer.apply_chat_template
 
     def counting(conversations: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("add_generation_prompt"):  # one call of these per chunk of prompts
-            rendered.append(len(conversations))
+        if kwargs.get("add_generation_prompt"):  # the prompts rendered: one conversation, or a batch of them
+            rendered.append(len(conversations) if isinstance(conversations[0], list) else 1)
         return render(conversations, *args, **kwargs)
 
     tokenizer.apply_chat_template = counting

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from loops_callbacks.data import DPODataModule
+from loops_callbacks.data import DPODataModule, Scoring
 from loops_callbacks.reference import policy as policy_module
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.config import ReferenceConfig, resolve_reference
@@ -60,7 +60,8 @@ def test_the_datamodules_settings_reach_the_policy_scorer(tmp_path: Any, monkeyp
         return original(cls, trainer, **settings)
 
     monkeypatch.setattr(policy_module.PolicyReference, "from_trainer", classmethod(spy))
-    data = DPODataModule(pair_datums(make_pairs(4)), batch_size=2, progress=False, max_tokens_per_batch=64)
+    data = DPODataModule(pair_datums(make_pairs(4)), batch_size=2, progress=False,
+                         scoring=Scoring(max_tokens_per_batch=64))
     fit(toy_model(), data, tmp_path, max_steps=1)
     assert seen == [{"scoring_dtype": None, "max_tokens_per_batch": 64}]
     assert data.reference_config.reference is None and data.reference_config.progress is False

@@ -139,7 +139,7 @@ def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward() ->
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (float("nan"), ValueError), ("60", TypeError)])
 def test_the_timeout_is_checked(value: Any, error: type[Exception]) -> None:
-    from loops_callbacks.data import DPODataModule
+    from loops_callbacks.data import DPODataModule, Scoring
 
     with pytest.raises(error, match=f"scoring_timeout must be a number of seconds > 0, or None for no limit, got {value!r}"):
-        DPODataModule(data=[], scoring_timeout=value)
+        DPODataModule(data=[], scoring=Scoring(scoring_timeout=value))
