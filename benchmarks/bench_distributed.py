@@ -78,7 +78,7 @@ def gather_everything(stats: DivergenceStats, collectives: Any) -> DivergenceSta
     size = stats.sample_size
     if size is None:
         size = int(gather(torch.tensor([length], device=stats.sums.device)).max())
-    keys = stats.keys if stats.keys is not None else torch.zeros_like(stats.sample)
+    keys = stats.sample_keys if stats.sample_keys is not None else torch.zeros_like(stats.sample)
     values = torch.nn.functional.pad(stats.sample, (0, size - length))
     keys = torch.nn.functional.pad(keys, (0, size - length), value=float("inf"))
     parts = zip(gather(stats.sums), gather(stats.maxima), gather(stats.worst), gather(values), gather(keys))

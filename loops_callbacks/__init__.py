@@ -8,7 +8,7 @@ one target-token log-probability formula (a ``training_step``'s, the DPO policy'
 scorer's). The SDK's import paths ``loops_callbacks.rl_metrics`` and ``loops_callbacks.helpers.datum``
 are kept.
 
-Example:
+Examples:
     >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor, attach_reference_logprobs
     >>> KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop")).guard_rail.on_exceed
     'stop'

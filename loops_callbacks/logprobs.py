@@ -10,7 +10,7 @@ Position k of ``logits`` predicts ``target_tokens[k]`` (for a causal LM fed ``in
 dtype (float64 logits stay float64 unless ``dtype`` says otherwise); without autograd it runs a
 few rows at a time, so its float32 temporaries stay small next to the model's own logits.
 
-Example:
+Examples:
     >>> import torch
     >>> logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0]]], dtype=torch.bfloat16)  # [B=1, T=2, V=2]
     >>> out = token_logprobs(logits, torch.tensor([[1, 0]]))
@@ -76,7 +76,7 @@ def token_logprobs(
         ``TokenLogprobs`` of three ``[B, T]`` tensors). The values do not depend on
         ``rows_per_chunk`` (each row's log-softmax is computed alone).
 
-    Example:
+    Examples:
         >>> import torch
         >>> torch.manual_seed(0) and None
         >>> logits, targets = torch.randn(2, 3, 5), torch.tensor([[0, 4, 2], [1, 1, 3]])

@@ -4,7 +4,7 @@ Both read the batch once into its statistics (``loops_callbacks.divergence``: ``
 ``DivergenceStats``), turn them into the metrics dict (``metrics``) and, for the logging variant,
 build the W&B histogram and worst-tokens table.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.types import Datum, ModelInput
     >>> datum = Datum(ModelInput.from_ints([1, 2, 3]), {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})

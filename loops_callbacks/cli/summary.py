@@ -80,14 +80,14 @@ def reference_lines(datamodule: Any) -> list[str]:
         return []
     where = shown(report.cache_path) if report.cache_path else None
     if report.source == "cache":
-        return [f"Reference logprobs: {report.num_datums} datums loaded from the cache {where} (nothing scored)"]
+        return [f"Reference logprobs: {report.n_datums} datums loaded from the cache {where} (nothing scored)"]
     if report.cache_written:
         cached = f"cached in {where}"
     elif where and report.cache_status != "off":
         cached = f"not cached: {where} could not be written (see the ReferenceCacheWarning above)"
     else:
         cached = "not cached"
-    return [f"Reference logprobs: {report.num_datums} datums scored in {report.seconds:.1f} s "
+    return [f"Reference logprobs: {report.n_datums} datums scored in {report.seconds:.1f} s "
             f"(cache lookup: {report.cache_status}), {cached}"]
 
 

@@ -14,7 +14,7 @@ interleaved (row 2i chosen, 2i + 1 rejected) and right-padded: ``input_ids`` (lo
 padding), ``target_tokens`` (long, 0), ``weights`` (float, 0), ``ref_logprobs`` (float, 0) and
 ``attention_mask`` (bool, True on real tokens).
 
-Example:
+Examples:
     >>> chosen, rejected = dpo_pair_datums([1, 5, 6, 2], [1, 5, 7], prompt_length=2)
     >>> chosen.loss_fn_inputs["target_tokens"].data, chosen.loss_fn_inputs["weights"].data
     ([5, 6, 2, 0], [0.0, 1.0, 1.0, 0.0])
@@ -59,7 +59,7 @@ def dpo_pair_datums(chosen: Sequence[int], rejected: Sequence[int], prompt_lengt
             missing ``prompt_length``, prompts that differ, weights of the wrong length, negative or
             non-finite, or all zero.
 
-    Example:
+    Examples:
         >>> chosen, rejected = dpo_pair_datums([1, 2, 3], [1, 4], chosen_weights=[0, 0, 1], rejected_weights=[0, 1])
         >>> chosen.loss_fn_inputs["weights"].data, rejected.loss_fn_inputs["weights"].data
         ([0.0, 1.0, 0.0], [1.0, 0.0])
@@ -78,7 +78,7 @@ def pair_rows(chosen: Any, rejected: Any, prompt_length: Any = None, *, chosen_w
     """``dpo_pair_datums``'s two sequences, checked, as ``PackedPairs`` rows (``input_ids``, ``target_tokens``,
     ``weights``): no datum.
 
-    Example:
+    Examples:
         >>> [row["weights"].tolist() for row in pair_rows([1, 2, 3], [1, 4], 1)]
         [[1.0, 1.0, 0.0], [1.0, 0.0]]
     """
@@ -173,7 +173,7 @@ def check_dpo_pairs(data: Sequence[Any] | PackedPairs, *, check_prompts: bool = 
     the first weighted prediction). Packed pairs are checked every time: they may have been
     replaced or edited since they were made.
 
-    Example:
+    Examples:
         >>> pairs = check_dpo_pairs([*dpo_pair_datums([1, 2, 3], [1, 4], 1)])
         >>> pairs.input_ids.tolist(), pairs.offsets.tolist(), pairs.weights.tolist()
         ([1, 2, 3, 1, 4], [0, 3, 5], [1.0, 1.0, 0.0, 1.0, 0.0])
@@ -246,7 +246,7 @@ class DPOPairDataset(Dataset):
     scoring stay the one buffer they are). Each item is ``(chosen, rejected)``, each a dict of 1-D
     tensors ``input_ids``, ``target_tokens``, ``weights`` and ``ref_logprobs``, views of those arrays.
 
-    Example:
+    Examples:
         >>> from loops_callbacks.helpers.datum import attach_reference_logprobs
         >>> class Flat:
         ...     def compute_logprobs(self, prompt):

@@ -10,7 +10,7 @@ i's tensors as views, which batches are cut from. Pairs are *scored* once they h
 logprobs (``ref_logprobs``; ``scored()``, ``ReferenceLogprobsMixin.scored_pairs``): "scored" means that
 everywhere in ``loops_callbacks.data``.
 
-Example:
+Examples:
     >>> from loops_callbacks.data.dpo import dpo_pair_datums
     >>> pairs = PackedPairs.from_datums(dpo_pair_datums([1, 2, 3], [1, 4], prompt_length=1))
     >>> pairs = pairs.scored(np.array([-0.5, -0.5, 0.0, -1.0, 0.0], dtype=np.float32))
@@ -93,7 +93,7 @@ class PackedPairs:
         scored: every field of theirs kept), else new ones (``model_input``, ``target_tokens`` and ``weights``,
         unless the sequence had none, as ``TensorData``); ``ref_logprobs`` are float32 views of the one buffer.
 
-        Example:
+        Examples:
             >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
             >>> pairs = check_dpo_pairs(dpo_pair_datums([1, 2, 3], [1, 4], 1))
             >>> chosen, rejected = replace(pairs, source=None).datums()
@@ -119,7 +119,7 @@ class PackedPairs:
     def head(self, count: int) -> PackedPairs:
         """The first ``count`` sequences (views of the arrays, no copy).
 
-        Example:
+        Examples:
             >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
             >>> check_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1), *dpo_pair_datums([4, 5], [4, 6], 1)]).head(2).offsets.tolist()
             [0, 2, 4]
@@ -135,7 +135,7 @@ class PackedPairs:
     def concatenate(cls, parts: Sequence[PackedPairs]) -> PackedPairs:
         """The parts' sequences one after the other, in one set of arrays (not yet scored, no source).
 
-        Example:
+        Examples:
             >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
             >>> one = check_dpo_pairs(dpo_pair_datums([1, 2], [1, 3], 1))
             >>> PackedPairs.concatenate([one, one]).offsets.tolist()
@@ -170,7 +170,7 @@ class PackedPairs:
         ``ref_logprobs`` once, kept as ``source``; a field whose length is not the ``model_input``'s, or a
         ``ref_logprobs`` that some datums lack, is a ``ValueError`` naming the datum.
 
-        Example:
+        Examples:
             >>> from loops_callbacks.data.dpo import dpo_pair_datums
             >>> PackedPairs.from_datums(dpo_pair_datums([1, 2], [1, 3], 1)).weights.tolist()
             [1.0, 0.0, 1.0, 0.0]

@@ -15,7 +15,7 @@ keys are ignored, except ``tools`` and ``chat_template_kwargs`` of conversationa
 are passed to the chat template as TRL does. Where the record was read (``"line 3 of
 pairs.jsonl"``, ``loops_callbacks.data.sources``) starts every error.
 
-Example:
+Examples:
     >>> example = parse_preference({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "item 0")
     >>> example.format, example.prompt, example.chosen
     ('standard', '2+2=', '4')
@@ -63,7 +63,7 @@ class PreferenceExample:
 def parse_preference(record: Any, where: str) -> PreferenceExample:
     """The ``PreferenceExample`` of one record; ``ValueError`` naming ``where`` and the keys when it fits no format.
 
-    Example:
+    Examples:
         >>> parse_preference({"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}, "item 0").format
         'token_ids'
     """
@@ -150,7 +150,7 @@ def _check_unicode(value: Any, key: str, where: str) -> None:
     r"""A ``ValueError`` naming ``key`` when text in ``value`` holds a lone surrogate (JSON's ``"\ud800"``
     escape without its pair reads as one): no tokenizer takes it.
 
-    Example:
+    Examples:
         >>> _check_unicode([{"role": "user", "content": "a" + chr(0xD800)}], "prompt", "line 2 of x.jsonl")
         Traceback (most recent call last):
         ...
@@ -228,7 +228,7 @@ def unusual_turns(example: PreferenceExample) -> list[tuple[str, str]]:
     as is); ``completion_not_assistant``: a chosen or rejected completion that does not start with
     an assistant turn, so the next turn's role header is trained as completion.
 
-    Example:
+    Examples:
         >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
         ...     "chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "asistant", "content": "b"}]}, "x")
         >>> for event in unusual_turns(example):

@@ -15,7 +15,7 @@ Lightning's sampler the whole data set). Each rank reads the records, then, in o
 
 In one process it is ``preference_pairs`` itself.
 
-Example:
+Examples:
     >>> from loops_callbacks.data.sources import read_preference_records
     >>> records = read_preference_records([{"chosen": [1, 2, 3], "rejected": [1, 2, 4], "prompt_length": 2}])
     >>> pairs, report = tokenize_across_ranks(records, None, progress=False)
@@ -46,7 +46,7 @@ from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined
 def record_digests(records: Sequence[LocatedRecord]) -> np.ndarray:
     """One digest per record, of its JSON with sorted keys (where it was read is left out).
 
-    Example:
+    Examples:
         >>> a = record_digests([LocatedRecord({"chosen": "x", "rejected": "y"}, "line 1 of a.jsonl")])
         >>> b = record_digests([LocatedRecord({"rejected": "y", "chosen": "x"}, "line 1 of b.jsonl")])
         >>> bool((a == b).all())

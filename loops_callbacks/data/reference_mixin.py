@@ -281,4 +281,4 @@ class ReferenceLogprobsMixin:
                "first optimizer step> (a checkpoint is loaded into a copy of the module, so a model built in "
                "configure_model needs the cache file)")
         # the initial policy's fingerprint, as the checkpoint recorded it
-        return self._score(None, replace(config, reference_fingerprint=expected), cache_tag=tag, cached_only=fix)
+        return self._score(None, replace(config, reference_fingerprint=expected), cache_tag=tag, cache_only_reason=fix)

@@ -11,7 +11,7 @@ Every error and warning names a pair, a datum and a place in a file one way, so 
 searched for (``pair_label``, ``datum_label``, ``file_line``): ``pair 3 (line 8 of pairs.jsonl)``,
 ``pair 1: the rejected datum (index 3)``.
 
-Example:
+Examples:
     >>> [r.where for r in read_preference_records([{"chosen": "a", "rejected": "b"}])]
     ['item 0 of the data list']
     >>> pair_label(3, file_line(8, "pairs.jsonl")), datum_label(3)
@@ -104,7 +104,7 @@ def _read_file(path: str) -> list[LocatedRecord]:
 def relative_path_note(path: str | os.PathLike[str]) -> str:
     """For a message about a relative ``path`` that was not found: where it was looked for.
 
-    Example:
+    Examples:
         >>> relative_path_note("/data/pairs.jsonl")
         ''
         >>> relative_path_note("configs/data/pairs.jsonl")  # doctest: +ELLIPSIS

@@ -23,7 +23,7 @@ checks the ids against the whole text's for the shipped tokenizer and for Unigra
 WordPiece ones. A tokenizer without a pre-tokenizer (a slow one, BPE over the whole text as
 Llama 2's) always tokenizes the whole text.
 
-Example:
+Examples:
     >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
     >>> tokenizer = build_chat_tokenizer()
     >>> prompt, chosen = "Say hi. " * 5000, "Hi!" + tokenizer.eos_token
@@ -50,7 +50,7 @@ _CHARS_PER_TOKEN = 8  # a first guess of the characters a window needs per token
 def cuts_between_words(tokenizer: Any) -> bool:
     """Whether a window of a text may be tokenized for ``tokenizer``: a fast one with a pre-tokenizer.
 
-    Example:
+    Examples:
         >>> cuts_between_words(object())  # a slow tokenizer (no backend_tokenizer)
         False
     """
@@ -63,7 +63,7 @@ def worth_a_window(length: int, max_length: int | None, max_prompt_length: int |
     Never for a tokenizer without a pre-tokenizer (a slow one, or BPE over the whole text as
     Llama 2's): its cuts may change tokens far away, so it tokenizes the whole text.
 
-    Example:
+    Examples:
         >>> worth_a_window(50_000_000, 128, None), worth_a_window(300, 128, None), worth_a_window(10**9, None, None)
         (True, False, False)
     """
@@ -180,7 +180,7 @@ def _kept(ids: list[list[int]], left_cut: bool, right_cut: list[bool], max_lengt
 def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
     """How many leading tokens ``ids`` and ``other`` share.
 
-    Example:
+    Examples:
         >>> common_prefix_length([1, 2, 3], [1, 2, 4, 5]), common_prefix_length([1, 2], [1, 2, 3])
         (2, 2)
     """
@@ -194,7 +194,7 @@ def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
 def shared_start(texts: Sequence[str]) -> int:
     """How many leading characters all ``texts`` share, compared a block at a time (no per-character loop).
 
-    Example:
+    Examples:
         >>> shared_start(["<s>user: hi<a>", "<s>user: hi</s>", "<s>user: hey"])
         10
     """

@@ -25,7 +25,7 @@ For each pair (``parse_preference`` has found its format and extracted an implic
 Token-id records (``{"chosen": [ids], "rejected": [ids], "prompt_length": k}``) skip step 1 and
 2 and get the same limits.
 
-Example:
+Examples:
     >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
     >>> tokenizer = build_chat_tokenizer()
     >>> records = [{"prompt": [{"role": "user", "content": "Hi"}],
@@ -137,7 +137,7 @@ def apply_length_limits(chosen: list[int], rejected: list[int], prompt_length: i
     ``max_prompt_length`` keeps the last tokens of a longer prompt; then ``max_length`` keeps the
     first tokens of a longer sequence, and a prompt that fills it drops the pair.
 
-    Example:
+    Examples:
         >>> apply_length_limits([1, 2, 3, 4, 5], [1, 2, 3, 6], 3, max_length=4, max_prompt_length=2)
         ([2, 3, 4, 5], [2, 3, 6], 2, ['prompt_truncated'])
         >>> apply_length_limits([1, 2, 3, 4, 5], [1, 2, 3, 6], 3, max_length=4)
@@ -302,7 +302,7 @@ def check_limits(max_length: Any, max_prompt_length: Any, owner: str = "") -> No
     """``max_length`` (>= 2) and ``max_prompt_length`` (>= 1, less than ``max_length``), each an int or ``None``;
     ``owner`` starts the messages (``"DPODataModule "``).
 
-    Example:
+    Examples:
         >>> check_limits(8, 8)
         Traceback (most recent call last):
         ...

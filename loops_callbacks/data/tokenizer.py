@@ -1,7 +1,7 @@
 """The tokenizer: loading it (failing fast when it cannot be had), what a record may pass its chat template, and
 calling it on preference examples as TRL 1.x does (batched, a window of a very long text).
 
-Example:
+Examples:
     >>> from loops_callbacks.data.preference import parse_preference
     >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
     >>> example = parse_preference({"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}, "item 0")
@@ -60,7 +60,7 @@ def check_tokenizer_path(name: str, what: str = "tokenizer") -> None:
     ``what`` names the setting in the message (``"DPODataModule tokenizer"``); a relative path is
     said to be taken from the working directory.
 
-    Example:
+    Examples:
         >>> check_tokenizer_path("Qwen/Qwen2.5-0.5B-Instruct")  # a Hub name: looked up when it is loaded
         >>> check_tokenizer_path("/no/such/tokenizer")
         Traceback (most recent call last):
@@ -132,7 +132,7 @@ _RESERVED_TEMPLATE_NAMES = frozenset({
 def check_chat_template_kwargs(example: PreferenceExample, tokenizer: Any) -> None:
     """Only template variables pass: an argument of ``apply_chat_template`` or a special token is an error.
 
-    Example:
+    Examples:
         >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
         >>> from loops_callbacks.data.preference import parse_preference
         >>> example = parse_preference({"prompt": [{"role": "user", "content": "Hi"}],
@@ -234,7 +234,7 @@ def _with_eos(text: str, eos: str | None) -> str:
 def tokenizer_digests(tokenizer: Any) -> dict[str, str]:
     """Short digests of what makes a tokenizer's ids: its vocabulary and rules, its special tokens, its chat template.
 
-    Example:
+    Examples:
         >>> from loops_callbacks.demo.hf_data import build_chat_tokenizer
         >>> tokenizer = build_chat_tokenizer()
         >>> before = tokenizer_digests(tokenizer)

@@ -14,7 +14,7 @@ A logged step, in data-flow order (each module one job):
 - ``monitor``: ``KLSampleTrainMonitor``, the callback that wires them (``history``: the run's summary,
   ``step_warnings``: what it says about the inputs).
 
-Example:
+Examples:
     >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor
     >>> rail = GuardRail(max_kl=0.05, kl_metric="optim/train-sample-div/kl_sample_train_k3")
     >>> KLSampleTrainMonitor(guard_rail=rail).guard_rail.kl_metric

@@ -30,7 +30,7 @@ larger than the window, or action tokens beyond it, are not seen.
 Cost: a few passes over the [rows, window] positions plus six FFTs of twice the window per row,
 in groups of about ``GROUP_POSITIONS`` positions; no host synchronization off the CPU.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> trainer = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0)) * 3

@@ -4,7 +4,7 @@ A ``Diagnosis`` holds the cause, a confidence (0 to 1) and the numbers behind it
 ``signatures``); its ``message`` says what the cause is, its numbers and what to check. The rules
 that pick the cause are in ``diagnosis``.
 
-Example:
+Examples:
     >>> found = Diagnosis("temperature", 0.8, {"temperature": 0.71})
     >>> print(found.message)
     likely cause: a temperature is applied on one side only (slope of trainer on sampler logprobs 0.71) (temperature 0.71); check that the sampler's logprobs are at temperature 1, or divide the trainer's logits by the same temperature
@@ -82,7 +82,7 @@ class Diagnosis:
     def impossible_inputs(cls, problems: Iterable[str]) -> Diagnosis:
         """The diagnosis of a step whose inputs are not logprobs (``guard_rail.impossible_inputs``' texts).
 
-        Example:
+        Examples:
             >>> print(Diagnosis.impossible_inputs(["3 of 4 sampler logprobs are > 0"]).message)
             likely cause: the inputs are not valid logprobs: 3 of 4 sampler logprobs are > 0; fix the inputs first (position k must hold log p of the token predicted at k, a number <= 0); no other cause can be judged on them
         """
@@ -139,7 +139,7 @@ def diagnosis_metrics(diagnosis: Diagnosis, signatures: Mapping[str, float], *, 
     A signature number that is also a scalar metric (``is_ratio_mean``, ``kl_sample_train_k3``) is left
     out: it is logged once, under the scalar's key.
 
-    Example:
+    Examples:
         >>> d = Diagnosis("stale", 0.75, {"token_eta2": 0.2})
         >>> m = diagnosis_metrics(d, {"temperature": 1.0}, prefix="div/")
         >>> m["div/diagnosis/stale"], m["div/diagnosis/none"], m["div/diagnosis/confidence"], m["div/signature/temperature"]

@@ -19,7 +19,7 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
 A diagnosis is a hint with its numbers, not a certainty: ``unclear`` with its numbers is the answer
 when no cause's pattern fits cleanly.
 
-Example:
+Examples:
     >>> sig = {"frac_d_zero": 0.0, "shift_ratio": 3e-8, "shift_direction": 1.0, "pearson": 0.1}
     >>> found = diagnose(sig, n_tokens=900)
     >>> found.cause, round(found.confidence, 2)
@@ -83,7 +83,7 @@ def noise_shaped(signatures: Mapping[str, float]) -> bool:
     """Whether a step's numbers are what rounding noise leaves: a relative gap at most ``NOISE_CEILING``,
     the slope of t on s within ``NOISE_SLOPE`` of 1, no sign split, no gap on the first tokens.
 
-    Example:
+    Examples:
         >>> noise_shaped({"relative_gap": 2e-3, "temperature": 0.999, "sign_split": 0.3})
         True
         >>> noise_shaped({"relative_gap": 2e-3, "temperature": 0.9, "sign_split": 0.3})  # a mild temperature

@@ -15,7 +15,7 @@ A diagnosis ranks these observations above statistical guesses (``diagnosis``). 
 the modules are at the end of the step: logprobs computed under ``model.eval()`` inside
 ``training_step`` would carry no dropout noise, which the facts say.
 
-Example:
+Examples:
     >>> import torch
     >>> module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Dropout(0.1))
     >>> print(observe_modules(module, precision="32-true").facts)
@@ -68,7 +68,7 @@ class SamplerFacts(NamedTuple):
     whether the engine's weights were reloaded after its prefix cache was last reset (KV computed
     with older weights can be served to prompts that share a prefix), ``None`` when not known.
 
-    Example:
+    Examples:
         >>> facts = SamplerFacts(engine="vllm", dtype="bfloat16", logprobs_mode="raw_logprobs", temperature=0.7)
         >>> facts.samples_other_than_reported
         True

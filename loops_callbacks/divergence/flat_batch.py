@@ -16,7 +16,7 @@ The masks, named once (bool per position):
 ``counted & ~active`` are the tokens skipped for a missing or non-finite logprob
 (``n_skipped_nonfinite``); ``advantage_nan`` marks the masked-in positions whose advantage is NaN.
 
-Example:
+Examples:
     >>> from loops_callbacks.types import Datum, ModelInput
     >>> datum = Datum(ModelInput.from_ints([1, 2, 3]), {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
     >>> flat = flatten_datums([datum], [torch.tensor([0.0, -1.5, -2.0])])
@@ -94,7 +94,7 @@ class FlatBatch:
         A chunk ends with the first datum that reaches a multiple of ``positions``, so a datum is
         never split. Reads the row lengths on the host: for the CPU, where that is free.
 
-        Example:
+        Examples:
             >>> flat = flatten_padded(sampler_logprobs=torch.zeros(3, 4), training_logprobs=torch.zeros(3, 4),
             ...                       mask=torch.ones(3, 4))
             >>> [chunk.n_datums for chunk in flat.datum_chunks(5)]
@@ -334,7 +334,7 @@ class PaddedTokens:
     ``NO_TOKEN``; the context is ``model_input`` alone, as in the Loops SDK: ``CONTEXT_BEFORE`` ids
     before index k + 1, then ``CONTEXT_AFTER`` from it (``NO_TOKEN`` past the datum's end).
 
-    Example:
+    Examples:
         >>> lookup = PaddedTokens(torch.tensor([[1, 2, 3, 4]]), torch.tensor([[7, 7, 7, 7]]), torch.device("cpu"))
         >>> token, before, after = lookup.lookup(torch.tensor([0, 0]), torch.tensor([1, 3]))
         >>> token.tolist(), before[:, -2:].tolist(), after[:, :2].tolist()

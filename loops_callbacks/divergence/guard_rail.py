@@ -19,7 +19,7 @@ every logged step of a run is like that. Logprobs above ``LOGPROB_CEILING`` (1e-
 passed as logprobs?) are reported by ``impossible_inputs`` as a warning and named in the message
 when the step exceeds.
 
-Example:
+Examples:
     >>> totals = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 64.0}
     >>> host = HostDivergence(totals, {})
     >>> rail = GuardRail(max_kl=0.05)
@@ -52,7 +52,7 @@ class SampleTrainDivergenceError(RuntimeError):
 def watchable_metric(kl_metric: str, prefix: str) -> str:
     """The bare name of ``kl_metric`` (a bare name or a prefixed key); ``ValueError`` for any other name.
 
-    Example:
+    Examples:
         >>> watchable_metric("div/kl_sample_train_k3", "div/")
         'kl_sample_train_k3'
         >>> watchable_metric("kl_k3", "div/")
@@ -163,7 +163,7 @@ class GuardRail:
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:
     """Problems with the logprobs themselves, by a stable key (for warning once per run).
 
-    Example:
+    Examples:
         >>> from loops_callbacks.divergence.states import MAIN
         >>> totals = {s.name: 0.0 for s in MAIN if s.reduction == "sum"} | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
         >>> impossible_inputs(HostDivergence(totals, {"max_sampler": 0.9}))

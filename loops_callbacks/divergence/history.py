@@ -11,7 +11,7 @@ Lightning has no public API for two loop facts, so they are read here, as Lightn
 optimizer step a micro-batch belongs to) and ``fit_loop._should_accumulate()``; ``check_loop_internals``
 fails at setup, naming the Lightning version, if a release renames them.
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.causes import Diagnosis
     >>> history = RunHistory(watched="kl_sample_train_k3", max_kl=0.05)
     >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, Diagnosis("stale", 0.8, {"token_eta2": 0.2}))
@@ -191,7 +191,7 @@ class Calibration:
     last ``TREND_STEPS`` relative gaps. Every field is plain data: the monitor's checkpoint state is
     these fields.
 
-    Example:
+    Examples:
         >>> calibration = Calibration(calibration_steps=2)
         >>> calibration.noise_bound  # the prior, until calibrated
         0.001

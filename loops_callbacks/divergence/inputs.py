@@ -7,7 +7,7 @@ output first, then in the batch. Two contract forms: Loops / Tinker datums (the 
 how to provide what is missing. The per-datum keys (``policy_version``, ``group``, one advantage
 per datum) are read by ``per_datum``; what it cannot use is a warning, never an error.
 
-Example:
+Examples:
     >>> batch = {"logprobs": torch.tensor([[-1.0, -2.0]]), "mask": torch.ones(1, 2)}
     >>> flat = read_step({"training_logprobs": torch.tensor([[-1.5, -2.0]])}, batch, data_keys(None))
     >>> flat.diff.tolist()
@@ -38,7 +38,7 @@ def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     """``keys`` over the defaults; ``ValueError`` naming an unknown name or an empty key, ``TypeError``
     for a non-string key.
 
-    Example:
+    Examples:
         >>> data_keys({"logprobs": "sampler_lp"})["logprobs"]
         'sampler_lp'
     """
@@ -58,7 +58,7 @@ def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
 def key_label(keys: Mapping[str, str], name: str) -> str:
     """The key of ``name`` as the user gave it, and which name it stands for when ``keys=`` renamed it.
 
-    Example:
+    Examples:
         >>> key_label(data_keys({"advantages": "adv"}), "advantages"), key_label(data_keys(None), "mask")
         ("'adv' (the advantages key)", "'mask'")
     """
@@ -131,7 +131,7 @@ def read_sampler_facts(outputs: Any, batch: Any, keys: Mapping[str, str], warnin
     """The sampling engine's ``SamplerFacts`` under ``keys["sampler_facts"]`` (the output first, then the
     batch); anything else there is one warning per run and ``None``: facts never stop training.
 
-    Example:
+    Examples:
         >>> facts = SamplerFacts(engine="vllm", logprobs_mode="processed_logprobs")
         >>> read_sampler_facts({"sampler_facts": facts}, {}, data_keys(None), RunWarnings()) is facts
         True
@@ -151,7 +151,7 @@ def read_sampler_facts(outputs: Any, batch: Any, keys: Mapping[str, str], warnin
 def trainer_logprobs_from_output(forward_backward_output: Any) -> list[Any]:
     """The per-datum ``"logprobs"`` of a ``ForwardBackwardOutput`` (ours, Loops' or Tinker's).
 
-    Example:
+    Examples:
         >>> from loops_callbacks.types import ForwardBackwardOutput
         >>> trainer_logprobs_from_output(ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": [0.0]}]))
         [[0.0]]

@@ -50,7 +50,7 @@ whatever their advantage, the check of what was sampled adds (``SAMPLING_METRICS
 ==============================  ====================================================================
 
 
-Example:
+Examples:
     >>> import numpy as np
     >>> from loops_callbacks.divergence.statistics import HostDivergence
     >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
@@ -177,7 +177,7 @@ def held_sampling_z(scalars: Mapping[str, float]) -> float:
     sign, 0 when leaving one token out turns it round, NaN without the check. What the diagnosis and the guard
     rail judge, so one unlikely token is never the whole case.
 
-    Example:
+    Examples:
         >>> held_sampling_z({"sampling_z": -7.9, "sampling_z_trimmed": 0.4}), held_sampling_z({"sampling_z": 30.0,
         ...     "sampling_z_trimmed": 29.5})
         (0.0, 29.5)
@@ -194,7 +194,7 @@ def abs_percentiles_linear(diffs: np.ndarray, percents: tuple[float, ...]) -> li
     numpy copies its input before partitioning; here the partition runs in place on the fresh
     ``|diffs|`` array, then interpolates exactly as numpy's linear method does.
 
-    Example:
+    Examples:
         >>> abs_percentiles_linear(np.array([-3.0, 1.0, 2.0, -4.0]), (50, 90))
         [2.5, 3.7]
     """
@@ -230,7 +230,7 @@ def histogram_values(diffs: np.ndarray, max_tokens: int) -> np.ndarray:
 
     Value i of m is ``diffs[round(i * (n - 1) / (m - 1))]``, as in the Loops SDK.
 
-    Example:
+    Examples:
         >>> histogram_values(np.arange(10.0), 4).tolist()
         [0.0, 3.0, 6.0, 9.0]
     """
@@ -246,7 +246,7 @@ def histogram_values(diffs: np.ndarray, max_tokens: int) -> np.ndarray:
 def stratum_scalars(strata: Mapping[str, StratumSums]) -> dict[str, float]:
     """``stratum/<name>/<metric>`` (``STRATUM_METRICS``) for every stratum with tokens, without prefix.
 
-    Example:
+    Examples:
         >>> scalars = stratum_scalars({"pos_q1": StratumSums(2.0, 0.1, 1.0, 2.0), "pos_q2": StratumSums(0, 0, 0, 0)})
         >>> list(scalars)[:2], scalars["stratum/pos_q1/k3"]
         (['stratum/pos_q1/k3', 'stratum/pos_q1/abs_d_mean'], 0.05)

@@ -14,7 +14,7 @@ bools, a wrong count, a non-integer, a tensor on the meta device) is one warning
 problem, naming the key, what was given, the datum and the micro-batch's size, and that family is
 off for the step. Int tensors on an accelerator are used where they are, never read on the host.
 
-Example:
+Examples:
     >>> message = _unusable_message("'group' is None in the batch", "group", 2)
     >>> message.split(": the ")[0]
     "KLSampleTrainMonitor: 'group' is None in the batch; the strata by group are off for such steps"
@@ -314,7 +314,7 @@ def _shape_of(value: Any) -> tuple[int, ...] | None:
 def _described(value: Any) -> str:
     """What ``value`` is, for a message: its kind and shape (and dtype where it has one).
 
-    Example:
+    Examples:
         >>> _described(torch.zeros(3, 1))
         'a tensor of shape (3, 1) and dtype torch.float32'
     """

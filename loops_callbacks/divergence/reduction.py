@@ -67,7 +67,7 @@ class ProcessGroupCollectives:
     """``torch.distributed`` collectives on ``group`` (default: the world), one call each; ``device``: where
     buffers travel when it is not where the statistics are (NCCL needs the GPU).
 
-    Example:
+    Examples:
         >>> ProcessGroupCollectives().world_size  # no process group: one rank
         1
     """
@@ -128,7 +128,7 @@ def received_bytes(world: int, top_n: int, sample_size: int, layout: Layout | No
     """Bytes one rank receives per reduction with ring collectives (what gloo measures, too): the ``world - 1``
     other headers, and ``2 (world - 1) / world`` of the body (reduce-scatter, then all-gather).
 
-    Example:
+    Examples:
         >>> header, body = message_sizes(layout_of(), top_n=0, sample_size=10)
         >>> received_bytes(world=2, top_n=0, sample_size=10, layout=layout_of()) == 8 * (header + body)
         True
@@ -146,7 +146,7 @@ def reduce_across_ranks(
     A collective: every rank calls it, with statistics of one layout, ``top_n`` and ``sample_size``.
     ``collectives`` is a ``Collectives`` or a Lightning strategy; ``generator`` (on the statistics'
     device) draws the one random number of the sample's allocation. The result is for reading
-    (``to_host``): its sample keys only mark the filled places, so it is not merged again.
+    (``to_host``): its sample_keys only mark the filled places, so it is not merged again.
     """
     collectives = as_collectives(collectives)
     world, rank = collectives.world_size, collectives.rank
@@ -172,23 +172,24 @@ def reduce_across_ranks(
     if columns is not None:
         groups.index_add_(1, columns, stats.groups[1:])
     sample = torch.zeros(capacity + 1, dtype=torch.float64, device=device)  # the last place takes the unchosen
-    chosen = _smallest(stats.keys if stats.keys is not None else torch.zeros_like(stats.sample), share[rank])
+    own_keys = stats.sample_keys if stats.sample_keys is not None else torch.zeros_like(stats.sample)
+    chosen = _smallest(own_keys, share[rank])
     places = torch.where(chosen, start[rank] + torch.cumsum(chosen, 0) - 1, capacity)
     sample.index_add_(0, places, stats.sample.to(torch.float64).masked_fill(~chosen, 0.0))
     body = [_chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank).reshape(-1), stats.sums,
             groups.reshape(-1), sample]
     rows, sums, groups, sample = collectives.all_reduce_sum(torch.cat(body)).split([p.numel() for p in body])
-    keys = None
+    sample_keys = None
     if stats.sample_size is not None:
-        keys = torch.zeros(capacity, dtype=torch.float64, device=device)
-        keys.masked_fill_(torch.arange(capacity, device=device) >= share.sum(), math.inf)
+        sample_keys = torch.zeros(capacity, dtype=torch.float64, device=device)
+        sample_keys.masked_fill_(torch.arange(capacity, device=device) >= share.sum(), math.inf)
     if width:
         indices = torch.arange(-1, width - 1, dtype=torch.float64, device=device)  # body place 0: group_other
         indices[0] = layout.max_groups
         groups = torch.cat([indices[None], groups.reshape(GROUP_ROWS - 1, width)])
     return dataclasses.replace(
         stats, sums=sums, maxima=maxima.amax(0), worst=rows.reshape(top_n, ROW.WIDTH), sample=sample[:capacity],
-        keys=keys, groups=groups if width else None,
+        sample_keys=sample_keys, groups=groups if width else None,
     )
 
 
@@ -216,7 +217,7 @@ def stratified_allocation(
     ``counts``: int64 action tokens per rank; ``draw``: a float in [0, 1), the same on every rank
     (module docstring). Integer arithmetic on the counts' device; exact while sample_size * N < 2**63.
 
-    Example:
+    Examples:
         >>> share, start = stratified_allocation(torch.tensor([3, 0, 5]), 4, torch.tensor(0.5))
         >>> share.tolist(), start.tolist()
         ([2, 0, 2], [0, 2, 2])
@@ -246,19 +247,19 @@ def _chosen_rows(worst: torch.Tensor, worst_abs: torch.Tensor, datum_offset: tor
     return rows.masked_fill_((owner != rank)[:, None], 0.0)
 
 
-def _smallest(keys: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def _smallest(sample_keys: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Mask of the ``count`` smallest keys, ties to the earliest; ``count`` is a 0-d int64 tensor. On the CPU
     the threshold comes from ``kthvalue`` (reading ``count`` is free there), elsewhere from a sort.
 
-    Example:
+    Examples:
         >>> _smallest(torch.tensor([0.5, 0.1, 0.5, 0.3]), torch.tensor(3)).tolist()
         [True, True, False, True]
     """
-    if keys.numel() == 0 or (keys.device.type == "cpu" and int(count) == 0):
-        return torch.zeros_like(keys, dtype=torch.bool)
-    if keys.device.type == "cpu":
-        threshold = torch.kthvalue(keys, int(count)).values
+    if sample_keys.numel() == 0 or (sample_keys.device.type == "cpu" and int(count) == 0):
+        return torch.zeros_like(sample_keys, dtype=torch.bool)
+    if sample_keys.device.type == "cpu":
+        threshold = torch.kthvalue(sample_keys, int(count)).values
     else:
-        threshold = torch.sort(keys).values.gather(0, (count - 1).clamp(min=0).reshape(1)).squeeze(0)
-    below, tied = keys < threshold, keys == threshold
+        threshold = torch.sort(sample_keys).values.gather(0, (count - 1).clamp(min=0).reshape(1)).squeeze(0)
+    below, tied = sample_keys < threshold, sample_keys == threshold
     return below | (tied & (torch.cumsum(tied, 0) <= count - below.sum()))

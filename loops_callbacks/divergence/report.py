@@ -6,7 +6,7 @@ scalars), the media (the histogram's values, the worst-tokens rows, the strata r
 every logger), what is impossible about the inputs, and the guard rail's judgement. Names are bare;
 the prefix is added when delivering.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
@@ -193,7 +193,7 @@ def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | Non
     """What to say about advantages holding NaN on masked-in positions (every micro-batch and rank
     together); ``None`` when there are none. ``label`` names the advantages key (``inputs.key_label``).
 
-    Example:
+    Examples:
         >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]
         "'advantages' holds NaN on 2 of the 30 masked-in positions (mask > 0) of the step, all ranks together"
     """
@@ -236,7 +236,7 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
 def format_context(before: Sequence[int], centre: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
     """``before⟦near»centre«near⟧after``, "near" being the 3 tokens on each side; text escaped.
 
-    Example:
+    Examples:
         >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None), format_context([1, 2], NO_TOKEN, [], None)
         ('1⟦2 3 4»5«6 7 8⟧9', '⟦1 2»<end>«⟧')
     """
@@ -249,7 +249,7 @@ def format_context(before: Sequence[int], centre: int, after: Sequence[int], tok
 def token_text(token: int, tokenizer: Tokenizer | None) -> str:
     """The ``token`` column: ``tokenizer.decode([token])``, else ``str(token)``; ``"<end>"`` for no token.
 
-    Example:
+    Examples:
         >>> token_text(49947, None), token_text(-1, None)
         ('49947', '<end>')
     """

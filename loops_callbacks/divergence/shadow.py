@@ -23,7 +23,7 @@ reads it (verl's rejection drops a sequence with one; TRL's and verl's IS leave 
 by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
 its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
@@ -67,7 +67,7 @@ PER_CORRECTION_TOTALS = (
 def parse_corrections(corrections: Sequence[str | Correction]) -> tuple[Correction, ...]:
     """Each spec parsed; two with one name are a ``ValueError`` (their statistics would collide).
 
-    Example:
+    Examples:
         >>> [c.name for c in parse_corrections(["sequence_mask", "geo"])]
         ['sequence_mask', 'geo']
     """
@@ -92,7 +92,7 @@ def _key(correction: Correction | None, stat: str) -> str:
 def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, ...]:
     """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
 
-    Example:
+    Examples:
         >>> [s.name for s in shadow_statistics(["geo"])][2:4]
         ['correction::n_datums_no_advantage', 'correction:geo:n_tokens_masked']
     """
@@ -241,7 +241,7 @@ def no_advantage_message(
     """What to say about sequences whose advantages could not be read (``shadow_values``), from merged totals
     and extrema (every rank's): how many, and on which ranks; ``None`` when there are none.
 
-    Example:
+    Examples:
         >>> totals = {"correction::n_datums_no_advantage": 4.0, "correction::n_scored_datums": 8.0}
         >>> extrema = {"correction::max_rank_no_advantage": 1.0, "correction::neg_min_rank_no_advantage": -1.0}
         >>> no_advantage_message(totals, extrema, "'advantages'").split(";")[0]

@@ -54,7 +54,7 @@ they are NaN without them.
 
 A number is NaN when the step has too little of what it needs (no pairs, an empty bucket).
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.states import MAIN, SIGNATURES
     >>> totals = {s.name: 0.0 for s in MAIN + SIGNATURES if not s.shape} | {"n_action_tokens": 4.0,
     ...     "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0, "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0,
@@ -165,7 +165,7 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
     (about (G − 1) / (n − 1)); the adjusted share 1 − (SS_within / (n − G)) / (SS_total / (n − 1))
     is about 0 then. NaN with fewer than 2 buckets, n <= G or no variance.
 
-    Example:
+    Examples:
         >>> token_eta2(np.array([[2.0, 2.0], [2.0, -2.0], [2.0, 2.0]]))  # d = 1, 1 | -1, -1
         1.0
     """

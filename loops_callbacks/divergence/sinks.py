@@ -10,7 +10,7 @@ The media are the report's, built once for every logger. A logger that fails is 
 and logger) and is skipped: monitoring never stops training. ``deliver_text`` writes one text (the guard
 rail's message, the run's summary) to each logger that can show text.
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.report import StepReport
     >>> class Printer:
     ...     def log_metrics(self, metrics, step):
@@ -68,7 +68,7 @@ def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int, warn
     its lines stay as they are); ``WandbLogger``: a ``wandb.Html`` panel holding it as preformatted HTML.
     A failing logger is a warning, never an error.
 
-    Example:
+    Examples:
         >>> deliver_text([object()], "div/stop", "stopped", step=3)  # a logger without text: nothing
     """
     for logger in loggers:
@@ -87,7 +87,7 @@ def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int, warn
 def markdown(columns: Iterable[str], rows: list[list[Any]]) -> str:
     """A Markdown table (TensorBoard's text panel renders it); numbers to 6 significant digits.
 
-    Example:
+    Examples:
         >>> print(markdown(STRATA_COLUMNS, [["pos_q1", 0.05, 0.5, 1.0, 2.0]]))
         | stratum | k3 | abs_d_mean | is_ratio_mean | n_tokens |
         |---|---|---|---|---|
@@ -102,7 +102,7 @@ def markdown(columns: Iterable[str], rows: list[list[Any]]) -> str:
 def worst_tokens_markdown(rows: list[list[Any]]) -> str:
     """The worst-tokens table as Markdown; token and context as code.
 
-    Example:
+    Examples:
         >>> print(worst_tokens_markdown([[1, 0, 2, "9", -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
         | rank | datum | position | token | logp_sampler | logp_trainer | diff | is_weight | context |
         |---|---|---|---|---|---|---|---|---|

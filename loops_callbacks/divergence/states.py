@@ -8,7 +8,7 @@ maxed; the two tables that merge their own way keep their order here (``ranked_r
 tokens, ``by_group``: the groups). A monitor's declarations follow its options (``statistics.layout_of``):
 the diagnosis' sums when ``diagnose``, the strata with ``max_groups``, the shadow statistics of its corrections.
 
-Example:
+Examples:
     >>> layout = Layout(MAIN, max_groups=None, corrections=())
     >>> sums, maxima = layout.pack({s.name: torch.tensor(1.0) for s in layout.states})
     >>> sums.shape == (layout.sizes["sum"],), layout.read(maxima.numpy(), "max")[0]["max_d"]
@@ -54,7 +54,7 @@ CONTEXT_KINDS = ("n_first", "sum_abs_d_first", "sum_d2_first", "n_later", "sum_a
 def context_total(kind: str, bucket: int) -> str:
     """The name of a context-fade sum: ``kind`` one of ``CONTEXT_KINDS``, ``bucket`` a sampler-probability bucket.
 
-    Example:
+    Examples:
         >>> context_total("n_first", 0)
         'n_first_actions_p_lt_0.01'
     """
@@ -125,7 +125,7 @@ def ranked_rows(rows: torch.Tensor, top_n: int) -> torch.Tensor:
 def by_group(table: torch.Tensor) -> torch.Tensor:
     """The groups' table with one column per group, in ascending order of their index.
 
-    Example:
+    Examples:
         >>> by_group(torch.tensor([[1.0, 0.0, 1.0], [2.0, 1.0, 5.0]])).tolist()
         [[0.0, 1.0], [1.0, 7.0]]
     """

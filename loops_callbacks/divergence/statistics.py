@@ -9,7 +9,7 @@ it holds at most ``sample_size`` diffs; all of them without one), and the groups
 statistics equal those of the concatenated batch (sums up to summation order; counts, maxima,
 rows exactly). ``reduction`` reduces them across ranks.
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
@@ -61,7 +61,7 @@ class DivergenceStats:
     maxima: torch.Tensor  # float64 [layout.sizes["max"]]; -inf when empty
     worst: torch.Tensor  # float64 [top_n, ROW.WIDTH], most divergent first; rows with ABS = -inf are empty
     sample: torch.Tensor  # float64 [m] diffs, in batch order
-    keys: torch.Tensor | None  # float64 [m]; +inf marks an empty slot; None: every diff kept
+    sample_keys: torch.Tensor | None  # float64 [m]; +inf marks an empty slot; None: every diff kept
     layout: Layout
     sample_size: int | None = None
     groups: torch.Tensor | None = None  # float64 [GROUP_ROWS, K], the groups seen; None: no group key
@@ -81,7 +81,7 @@ class DivergenceStats:
         rank: int = 0,
     ) -> DivergenceStats:
         """Read one flattened batch: ``top_n`` worst rows (with token ids when ``flat.tokens`` is set), a
-        sample of at most ``sample_size`` diffs (``generator`` draws its keys), and the states ``layout_of``
+        sample of at most ``sample_size`` diffs (``generator`` draws their keys), and the states ``layout_of``
         declares (``diagnose=False``: none of the diagnosis' sums, as the plain SDK functions need none;
         ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``: their shadow statistics,
         with this process's ``rank`` where advantages could not be read). On the CPU a batch of more than
@@ -93,8 +93,9 @@ class DivergenceStats:
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:
-            values, worst, sample, keys, groups = formulas.of_chunk(chunk, layout, top_n, sample_size, generator, rank)
-            parts.append(cls(*layout.pack(values), worst, sample, keys, layout, sample_size, groups))
+            values, worst, sample, sample_keys, groups = formulas.of_chunk(chunk, layout, top_n, sample_size,
+                                                                            generator, rank)
+            parts.append(cls(*layout.pack(values), worst, sample, sample_keys, layout, sample_size, groups))
         return cls.concatenated(parts)
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
@@ -113,9 +114,10 @@ class DivergenceStats:
             worst.append(part.worst.clone())
             worst[-1][:, ROW.DATUM] += datums
             datums = datums + part.sums[n_datums]
-        keys = None
-        if any(part.keys is not None for part in parts):
-            keys = torch.cat([part.keys if part.keys is not None else torch.zeros_like(part.sample) for part in parts])
+        sample_keys = None
+        if any(part.sample_keys is not None for part in parts):
+            sample_keys = torch.cat([part.sample_keys if part.sample_keys is not None else torch.zeros_like(part.sample)
+                                     for part in parts])
         groups = [part.groups for part in parts if part.groups is not None]
         return dataclasses.replace(
             first,
@@ -123,22 +125,23 @@ class DivergenceStats:
             maxima=functools.reduce(torch.maximum, [part.maxima for part in parts]),
             worst=ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
             sample=torch.cat([part.sample for part in parts]),
-            keys=keys,
+            sample_keys=sample_keys,
             groups=formulas.merged_groups(torch.cat(groups, dim=1)) if groups else None,
         ).capped()
 
     def capped(self) -> DivergenceStats:
         """The ``sample_size`` diffs of smallest key, in batch order (itself when uncapped or small)."""
-        if self.sample_size is None or self.keys is None or self.keys.shape[0] <= self.sample_size:
+        if self.sample_size is None or self.sample_keys is None or self.sample_keys.shape[0] <= self.sample_size:
             return self
-        keep = torch.topk(self.keys, self.sample_size, largest=False, sorted=False).indices.sort().values
-        return dataclasses.replace(self, sample=self.sample.index_select(0, keep), keys=self.keys.index_select(0, keep))
+        keep = torch.topk(self.sample_keys, self.sample_size, largest=False, sorted=False).indices.sort().values
+        return dataclasses.replace(self, sample=self.sample.index_select(0, keep),
+                                   sample_keys=self.sample_keys.index_select(0, keep))
 
     def to_host(self) -> HostDivergence:
         """Everything on the host, in one device-to-host transfer."""
-        keys = self.keys if self.keys is not None else self.sample.new_zeros(0)
+        sample_keys = self.sample_keys if self.sample_keys is not None else self.sample.new_zeros(0)
         groups = self.groups if self.groups is not None else self.sample.new_zeros(GROUP_ROWS, 0)
-        parts = [self.sums, self.maxima, self.worst.reshape(-1), self.sample, keys, groups.reshape(-1)]
+        parts = [self.sums, self.maxima, self.worst.reshape(-1), self.sample, sample_keys, groups.reshape(-1)]
         host = torch.cat(parts).cpu().numpy()
         sums, maxima, worst, sample, keys_, groups_ = np.split(host, np.cumsum([part.numel() for part in parts])[:-1])
         totals, arrays = self.layout.read(sums, "sum")
@@ -152,7 +155,7 @@ class DivergenceStats:
                 strata["group_other" if index >= self.layout.max_groups else f"group_{int(index)}"] = StratumSums(*column)
         return HostDivergence(
             totals, extrema, worst[worst[:, ROW.ABS] > -math.inf],
-            sample[keys_ < math.inf] if self.keys is not None else sample, arrays, strata,
+            sample[keys_ < math.inf] if self.sample_keys is not None else sample, arrays, strata,
         )
 
 
@@ -160,7 +163,7 @@ class DivergenceStats:
 class StratumSums:
     """One stratum's sums on the host (``COLUMNS``), and the three numbers they give (NaN without tokens).
 
-    Example:
+    Examples:
         >>> stratum = StratumSums(n_tokens=4.0, sum_k3=0.2, sum_abs_d=2.0, sum_is_ratio=4.4)
         >>> stratum.k3, stratum.abs_d_mean, stratum.is_ratio_mean
         (0.05, 0.5, 1.1)

@@ -7,7 +7,7 @@ accelerator where nothing was read per micro-batch, is said too: logprobs that c
 correction without advantages, versions ahead of the trainer, group ids pooled in ``group_other``,
 a per-datum key usable for only part of the step's tokens, and a run watching nothing.
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.inputs import data_keys
     >>> from loops_callbacks.run_warnings import RunWarnings
     >>> from types import SimpleNamespace

@@ -6,12 +6,12 @@ that no shape depends on the data and nothing waits for the device. With d = tra
 k3 = e^d - 1 - d. Everything is a sum, a count or an extremum, so chunks, micro-batches and ranks
 merge by their reduction.
 
-Example:
+Examples:
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import layout_of
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> values, worst, sample, keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None, 0)
+    >>> values, worst, sample, sample_keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None, 0)
     >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
     (-0.5, 2, [-0.5, 0.0])
 """
@@ -116,11 +116,11 @@ def of_chunk(
         chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
         index = _positions_of_selected(flat.active, flat.row_lengths, row_counts, chosen) if compact else chosen
         worst = _worst_rows(flat, index, chosen, ranked, d, top_n)
-    keys = None if sample_size is None else torch.rand(d.shape, dtype=torch.float64, device=d.device,
+    sample_keys = None if sample_size is None else torch.rand(d.shape, dtype=torch.float64, device=d.device,
                                                        generator=generator)
     if active is not None:
-        keys = (keys if keys is not None else torch.zeros_like(d)).masked_fill(~active, inf)
-    return values, worst, d, keys, groups
+        sample_keys = (sample_keys if sample_keys is not None else torch.zeros_like(d)).masked_fill(~active, inf)
+    return values, worst, d, sample_keys, groups
 
 
 def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampler: torch.Tensor,
@@ -261,7 +261,7 @@ def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_count
     """Each place's datum and its rank among its datum's action tokens (0: the datum's first); the places are
     the action tokens alone (``compact``) or every position (then: the action tokens before it in its datum).
 
-    Example:
+    Examples:
         >>> active = torch.tensor([False, True, True, True, False, True])
         >>> datum, rank = _datums_and_ranks(active, torch.tensor([4, 2]), torch.tensor([3, 1]), compact=True)
         >>> datum.tolist(), rank.tolist()

@@ -5,7 +5,7 @@
 
 ``transformers`` is imported when an ``HFDPOModule`` is made (the ``hf`` extra).
 
-Example:
+Examples:
     >>> from loops_callbacks.models import HFDPOModule
     >>> HFDPOModule.__name__
     'HFDPOModule'

@@ -20,7 +20,7 @@ positive margin), ``dpo_margin`` (chosen minus rejected reward), ``chosen_reward
 0's under DDP, no collective per step), ``val/*`` means over every held-out pair of every rank
 (sums over pairs and pair counts added up across ranks at the end of the validation epoch).
 
-Example:
+Examples:
     >>> import torch
     >>> logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]])
     >>> loss, metrics = dpo_loss(logprobs, torch.full((2, 2), -1.5), torch.ones(2, 2), beta=0.5)

@@ -13,7 +13,7 @@ token ids in, one float32 array out, scored once across ranks and cached).
 
 DPO pairs are checked before they reach this package, in ``loops_callbacks.data``.
 
-Example:
+Examples:
     >>> from loops_callbacks.reference import TorchSamplingClient, attach_reference_logprobs
     >>> TorchSamplingClient.__name__, attach_reference_logprobs.__name__
     ('TorchSamplingClient', 'attach_reference_logprobs')

@@ -26,7 +26,7 @@ reference was the initial policy), and a missing or mismatching file is a ``Refe
 Before each collective step the ranks meet (``StallGuard``): a rank that does not come within
 ``scoring_timeout`` seconds is named, with the step, by a ``RankStalledError`` on every rank.
 
-Example:
+Examples:
     >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(8, 8)))
     >>> values, report = score_across_ranks([[1, 2], [3]], client, ReferenceConfig(progress=False))
     >>> values.dtype, values.tolist()[1:], report.source, report.cache_status
@@ -92,11 +92,6 @@ class ReferenceLogprobsReport:
     reference_fingerprint: str | None = None
     cache_written: bool = False
 
-    @property
-    def num_datums(self) -> int:
-        """The former name of ``n_datums``."""
-        return self.n_datums
-
 
 def score_across_ranks(
     tokens: PackedTokens | Sequence[Sequence[int]],
@@ -108,7 +103,6 @@ def score_across_ranks(
     cache_only_reason: str | None = None,
     shard_unit: int = 1,
     datum_name: Callable[[int], str] | None = None,
-    cached_only: str | None = None,
 ) -> tuple[np.ndarray, ReferenceLogprobsReport]:
     """The reference values of every sequence of ``tokens``, scored once across ranks and cached (module docstring).
 
@@ -130,10 +124,8 @@ def score_across_ranks(
             fix a miss) and ends the ``ReferenceCacheError`` message.
         shard_unit: the shard unit, sequences that always go to the same rank (2: a DPO pair's two).
         datum_name: how an error names sequence ``i`` (default ``datum i``), e.g. ``datum_label``.
-        cached_only: the former name of ``cache_only_reason``.
     """
     start = time.perf_counter()
-    cache_only_reason = cache_only_reason if cache_only_reason is not None else cached_only
     config = config if config is not None else ReferenceConfig()
     tokens = tokens if isinstance(tokens, PackedTokens) else PackedTokens.from_sequences(tokens)
     count = len(tokens)
@@ -209,7 +201,7 @@ def _shard_bounds(lengths: np.ndarray, unit: int, world_size: int) -> list[int]:
     """Sequence index bounds of each rank's block: whole units, about the same number of tokens each (a unit goes
     to the rank whose share of the tokens holds the unit's middle token).
 
-    Example:
+    Examples:
         >>> _shard_bounds(np.array([4, 4, 1, 1, 1, 1, 1, 1, 1, 1]), 2, 2)
         [0, 2, 10]
     """

@@ -2,7 +2,7 @@
 
 Reached by its SDK import path, ``loops_callbacks.helpers.datum`` (the SDK's ``loops.helpers.datum``).
 
-Example:
+Examples:
     >>> from loops_callbacks.types import Datum, ModelInput
     >>> class Reference:
     ...     def compute_logprobs(self, prompt):
@@ -86,7 +86,7 @@ def attach_reference_logprobs(
         ValueError: bad ``batch_size`` / ``max_concurrency``; a datum with an empty or missing
             ``model_input``; a reference answer whose length differs from the datum's.
 
-    Example:
+    Examples:
         >>> from loops_callbacks.reference.clients import TorchSamplingClient
         >>> from loops_callbacks.types import Datum, ModelInput
         >>> import torch
@@ -121,7 +121,7 @@ def score_prompts(model_inputs: Sequence[Any], reference: Any, *, batch_size: in
                   max_concurrency: int = 32, progress: bool | Progress = False) -> list[list[float]]:
     """Each prompt's values in the SDK's ``ref_logprobs`` layout, scored the way ``attach_reference_logprobs`` says.
 
-    Example:
+    Examples:
         >>> class Reference:
         ...     def compute_logprobs(self, prompt):
         ...         return [None] + [-1.0] * (len(prompt) - 1)

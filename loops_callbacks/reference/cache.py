@@ -17,7 +17,7 @@ values, nor kill it with ``SIGBUS`` as a memory map of a truncated file does (sa
 readers map the file; its ``load(bytes)`` copies every tensor once more). ``loops-callbacks cache
 list|prune DIR`` (``loops_callbacks.reference.cache_tool``) shows and removes caches.
 
-Example:
+Examples:
     >>> import os, tempfile
     >>> import numpy as np
     >>> key = CacheKey(reference="r", data=data_fingerprint([[1, 2], [3]]), dtype="float32")
@@ -81,7 +81,7 @@ class CacheKey:
     def differences(self, other: CacheKey) -> list[str]:
         """What ``other`` (a stored key) was made with that this key does not ask for, in words.
 
-        Example:
+        Examples:
             >>> CacheKey("a", "d", "float32").differences(CacheKey("b", "d", "bfloat16"))
             ['the reference weights', 'the scoring dtype']
         """
@@ -112,7 +112,7 @@ class CacheLookup:
 def data_fingerprint(token_lists: Sequence[Sequence[int]] | PackedTokens) -> str:
     """sha256 of the datums' token ids and their order (and of where each datum starts and ends).
 
-    Example:
+    Examples:
         >>> data_fingerprint([[1, 2], [3]]) == data_fingerprint([[1], [2, 3]])
         False
     """
@@ -126,7 +126,7 @@ def data_fingerprint(token_lists: Sequence[Sequence[int]] | PackedTokens) -> str
 def cache_file(base: str | os.PathLike[str], key: CacheKey) -> str:
     """The file of ``key``'s values: ``base`` with 16 hex digits of the key's sha256 before its suffix.
 
-    Example:
+    Examples:
         >>> cache_file("/c/ref_logprobs.cache", CacheKey("r", "d", "float32"))
         '/c/ref_logprobs.d248f4ef7b6b7925.cache'
     """
@@ -201,7 +201,7 @@ def orphaned_temporaries(directory: str | os.PathLike[str], cache_name: str | No
     the name); ``cache_name`` limits them to one cache's, else any ``*.cache``'s. A live process's,
     or another host's (a shared file system: its pid means nothing here), are not orphans.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> orphaned_temporaries(tempfile.mkdtemp())
         []

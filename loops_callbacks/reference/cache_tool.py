@@ -12,7 +12,7 @@ digits of each fingerprint); ``prune`` removes the files it selects, and says wh
 holds its values in memory, so pruning its file does not change or stop it (a run resumed later
 needs its file: prune what no run will resume).
 
-Example:
+Examples:
     >>> import os, tempfile
     >>> import numpy as np
     >>> from loops_callbacks.reference.cache import CACHE_FILE_NAME, data_fingerprint, write_cache
@@ -73,7 +73,7 @@ class CacheInfo:
     def describe(self) -> str:
         """``name (size, date)``, as messages and ``cache_tool list`` show it.
 
-        Example:
+        Examples:
             >>> CacheInfo("/c/ref_logprobs.cache", 3 << 20, 0.0, None).describe()
             'ref_logprobs.cache (3.0 MB, 1970-01-01 00:00 UTC)'
         """
@@ -180,7 +180,7 @@ def _named_as_a_cache(path: str) -> bool:
 def _unreadable(path: str, error: OSError) -> CacheInfo | None:
     """A damaged ``CacheInfo`` for an entry that cannot be opened as a file, saying what it is (never following a link).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> _unreadable(tempfile.mkdtemp(), OSError(errno.EINVAL, "not a regular file")).problem
         'it is a directory, not a cache file'
@@ -210,7 +210,7 @@ def select_for_pruning(
 ) -> list[CacheInfo]:
     """The caches a ``prune`` with these options removes: any file that one of the given options selects.
 
-    Example:
+    Examples:
         >>> old, new = CacheInfo("a", 1, 0.0, None), CacheInfo("b", 1, 86400.0 * 40, None)
         >>> [c.path for c in select_for_pruning([new, old], older_than_days=30, now=86400.0 * 41)]
         ['a']

@@ -7,7 +7,7 @@ predicts the first token). Remote clients (Tinker, Baseten Loops) implement it o
 forward pass (``loops_callbacks.reference.scorer``), and ``score_packed`` gives the same values
 for packed token ids, flat, in the ``ref_logprobs`` layout.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.types import ModelInput
     >>> model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
@@ -48,7 +48,7 @@ class SamplingClient(Protocol):
     (a coroutine) and/or ``compute_logprobs_batch(prompts) -> list[list[float | None]]``, which
     ``attach_reference_logprobs`` prefers when present.
 
-    Example:
+    Examples:
         >>> class Uniform:
         ...     def compute_logprobs(self, prompt):
         ...         return [None] + [-2.0] * (prompt.length - 1)
@@ -62,7 +62,7 @@ class SamplingClient(Protocol):
 def frozen_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` in eval mode with ``requires_grad_(False)``; ``module`` itself is untouched.
 
-    Example:
+    Examples:
         >>> layer = torch.nn.Linear(2, 2)
         >>> copy_ = frozen_copy(layer)
         >>> copy_ is layer, copy_.training, layer.weight.requires_grad
@@ -111,7 +111,7 @@ class ScorerClient:
         """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
         of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
 
-        Example:
+        Examples:
             >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
             >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
             torch.Size([3])
@@ -137,7 +137,7 @@ class ScorerClient:
     def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
         """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
 
-        Example:
+        Examples:
             >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
             >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
             [3, 0, 1]
@@ -180,7 +180,7 @@ class TorchSamplingClient(ScorerClient):
         output_head: score from the output head when the model exposes one (``False``: always
             the model's logits).
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
         >>> client = TorchSamplingClient(model, max_tokens_per_batch=64)
         >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [4], [5, 6]])]
@@ -222,7 +222,7 @@ class TorchSamplingClient(ScorerClient):
         second copy of the weights: ``DPODataModule``'s default reference is the policy itself
         instead. The keywords are checked before the copy is made.
 
-        Example:
+        Examples:
             >>> policy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
             >>> reference = TorchSamplingClient.snapshot(policy, dtype="float64")
             >>> reference.model is policy, reference.dtype, next(policy.parameters()).dtype
@@ -241,7 +241,7 @@ class TorchSamplingClient(ScorerClient):
         """A sha256 hex digest of the scoring model's class, weights and dtype (``None`` for a callable: give
         ``reference_fingerprint`` to cache its results); it reads every weight (a cache key, not a per-step check).
 
-        Example:
+        Examples:
             >>> len(TorchSamplingClient(torch.nn.Linear(2, 2)).fingerprint())
             64
         """

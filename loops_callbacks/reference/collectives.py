@@ -9,7 +9,7 @@ an NCCL group the tensors travel through the current CUDA device.
 collective phase: a rank that stalls (or died) is then named on every other rank within a timeout,
 instead of leaving them in a collective for the backend's own timeout (gloo's is 30 minutes).
 
-Example:
+Examples:
     >>> import torch
     >>> group = Group()
     >>> group.rank, group.world_size, group.max_int(3), group.any_true(False)
@@ -117,7 +117,7 @@ def raise_together(group: Group, failure: BaseException | None, what: str) -> No
     The rank that failed raises its own exception; the others a ``ValueError`` / ``TypeError``
     (when that is what it was) or a ``RuntimeError``, naming each failed rank and its message.
 
-    Example:
+    Examples:
         >>> raise_together(Group(), None, "tokenizing")  # nothing failed: returns
     """
     if not group.any_true(failure is not None):
@@ -141,7 +141,7 @@ def fail_together(guard: StallGuard, what: str, *, then: str) -> Iterator[None]:
     An exception in the block is held until every rank has come (so none is left waiting in the
     next collective), then raised on every rank by ``raise_together`` (what failed, and where).
 
-    Example:
+    Examples:
         >>> with fail_together(StallGuard(Group(), timeout=None), "tokenizing", then="gathering the pairs"):
         ...     pairs = [1, 2]
         >>> pairs
@@ -169,7 +169,7 @@ class StallGuard:
     was last (``note``), and leaves an abort mark in the store: a late rank raises too, instead of
     entering a collective alone. Without a process group, a store or a ``timeout``, it does nothing.
 
-    Example:
+    Examples:
         >>> guard = StallGuard(Group(), timeout=5.0)
         >>> guard.note("scoring block 1 of 1")
         >>> guard.arrive("gathering values")  # a single process: nothing to wait for

@@ -20,7 +20,7 @@ The module and checkpoint ways call the (Lightning) module as ``module(input_ids
 layers are built in ``configure_model`` has none before the strategy's setup to copy or load a
 checkpoint into: give it the default reference, a reference module, or a client.
 
-Example:
+Examples:
     >>> config = ReferenceConfig(scoring_dtype="bfloat16", max_tokens_per_batch=4096)
     >>> config.cache_tag(), ReferenceConfig().cache_tag()
     ('bfloat16', 'model')
@@ -115,7 +115,7 @@ def resolve_reference(reference: Any, *, config: ReferenceConfig | None = None,
     ``device`` and the ``config``'s ``scoring_dtype`` and ``max_tokens_per_batch`` apply to the
     local (torch) ways; a client given as it is keeps its own settings.
 
-    Example:
+    Examples:
         >>> import torch
         >>> type(resolve_reference(lambda ids: torch.zeros(*ids.shape, 5))).__name__
         'TorchSamplingClient'

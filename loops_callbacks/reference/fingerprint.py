@@ -14,7 +14,7 @@ FSDP2 ``DTensor`` is gathered one parameter at a time (``full_tensor()``), an FS
 sharded any other way (FSDP with flat parameters) are hashed shard by shard, a fingerprint that
 then also depends on the layout.
 
-Example:
+Examples:
     >>> import torch
     >>> a = torch.nn.Linear(2, 2)
     >>> b = torch.nn.Linear(2, 2)
@@ -44,7 +44,7 @@ _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_modul
 def clean_name(name: str) -> str:
     """A parameter's name without wrapper prefixes.
 
-    Example:
+    Examples:
         >>> clean_name("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w")
         'layers.0.w'
     """

@@ -19,7 +19,7 @@
 
 Both paths end in ``token_logprobs``, the package's one target-token log-probability formula.
 
-Example:
+Examples:
     >>> import torch
     >>> torch.manual_seed(0) and None
     >>> hidden, head = torch.randn(5, 8), torch.nn.Linear(8, 11)
@@ -62,7 +62,7 @@ _UNSUPPORTED_TRANSFORMS = ("logits_scaling", "output_multiplier", "lm_head_multi
 class LogitTransform:
     """What a model does to ``h @ W.T`` before its softmax: ``scale`` (multiply), then ``softcap``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> LogitTransform(softcap=2.0)(torch.tensor([0.0, 100.0])).tolist()
         [0.0, 2.0]
@@ -135,7 +135,7 @@ class OutputHead:
     Use ``find_output_head(model)`` to get one. ``capture`` replaces the layer's ``forward`` for
     one model call; ``verify`` checks, once, that the chunked computation gives the model's logits.
 
-    Example:
+    Examples:
         >>> import torch
         >>> class LM(torch.nn.Module):
         ...     def __init__(self):

@@ -9,7 +9,7 @@ log-probabilities into one flat float32 tensor in the ``ref_logprobs`` layout: v
 sequence is log p(token k + 1 | tokens up to k), and its last value is 0 (nothing is predicted
 there). No Python list and no host synchronisation stands between two batches.
 
-Example:
+Examples:
     >>> packed = PackedTokens.from_sequences([[5, 6, 7], [8], [9, 10]])
     >>> packed.ids.tolist(), packed.offsets.tolist(), packed.lengths.tolist()
     ([5, 6, 7, 8, 9, 10], [0, 3, 4, 6], [3, 1, 2])
@@ -52,7 +52,7 @@ class PackedTokens:
     def from_sequences(cls, sequences: Sequence[Sequence[int]]) -> PackedTokens:
         """Pack lists (or 1-D arrays) of ids; the only step that reads Python ints one by one.
 
-        Example:
+        Examples:
             >>> PackedTokens.from_sequences([]).offsets.tolist()
             [0]
         """
@@ -80,7 +80,7 @@ class PackedTokens:
     def slice(self, start: int, stop: int) -> PackedTokens:
         """Sequences ``start`` to ``stop`` (views, no copy of the ids).
 
-        Example:
+        Examples:
             >>> PackedTokens.from_sequences([[1], [2, 3], [4]]).slice(1, 3).ids.tolist()
             [2, 3, 4]
         """
@@ -98,7 +98,7 @@ class CheckedTokens(PackedTokens):
     def covers(self, vocab_size: int | None) -> bool:
         """Whether the ids are known to lie inside ``[0, vocab_size)``.
 
-        Example:
+        Examples:
             >>> checked = CheckedTokens(np.array([1, 2]), np.array([0, 2]), vocab_size=8)
             >>> checked.covers(8), checked.covers(16), checked.covers(None), checked.covers(4)
             (True, True, True, False)
@@ -135,7 +135,7 @@ def check_token_ids(
     checked against this vocabulary (``score_across_ranks`` checks once; the scorers then do not).
     The sequence is named ``f"{label} {index}"``, or ``datum_name(index)`` with the id's position.
 
-    Example:
+    Examples:
         >>> checked = check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 8]]), 9)
         >>> check_token_ids(checked, 9) is checked
         True

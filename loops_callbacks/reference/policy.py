@@ -16,7 +16,7 @@ DataModule for data (``ReferenceLogprobsMixin``). No copy of the weights exists 
 - ``fingerprint()`` is a collective (``loops_callbacks.reference.fingerprint``): the same digest
   whatever the placement or sharding, without gathering the whole model on one rank.
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.reference.packing import PackedTokens
     >>> policy = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
@@ -51,7 +51,7 @@ Autocast = Callable[[], contextlib.AbstractContextManager[Any]]
 def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
     """The policy's cache tag: what its values depend on besides its weights (the autocast dtype, or the precision).
 
-    Example:
+    Examples:
         >>> class Trainer:
         ...     precision = "bf16-mixed"
         >>> policy_tag(Trainer(), None), policy_tag(Trainer(), "float16")

@@ -7,7 +7,7 @@ one small summary (how many items, one digest of them all, its settings); only w
 are the per-item digests gathered, to name the first item that differs and where each rank got
 it. The error is raised on every rank alike, before anything is scored or cached.
 
-Example:
+Examples:
     >>> from loops_callbacks.reference.collectives import Group
     >>> digests = item_digests([b"a", b"b"])
     >>> check_ranks_agree(Group(), what="datums", count=2, digest=combined_digest(digests),
@@ -44,7 +44,7 @@ class RanksDisagreeError(ValueError):
 def item_digests(items: Iterable[bytes]) -> np.ndarray:
     """One 16-byte digest per item, as a ``[N, 16]`` uint8 array.
 
-    Example:
+    Examples:
         >>> item_digests([b"a", b"b"]).shape
         (2, 16)
     """
@@ -55,7 +55,7 @@ def item_digests(items: Iterable[bytes]) -> np.ndarray:
 def token_digests(packed: PackedTokens) -> np.ndarray:
     """``item_digests`` of each sequence's token ids (int64, little-endian).
 
-    Example:
+    Examples:
         >>> a = token_digests(PackedTokens.from_sequences([[1, 2], [3]]))
         >>> b = token_digests(PackedTokens.from_sequences([[1, 2], [4]]))
         >>> bool((a[0] == b[0]).all()), bool((a[1] == b[1]).all())
@@ -125,7 +125,7 @@ def check_ranks_agree(
 def settings_difference(per_rank: Sequence[Mapping[str, str]]) -> str:
     """Each setting whose value differs between the ranks, with every rank's value; ``""`` when they agree.
 
-    Example:
+    Examples:
         >>> settings_difference([{"max_length": "64", "seed": "0"}, {"max_length": "48", "seed": "0"}])
         'max_length: rank 0: 64, rank 1: 48'
     """
@@ -140,7 +140,7 @@ def settings_difference(per_rank: Sequence[Mapping[str, str]]) -> str:
 def _first_difference(everyone: list[np.ndarray]) -> int:
     """The first index where some rank's digest differs from rank 0's (or where the shorter ones end).
 
-    Example:
+    Examples:
         >>> a, b = item_digests([b"x", b"y"]), item_digests([b"x", b"z", b"w"])
         >>> _first_difference([a, b]), _first_difference([a, b[:1]])
         (1, 1)

@@ -16,7 +16,7 @@ everywhere in this package.
 Right padding needs no attention mask: with causal attention a real position only attends to
 the positions before it, so a padded row scores as it would alone (up to float rounding).
 
-Example:
+Examples:
     >>> import torch
     >>> from loops_callbacks.reference.packing import PackedTokens
     >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
@@ -85,7 +85,7 @@ def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None 
     ``vocab_size`` is given for the general path (where the model's ``[B, T, V]`` logits exist),
     ``None`` on the output-head path (no cap).
 
-    Example:
+    Examples:
         >>> default_tokens_per_batch("cuda"), default_tokens_per_batch("cuda", 151936), default_tokens_per_batch("cpu")
         (16384, 3533, 2048)
     """
@@ -99,7 +99,7 @@ def default_tokens_per_batch(device: str | torch.device, vocab_size: int | None 
 def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
     """Rows per chunk on the output-head path (see ``_HEAD_CHUNKS``; at least 1).
 
-    Example:
+    Examples:
         >>> default_head_rows("cpu", 4096), default_head_rows("cpu", 131072), default_head_rows("cuda", 131072)
         (256, 128, 512)
     """

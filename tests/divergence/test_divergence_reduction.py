@@ -96,7 +96,7 @@ def test_two_gloo_ranks_share_a_capped_sample_by_their_counts(gloo_results: list
     union_diffs = [part.to_host().diffs for part in parts]
     first, second = (by_scenario[name, 7][0] for by_scenario in gloo_results)
     for a, b in [(first.sums, second.sums), (first.maxima, second.maxima), (first.worst, second.worst),
-                 (first.sample, second.sample), (first.keys, second.keys)]:
+                 (first.sample, second.sample), (first.sample_keys, second.sample_keys)]:
         assert torch.equal(a, b)  # every rank ends with the same statistics
     kept = first.to_host().diffs
     assert kept.shape == (min(7, sum(counts)),)
