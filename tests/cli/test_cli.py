@@ -8,7 +8,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -92,14 +92,42 @@ def test_the_rl_config_runs_and_leaves_an_offline_wandb_run_with_the_tables(caps
     assert {row.split(" | ")[3] for row in rows} <= texts  # the tokenizer's text of each token
 
 
-def test_dpo_without_held_out_pairs_runs_no_validation_and_warns_nothing() -> None:
-    with warnings.catch_warnings(record=True) as caught:
+class DPORun(NamedTuple):
+    cli: LoopsCLI
+    warnings: list[str]  # every warning the run gave
+    scratch: Path  # where it ran
+
+
+@pytest.fixture(scope="module")
+def dpo_run_without_held_out_pairs(tmp_path_factory: pytest.TempPathFactory) -> DPORun:
+    """One run of dpo_tiny without held-out pairs, in a scratch dir, checked by the two tests below."""
+    scratch, threads = tmp_path_factory.mktemp("dpo_run"), torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+        patch.chdir(scratch)
+        torch.set_num_threads(1)  # as one_torch_thread (function-scoped)
         warnings.simplefilter("always")
-        cli = fit("dpo_tiny.yaml", "--data.init_args.val_fraction", "0", "--trainer.logger", "false",
-                  "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1")
+        try:
+            cli = fit("dpo_tiny.yaml", "--data.init_args.val_fraction", "0", "--trainer.logger", "false",
+                      "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1")
+        finally:
+            torch.set_num_threads(threads)
+    return DPORun(cli, [str(w.message) for w in caught], scratch)
+
+
+def test_dpo_without_held_out_pairs_runs_no_validation_and_warns_nothing(dpo_run_without_held_out_pairs: DPORun) -> None:
+    cli, caught, _ = dpo_run_without_held_out_pairs
     under_pytest = "LightningCLI's args parameter"  # sys.argv holds pytest's arguments
-    assert [str(w.message) for w in caught if not str(w.message).startswith(under_pytest)] == []
+    assert [message for message in caught if not message.startswith(under_pytest)] == []
     assert cli.trainer.global_step == 2 and cli.trainer.limit_val_batches == 0
+
+
+def test_dpo_config_attaches_reference_logprobs_and_trains(dpo_run_without_held_out_pairs: DPORun) -> None:
+    """Every datum of the DataModule carries its reference logprobs after the run, and they are cached."""
+    cli, _, scratch = dpo_run_without_held_out_pairs
+    datums = cli.datamodule.scored_pairs.datums()
+    assert len(datums) == 2048 and all("ref_logprobs" in d.loss_fn_inputs for d in datums)
+    assert "train/dpo_accuracy" in cli.trainer.callback_metrics
+    assert list((scratch / "runs/dpo_tiny/reference_logprobs").iterdir())  # the cache a rerun loads
 
 
 def printed_config(config: Path, capsys: Any) -> str:
