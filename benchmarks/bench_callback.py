@@ -153,7 +153,7 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
 
     configurations: dict[str, tuple[Any, dict[str, Any]]] = {
         "base": (flat, {}),
-        "no diagnosis": (flat, {"signatures": False}),
+        "no diagnosis": (flat, {"diagnose": False}),
         "p, pos": (flat, {"max_groups": 8}),
         "p, pos, lag": (versioned, {"max_groups": 8}),
         "all strata": (grouped, {"max_groups": 8}),

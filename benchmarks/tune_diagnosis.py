@@ -33,6 +33,7 @@ import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from loops_callbacks.divergence import diagnosis  # noqa: E402
+from loops_callbacks.divergence.causes import CAUSES  # noqa: E402
 from loops_callbacks.divergence.signatures import signature_numbers  # noqa: E402
 from loops_callbacks.divergence.monitor import MediaOptions
 
@@ -117,7 +118,7 @@ def main() -> None:
                 for truth, found in list(zip(truths, causes))[args.skip :]:
                     tables[name][truth][found] += 1
     for name, table in tables.items():
-        judged = {truth: row for truth, row in table.items() if truth in diagnosis.CAUSES}  # not the known confusion
+        judged = {truth: row for truth, row in table.items() if truth in CAUSES}  # not the known confusion
         named_steps = sum(n for row in judged.values() for cause, n in row.items() if cause != "unclear")
         right = sum(row[truth] for truth, row in judged.items())
         print(f"{name}: right when a cause is named {right}/{named_steps}")
