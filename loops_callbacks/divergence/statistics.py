@@ -95,7 +95,9 @@ class DivergenceStats:
         for chunk in chunks:
             values, worst, sample, sample_keys, groups = formulas.of_chunk(chunk, layout, top_n, sample_size,
                                                                             generator, rank)
-            parts.append(cls(*layout.pack(values), worst, sample, sample_keys, layout, sample_size, groups))
+            # each chunk keeps its sample_size smallest keys at once: the merged sample is the same, and a
+            # large batch never holds every position's diff and key until the end
+            parts.append(cls(*layout.pack(values), worst, sample, sample_keys, layout, sample_size, groups).capped())
         return cls.concatenated(parts)
 
     def merge(self, later: DivergenceStats) -> DivergenceStats:
