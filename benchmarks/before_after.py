@@ -3,8 +3,8 @@
 The base commit's files are exported (``git archive``) to a temporary folder; then each benchmark
 runs in the base tree and in this one, alternately (``--rounds`` times), each in a subprocess with
 its tree first on ``PYTHONPATH``, one torch thread and W&B offline, in a temporary working
-folder. It prints, per benchmark, each run's table rows (the lines starting with ``|``) and
-``key: value`` figure lines, labelled with the version, so that the figures read side by side.
+folder. It prints, per benchmark, each run's lines that hold a figure, labelled with the version,
+so that the figures read side by side.
 The machine is the same and the load is shared: the versions differ by the code alone.
 
     python benchmarks/before_after.py [--base 90951aa] [--only bench_corrections.py ...] [--rounds 1]
@@ -71,9 +71,8 @@ def run(tree: Path, script: str, args: list[str], workdir: Path) -> tuple[float,
 
 
 def figures(output: str) -> list[str]:
-    """The lines of ``output`` that hold figures: table rows and ``name: value`` lines."""
-    return [line for line in output.splitlines()
-            if line.startswith("|") or (": " in line and any(ch.isdigit() for ch in line))]
+    """The lines of ``output`` that hold figures: every line with a digit (tables, ``name: value`` lines, rows)."""
+    return [line for line in output.splitlines() if any(ch.isdigit() for ch in line)]
 
 
 def main() -> None:

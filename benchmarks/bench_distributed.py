@@ -61,6 +61,7 @@ from loops_callbacks.divergence.reduction import (  # noqa: E402
     reduce_across_ranks,
 )
 from loops_callbacks.divergence.states import ROW  # noqa: E402
+from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats, layout_of  # noqa: E402
 
 TOP_N, SAMPLE_SIZE, LENGTH = 20, 100_000, 64
@@ -427,6 +428,11 @@ def main() -> None:
     bound = received_bytes(1024, TOP_N, SAMPLE_SIZE, layout_of())
     assert bound <= 4_000_000
     print(f"At 1,024 ranks the new scheme receives {mb(bound)} MB per rank (bound: 4 MB).")
+    # the runs above read batches without policy versions or groups; the monitor's default keeps the strata too
+    default = layout_of(max_groups=DEFAULT_MAX_GROUPS)
+    header, body = message_sizes(default, TOP_N, SAMPLE_SIZE)
+    print(f"With the monitor's default strata: 8 x ((W-1) x {header} + 2 (W-1)/W x {body:,}); at 1,024 ranks "
+          f"{mb(received_bytes(1024, TOP_N, SAMPLE_SIZE, default))} MB per rank.")
 
 
 if __name__ == "__main__":
