@@ -108,7 +108,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
     abs_percentiles = abs_percentiles_linear(host.diffs, _PERCENTILES)
     ess_denominator = n * t["sum_is_ratio2"]
-    scored = t["n_scored_datums"]
+    with_actions = t["n_datums_with_actions"]
     values = {
         "kl_sample_train_v1_loops": -t["sum_d"] / n,
         "kl_sample_train_v2_loops": 0.5 * t["sum_d2"] / n,
@@ -128,8 +128,8 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "is_ratio_max": is_ratio(e["max_d"]),  # exp is monotone: the weight of the largest diff
         "is_ratio_min": is_ratio(-e["neg_min_d"]),
         "chi2_token": t["sum_is_ratio2"] / n - 1.0,
-        "seq_log_ratio_mean": t["sum_seq_mean_d"] / scored,
-        "seq_is_ratio_mean": t["sum_seq_is_ratio"] / scored,
+        "seq_log_ratio_mean": t["sum_seq_mean_d"] / with_actions,
+        "seq_is_ratio_mean": t["sum_seq_is_ratio"] / with_actions,
         "seq_is_ratio_max": is_ratio(e["max_seq_mean_d"]),
         "frac_is_ratio_gt_2": t["n_is_ratio_gt_2"] / n,
         "frac_is_ratio_lt_0.5": t["n_is_ratio_lt_half"] / n,

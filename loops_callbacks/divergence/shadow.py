@@ -51,7 +51,7 @@ from loops_callbacks.divergence.states import State
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
-SHARED_TOTALS = ("n_tokens", "n_scored_datums", "n_datums_no_advantage")
+SHARED_TOTALS = ("n_tokens", "n_datums_with_actions", "n_datums_no_advantage")
 SHARED_EXTREMA = (
     "max_token_log_ratio", "neg_min_token_log_ratio",
     "max_seq_log_ratio", "neg_min_seq_log_ratio",
@@ -126,32 +126,34 @@ def shadow_values(
         advantages = advantages.detach().to(device=diff.device, dtype=torch.float64)
     x = CorrectionInput(diff, mask, rows, advantages)
     count = x.row_count
-    scored = count > 0
-    unjudged = (scored & advantages.isnan()).sum().to(torch.float64) if advantages is not None else count.new_zeros(())
+    with_actions = count > 0
+    unjudged = count.new_zeros(())
+    if advantages is not None:
+        unjudged = (with_actions & advantages.isnan()).sum().to(torch.float64)
     at_rank = torch.full_like(unjudged, float(rank))
     values: dict[str, torch.Tensor] = {
         _key(None, "n_tokens"): count.sum(),
-        _key(None, "n_scored_datums"): scored.sum().to(torch.float64),
+        _key(None, "n_datums_with_actions"): with_actions.sum().to(torch.float64),
         _key(None, "n_datums_no_advantage"): unjudged,
         _key(None, "max_rank_no_advantage"): at_rank.where(unjudged > 0, -math.inf),
         _key(None, "neg_min_rank_no_advantage"): (-at_rank).where(unjudged > 0, -math.inf),
     }
     values.update(_extrema("token_log_ratio", diff, x.finite))
-    values.update(_extrema("seq_log_ratio", x.row_log_ratio, scored))
-    values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), scored))
+    values.update(_extrema("seq_log_ratio", x.row_log_ratio, with_actions))
+    values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), with_actions))
     for correction in parsed:
         if correction.spec.level == "sequence":
-            values.update(_sequence_level(correction, correct_rows(correction, x), count, scored))
+            values.update(_sequence_level(correction, correct_rows(correction, x), count, with_actions))
         else:
             values.update(_token_level(correction, correct_flat(correction, x), x))
     return values
 
 
-def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, scored: torch.Tensor
+def _sequence_level(correction: Correction, rows: Weights, count: torch.Tensor, with_actions: torch.Tensor
                     ) -> dict[str, torch.Tensor]:
     """The statistics of a sequence-level correction from its rows alone (every token of a row shares its fate)."""
-    dropped, clipped = scored & ~rows.keep, scored & rows.clipped
-    weight = rows.weights * scored  # a row without action tokens is no sequence; its weight never applies
+    dropped, clipped = with_actions & ~rows.keep, with_actions & rows.clipped
+    weight = rows.weights * with_actions  # a row without action tokens is no sequence; its weight never applies
     return _per_correction(correction, (count * dropped).sum(), (count * clipped).sum(), dropped.sum(), clipped.sum(),
                            (count * weight).sum(), (count * weight.square()).sum(), weight.sum(), weight.square().sum())
 
@@ -210,7 +212,7 @@ def shadow_scalars(
         return {}
     total = {name: float(value) for name, value in totals.items()}
     peak = {name: float(value) for name, value in extrema.items()}
-    n_tokens, n_scored = total[_key(None, "n_tokens")], total[_key(None, "n_scored_datums")]
+    n_tokens, n_with_actions = total[_key(None, "n_tokens")], total[_key(None, "n_datums_with_actions")]
     if n_tokens == 0:
         return {}
     scalars = {}
@@ -227,10 +229,10 @@ def shadow_scalars(
         out = f"{PREFIX}{correction.name}/"
         scalars[out + "frac_tokens_masked"] = get("n_tokens_masked") / n_tokens
         scalars[out + "frac_tokens_clipped"] = get("n_tokens_clipped") / n_tokens
-        scalars[out + "frac_seqs_masked"] = get("n_datums_masked") / n_scored
-        scalars[out + "frac_seqs_clipped"] = get("n_datums_clipped") / n_scored
+        scalars[out + "frac_seqs_masked"] = get("n_datums_masked") / n_with_actions
+        scalars[out + "frac_seqs_clipped"] = get("n_datums_clipped") / n_with_actions
         scalars[out + "ess_tokens"] = _ess(get("sum_weight"), get("sum_weight2"), n_tokens)
-        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_scored)
+        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_with_actions)
         scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
     return scalars
 
@@ -242,7 +244,7 @@ def no_advantage_message(
     and extrema (every rank's): how many, and on which ranks; ``None`` when there are none.
 
     Examples:
-        >>> totals = {"correction::n_datums_no_advantage": 4.0, "correction::n_scored_datums": 8.0}
+        >>> totals = {"correction::n_datums_no_advantage": 4.0, "correction::n_datums_with_actions": 8.0}
         >>> extrema = {"correction::max_rank_no_advantage": 1.0, "correction::neg_min_rank_no_advantage": -1.0}
         >>> no_advantage_message(totals, extrema, "'advantages'").split(";")[0]
         "off_policy_mask had no usable 'advantages' for 4 of the step's 8 sequences, on rank 1"
@@ -255,7 +257,7 @@ def no_advantage_message(
     ranks = f"rank {low:.0f}" if low == high else f"ranks {low:.0f} (lowest) to {high:.0f} (highest)"
     return (
         f"off_policy_mask had no usable {label} for {n:.0f} of the step's "
-        f"{float(totals[_key(None, 'n_scored_datums')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
+        f"{float(totals[_key(None, 'n_datums_with_actions')]):.0f} sequences, on {ranks}; it cannot judge them, so its "
         "shadow metrics count them as masked (give one advantage per datum, or per token)"
     )
 

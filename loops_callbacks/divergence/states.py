@@ -75,7 +75,7 @@ def _sums(*names: str) -> tuple[State, ...]:
 
 
 MAIN = (
-    *_sums("n_datums", "n_scored_datums", "n_action_tokens", "n_skipped_nonfinite", "n_trainer_zero"),
+    *_sums("n_datums", "n_datums_with_actions", "n_action_tokens", "n_skipped_nonfinite", "n_trainer_zero"),
     *_sums("sum_d", "sum_d2", "sum_is_ratio", "sum_is_ratio2", "sum_k3", "sum_sampler", "sum_seq_mean_d"),
     *_sums("sum_seq_is_ratio", "n_abs_gt_1", "n_abs_gt_2", "n_abs_gt_4", "n_is_ratio_gt_2", "n_is_ratio_lt_half"),
     # logprobs above LOGPROB_CEILING (probabilities?) and below LOGPROB_FLOOR (sentinels)

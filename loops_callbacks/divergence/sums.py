@@ -62,14 +62,14 @@ def of_chunk(
         is_ratio.masked_fill_(~active, 0.0)
     abs_d = d.abs()
     row_counts = _row_sums(flat.active, flat.row_lengths)  # int64 action tokens per datum
-    scored = row_counts > 0
+    with_actions = row_counts > 0
     seq_mean = (_row_sums(d, row_counts if compact else flat.row_lengths) / row_counts.clamp(min=1)).masked_fill(
-        ~scored, 0.0)
-    seq_is_ratio = torch.exp(seq_mean.clamp(max=IS_RATIO_CLAMP)).masked_fill(~scored, 0.0)
+        ~with_actions, 0.0)
+    seq_is_ratio = torch.exp(seq_mean.clamp(max=IS_RATIO_CLAMP)).masked_fill(~with_actions, 0.0)
     count, inf = torch.count_nonzero, math.inf
     values: dict[str, torch.Tensor] = {
         "n_datums": torch.full((), float(flat.n_datums), dtype=torch.float64, device=d.device),
-        "n_scored_datums": count(scored), "n_action_tokens": count(flat.active),
+        "n_datums_with_actions": count(with_actions), "n_action_tokens": count(flat.active),
         "n_skipped_nonfinite": count(flat.counted & ~flat.active),
         "n_trainer_zero": count((flat.trainer == 0.0) & flat.active),
         "sum_d": d.sum(), "sum_d2": torch.dot(d, d), "sum_is_ratio": is_ratio.sum(),
@@ -82,7 +82,7 @@ def of_chunk(
         "n_sampler_below_floor": count(sampler < LOGPROB_FLOOR), "n_trainer_below_floor": count(trainer < LOGPROB_FLOOR),
         "n_masked_in": count(flat.masked_in),
         "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
-        "max_seq_mean_d": _max_and_negated_min(seq_mean, scored)[0],
+        "max_seq_mean_d": _max_and_negated_min(seq_mean, with_actions)[0],
         **_sampling_sums(flat),
     }
     for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
