@@ -213,7 +213,7 @@ class KLSampleTrainMonitor(Callback):
         stats = DivergenceStats.from_batch(
             flat, top_n=self.media.rows, sample_size=self.sample_size,
             generator=self._generator(flat.device, trainer.global_rank), diagnose=self.diagnose,
-            max_groups=self.media.max_groups if self.media.log_strata else None, corrections=self.corrections,
+            max_groups=self.media.strata_groups, corrections=self.corrections,
             rank=trainer.global_rank,
         )
         self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)

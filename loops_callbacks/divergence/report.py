@@ -23,7 +23,7 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from loops_callbacks.divergence.shadow import shadow_scalars
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.states import ROW
-from loops_callbacks.validation import check_bool, check_int
+from loops_callbacks.validation import check, check_bool, check_int
 
 WORST_TOKEN_COLUMNS = ["rank", "datum", "position", "token", "logp_sampler", "logp_trainer", "diff", "is_weight",
                        "context"]
@@ -48,6 +48,7 @@ END, NEAR = "<end>", 3
 HISTOGRAM_KEY, TABLE_KEY, STRATA_TABLE_KEY, DIAGNOSIS_KEY = "per_token_diff_hist", "worst_tokens", "strata", "diagnosis"
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     """Anything with ``decode(list[int]) -> str``, e.g. a Hugging Face tokenizer."""
 
@@ -85,12 +86,15 @@ class MediaOptions:
         """The worst rows the statistics keep: none without the table."""
         return self.top_n if self.log_worst_tokens else 0
 
+    @property
+    def strata_groups(self) -> int | None:
+        """The groups the statistics keep apart: ``None`` without strata."""
+        return self.max_groups if self.log_strata else None
+
 
 def checked_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer | None:
     """``tokenizer`` if it is ``None`` or has a ``decode`` method; a ``TypeError`` otherwise."""
-    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
-        raise TypeError(f"tokenizer must have a decode(list[int]) method, got {type(tokenizer).__name__}")
-    return tokenizer
+    return check("tokenizer", tokenizer, Tokenizer, "a tokenizer with a decode(list[int]) method", optional=True)
 
 
 @dataclass(frozen=True)
