@@ -33,9 +33,10 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import DefaultHelpFormatter
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -43,7 +44,7 @@ from typing_extensions import override
 
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
-from loops_callbacks.cli.refusals import Constructors, missing_package, refusal_line
+from loops_callbacks.cli.refusals import Constructors, missing_package, parse_error_line, refusal_line
 from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT_INTERRUPTED, EXIT_STATUSES, EXIT_USAGE
 from loops_callbacks.cli.summary import exit_status, killed_line, killed_rank, monitors_of, rank_deaths_reported
 from loops_callbacks.cli.summary import run_summary, shown, wandb_run_directory
@@ -66,6 +67,17 @@ MAIN_COMMANDS = (
     ("loops-callbacks fit --config configs/dpo_tiny.yaml", "DPO with cached reference logprobs"),
     ("loops-callbacks cache list|prune DIR", "see and prune reference-logprob caches (--help for options)"),
 )
+
+
+class _Parser(LightningArgumentParser):
+    """Lightning's parser, whose refusal of a config is one line on stderr (exit 2) instead of the usage and a
+    many-line error."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or debug_mode_active():
+            super().error(message, ex)
+        _exit_with(f"loops-callbacks: error: {parse_error_line(message)}", EXIT_USAGE)
 
 
 class LoopsCLI(LightningCLI):
@@ -302,7 +314,7 @@ def run_cli(args: Any = None) -> LoopsCLI:
                 cli = LoopsCLI(
                     LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args,
                     save_config_callback=_SaveConfigBesideTheLogs,
-                    save_config_kwargs={"overwrite": True, "save_to_log_dir": False},
+                    save_config_kwargs={"overwrite": True, "save_to_log_dir": False}, parser_class=_Parser,
                 )
         except SystemExit:  # Lightning exits 1 after a Ctrl-C has shut the run down
             interrupted = next((trainer for trainer in _trainers if trainer.interrupted), None)

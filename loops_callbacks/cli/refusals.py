@@ -1,12 +1,15 @@
-"""What the command refuses in one line: a config value a constructor of this package refused (with its config
-key, exit 2), and a missing optional package (exit 1)."""
+"""What the command refuses in one line: a config the parser refused and a value a constructor of this package
+refused (each with its config key, exit 2), and a missing optional package (exit 1)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pydoc
+import re
 import sys
 import traceback
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +46,54 @@ def refusal_line(error: BaseException, seen: list[Exception], config: Any) -> st
             key, name, message = _config_key_of(config, made) or "the config", type(made).__name__, str(candidate)
             message = " ".join(message.split("\n"))
             return key + ("" if message.startswith(name) else f" ({name})") + f": {message}"
+    return None
+
+
+_KEY, _CLASS = re.compile(r'Parser key "(.+?)":\s*(.*)'), re.compile(r"Problem with given class_path '(.+)':")
+_NOT_ACCEPTED = re.compile(r"Option '(.+)' is not accepted")
+_ONLY_CONTEXT = ("Does not validate against", "Subtypes:", "Errors:", "Given value")
+
+
+def parse_error_line(message: str) -> str:
+    """jsonargparse's (many-line) parse error as one line: the keys and classes down to the first problem, then
+    the problem, and where a key that is not accepted belongs when it is a field of one of the class's groups.
+
+    Examples:
+        >>> print(parse_error_line('Parser key "trainer.max_steps":' + chr(10) + "  Expected an int. Got value: abc"))
+        trainer.max_steps: Expected an int. Got value: abc
+    """
+    lines, path, class_path, key_indent = message.splitlines(), "", None, None
+    for index, line in enumerate(lines):
+        text, indent = line.strip().removeprefix("- "), len(line) - len(line.lstrip())
+        if key := _KEY.fullmatch(text):
+            path, key_indent, text = path + (": " if path else "") + key[1], indent, key[2]
+        if key and not text:
+            continue
+        if given := _CLASS.fullmatch(text):
+            class_path, key_indent = given[1], None
+            path += f" ({class_path.rpartition('.')[2]})"
+        elif text and not text.startswith(_ONLY_CONTEXT):
+            option = _NOT_ACCEPTED.fullmatch(text)
+            group = _group_holding(class_path, option[1]) if option and class_path else None
+            problem = text + (f": it is a field of {group} ({group}: {{{option[1]}: ...}})" if group else "")
+            value = next((rest.strip().removeprefix("Given value: ") for rest in lines[index + 1 :]
+                          if key_indent is not None and rest.startswith(" " * (key_indent + 2) + "Given value: ")), None)
+            problem += "" if value is None else f", got {value}"
+            return f"{path}: {problem}" if path else problem
+    return " ".join(message.split())
+
+
+def _group_holding(class_path: str, field: str) -> str | None:
+    """The argument of ``class_path``'s constructor whose dataclass (an options group) has ``field``, if any."""
+    made = pydoc.locate(class_path)
+    try:
+        hints = typing.get_type_hints(made.__init__) if isinstance(made, type) else {}
+    except Exception:  # a hint that does not resolve: no suggestion, the error stands as it is
+        return None
+    for argument, hint in hints.items():
+        for kind in (hint, *typing.get_args(hint)):
+            if dataclasses.is_dataclass(kind) and field in {f.name for f in dataclasses.fields(kind)}:
+                return argument
     return None
 
 

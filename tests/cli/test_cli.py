@@ -246,20 +246,39 @@ def test_a_logger_that_cannot_take_text_is_a_warning(tmp_path: Path) -> None:
         deliver_text([FullDisk(str(tmp_path))], "stop", "why", step=3)
 
 
+FLAT_MAX_KL = """
+trainer:
+  callbacks:
+    - class_path: KLSampleTrainMonitor
+      init_args: {max_kl: 0.05}
+"""
+
+
 @pytest.mark.parametrize(
-    "override, message",
+    "override, line",
     [
-        (["--model.init_args.sync_every", "0"], "sync_every"),
-        (["--model.init_args.group_size", "many"], "group_size"),
-        (["--model.init_args.no_such_option", "1"], "no_such_option"),
-        (["--data.init_args.batch_size", "-3"], "batch_size"),
+        (["--model.init_args.sync_every", "0"],
+         "model (RLPolicyModule): sync_every: Not of type PositiveInt: does not conform to restriction v>0, got 0"),
+        (["--model.init_args.group_size", "many"], "model (RLPolicyModule): group_size: Not of type PositiveInt"),
+        (["--model.init_args.no_such_option", "1"], "model (RLPolicyModule): Option 'no_such_option' is not accepted"),
+        (["--data.init_args.batch_size", "-3"], "data (PromptDataModule): batch_size: Not of type PositiveInt: -3"),
+        (["--trainer.max_steps", "abc"], "trainer.max_steps: Expected a <class 'int'>. Got value: abc"),
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag 1"),
+        (["--config", "flat_max_kl.yaml"],  # a key of an options group written flat, as before the groups
+         "trainer.callbacks (KLSampleTrainMonitor): Option 'max_kl' is not accepted: it is a field of guard_rail "
+         "(guard_rail: {max_kl: ...})"),
     ],
+    ids=["restriction", "type", "unknown option", "datamodule", "trainer", "unknown flag", "flat group key"],
 )
-def test_bad_config_values_fail_at_parse_time_naming_the_key(override: list[str], message: str, capsys: Any) -> None:
+def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
+    override: list[str], line: str, capsys: Any
+) -> None:
+    Path("flat_max_kl.yaml").write_text(FLAT_MAX_KL)
     with pytest.raises(SystemExit) as exit_:
         fit("rl_tiny.yaml", *override)
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error.startswith(f"loops-callbacks: error: {line}"), error
 
 
 CORRECTION_CLIP_MAX = """
