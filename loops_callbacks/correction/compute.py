@@ -189,19 +189,13 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
     spec = correction.spec
     if spec.level != "sequence":
         raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
-    never = torch.zeros_like(x.row_count, dtype=torch.bool)
-    if spec.family == "trl":
-        return _trl_weights(correction, torch.exp(x.row_log_ratio), ~never)
-    if spec.family == "verl_is":
-        return _verl_is_weights(correction, x.row_log_ratio, ~never)
-    if spec.family == "verl_rs":
-        keep = _verl_rejection_keep(correction, x)
-        return Weights(keep.to(torch.float64), keep, never)
+    if spec.family != "off_policy":
+        return _weights(correction, x, x.row_log_ratio, torch.ones_like(x.row_count, dtype=torch.bool))
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
     mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
     keep = ~x.advantages.isnan() & ((x.advantages >= 0) | (mean_kl <= correction.params["threshold"]))
-    return Weights(keep.to(torch.float64), keep, never)
+    return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
 
 
 @torch.no_grad()
@@ -221,14 +215,18 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
         keep = x.mask & x.rows.spread(rows.keep)
         weights = torch.where(x.mask, x.rows.spread(rows.weights), 0.0)  # a row's weight may be inf: no inf * 0
         return Weights(weights, keep, x.mask & x.rows.spread(rows.clipped))
-    if spec.family == "trl":
-        result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
-    elif spec.family == "verl_is":
-        result = _verl_is_weights(correction, x.zeroed, x.mask)
-    else:
-        keep = x.mask & _verl_rejection_keep(correction, x)
-        result = Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    result = _weights(correction, x, x.zeroed, x.mask)
     return Weights(result.weights * x.mask, result.keep, result.clipped)  # off the mask the ratio is 1
+
+
+def _weights(correction: Correction, x: CorrectionInput, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
+    """TRL's, verl's truncated IS or verl's rejection weights of ``log_ratio`` (``x``'s rows' or its positions')."""
+    if correction.spec.family == "trl":
+        return _trl_weights(correction, torch.exp(log_ratio), mask)
+    if correction.spec.family == "verl_is":
+        return _verl_is_weights(correction, log_ratio, mask)
+    keep = mask & _verl_rejection_keep(correction, x)
+    return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
 
 
 def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
