@@ -62,9 +62,6 @@ def _as_tensor(value: Any, where: str) -> torch.Tensor:
         tensor = _from_list(data, where)
         shape = getattr(value, "shape", None)
         return tensor.reshape(list(shape)) if shape else tensor
-    to_torch = getattr(value, "to_torch", None)
-    if callable(to_torch):
-        return to_torch().detach()
     raise TypeError(
         f"{where}: expected a tensor, numpy array, list or TensorData, got {type(value).__name__}"
     )
