@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from loops_callbacks.validation import check, check_real
+from loops_callbacks.validation import check, check_choice, check_real
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -137,10 +137,7 @@ class Correction:
     params: Mapping[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check("Correction.method", self.method, str, "a str")
-        spec = METHODS.get(self.method)
-        if spec is None:
-            raise ValueError(f"unknown correction method {self.method!r}; known: {sorted(METHODS)}")
+        spec = METHODS[check_choice("Correction.method", self.method, sorted(METHODS))]
         check("Correction.params", self.params, Mapping, "a mapping")
         unknown = sorted(set(self.params) - set(spec.params))
         if unknown:
