@@ -220,18 +220,18 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
 
 
 def _weights(correction: Correction, x: CorrectionInput, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
-    """TRL's, verl's truncated IS or verl's rejection weights of ``log_ratio`` (``x``'s rows' or its positions')."""
-    if correction.spec.family == "trl":
-        return _trl_weights(correction, torch.exp(log_ratio), mask)
+    """The weights of ``log_ratio`` (``x``'s rows' or its positions') where ``mask``: verl's truncated IS (``exp`` of
+    the log ratio clamped to ±20, capped at ``threshold``), verl's rejection, or TRL's truncate (the ratio clamped into
+    [clip_min, clip_max]) or mask (0 outside it)."""
+    params = correction.params
     if correction.spec.family == "verl_is":
-        return _verl_is_weights(correction, log_ratio, mask)
-    keep = mask & _verl_rejection_keep(correction, x)
-    return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
-
-
-def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
-    """TRL's truncate (clamp into [clip_min, clip_max]) or mask (0 outside it) of ``ratio``."""
-    low, high = correction.params["clip_min"], correction.params["clip_max"]
+        ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+        return Weights(ratio.clamp(max=params["threshold"]), mask, mask & (ratio > params["threshold"]))
+    if correction.spec.family == "verl_rs":
+        keep = mask & _verl_rejection_keep(correction, x)
+        return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    ratio = torch.exp(log_ratio)
+    low, high = params["clip_min"], params["clip_max"]
     outside = torch.zeros_like(mask)
     if low is not None:
         outside |= ratio < low
@@ -241,13 +241,6 @@ def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor
         weight = ratio if low is None and high is None else ratio.clamp(min=low, max=high)
         return Weights(weight, mask, mask & outside)
     return Weights(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
-
-
-def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
-    """verl's truncated IS: ``exp`` of the log ratio clamped to ±20, capped at ``threshold``."""
-    ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
-    threshold = correction.params["threshold"]
-    return Weights(ratio.clamp(max=threshold), mask, mask & (ratio > threshold))
 
 
 def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:
