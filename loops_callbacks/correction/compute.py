@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from loops_callbacks.correction.spec import Correction, parse_correction
+from loops_callbacks.validation import check
 
 
 VERL_SAFETY_BOUND = 20.0
@@ -291,8 +292,7 @@ def apply_correction(
     """
     correction = parse_correction(correction)
     for key, tensor in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs), ("mask", mask)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{key!r} must be a [B, T] tensor, got {type(tensor).__name__}")
+        check(repr(key), tensor, torch.Tensor, "a [B, T] tensor")
         if tensor.dim() != 2:
             raise ValueError(f"{key!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
         if tensor.shape != trainer_logprobs.shape:
@@ -305,8 +305,7 @@ def apply_correction(
     shapes = f"({batch},) or ({batch}, 1)"
     per_row = None
     if advantages is not None:
-        if not isinstance(advantages, torch.Tensor):
-            raise TypeError(f"'advantages' must be a tensor of shape {shapes}, got {type(advantages).__name__}")
+        check("'advantages'", advantages, torch.Tensor, f"a tensor of shape {shapes}")
         if tuple(advantages.shape) not in ((batch,), (batch, 1)):
             raise ValueError(f"'advantages' has shape {tuple(advantages.shape)}; expected {shapes}, one per sequence")
         per_row = advantages.detach().reshape(batch).to(device=device, dtype=torch.float64)
