@@ -241,12 +241,9 @@ def parse_correction(spec: str | Correction) -> Correction:
     elif shorthand is not None:
         names = METHODS[method].params
         values = [_literal(spec, part) for part in shorthand.split("_")]
-        if len(values) == 1:
-            params[names[-1]] = values[0]
-        elif len(values) == 2 and len(names) == 2:
-            params[names[0]], params[names[1]] = values
-        else:
+        if len(values) > len(names):
             raise ValueError(f"correction {spec!r}: {method!r} takes {' or '.join(names)}; got {len(values)} values")
+        params = dict(zip(names[-len(values):], values))  # the upper bound, or the lower and the upper bound
     return Correction(method, params)
 
 
