@@ -28,7 +28,20 @@ def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
     ``TensorData`` keep their dtype. Raises ``TypeError`` for other kinds and ``ValueError`` for
     anything that is not one-dimensional.
     """
-    tensor = _as_tensor(value, where)
+    if isinstance(value, torch.Tensor):
+        tensor = value
+    elif isinstance(value, np.ndarray):
+        tensor = _from_numpy(value, where)
+    elif isinstance(value, (list, tuple)):
+        tensor = _from_list(value, where)
+    elif callable(getattr(value, "to_numpy", None)):  # tinker's TensorData (numpy-backed) and ours
+        tensor = _from_numpy(np.asarray(value.to_numpy()), where)
+    elif isinstance(getattr(value, "data", None), (list, tuple)):  # baseten-loops' TensorData (list-backed)
+        tensor = _from_list(value.data, where)
+        if getattr(value, "shape", None):
+            tensor = tensor.reshape(list(value.shape))
+    else:
+        raise TypeError(f"{where}: expected a tensor, numpy array, list or TensorData, got {type(value).__name__}")
     if tensor.dim() != 1:
         raise ValueError(f"{where}: expected a 1-D per-position field, got shape {tuple(tensor.shape)}; "
                          "pass one row per datum (padded [B, T] tensors only where the API says so)")
@@ -45,29 +58,6 @@ def field_length(value: Any, *, where: str) -> int:
             raise ValueError(f"{where}: expected a 1-D per-position field, got shape {tuple(shape)}")
         return int(shape[0])
     return int(field_to_tensor(value, where=where).shape[0])
-
-
-def _as_tensor(value: Any, where: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        return _from_numpy(value, where)
-    if isinstance(value, (list, tuple)):
-        return _from_list(value, where)
-    to_numpy = getattr(value, "to_numpy", None)
-    if callable(to_numpy):  # tinker's TensorData (numpy-backed) and ours
-        return _from_numpy(np.asarray(to_numpy()), where)
-    data = getattr(value, "data", None)
-    if isinstance(data, (list, tuple)):  # baseten-loops' TensorData (list-backed)
-        tensor = _from_list(data, where)
-        shape = getattr(value, "shape", None)
-        return tensor.reshape(list(shape)) if shape else tensor
-    to_torch = getattr(value, "to_torch", None)
-    if callable(to_torch):
-        return to_torch().detach()
-    raise TypeError(
-        f"{where}: expected a tensor, numpy array, list or TensorData, got {type(value).__name__}"
-    )
 
 
 def _from_numpy(array: np.ndarray, where: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from loops_callbacks.validation import FLOAT_DTYPES
+from loops_callbacks.validation import FLOAT_DTYPES, check_choice
 
 __all__ = ["TensorData", "EncodedTextChunk", "ModelInput", "Datum", "ForwardBackwardOutput"]
 
@@ -46,8 +46,7 @@ class TensorData:
     shape: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _TORCH_DTYPES:
-            raise ValueError(f"TensorData dtype {self.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
+        check_choice("TensorData dtype", self.dtype, sorted(_TORCH_DTYPES))
         if self.shape is None:
             self.shape = [len(self.data)]
 

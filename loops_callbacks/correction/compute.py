@@ -52,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from loops_callbacks.correction.spec import Correction, parse_correction
+from loops_callbacks.validation import check
 
 
 VERL_SAFETY_BOUND = 20.0
@@ -189,19 +190,13 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
     spec = correction.spec
     if spec.level != "sequence":
         raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
-    never = torch.zeros_like(x.row_count, dtype=torch.bool)
-    if spec.family == "trl":
-        return _trl_weights(correction, torch.exp(x.row_log_ratio), ~never)
-    if spec.family == "verl_is":
-        return _verl_is_weights(correction, x.row_log_ratio, ~never)
-    if spec.family == "verl_rs":
-        keep = _verl_rejection_keep(correction, x)
-        return Weights(keep.to(torch.float64), keep, never)
+    if spec.family != "off_policy":
+        return _weights(correction, x, x.row_log_ratio, torch.ones_like(x.row_count, dtype=torch.bool))
     if x.advantages is None:
         raise ValueError(f"correction {correction.name!r} needs the advantages (one per sequence); pass advantages=")
     mean_kl = -x.row_log_ratio / x.row_count.clamp(min=1.0)  # sampler minus trainer, as TRL's kl_div
     keep = ~x.advantages.isnan() & ((x.advantages >= 0) | (mean_kl <= correction.params["threshold"]))
-    return Weights(keep.to(torch.float64), keep, never)
+    return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
 
 
 @torch.no_grad()
@@ -221,19 +216,23 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
         keep = x.mask & x.rows.spread(rows.keep)
         weights = torch.where(x.mask, x.rows.spread(rows.weights), 0.0)  # a row's weight may be inf: no inf * 0
         return Weights(weights, keep, x.mask & x.rows.spread(rows.clipped))
-    if spec.family == "trl":
-        result = _trl_weights(correction, torch.exp(x.zeroed), x.mask)
-    elif spec.family == "verl_is":
-        result = _verl_is_weights(correction, x.zeroed, x.mask)
-    else:
-        keep = x.mask & _verl_rejection_keep(correction, x)
-        result = Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    result = _weights(correction, x, x.zeroed, x.mask)
     return Weights(result.weights * x.mask, result.keep, result.clipped)  # off the mask the ratio is 1
 
 
-def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
-    """TRL's truncate (clamp into [clip_min, clip_max]) or mask (0 outside it) of ``ratio``."""
-    low, high = correction.params["clip_min"], correction.params["clip_max"]
+def _weights(correction: Correction, x: CorrectionInput, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
+    """The weights of ``log_ratio`` (``x``'s rows' or its positions') where ``mask``: verl's truncated IS (``exp`` of
+    the log ratio clamped to ±20, capped at ``threshold``), verl's rejection, or TRL's truncate (the ratio clamped into
+    [clip_min, clip_max]) or mask (0 outside it)."""
+    params = correction.params
+    if correction.spec.family == "verl_is":
+        ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+        return Weights(ratio.clamp(max=params["threshold"]), mask, mask & (ratio > params["threshold"]))
+    if correction.spec.family == "verl_rs":
+        keep = mask & _verl_rejection_keep(correction, x)
+        return Weights(keep.to(torch.float64), keep, torch.zeros_like(keep))
+    ratio = torch.exp(log_ratio)
+    low, high = params["clip_min"], params["clip_max"]
     outside = torch.zeros_like(mask)
     if low is not None:
         outside |= ratio < low
@@ -243,13 +242,6 @@ def _trl_weights(correction: Correction, ratio: torch.Tensor, mask: torch.Tensor
         weight = ratio if low is None and high is None else ratio.clamp(min=low, max=high)
         return Weights(weight, mask, mask & outside)
     return Weights(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
-
-
-def _verl_is_weights(correction: Correction, log_ratio: torch.Tensor, mask: torch.Tensor) -> Weights:
-    """verl's truncated IS: ``exp`` of the log ratio clamped to ±20, capped at ``threshold``."""
-    ratio = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
-    threshold = correction.params["threshold"]
-    return Weights(ratio.clamp(max=threshold), mask, mask & (ratio > threshold))
 
 
 def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:
@@ -300,8 +292,7 @@ def apply_correction(
     """
     correction = parse_correction(correction)
     for key, tensor in (("trainer_logprobs", trainer_logprobs), ("sampler_logprobs", sampler_logprobs), ("mask", mask)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{key!r} must be a [B, T] tensor, got {type(tensor).__name__}")
+        check(repr(key), tensor, torch.Tensor, "a [B, T] tensor")
         if tensor.dim() != 2:
             raise ValueError(f"{key!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
         if tensor.shape != trainer_logprobs.shape:
@@ -314,8 +305,7 @@ def apply_correction(
     shapes = f"({batch},) or ({batch}, 1)"
     per_row = None
     if advantages is not None:
-        if not isinstance(advantages, torch.Tensor):
-            raise TypeError(f"'advantages' must be a tensor of shape {shapes}, got {type(advantages).__name__}")
+        check("'advantages'", advantages, torch.Tensor, f"a tensor of shape {shapes}")
         if tuple(advantages.shape) not in ((batch,), (batch, 1)):
             raise ValueError(f"'advantages' has shape {tuple(advantages.shape)}; expected {shapes}, one per sequence")
         per_row = advantages.detach().reshape(batch).to(device=device, dtype=torch.float64)

@@ -53,7 +53,7 @@ from typing import Literal
 
 import torch
 
-from loops_callbacks.validation import check, check_real
+from loops_callbacks.validation import check, check_choice, check_real
 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -68,11 +68,18 @@ class Method:
 
     name: str
     family: Literal["trl", "verl_is", "verl_rs", "off_policy"]
-    level: Literal["token", "sequence"]
+    formula: str  # the peer's own name of the formula: a TRL mode, a verl rollout_rs option, token / sequence
     defaults: Mapping[str, object]  # parameter -> default (None: no bound; REQUIRED: must be given)
     source: str
-    formula: str = ""  # the peer's own name of the formula: a TRL mode, a verl rollout_rs option, token / sequence
-    needs_advantages: bool = False
+
+    @property
+    def level(self) -> Literal["token", "sequence"]:
+        """Whether each token has its own weight, or each sequence one (read from the formula's name)."""
+        return "token" if self.formula.startswith("token") else "sequence"
+
+    @property
+    def needs_advantages(self) -> bool:
+        return self.family == "off_policy"
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -81,16 +88,14 @@ class Method:
 
 def _trl(mode: str, name: str = "", clip_min: float | None = None, clip_max: float = 3.0,
          source: str = "TRL 1.16 GRPOConfig.vllm_importance_sampling_mode") -> Method:
-    level: Literal["token", "sequence"] = "token" if mode.startswith("token") else "sequence"
-    return Method(name or mode, "trl", level, {"clip_min": clip_min, "clip_max": clip_max}, source, mode)
+    return Method(name or mode, "trl", mode, {"clip_min": clip_min, "clip_max": clip_max}, source)
 
 
 def _verl_rs(option: str, name: str = "", lower: object = REQUIRED, upper: object = REQUIRED,
              source: str = "") -> Method:
-    level: Literal["token", "sequence"] = "token" if option.startswith("token") else "sequence"
     defaults = {"lower": lower, "upper": upper} if option.endswith("k1") else {"upper": upper}
     source = source or f"verl rollout_rs={option!r} (rollout_corr_helper.compute_rollout_rejection_mask)"
-    return Method(name or option, "verl_rs", level, defaults, source, option)
+    return Method(name or option, "verl_rs", option, defaults, source)
 
 
 METHODS: Mapping[str, Method] = MappingProxyType({
@@ -102,17 +107,15 @@ METHODS: Mapping[str, Method] = MappingProxyType({
         _trl("sequence_mask"),
         _trl("token_mask", "icepop", 0.5, 5.0,
              source="IcePop (Ring-1T report, alpha 0.5, beta 5): the token_mask formula"),
-        Method("token_tis", "verl_is", "token", {"threshold": 2.0}, "verl rollout_is='token', rollout_is_threshold",
-               "token"),
+        Method("token_tis", "verl_is", "token", {"threshold": 2.0}, "verl rollout_is='token', rollout_is_threshold"),
         Method("sequence_tis", "verl_is", "sequence", {"threshold": 2.0},
-               "verl rollout_is='sequence', rollout_is_threshold", "sequence"),
+               "verl rollout_is='sequence', rollout_is_threshold"),
         *(_verl_rs(f"{level}_{k}") for level in ("token", "seq_sum", "seq_mean") for k in ("k1", "k2", "k3")),
         _verl_rs("seq_max_k2"),
         _verl_rs("seq_max_k3"),
         _verl_rs("seq_mean_k1", "geo", 0.999, 1.001, source="verl decoupled_geo_rs preset: seq_mean_k1 at 0.999_1.001"),
-        Method("off_policy_mask", "off_policy", "sequence", {"threshold": REQUIRED},
-               "TRL 1.16 GRPOConfig.off_policy_mask_threshold (DeepSeek-V3.2 off-policy sequence masking)",
-               "off_policy_mask", needs_advantages=True),
+        Method("off_policy_mask", "off_policy", "off_policy_mask", {"threshold": REQUIRED},
+               "TRL 1.16 GRPOConfig.off_policy_mask_threshold (DeepSeek-V3.2 off-policy sequence masking)"),
     )
 })
 """Every method by name (module docstring)."""
@@ -134,10 +137,7 @@ class Correction:
     params: Mapping[str, float | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check("Correction.method", self.method, str, "a str")
-        spec = METHODS.get(self.method)
-        if spec is None:
-            raise ValueError(f"unknown correction method {self.method!r}; known: {sorted(METHODS)}")
+        spec = METHODS[check_choice("Correction.method", self.method, sorted(METHODS))]
         check("Correction.params", self.params, Mapping, "a mapping")
         unknown = sorted(set(self.params) - set(spec.params))
         if unknown:
@@ -241,12 +241,9 @@ def parse_correction(spec: str | Correction) -> Correction:
     elif shorthand is not None:
         names = METHODS[method].params
         values = [_literal(spec, part) for part in shorthand.split("_")]
-        if len(values) == 1:
-            params[names[-1]] = values[0]
-        elif len(values) == 2 and len(names) == 2:
-            params[names[0]], params[names[1]] = values
-        else:
+        if len(values) > len(names):
             raise ValueError(f"correction {spec!r}: {method!r} takes {' or '.join(names)}; got {len(values)} values")
+        params = dict(zip(names[-len(values):], values))  # the upper bound, or the lower and the upper bound
     return Correction(method, params)
 
 

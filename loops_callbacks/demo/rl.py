@@ -83,7 +83,6 @@ from loops_callbacks.demo.tasks import ReverseDigitsTask
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.validation import check, check_dtype, check_int
 
-_PRECISIONS = ("float32", "bfloat16")
 # The checkpoint key that records after how many optimizer steps the sampler last got weights.
 _SYNCED_AT_KEY = "demo_rl_sampler_synced_at_step"
 
@@ -147,7 +146,7 @@ class RLPolicyModule(LightningModule):
         check_int("RLPolicyModule group_size (advantages are relative to the group)", group_size, least=2)
         if sync_every is not None:
             check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1)
-        sampler_dtype = check_dtype("RLPolicyModule sampler_precision", sampler_precision, _PRECISIONS)
+        sampler_dtype = check_dtype("RLPolicyModule sampler_precision", sampler_precision, ("float32", "bfloat16"))
         # a plain float: the optimizer state is pickled with it, and jsonargparse gives PositiveFloat
         self.lr = float(check("RLPolicyModule lr", lr, numbers.Real, "a positive number", lambda value: value > 0))
         self.faults = SamplerFaults(sampler_temperature, sampler_top_k, sampler_top_p, logprob_shift, sampler_prompt)

@@ -38,8 +38,6 @@ import torch
 
 from loops_callbacks.validation import check, check_choice, check_int
 
-SAMPLER_PROMPTS = ("same", "pad_as_bos", "no_bos")
-
 
 @dataclass(frozen=True)
 class SamplerFaults:
@@ -56,7 +54,7 @@ class SamplerFaults:
         check_int("sampler_top_k", self.top_k, least=1, optional=True)
         check("sampler_top_p", self.top_p, numbers.Real, "a number in (0, 1]", lambda p: 0 < p <= 1, optional=True)
         check("logprob_shift", self.logprob_shift, int, "-1, 0 or 1", lambda shift: abs(shift) <= 1)
-        check_choice("sampler_prompt", self.prompt, SAMPLER_PROMPTS)
+        check_choice("sampler_prompt", self.prompt, ("same", "pad_as_bos", "no_bos"))
 
     @property
     def changes_sampling(self) -> bool:

@@ -43,6 +43,12 @@ def engine_config(llm: Any) -> Any:
     return config
 
 
+def refuse_logits(logprobs_mode: Any, build: str) -> None:
+    """A ``ValueError`` when the engine's ``logprobs_mode`` reports logits; ``build`` says how to build one instead."""
+    if str(logprobs_mode).endswith("_logits"):
+        raise ValueError(f"the engine reports logits, not logprobs (logprobs_mode={logprobs_mode!r}); build {build}")
+
+
 def engine_facts(
     llm: Any, sampling_params: Any, *, weight_version: int | None = None, stale_prefix_cache: bool | None = None
 ) -> SamplerFacts:

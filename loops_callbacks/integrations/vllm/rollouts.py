@@ -11,7 +11,7 @@ import torch
 from loops_callbacks import run_warnings
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.fields import model_input_tokens
-from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_facts
+from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_facts, refuse_logits
 from loops_callbacks.validation import check, check_int
 
 _SAID = run_warnings.RunWarnings()
@@ -149,11 +149,7 @@ def _padded_batch(
     ``counts[i]`` rows (a group) belong to prompt i."""
     if facts is not None:
         check("facts", facts, SamplerFacts, "a SamplerFacts (engine_facts(llm, params))")
-        if str(facts.logprobs_mode).endswith("_logits"):
-            raise ValueError(
-                f"the engine reports logits, not logprobs (logprobs_mode={facts.logprobs_mode!r}); build it with "
-                "logprobs_mode='processed_logprobs' (or 'raw_logprobs')"
-            )
+        refuse_logits(facts.logprobs_mode, "it with logprobs_mode='processed_logprobs' (or 'raw_logprobs')")
         _warn_if_other_distribution(facts)
     check_int("pad_id", pad_id, least=0)
     group_per_prompt = range(len(counts)) if groups is None else [

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from loops_callbacks import run_warnings
-from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, import_vllm
+from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, import_vllm, refuse_logits
 from loops_callbacks.integrations.vllm.rollouts import _sampled_logprobs
 from loops_callbacks.reference.clients import ScorerClient
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
@@ -41,12 +41,8 @@ class VLLMSamplingClient(ScorerClient):
     def __init__(self, llm: Any) -> None:
         vllm = import_vllm("VLLMSamplingClient")
         config = engine_config(llm)
-        mode = str(config.model_config.logprobs_mode)
-        if mode.endswith("_logits"):
-            raise ValueError(
-                f"the engine reports logits, not logprobs (logprobs_mode={mode!r}); build the reference engine with "
-                "logprobs_mode='raw_logprobs' (the default)"
-            )
+        refuse_logits(str(config.model_config.logprobs_mode),
+                      "the reference engine with logprobs_mode='raw_logprobs' (the default)")
         self.llm = llm
         self.vocab_size = int(config.model_config.get_vocab_size())
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
