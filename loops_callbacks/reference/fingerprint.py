@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import re
-from typing import Any
 
 import torch
 from torch import nn
@@ -72,10 +71,6 @@ def _digest(tensor: torch.Tensor) -> str:
 def _add(entries: dict[str, str], name: str, tensor: torch.Tensor) -> None:
     """``entries[name]``: the tensor's name, dtype, shape and digest, one line of the fingerprint."""
     entries[name] = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{_digest(tensor)}"
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    return type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None))
 
 
 def fsdp_classes() -> tuple[type | None, type | None]:
@@ -124,7 +119,7 @@ def _entries(module: nn.Module, group: Group) -> dict[str, str]:
     entries: dict[str, str] = {}
     named = [*module.named_parameters(), *module.named_buffers()]
     for index, (name, tensor) in enumerate(named):
-        if _is_dtensor(tensor):
+        if type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None)):  # FSDP2's
             tensor = tensor.full_tensor()  # a collective: every rank, every DTensor, in the same order
         if index % group.world_size == group.rank:
             _add(entries, clean_name(name), tensor)
