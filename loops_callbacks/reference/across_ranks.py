@@ -35,6 +35,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -50,7 +51,8 @@ from loops_callbacks import run_warnings
 from loops_callbacks.fields import datum_model_input
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.reference.attach import score_prompts
-from loops_callbacks.reference.cache import CACHE_FILE_NAME, CACHE_TOOL, CacheKey, data_fingerprint, read_cache, write_cache
+from loops_callbacks.reference.cache import (CACHE_FILE_NAME, CACHE_TOOL, CacheKey, CacheLookup, data_fingerprint,
+                                             read_cache, write_cache)
 from loops_callbacks.reference.cache_tool import find_cache
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
@@ -155,10 +157,10 @@ def score_across_ranks(
                               "again on every run", ReferenceCacheWarning)
             path = None
     key = CacheKey(fingerprint, digest(), cache_tag or config.cache_tag()) if path is not None else None
-    values, status, reason, stored_reference, file = _load(path, key, tokens.lengths, group,
-                                                           warn=cache_only_reason is None)
+    lookup = _load(path, key, tokens.lengths, group, warn=cache_only_reason is None)
+    values, file = lookup.flat, lookup.path
     if values is None and cache_only_reason is not None:
-        raise ReferenceCacheError(f"{_describe(status, reason, file or path)}: {cache_only_reason}")
+        raise ReferenceCacheError(f"{_describe(lookup.status, lookup.reason, file or path)}: {cache_only_reason}")
     scored_here, written = 0, False
     if values is None:
         bounds = _shard_bounds(tokens.lengths, shard_unit, group.world_size)
@@ -177,10 +179,12 @@ def score_across_ranks(
             except OSError as error:
                 run_warnings.warn(f"could not write the reference-logprob cache {file!r}: {error}",
                                   ReferenceCacheWarning)
-    report = ReferenceLogprobsReport("cache" if status == "hit" else "scored", count, scored_here,
-                                     time.perf_counter() - start, file, status, key,
-                                     fingerprint if fingerprint is not None else stored_reference, written)
-    if group.rank == 0 and status == "hit":
+    hit = lookup.status == "hit"
+    report = ReferenceLogprobsReport("cache" if hit else "scored", count, scored_here, time.perf_counter() - start,
+                                     file, lookup.status, key,
+                                     fingerprint if fingerprint is not None else lookup.key and lookup.key.reference,
+                                     written)
+    if group.rank == 0 and hit:
         from lightning.pytorch.utilities.rank_zero import rank_zero_info  # shown by Lightning's console logger
 
         rank_zero_info(f"Reference logprobs of {count:,} datums loaded from the cache {file} (nothing scored)")
@@ -254,33 +258,28 @@ def _reference_fingerprint(reference: Any, given: str | None, group: Group) -> s
                      "with the same one")
 
 
-def _load(path: str | None, key: CacheKey | None, lengths: np.ndarray, group: Group, *,
-          warn: bool) -> tuple[np.ndarray | None, str, str, str | None, str | None]:
+def _load(path: str | None, key: CacheKey | None, lengths: np.ndarray, group: Group, *, warn: bool) -> CacheLookup:
     """Rank 0 finds the cache and checks it whole; every rank reads it (or receives it); all take the same branch.
 
-    Every rank holds the values in its own memory, read once and checked against rank 0's
-    checksum: a file changed or truncated under a running job cannot change its values. Returns the
-    values (or ``None``), the lookup's status and reason, the found file's reference, and the file
-    the values came from (or belong in).
+    Every rank holds the values in its own memory (``flat``), read once and checked against rank
+    0's checksum: a file changed or truncated under a running job cannot change its values. Every
+    rank gets rank 0's lookup otherwise (``status`` ``"off"`` without a cache).
     """
     if path is None or key is None:
-        return None, "off", "", None, None
-    lookup, summary = None, ("missing", "", None, None, None)
-    if group.rank == 0:
-        lookup = find_cache(path, key, lengths)
-        if warn and lookup.status == "corrupt":
-            run_warnings.warn(f"the reference-logprob cache {lookup.path!r} is not used and will be replaced: "
-                              f"{lookup.reason}; scoring again", ReferenceCacheWarning)
-        elif warn and lookup.status == "stale":
-            run_warnings.warn(f"no reference-logprob cache matches this run: {lookup.reason}; scoring again and "
-                              f"caching the values in {lookup.path} (the other caches are kept)", ReferenceCacheWarning)
-        summary = (lookup.status, lookup.reason, lookup.digest, lookup.key and lookup.key.reference, lookup.path)
-    status, reason, digest, stored_reference, file = group.broadcast_object(summary)
-    if status != "hit":
-        return None, status, reason, stored_reference, file
-    flat = lookup.flat if lookup is not None else read_cache(file, key, lengths, digest=digest).flat
+        return CacheLookup("off")
+    lookup = find_cache(path, key, lengths) if group.rank == 0 else None
+    if warn and lookup is not None and lookup.status == "corrupt":
+        run_warnings.warn(f"the reference-logprob cache {lookup.path!r} is not used and will be replaced: "
+                          f"{lookup.reason}; scoring again", ReferenceCacheWarning)
+    elif warn and lookup is not None and lookup.status == "stale":
+        run_warnings.warn(f"no reference-logprob cache matches this run: {lookup.reason}; scoring again and "
+                          f"caching the values in {lookup.path} (the other caches are kept)", ReferenceCacheWarning)
+    shared = group.broadcast_object(lookup and dataclasses.replace(lookup, flat=None))  # small metadata only
+    if shared.status != "hit":
+        return shared
+    flat = lookup.flat if lookup is not None else read_cache(shared.path, key, lengths, digest=shared.digest).flat
     if group.any_true(flat is None):  # a rank that cannot read rank 0's file (no shared file system, or it changed)
         buffer = torch.from_numpy(flat) if group.rank == 0 else torch.empty(int(lengths.sum()), dtype=torch.float32)
         received = group.broadcast_tensor(buffer).numpy()
         flat = flat if group.rank == 0 else received
-    return flat, status, reason, stored_reference, file
+    return dataclasses.replace(shared, flat=flat)

@@ -33,6 +33,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -169,10 +170,8 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
     blob = save({"values": flat, "lengths": sizes}, metadata=metadata)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     for orphan in orphaned_temporaries(os.path.dirname(path) or ".", os.path.basename(path)):
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours: a leftover is no reason to fail a write
             os.remove(orphan)
-        except OSError:
-            pass  # gone meanwhile, or not ours to remove: a leftover is no reason to fail a write
     temporary = f"{path}.tmp.{_HOST}.{os.getpid()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
     try:
@@ -187,10 +186,8 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(temporary)  # ours: created exclusively above
-        except OSError:
-            pass
         raise
 
 

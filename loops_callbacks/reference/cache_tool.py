@@ -277,27 +277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
     caches = list_caches(args.directory)
     orphans = orphaned_temporaries(args.directory)
-    orphan_bytes = sum(_size(orphan) for orphan in orphans)
     if args.command == "list":
         if not caches:
             print(f"no reference-logprob caches in {args.directory}")
         for info in caches:
             print(_line(info))
         if orphans:
-            print(f"{len(orphans)} temporary file(s) of killed writers ({orphan_bytes / (1 << 20):.1f} MB): "
+            megabytes = sum(map(_size, orphans)) / (1 << 20)
+            print(f"{len(orphans)} temporary file(s) of killed writers ({megabytes:.1f} MB): "
                   "prune --damaged removes them")
         return 0
     if args.older_than is None and args.keep_newest is None and not args.damaged:
         parser.error("prune needs --older-than DAYS, --keep-newest N or --damaged (nothing is removed by default)")
-    chosen = select_for_pruning(
-        caches, older_than_days=args.older_than, keep_newest=args.keep_newest, damaged=args.damaged
-    )
+    chosen = select_for_pruning(caches, older_than_days=args.older_than, keep_newest=args.keep_newest,
+                                damaged=args.damaged)
     verb = "would remove" if args.dry_run else "removed"
-    left: dict[str, str] = {}  # what could not be removed, and why
-    for path in [info.path for info in chosen] + (orphans if args.damaged else []):
-        why = "" if args.dry_run else _remove(path)
-        if why:
-            left[path] = why
+    targets = [info.path for info in chosen] + (orphans if args.damaged else [])
+    left = {} if args.dry_run else {path: why for path in targets if (why := _remove(path))}  # not removed, and why
     removed = [info for info in chosen if info.path not in left]
     for info in removed:
         print(f"{verb} {_line(info)}")

@@ -127,9 +127,8 @@ def raise_together(group: Group, failure: BaseException | None, what: str) -> No
         raise failure
     failed = [(rank, *message) for rank, message in enumerate(messages) if message is not None]
     kinds = {kind for _, kind, _ in failed}
-    category: type[Exception] = RuntimeError
-    if len(kinds) == 1 and kinds <= {"ValueError", "TypeError"}:
-        category = ValueError if kinds == {"ValueError"} else TypeError
+    known = {"ValueError": ValueError, "TypeError": TypeError}
+    category = known.get(kinds.pop(), RuntimeError) if len(kinds) == 1 else RuntimeError
     listed = "; ".join(f"rank {rank}: {kind}: {text}" for rank, kind, text in failed)
     raise category(f"{what} failed on another rank ({listed})")
 
@@ -176,12 +175,12 @@ class StallGuard:
     """
 
     _PREFIX = "loops_callbacks/stall_guard"
+    _ABORT = f"{_PREFIX}/aborted"
 
     def __init__(self, group: Group, timeout: float | None) -> None:
         self.group = group
         self.rank, self.world_size, self.timeout = group.rank, group.world_size, timeout
-        distributed = group.world_size > 1 and dist.is_available() and dist.is_initialized()
-        self.store = _default_store() if timeout is not None and distributed else None
+        self.store = _default_store() if timeout is not None and group.world_size > 1 else None
 
     def max_int(self, value: int) -> int:
         """``Group.max_int`` once every rank has come: a ``StallGuard`` is a lock-step for ``TokenScorer``."""
@@ -202,11 +201,11 @@ class StallGuard:
 
     def arrive(self, phase: str) -> None:
         """Wait until every rank has arrived at ``phase`` (at most ``timeout`` seconds)."""
-        if self.store is None or self.timeout is None:
+        store = self.store
+        if store is None or self.timeout is None:
             return
-        store, abort = self.store, f"{self._PREFIX}/aborted"
         with self._store_lost(phase):
-            self._raise_if_aborted(phase, abort)
+            self._raise_if_aborted(phase)
             number = store.add(f"{self._PREFIX}/count/{self.rank}", 1)
             keys = [f"{self._PREFIX}/{number}/{rank}" for rank in range(self.world_size)]
             store.set(f"{self._PREFIX}/last/{self.rank}", f"waiting to start {phase}")
@@ -214,7 +213,7 @@ class StallGuard:
             deadline = time.monotonic() + self.timeout
             pause = 0.001
             while not store.check(keys):
-                self._raise_if_aborted(phase, abort)
+                self._raise_if_aborted(phase)
                 if time.monotonic() > deadline:
                     missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
                     where = "; ".join(f"rank {rank} is still at: {self._last(rank)}" for rank in missing)
@@ -223,21 +222,18 @@ class StallGuard:
                         f"(a stalled or failed rank; {where}). Raise the timeout (scoring_timeout) if the work is "
                         "just slow"
                     )
-                    store.set(abort, f"rank {self.rank} gave up waiting: {message}")
+                    store.set(self._ABORT, f"rank {self.rank} gave up waiting: {message}")
                     raise RankStalledError(f"rank {self.rank}: {message}")
                 time.sleep(pause)
                 pause = min(2 * pause, 0.05)
 
     def _last(self, rank: int) -> str:
         key = f"{self._PREFIX}/last/{rank}"
-        if self.store is None or not self.store.check([key]):
-            return "not started"
-        return self.store.get(key).decode()
+        return self.store.get(key).decode() if self.store.check([key]) else "not started"
 
-    def _raise_if_aborted(self, phase: str, abort: str) -> None:
-        assert self.store is not None
-        if self.store.check([abort]):
-            raise RankStalledError(f"rank {self.rank} stops before {phase!r}: {self.store.get(abort).decode()}")
+    def _raise_if_aborted(self, phase: str) -> None:
+        if self.store.check([self._ABORT]):
+            raise RankStalledError(f"rank {self.rank} stops before {phase!r}: {self.store.get(self._ABORT).decode()}")
 
     @contextmanager
     def _store_lost(self, phase: str) -> Iterator[None]:

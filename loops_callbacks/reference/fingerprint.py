@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import re
-from typing import Any
 
 import torch
 from torch import nn
@@ -69,12 +68,9 @@ def _digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _entry(name: str, tensor: torch.Tensor, digest: str) -> str:
-    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{digest}"
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    return type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None))
+def _add(entries: dict[str, str], name: str, tensor: torch.Tensor) -> None:
+    """``entries[name]``: the tensor's name, dtype, shape and digest, one line of the fingerprint."""
+    entries[name] = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{_digest(tensor)}"
 
 
 def fsdp_classes() -> tuple[type | None, type | None]:
@@ -123,14 +119,10 @@ def _entries(module: nn.Module, group: Group) -> dict[str, str]:
     entries: dict[str, str] = {}
     named = [*module.named_parameters(), *module.named_buffers()]
     for index, (name, tensor) in enumerate(named):
-        mine = index % group.world_size == group.rank
-        if _is_dtensor(tensor):
-            full = tensor.full_tensor()  # a collective: every rank, every DTensor, in the same order
-            if mine:
-                entries[clean_name(name)] = _entry(clean_name(name), full, _digest(full))
-            del full
-        elif mine:
-            entries[clean_name(name)] = _entry(clean_name(name), tensor, _digest(tensor))
+        if type(tensor).__name__ == "DTensor" and callable(getattr(tensor, "full_tensor", None)):  # FSDP2's
+            tensor = tensor.full_tensor()  # a collective: every rank, every DTensor, in the same order
+        if index % group.world_size == group.rank:
+            _add(entries, clean_name(name), tensor)
     return entries
 
 
@@ -140,8 +132,7 @@ def _fsdp1_entries(module: nn.Module, fsdp: type, group: Group) -> dict[str, str
     names = [name for name, _ in module.named_parameters()]
     if any("_flat_param" in name for name in names):
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            key = f"rank{group.rank}/{group.world_size}:{clean_name(name)}"
-            entries[key] = _entry(key, tensor, _digest(tensor))
+            _add(entries, f"rank{group.rank}/{group.world_size}:{clean_name(name)}", tensor)
         return entries
     index = 0
     for unit_name, unit in module.named_modules():
@@ -155,10 +146,10 @@ def _fsdp1_entries(module: nn.Module, fsdp: type, group: Group) -> dict[str, str
                 if any(local.startswith(p) for p in nested):
                     continue  # another unit's (still sharded) weight
                 if index % group.world_size == group.rank:
-                    entries[prefix + local] = _entry(prefix + local, tensor, _digest(tensor))
+                    _add(entries, prefix + local, tensor)
                 index += 1
     for name, tensor in module.named_buffers():  # FSDP does not shard buffers
         if index % group.world_size == group.rank:
-            entries[clean_name(name)] = _entry(clean_name(name), tensor, _digest(tensor))
+            _add(entries, clean_name(name), tensor)
         index += 1
     return entries

@@ -37,6 +37,7 @@ import numbers
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -167,13 +168,13 @@ class OutputHead:
         return f"OutputHead({self.owner}, vocab={self.vocab_size}, {self.transform})"
 
     @contextmanager
-    def capture(self, targets: torch.Tensor, *, rows_per_chunk: int) -> Iterator[_Captured]:
+    def capture(self, targets: torch.Tensor, *, rows_per_chunk: int) -> Iterator[SimpleNamespace]:
         """While the block runs, the head computes the log-probabilities of ``targets`` ``[B, T - 1]``.
 
         The result is in ``.logprobs`` (``[B, T - 1]`` float32) once the model has run; the model
         itself returns a ``[B, T, 1]`` placeholder instead of its logits.
         """
-        captured = _Captured()
+        captured = SimpleNamespace(logprobs=None)
         linear = self.module
 
         def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -247,20 +248,15 @@ class OutputHead:
         return ""
 
 
-class _Captured:
-    logprobs: torch.Tensor | None = None
-
-
 @contextmanager
 def _replaced_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     """``module.forward`` is ``forward`` while the block runs (hooks, e.g. FSDP's, still run around it)."""
-    had_own = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
+    previous = module.__dict__.get("forward")  # an instance's own forward (None: the class's)
     module.forward = forward  # type: ignore[method-assign]
     try:
         yield
     finally:
-        if had_own:
+        if previous is not None:
             module.forward = previous  # type: ignore[method-assign]
         else:
             del module.forward
@@ -272,12 +268,6 @@ def _unwrap(module: Any) -> Any:
         while isinstance(getattr(module, attribute, None), nn.Module):
             module = getattr(module, attribute)
     return module
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
 
 
 def _transform_of(owner: nn.Module) -> tuple[LogitTransform | None, str]:
@@ -293,11 +283,11 @@ def _transform_of(owner: nn.Module) -> tuple[LogitTransform | None, str]:
     scale = getattr(owner, "logit_scale", None)
     if scale is None:
         scale = next((c.logit_scale for c in configs if getattr(c, "logit_scale", None) is not None), None)
-    if softcap is not None and _number(softcap) is None:
-        return None, f"final_logit_softcapping={softcap!r} is not a number"
-    if scale is not None and _number(scale) is None:
-        return None, f"logit_scale is a {type(scale).__name__}, not a number"
-    return LogitTransform(scale=_number(scale), softcap=_number(softcap)), ""
+    for name, value in (("final_logit_softcapping", softcap), ("logit_scale", scale)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            return None, f"{name} is a {type(value).__name__}, not a number"
+    return LogitTransform(scale=None if scale is None else float(scale),
+                          softcap=None if softcap is None else float(softcap)), ""
 
 
 def find_output_head(model: nn.Module) -> tuple[OutputHead | None, str]:

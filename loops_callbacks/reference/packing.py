@@ -122,31 +122,24 @@ class OutOfVocabularyError(ValueError):
 
 
 def check_token_ids(
-    packed: PackedTokens,
-    vocab_size: int | None,
-    *,
-    label: str = "prompt",
-    datum_name: Callable[[int], str] | None = None,
+    packed: PackedTokens, vocab_size: int | None, *, datum_name: Callable[[int], str] | None = None
 ) -> CheckedTokens:
     """``packed`` as ``CheckedTokens``, or an ``OutOfVocabularyError`` naming the first sequence holding
     an id outside ``[0, vocab_size)`` (with ``vocab_size=None`` only negative ids are rejected).
 
     The one token-id check: vectorized over the flat ids, and skipped for ``CheckedTokens`` already
     checked against this vocabulary (``score_across_ranks`` checks once; the scorers then do not).
-    The sequence is named ``f"{label} {index}"``, or ``datum_name(index)`` with the id's position.
+    The sequence is named ``datum_name(index)`` (default ``prompt <index>``), with the id's position.
 
     Examples:
         >>> checked = check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 8]]), 9)
         >>> check_token_ids(checked, 9) is checked
         True
-        >>> bad = PackedTokens.from_sequences([[1, 2], [3, 9]])
-        >>> for name in (None, lambda index: f"datum {index}"):
-        ...     try:
-        ...         check_token_ids(bad, 9, datum_name=name)
-        ...     except OutOfVocabularyError as error:
-        ...         print(error, (error.index, error.position, error.token))
-        prompt 1: token id 9 is outside the model's vocabulary [0, 9) (1, 1, 9)
-        datum 1 has token id 9 at position 1, outside the reference's vocabulary [0, 9) (1, 1, 9)
+        >>> try:
+        ...     check_token_ids(PackedTokens.from_sequences([[1, 2], [3, 9]]), 9)
+        ... except OutOfVocabularyError as error:
+        ...     print(error, (error.index, error.position, error.token))
+        prompt 1 has token id 9 at position 1, outside the reference's vocabulary [0, 9) (1, 1, 9)
     """
     if isinstance(packed, CheckedTokens) and packed.covers(vocab_size):
         return packed
@@ -155,13 +148,10 @@ def check_token_ids(
         flat = int(np.argmax(bad)) + int(packed.offsets[0])
         index = int(np.searchsorted(packed.offsets, flat, side="right")) - 1
         position, token = flat - int(packed.offsets[index]), int(packed.ids[flat])
-        if datum_name is None:
-            vocabulary = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-            message = f"{label} {index}: token id {token} is outside {vocabulary}"
-        else:
-            vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-            message = f"{datum_name(index)} has token id {token} at position {position}, outside {vocabulary}"
-        raise OutOfVocabularyError(message, index=index, position=position, token=token)
+        name = datum_name(index) if datum_name is not None else f"prompt {index}"
+        vocabulary = f"the reference's vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, inf)"
+        raise OutOfVocabularyError(f"{name} has token id {token} at position {position}, outside {vocabulary}",
+                                   index=index, position=position, token=token)
     return CheckedTokens(packed.ids, packed.offsets, vocab_size=vocab_size)
 
 

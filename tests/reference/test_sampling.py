@@ -241,9 +241,9 @@ def test_vocab_size_sources() -> None:
 
 def test_token_outside_the_vocabulary_names_the_prompt() -> None:
     client = TorchSamplingClient(make_model())
-    with pytest.raises(ValueError, match=f"prompt 1: token id {VOCAB} is outside"):
+    with pytest.raises(ValueError, match=f"prompt 1 has token id {VOCAB} at position 1, outside"):
         client.compute_logprobs_batch([[1, 2], [3, VOCAB]])
-    with pytest.raises(ValueError, match="prompt 0: token id -1"):
+    with pytest.raises(ValueError, match="prompt 0 has token id -1 at position 0"):
         client.compute_logprobs([-1, 2])
 
 

@@ -138,7 +138,7 @@ def test_a_bad_id_is_named_with_the_datum_and_its_position() -> None:
 
 
 def test_a_scorer_still_checks_ids_given_to_it_directly() -> None:
-    with pytest.raises(OutOfVocabularyError, match=f"prompt 1: token id {VOCAB} is outside"):
+    with pytest.raises(OutOfVocabularyError, match=f"prompt 1 has token id {VOCAB} at position 1, outside"):
         client().score_packed(PackedTokens.from_sequences([[1, 2], [3, VOCAB]]))
 
 
@@ -148,6 +148,6 @@ def test_checked_tokens_stay_checked_when_sliced_and_only_for_their_vocabulary(s
     assert isinstance(part, CheckedTokens) and part.ids.tolist() == [3, 4, 5, 6] and part.offsets.tolist() == [0, 3, 4]
     assert check_token_ids(part, 8) is part and check_token_ids(part, None) is part
     assert len(scans) == 1
-    with pytest.raises(OutOfVocabularyError, match="prompt 0: token id 5 is outside the model's vocabulary"):
+    with pytest.raises(OutOfVocabularyError, match="prompt 0 has token id 5 at position 2, outside the reference's"):
         check_token_ids(part, 5)  # a smaller vocabulary: checked again
     assert len(scans) == 2
