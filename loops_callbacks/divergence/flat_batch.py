@@ -269,15 +269,14 @@ def flatten_padded(
     elif input_ids is not None:
         ids = input_ids.detach().to(device, torch.int64)
         token_ids = torch.cat([ids[:, 1:], ids.new_full((batch, min(width, 1)), NO_TOKEN)], dim=1).reshape(-1)
-    flat = _build(
+    entropy, varentropy = (None if x is None else x.detach().reshape(-1).to(device)
+                           for x in (training_entropy, training_varentropy))
+    return _build(
         sampler_logprobs.detach().reshape(-1).to(device), training_logprobs.detach().reshape(-1),
         mask.detach().reshape(-1).to(device), advantages, torch.full((batch,), width, dtype=torch.int64, device=device),
         tokens=PaddedTokens(input_ids, target_tokens, device) if with_tokens else None, token_ids=token_ids,
+        entropy=entropy, varentropy=varentropy,
     )
-    if training_entropy is None or training_varentropy is None:
-        return flat
-    entropy, varentropy = (x.detach().reshape(-1).to(device) for x in (training_entropy, training_varentropy))
-    return dataclasses.replace(flat, entropy=entropy, varentropy=varentropy)
 
 
 def _build(

@@ -26,6 +26,7 @@ from loops_callbacks.divergence import per_datum
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_datums, flatten_padded
 from loops_callbacks.run_warnings import RunWarnings
+from loops_callbacks.validation import check
 
 DATA_KEYS = (
     "data", "training_logprobs", "forward_backward_output", "logprobs", "mask", "advantages", "target_tokens",
@@ -36,7 +37,7 @@ DATA_KEYS = (
 
 def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     """``keys`` over the defaults; ``ValueError`` naming an unknown name or an empty key, ``TypeError``
-    for a non-string key.
+    for a non-string key (``validation.check``).
 
     Examples:
         >>> data_keys({"logprobs": "sampler_lp"})["logprobs"]
@@ -46,12 +47,8 @@ def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     unknown = sorted(set(given) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"keys has unknown names {unknown}; the names are {list(DATA_KEYS)}")
-    not_str = {name: key for name, key in given.items() if not isinstance(key, str)}
-    if not_str:
-        raise TypeError(f"keys must map each name to a non-empty string, got {not_str}")
-    empty = [name for name, key in given.items() if not key]
-    if empty:
-        raise ValueError(f"keys must map each name to a non-empty string, got an empty key for {empty}")
+    for name, key in given.items():
+        check(f"keys[{name!r}]", key, str, "a non-empty string", bool)
     return {name: given.get(name, name) for name in DATA_KEYS}
 
 
