@@ -161,13 +161,12 @@ def flatten_datums(
         sampler = field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'")
         mask = field_to_tensor(inputs["mask"], where=f"datum {i}, key 'mask'")
         length = sampler.shape[0]
-        if padded:
-            if length > training_logprobs.shape[1]:
-                raise ValueError(
-                    f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
-                    f"training_logprobs are only {training_logprobs.shape[1]} wide"
-                )
-        else:
+        if padded and length > training_logprobs.shape[1]:
+            raise ValueError(
+                f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
+                f"training_logprobs are only {training_logprobs.shape[1]} wide"
+            )
+        if not padded:
             trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
         trainer_length = length if padded else trainers[-1].shape[0]
         if not length == mask.shape[0] == trainer_length:

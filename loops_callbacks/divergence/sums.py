@@ -43,7 +43,6 @@ LATER_ACTIONS_FROM = 8
 """A datum's action tokens from this one on (0-based) are its "later" ones: the gap between the two
 sets keeps a fade that lasts a few tokens out of both means."""
 _16_BIT = (torch.bfloat16, torch.float16)
-_EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 @torch.no_grad()
@@ -275,13 +274,15 @@ def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_count
     return datum, rank
 
 
+@functools.lru_cache(maxsize=None)
+def _edges(device: torch.device) -> torch.Tensor:
+    """The log ``PROBABILITY_EDGES`` on ``device``, made once per device, so that no step copies them from the host."""
+    return torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
+
+
 def _probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
-    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64; the
-    edges made once per device, so that no step copies them from the host."""
-    if sampler.device not in _EDGES:
-        _EDGES[sampler.device] = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64,
-                                              device=sampler.device)
-    return torch.bucketize(sampler.to(torch.float64), _EDGES[sampler.device], right=True)
+    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64."""
+    return torch.bucketize(sampler.to(torch.float64), _edges(sampler.device), right=True)
 
 
 def _on_host(device: torch.device) -> bool:
