@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loops_callbacks.validation import check_bool, check_int
+from loops_callbacks.validation import check, check_bool, check_int
 
 __all__ = ["TokenLogprobs", "token_logprobs"]
 
@@ -89,9 +89,7 @@ def token_logprobs(
         ValueError: token_logprobs: logits [2, 3, 5] and target_tokens [2, 2] do not share the leading dimensions...
     """
     logits = _logits_of(logits)
-    if not isinstance(target_tokens, torch.Tensor):
-        kind = type(target_tokens).__name__
-        raise TypeError(f"token_logprobs: target_tokens must be a tensor of token ids, got {kind}")
+    check("token_logprobs: target_tokens", target_tokens, torch.Tensor, "a tensor of token ids")
     if target_tokens.is_floating_point() or target_tokens.is_complex() or target_tokens.dtype == torch.bool:
         raise TypeError(f"token_logprobs: target_tokens must hold integer token ids, got dtype {target_tokens.dtype}")
     if logits.dim() < 2 or logits.shape[:-1] != target_tokens.shape:
@@ -99,8 +97,7 @@ def token_logprobs(
             f"token_logprobs: logits {list(logits.shape)} and target_tokens {list(target_tokens.shape)} do not "
             "share the leading dimensions (logits are [..., V], target_tokens [...])"
         )
-    if rows_per_chunk is not None:
-        check_int("token_logprobs rows_per_chunk", rows_per_chunk, least=1)
+    check_int("token_logprobs rows_per_chunk", rows_per_chunk, least=1, optional=True)
     check_bool("token_logprobs with_entropy", with_entropy)
     if dtype is None:
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -76,7 +76,7 @@ def test_bad_arguments_are_named() -> None:
         token_logprobs(targets[..., None], targets)
     with pytest.raises(TypeError, match="with .logits, got dict"):
         token_logprobs({"logits": logits}, targets)
-    with pytest.raises(ValueError, match="rows_per_chunk must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="rows_per_chunk must be an int >= 1 or None, got 0"):
         token_logprobs(logits, targets, rows_per_chunk=0)
     assert logits.dtype == torch.float32 and targets.dtype == torch.int64  # the caller's tensors are untouched
 

@@ -43,6 +43,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,7 +77,6 @@ peaked policy (values all near 0), a neighbour's value can match as well as the 
 GROUP_POSITIONS = 1 << 16
 """Positions (rows x window) transformed at a time: about 35 MB of complex128 FFT temporaries, however
 long the rows (a Python loop over groups of rows, no sync)."""
-_BIG = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,9 @@ def offset_sums(flat: FlatBatch) -> torch.Tensor:
     length, rows = flat.diff.shape[0], flat.n_datums
     if length == 0 or rows == 0:
         return out
-    width = _window_width(flat.row_lengths, length)
+    # the window: OFFSET_WINDOW, or less when no row is that long (read on the host only on the CPU)
+    longest = int(flat.row_lengths.max()) if flat.row_lengths.device.type == "cpu" else length
+    width = max(1, min(OFFSET_WINDOW, longest))
     values = torch.stack([flat.sampler.to(torch.float64), flat.trainer.to(torch.float64)])
     starts = torch.cumsum(flat.row_lengths, 0) - flat.row_lengths
     bins = out[: len(BIN_FIELDS) * OFFSET_BINS].view(len(BIN_FIELDS), OFFSET_BINS)
@@ -116,9 +118,11 @@ def offset_sums(flat: FlatBatch) -> torch.Tensor:
     for begin in range(0, rows, group):
         end = min(begin + group, rows)
         window = _Window.of(values, flat.active, starts[begin:end], flat.row_lengths[begin:end], width)
-        votes = _row_votes(window)
-        _add_votes(bins, *votes)
-        out[len(BIN_FIELDS) * OFFSET_BINS :] += _left_aligned(window, voted=votes[0], vote=votes[1])
+        voted, vote, gap_voted, gap_aligned = _row_votes(window)
+        weight, o = voted.to(torch.float64), vote.to(torch.float64)  # each voting row, summed into its bin
+        votes = torch.stack([weight, weight * o, weight * o * o, weight * gap_voted, weight * gap_aligned])
+        bins.index_add_(1, torch.bucketize(vote, _bin_upper(vote.device)), votes)
+        out[len(BIN_FIELDS) * OFFSET_BINS :] += _left_aligned(window, voted=voted, vote=vote)
     return out
 
 
@@ -151,13 +155,6 @@ def read_offsets(sums: np.ndarray) -> Offsets:
 
 
 _ALIGNED_BIN = _LOG_BINS + EXACT
-
-
-def _window_width(lengths: torch.Tensor, length: int) -> int:
-    """The window: ``OFFSET_WINDOW``, or less when no row is that long (read on the host only on the CPU)."""
-    if lengths.device.type == "cpu":
-        return max(1, min(OFFSET_WINDOW, int(lengths.max())))
-    return max(1, min(OFFSET_WINDOW, length))
 
 
 @dataclass(frozen=True)
@@ -217,24 +214,6 @@ def _row_votes(window: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return voted, offsets.index_select(0, best), gap.gather(1, best[:, None]).squeeze(1), gap[:, width - 1]
 
 
-def _add_votes(
-    bins: torch.Tensor, voted: torch.Tensor, vote: torch.Tensor, gap_voted: torch.Tensor, gap_aligned: torch.Tensor
-) -> None:
-    """Sum each voting row into its bin (``BIN_FIELDS``)."""
-    weight = voted.to(torch.float64)
-    o = vote.to(torch.float64)
-    values = torch.stack([weight, weight * o, weight * o * o, weight * gap_voted, weight * gap_aligned])
-    bins.index_add_(1, _bin_of(vote), values)
-
-
-def _bin_of(offset: torch.Tensor) -> torch.Tensor:
-    """The vote bin of each offset: exact for |o| <= EXACT, by powers of two above (``_BIN_UPPER``)."""
-    upper = _BIN_UPPER.get(offset.device)
-    if upper is None:
-        upper = _BIN_UPPER[offset.device] = torch.tensor(_BIN_UPPER_BOUNDS, dtype=offset.dtype, device=offset.device)
-    return torch.bucketize(offset, upper)
-
-
 _BIN_UPPER_BOUNDS = (
     [-(2 ** (p + 2)) - 1 for p in range(_LOG_BINS, 0, -1)]
     + list(range(-EXACT, EXACT + 1))
@@ -242,7 +221,12 @@ _BIN_UPPER_BOUNDS = (
 )
 """The largest offset of each bin but the last (bins: o <= -2^(p+2) - 1 by power p, -8 … 8, then
 o <= 2^(p+3)); ``torch.bucketize`` finds a vote's bin."""
-_BIN_UPPER: dict[torch.device, torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _bin_upper(device: torch.device) -> torch.Tensor:
+    """``_BIN_UPPER_BOUNDS`` as int64 on ``device``, made once per device (no host copy per step)."""
+    return torch.tensor(_BIN_UPPER_BOUNDS, dtype=torch.int64, device=device)
 
 
 def _left_aligned(window: _Window, *, voted: torch.Tensor, vote: torch.Tensor) -> torch.Tensor:

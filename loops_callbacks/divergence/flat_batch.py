@@ -161,13 +161,12 @@ def flatten_datums(
         sampler = field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'")
         mask = field_to_tensor(inputs["mask"], where=f"datum {i}, key 'mask'")
         length = sampler.shape[0]
-        if padded:
-            if length > training_logprobs.shape[1]:
-                raise ValueError(
-                    f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
-                    f"training_logprobs are only {training_logprobs.shape[1]} wide"
-                )
-        else:
+        if padded and length > training_logprobs.shape[1]:
+            raise ValueError(
+                f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
+                f"training_logprobs are only {training_logprobs.shape[1]} wide"
+            )
+        if not padded:
             trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
         trainer_length = length if padded else trainers[-1].shape[0]
         if not length == mask.shape[0] == trainer_length:
@@ -269,15 +268,14 @@ def flatten_padded(
     elif input_ids is not None:
         ids = input_ids.detach().to(device, torch.int64)
         token_ids = torch.cat([ids[:, 1:], ids.new_full((batch, min(width, 1)), NO_TOKEN)], dim=1).reshape(-1)
-    flat = _build(
+    entropy, varentropy = (None if x is None else x.detach().reshape(-1).to(device)
+                           for x in (training_entropy, training_varentropy))
+    return _build(
         sampler_logprobs.detach().reshape(-1).to(device), training_logprobs.detach().reshape(-1),
         mask.detach().reshape(-1).to(device), advantages, torch.full((batch,), width, dtype=torch.int64, device=device),
         tokens=PaddedTokens(input_ids, target_tokens, device) if with_tokens else None, token_ids=token_ids,
+        entropy=entropy, varentropy=varentropy,
     )
-    if training_entropy is None or training_varentropy is None:
-        return flat
-    entropy, varentropy = (x.detach().reshape(-1).to(device) for x in (training_entropy, training_varentropy))
-    return dataclasses.replace(flat, entropy=entropy, varentropy=varentropy)
 
 
 def _build(

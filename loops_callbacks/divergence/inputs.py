@@ -26,6 +26,7 @@ from loops_callbacks.divergence import per_datum
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_datums, flatten_padded
 from loops_callbacks.run_warnings import RunWarnings
+from loops_callbacks.validation import check
 
 DATA_KEYS = (
     "data", "training_logprobs", "forward_backward_output", "logprobs", "mask", "advantages", "target_tokens",
@@ -36,7 +37,7 @@ DATA_KEYS = (
 
 def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     """``keys`` over the defaults; ``ValueError`` naming an unknown name or an empty key, ``TypeError``
-    for a non-string key.
+    for a non-string key (``validation.check``).
 
     Examples:
         >>> data_keys({"logprobs": "sampler_lp"})["logprobs"]
@@ -46,12 +47,8 @@ def data_keys(keys: Mapping[str, str] | None) -> dict[str, str]:
     unknown = sorted(set(given) - set(DATA_KEYS))
     if unknown:
         raise ValueError(f"keys has unknown names {unknown}; the names are {list(DATA_KEYS)}")
-    not_str = {name: key for name, key in given.items() if not isinstance(key, str)}
-    if not_str:
-        raise TypeError(f"keys must map each name to a non-empty string, got {not_str}")
-    empty = [name for name, key in given.items() if not key]
-    if empty:
-        raise ValueError(f"keys must map each name to a non-empty string, got an empty key for {empty}")
+    for name, key in given.items():
+        check(f"keys[{name!r}]", key, str, "a non-empty string", bool)
     return {name: given.get(name, name) for name in DATA_KEYS}
 
 
@@ -87,11 +84,8 @@ def read_step(
     (for a correction that needs them). What these per-datum keys hold that cannot be used is a
     warning through ``warnings`` (once per run and problem).
     """
-    say = warnings if warnings is not None else RunWarnings()
-    step = _Step(outputs, batch, keys)
-    data = step.get("data")
-    if data is None and _is_datum_list(batch):
-        data = batch
+    step = _Step(outputs, batch, keys, warnings)
+    data = step.data
     if data is not None:
         entropies = [keys[name] for name in ("training_entropy", "training_varentropy") if step.get(name) is not None]
         if entropies:
@@ -99,8 +93,7 @@ def read_step(
                 f"KLSampleTrainMonitor: {entropies} are read with padded [B, T] tensors, not with a list of Datum; "
                 "return the batch's sampler 'logprobs' and 'mask' as [B, T] tensors to check what was sampled"
             )
-        flat = flatten_datums(data, step.trainer_logprobs(datums=True), with_tokens=with_tokens,
-                              diagnose=diagnose,
+        flat = flatten_datums(data, step.trainer_logprobs(datums=True), with_tokens=with_tokens, diagnose=diagnose,
                               advantages_key=keys["advantages"])
     else:
         missing = [keys[name] for name in ("logprobs", "mask") if step.get(name) is None]
@@ -120,10 +113,10 @@ def read_step(
         )
     found: dict[str, Any] = {}
     if datum_advantages:
-        found["datum_advantages"] = per_datum.advantages(step, data, flat, say)
+        found["datum_advantages"] = per_datum.advantages(step, flat)
     if optimizer_step is not None:
-        found["groups"] = per_datum.groups(step, data, flat, max_groups, say)
-        found["lags"] = per_datum.lags(step, data, flat, optimizer_step, say)
+        found["groups"] = per_datum.groups(step, flat, max_groups)
+        found["lags"] = per_datum.lags(step, flat, optimizer_step)
     return dataclasses.replace(flat, **found) if found else flat
 
 
@@ -174,10 +167,14 @@ def trainer_logprobs_from_output(forward_backward_output: Any) -> list[Any]:
 
 
 class _Step:
-    """One step's output and batch, looked up by name: the output first, then the batch."""
+    """One step's output and batch, looked up by name: the output first, then the batch; its datums (``None``:
+    padded tensors), and where its warnings go (``per_datum`` reads the per-datum keys from it)."""
 
-    def __init__(self, outputs: Any, batch: Any, keys: Mapping[str, str]) -> None:
+    def __init__(self, outputs: Any, batch: Any, keys: Mapping[str, str], warnings: RunWarnings | None = None) -> None:
         self.outputs, self.batch, self.keys = outputs, batch, keys
+        self.say = warnings if warnings is not None else RunWarnings()
+        data = self.get("data")
+        self.data = batch if data is None and _is_datum_list(batch) else data
 
     def get(self, name: str) -> Any:
         key = self.keys[name]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,21 +57,20 @@ def _unusable_message(text: str, name: str, n_datums: int, *, given: str = "") -
     )
 
 
-def groups(step: Any, data: Sequence[Any] | None, flat: FlatBatch, max_groups: int, say: RunWarnings
-           ) -> torch.Tensor | None:
+def groups(step: Any, flat: FlatBatch, max_groups: int) -> torch.Tensor | None:
     """Int64 ``[B]`` group ids on the batch's device (``max_groups``: ``group_other``, where negative ids go;
     a string label: ``zlib.crc32(label) % max_groups``, the same on every rank and run); ``None``: absent
     or unusable (module docstring)."""
-    key, n = step.label("group"), flat.n_datums
-    raw = _read(step, "group", data, flat, say)
-    if isinstance(raw, list):
-        ids = torch.tensor([zlib.crc32(label.encode()) % max_groups for label in raw], dtype=torch.int64)
-        shown = ", ".join(f"{label!r} -> group_{bucket}" for label, bucket in list(dict(zip(raw, ids.tolist())).items())[:8])
-        say.warn("group:labels", f"KLSampleTrainMonitor: {key} holds labels (datum 0: {raw[0]!r}); each label is "
+    key, say = step.label("group"), step.say
+    ids = _read(step, "group", flat)
+    if isinstance(ids, list):
+        labels, ids = ids, torch.tensor([zlib.crc32(label.encode()) % max_groups for label in ids], dtype=torch.int64)
+        buckets = list(dict(zip(labels, ids.tolist())).items())[:8]
+        shown = ", ".join(f"{label!r} -> group_{bucket}" for label, bucket in buckets)
+        say.warn("group:labels", f"KLSampleTrainMonitor: {key} holds labels (datum 0: {labels[0]!r}); each label is "
                  f"counted in the stratum group_<zlib.crc32(label) % max_groups> ({shown}), the same on every rank; "
                  "labels that share a bucket are pooled (give int ids to keep each apart)")
         return ids.to(flat.device)
-    ids = None if raw is None else _integers(raw, "group", key, n, say)
     if ids is None:
         return None
     if not _on_accelerator(ids) and (ids < 0).any():  # on an accelerator the monitor says it from the strata
@@ -82,17 +80,11 @@ def groups(step: Any, data: Sequence[Any] | None, flat: FlatBatch, max_groups: i
     return ids.masked_fill(ids < 0, max_groups).to(flat.device)
 
 
-def lags(step: Any, data: Sequence[Any] | None, flat: FlatBatch, optimizer_step: int, say: RunWarnings
-         ) -> torch.Tensor | None:
+def lags(step: Any, flat: FlatBatch, optimizer_step: int) -> torch.Tensor | None:
     """Int64 ``[B]`` policy lags, ``optimizer_step - policy_version``, on the batch's device; ``None``:
     absent or unusable (module docstring). A negative or non-integer version turns the family off."""
-    key, n = step.label("policy_version"), flat.n_datums
-    raw = _read(step, "policy_version", data, flat, say)
-    if isinstance(raw, list):
-        text = f"{key} must count optimizer steps, got labels (datum 0: {raw[0]!r})"
-        say.warn("policy_version:labels", _unusable_message(text, "policy_version", n))
-        return None
-    versions = None if raw is None else _integers(raw, "policy_version", key, n, say)
+    key, n, say = step.label("policy_version"), flat.n_datums, step.say
+    versions = _read(step, "policy_version", flat)
     if versions is None or _on_accelerator(versions):  # on an accelerator: unread (ahead: said from the strata)
         return None if versions is None else optimizer_step - versions
     if (versions < 0).any():
@@ -111,7 +103,7 @@ def lags(step: Any, data: Sequence[Any] | None, flat: FlatBatch, optimizer_step:
     return (optimizer_step - versions).to(flat.device)
 
 
-def advantages(step: Any, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings) -> torch.Tensor:
+def advantages(step: Any, flat: FlatBatch) -> torch.Tensor:
     """Float64 ``[B]``: one advantage per datum, for a correction that needs them (``off_policy_mask``).
 
     From ``[B]`` / ``[B, 1]`` advantages or a one-value field of each datum as they are (NaN, which
@@ -120,7 +112,7 @@ def advantages(step: Any, data: Sequence[Any] | None, flat: FlatBatch, say: RunW
     mean, with one warning, where they differ: one host read). Where none can be read (none, bools, a
     shape that fits no datum): NaN, and one warning: such sequences are counted as masked.
     """
-    key, label = step.keys["advantages"], step.label("advantages")
+    key, label, data = step.keys["advantages"], step.label("advantages"), step.data
     value, per_position = step.get("advantages"), False
     try:
         if value is None:
@@ -145,10 +137,10 @@ def advantages(step: Any, data: Sequence[Any] | None, flat: FlatBatch, say: RunW
                 raise _Unusable("", f"{label} has shape {tuple(getattr(value, 'shape', (values.numel(),)))} "
                                 f"({values.numel()} values) but the step's {flat.n_datums} datums have "
                                 f"{flat.counted.numel()} positions in all; give [B], [B, 1] or [B, T] advantages")
-            return _row_values(values, flat, key, say)
+            return _row_values(values, flat, key, step.say)
         return values.masked_fill(values.isnan(), 0.0)  # a new tensor: the caller's is never written
     except _Unusable as problem:
-        say.warn(f"advantages:{key}", f"KLSampleTrainMonitor: a correction listed (off_policy_mask) needs one "
+        step.say.warn(f"advantages:{key}", f"KLSampleTrainMonitor: a correction listed (off_policy_mask) needs one "
                  f"advantage per datum: {problem.text}; on such steps its shadow metrics count the sequences as "
                  "masked (they cannot be judged)")
         return torch.full((flat.n_datums,), math.nan, dtype=torch.float64, device=flat.device)
@@ -189,21 +181,23 @@ def _row_values(positions: torch.Tensor, flat: FlatBatch, key: str, say: RunWarn
     return mean
 
 
-def _read(step: Any, name: str, data: Sequence[Any] | None, flat: FlatBatch, say: RunWarnings
-          ) -> torch.Tensor | list[str] | None:
-    """The per-datum key ``name`` as given: a ``[B]`` tensor of numbers or a list of string labels; ``None``
-    when absent, or (one warning per run and problem) when it cannot be one value per datum."""
+def _read(step: Any, name: str, flat: FlatBatch) -> torch.Tensor | list[str] | None:
+    """The per-datum key ``name`` as given: an int64 ``[B]`` tensor or (``group`` only) a list of string labels;
+    ``None`` when absent, or (one warning per run and problem) when it cannot be one integer per datum."""
     n = flat.n_datums
     try:
-        return _given(step, name, data, n, flat.device)
+        value = _given(step, name, n, flat.device)
+        if isinstance(value, list) and name == "policy_version":
+            raise _Unusable("labels", f"{step.label(name)} must count optimizer steps, got labels (datum 0: "
+                            f"{value[0]!r})")
+        return value if value is None or isinstance(value, list) else _integers(value, step.label(name))
     except _Unusable as problem:
-        say.warn(f"{name}:{problem.kind}", _unusable_message(problem.text, name, n, given=problem.given))
+        step.say.warn(f"{name}:{problem.kind}", _unusable_message(problem.text, name, n, given=problem.given))
         return None
 
 
-def _given(step: Any, name: str, data: Sequence[Any] | None, n: int, device: torch.device
-           ) -> torch.Tensor | list[str] | None:
-    label, value = step.label(name), step.get(name)
+def _given(step: Any, name: str, n: int, device: torch.device) -> torch.Tensor | list[str] | None:
+    label, value, data = step.label(name), step.get(name), step.data
     given = _described(value)
     if value is None and data is not None:
         fields = [datum_loss_fn_inputs(datum, index=i) for i, datum in enumerate(data)]
@@ -282,19 +276,16 @@ def _one_value(field: Any, where: str) -> Any:
     return row.reshape(()).item()
 
 
-def _integers(values: torch.Tensor, name: str, key: str, n: int, say: RunWarnings) -> torch.Tensor | None:
+def _integers(values: torch.Tensor, key: str) -> torch.Tensor:
     """``values`` as int64 when each is an integer (a float with an integer value, within int64's range);
-    ``None`` with a warning naming a datum otherwise. ``key`` is the key as said."""
+    ``_Unusable`` naming a datum otherwise. ``key`` is the key as said."""
     if values.is_complex():
-        say.warn(f"{name}:dtype", _unusable_message(f"{key} must hold integers, got dtype {values.dtype}", name, n))
-        return None
+        raise _Unusable("dtype", f"{key} must hold integers, got dtype {values.dtype}")
     if values.is_floating_point():
         bad = torch.nonzero(~torch.isfinite(values) | (values != values.round()) | (values.abs() >= 2.0**63))
         if bad.numel():
             i = int(bad[0, 0])
-            text = f"{key} must hold integers, got {float(values[i])} at datum {i}"
-            say.warn(f"{name}:not_integer", _unusable_message(text, name, n))
-            return None
+            raise _Unusable("not_integer", f"{key} must hold integers, got {float(values[i])} at datum {i}")
     return values.to(torch.int64)
 
 

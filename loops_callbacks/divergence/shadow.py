@@ -47,17 +47,15 @@ from loops_callbacks.correction import Correction, parse_correction
 from loops_callbacks.correction.compute import CorrectionInput, Segments, Weights, correct_flat, correct_rows
 from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.states import State
+from loops_callbacks.divergence.sums import max_and_negated_min
 
 
 PREFIX = "correction/"
 """Logged scalars' prefix."""
 SHARED_TOTALS = ("n_tokens", "n_datums_with_actions", "n_datums_no_advantage")
-SHARED_EXTREMA = (
-    "max_token_log_ratio", "neg_min_token_log_ratio",
-    "max_seq_log_ratio", "neg_min_seq_log_ratio",
-    "max_seq_mean_log_ratio", "neg_min_seq_mean_log_ratio",
-    "max_rank_no_advantage", "neg_min_rank_no_advantage",  # the ranks whose advantages could not be read
-)
+# the raw log ratios' extrema, and those of the ranks whose advantages could not be read
+SHARED_EXTREMA = tuple(f"{extremum}_{name}" for name in ("token_log_ratio", "seq_log_ratio", "seq_mean_log_ratio",
+                                                            "rank_no_advantage") for extremum in ("max", "neg_min"))
 PER_CORRECTION_TOTALS = (
     "n_tokens_masked", "n_tokens_clipped", "n_datums_masked", "n_datums_clipped",
     "sum_weight", "sum_weight2", "sum_seq_weight", "sum_seq_weight2",
@@ -189,13 +187,8 @@ def _rows_with_any(flags: torch.Tensor, x: CorrectionInput) -> torch.Tensor:
 
 def _extrema(name: str, values: torch.Tensor, where: torch.Tensor) -> dict[str, torch.Tensor]:
     """``max_<name>`` and ``neg_min_<name>`` over ``where`` (-inf when empty)."""
-    if not values.numel():  # amax of nothing is an error
-        empty = torch.tensor(-math.inf, dtype=torch.float64, device=values.device)
-        return {_key(None, f"max_{name}"): empty, _key(None, f"neg_min_{name}"): empty.clone()}
-    return {
-        _key(None, f"max_{name}"): torch.where(where, values, -math.inf).amax(),
-        _key(None, f"neg_min_{name}"): torch.where(where, -values, -math.inf).amax(),
-    }
+    high, neg_low = max_and_negated_min(values, where)
+    return {_key(None, f"max_{name}"): high, _key(None, f"neg_min_{name}"): neg_low}
 
 
 def shadow_scalars(
@@ -223,17 +216,15 @@ def shadow_scalars(
             scalars[f"{PREFIX}raw/{name}_max"] = _exp(high)
             scalars[f"{PREFIX}raw/{name}_min"] = _exp(-neg_low)
     for correction in parsed:
-        def get(stat: str, c: Correction = correction) -> float:
-            return total[_key(c, stat)]
-
+        sums = {stat: total[_key(correction, stat)] for stat in PER_CORRECTION_TOTALS}
         out = f"{PREFIX}{correction.name}/"
-        scalars[out + "frac_tokens_masked"] = get("n_tokens_masked") / n_tokens
-        scalars[out + "frac_tokens_clipped"] = get("n_tokens_clipped") / n_tokens
-        scalars[out + "frac_seqs_masked"] = get("n_datums_masked") / n_with_actions
-        scalars[out + "frac_seqs_clipped"] = get("n_datums_clipped") / n_with_actions
-        scalars[out + "ess_tokens"] = _ess(get("sum_weight"), get("sum_weight2"), n_tokens)
-        scalars[out + "ess_seqs"] = _ess(get("sum_seq_weight"), get("sum_seq_weight2"), n_with_actions)
-        scalars[out + "mean_weight"] = get("sum_weight") / n_tokens
+        scalars[out + "frac_tokens_masked"] = sums["n_tokens_masked"] / n_tokens
+        scalars[out + "frac_tokens_clipped"] = sums["n_tokens_clipped"] / n_tokens
+        scalars[out + "frac_seqs_masked"] = sums["n_datums_masked"] / n_with_actions
+        scalars[out + "frac_seqs_clipped"] = sums["n_datums_clipped"] / n_with_actions
+        scalars[out + "ess_tokens"] = _ess(sums["sum_weight"], sums["sum_weight2"], n_tokens)
+        scalars[out + "ess_seqs"] = _ess(sums["sum_seq_weight"], sums["sum_seq_weight2"], n_with_actions)
+        scalars[out + "mean_weight"] = sums["sum_weight"] / n_tokens
     return scalars
 
 

@@ -109,11 +109,9 @@ def worst_tokens_markdown(rows: list[list[Any]]) -> str:
         | 1 | 0 | 2 | `9` | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
     """
     token = WORST_TOKEN_COLUMNS.index("token")
-    lines = ["| " + " | ".join(WORST_TOKEN_COLUMNS) + " |", "|" + "---|" * len(WORST_TOKEN_COLUMNS)]
-    for *numbers, context in rows:
-        cells = [_code(escape(str(value))) if i == token else str(value) for i, value in enumerate(numbers)]
-        lines.append("| " + " | ".join([*cells, _code(str(context))]) + " |")  # the context is already escaped
-    return "\n".join(lines)
+    cells = [[_code(escape(str(value))) if i == token else str(value) for i, value in enumerate(numbers)]
+             + [_code(str(context))] for *numbers, context in rows]  # the context is already escaped
+    return markdown(WORST_TOKEN_COLUMNS, cells)
 
 
 def _code(text: str) -> str:

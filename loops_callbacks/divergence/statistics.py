@@ -1,7 +1,7 @@
 """``DivergenceStats``: a batch's statistics on its device, merged across micro-batches; ``HostDivergence``,
 their one host copy.
 
-Every sum and maximum is declared in ``states`` (its formula in ``sums``) and merges by its
+Every sum and maximum is declared in ``states`` (its formula in ``sums`` or ``shadow``) and merges by its
 reduction; three parts merge their own way: the ``top_n`` worst rows (ranked by |d|, datums
 renumbered), a sample of the per-token diffs d = trainer logprob - sampler logprob (bottom-k of one
 random key per token: a uniform sample without replacement of the union, exact percentiles while
@@ -32,7 +32,7 @@ import torch
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import sums as formulas
 from loops_callbacks.divergence.flat_batch import FlatBatch
-from loops_callbacks.divergence.shadow import parse_corrections, shadow_statistics
+from loops_callbacks.divergence.shadow import parse_corrections, shadow_statistics, shadow_values
 from loops_callbacks.divergence.states import (
     GROUP_ROWS, LAG_LABELS, LAG_STRATA, MAIN, ROW, SIGNATURES, STRATA, STRATUM_NAMES, Layout, by_group, ranked_rows,
 )
@@ -93,8 +93,9 @@ class DivergenceStats:
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:
-            values, worst, sample, sample_keys, groups = formulas.of_chunk(chunk, layout, top_n, sample_size,
-                                                                            generator, rank)
+            values, worst, sample, sample_keys, groups = formulas.of_chunk(chunk, layout, top_n, sample_size, generator)
+            if layout.corrections:
+                values.update(shadow_values(chunk, layout.corrections, chunk.datum_advantages, rank=rank))
             # each chunk keeps its sample_size smallest keys at once: the merged sample is the same, and a
             # large batch never holds every position's diff and key until the end
             parts.append(cls(*layout.pack(values), worst, sample, sample_keys, layout, sample_size, groups).capped())

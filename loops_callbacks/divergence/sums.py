@@ -11,7 +11,7 @@ Examples:
     >>> from loops_callbacks.divergence.statistics import layout_of
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> values, worst, sample, sample_keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None, 0)
+    >>> values, worst, sample, sample_keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None)
     >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
     (-0.5, 2, [-0.5, 0.0])
 """
@@ -26,7 +26,6 @@ import torch
 
 from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR, NO_TOKEN, FlatBatch
-from loops_callbacks.divergence.shadow import shadow_values
 from loops_callbacks.divergence.states import (
     GROUP_ROWS, LAG_STRATA, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
     STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
@@ -44,15 +43,15 @@ LATER_ACTIONS_FROM = 8
 """A datum's action tokens from this one on (0-based) are its "later" ones: the gap between the two
 sets keeps a fade that lasts a few tokens out of both means."""
 _16_BIT = (torch.bfloat16, torch.float16)
-_EDGES: dict[torch.device, torch.Tensor] = {}
 
 
 @torch.no_grad()
 def of_chunk(
-    flat: FlatBatch, layout: Layout, top_n: int, sample_size: int | None, generator: torch.Generator | None, rank: int
+    flat: FlatBatch, layout: Layout, top_n: int, sample_size: int | None, generator: torch.Generator | None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Every declared state's value by name, the ``top_n`` worst rows, the sampled diffs and their keys
-    (``None``: all kept), and the groups' table (``None`` without groups or strata)."""
+    """Every declared state's value by name (but the shadow statistics: ``shadow``), the ``top_n`` worst rows,
+    the sampled diffs and their keys (``None``: all kept), and the groups' table (``None`` without groups or
+    strata)."""
     compact = _on_host(flat.device)
     active = None if compact else flat.active
     d, sampler, trainer = (_select(x, flat.active) if compact else x.masked_fill(~active, 0.0)
@@ -82,11 +81,11 @@ def of_chunk(
         "n_sampler_below_floor": count(sampler < LOGPROB_FLOOR), "n_trainer_below_floor": count(trainer < LOGPROB_FLOOR),
         "n_masked_in": count(flat.masked_in),
         "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
-        "max_seq_mean_d": _max_and_negated_min(seq_mean, with_actions)[0],
+        "max_seq_mean_d": max_and_negated_min(seq_mean, with_actions)[0],
         **_sampling_sums(flat),
     }
     for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
-        values[f"max_{name}"], values[f"neg_min_{name}"] = _max_and_negated_min(x, active)
+        values[f"max_{name}"], values[f"neg_min_{name}"] = max_and_negated_min(x, active)
     signatures, strata = "token_sums" in layout.slots, "strata" in layout.slots
     if signatures or strata:  # each token's datum, rank among its datum's action tokens, probability bucket
         datum, rank_in_datum = _datums_and_ranks(flat.active, flat.row_lengths, row_counts, compact=compact)
@@ -108,13 +107,11 @@ def of_chunk(
                                         flat.lags, active)
         if flat.groups is not None:
             groups = _group_table(abs_d, is_ratio, k3, datum, flat.groups, active, layout.max_groups)
-    if layout.corrections:
-        values.update(shadow_values(flat, layout.corrections, flat.datum_advantages, rank=rank))
     worst = torch.zeros(0, ROW.WIDTH, dtype=torch.float64, device=d.device)
     if top_n:
         ranked = abs_d if active is None else abs_d.masked_fill(~active, -inf)
         chosen = _stable_top_k(ranked, min(top_n, ranked.shape[0]))
-        index = _positions_of_selected(flat.active, flat.row_lengths, row_counts, chosen) if compact else chosen
+        index = torch.from_numpy(np.flatnonzero(flat.active.numpy())).index_select(0, chosen) if compact else chosen
         worst = _worst_rows(flat, index, chosen, ranked, d, top_n)
     sample_keys = None if sample_size is None else torch.rand(d.shape, dtype=torch.float64, device=d.device,
                                                        generator=generator)
@@ -147,9 +144,7 @@ def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampl
         "sum_abs_d_p_low": torch.dot(abs_d, low.to(torch.float64)),
     }
     # pairs (k, k+1) of action tokens in one datum, on the flat (uncompacted) positions
-    length, zero = flat.diff.shape[0], torch.zeros((), dtype=torch.float64, device=d.device)
-    if length < 2:
-        return sums | dict.fromkeys(("n_pairs", "sum_abs_d_pairs", "sum_abs_shift_next", "sum_abs_shift_prev"), zero)
+    length = flat.diff.shape[0]
     starts = torch.zeros(length + 1, dtype=torch.bool, device=d.device)
     starts.index_fill_(0, torch.cumsum(flat.row_lengths, 0), True)  # position k begins a datum (k > 0)
     pair = flat.active[:-1] & flat.active[1:] & ~starts[1:length]
@@ -174,7 +169,7 @@ def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
     t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
     drawn = flat.masked_in & torch.isfinite(t) & torch.isfinite(h) & torch.isfinite(v)
     sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), t + h, h, v))}
-    return sums | dict(zip(extrema, _max_and_negated_min(t + h, drawn)))
+    return sums | dict(zip(extrema, max_and_negated_min(t + h, drawn)))
 
 
 def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, active: torch.Tensor | None
@@ -211,8 +206,7 @@ def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k
     """Float64 ``[len(COLUMNS), len(STRATUM_NAMES)]``: each stratum's tokens, Σ k3, Σ |d|, Σ e^d; a family is one
     index per token (others: a last, dropped column), four ``bincount``s on the CPU, else one ``index_add_``."""
     trash = len(STRATUM_NAMES)
-    weights = (k3, abs_d, is_ratio) if active is None else tuple(w.masked_fill(~active, 0.0) for w in (k3, abs_d,
-                                                                                                      is_ratio))
+    weights = (k3, abs_d, is_ratio)  # a place off the action tokens goes to the trash column
     out = torch.zeros(1 + len(weights), trash + 1, dtype=torch.float64, device=d.device)
     stacked = None if _on_host(d.device) else torch.stack([torch.ones_like(d), *weights])
 
@@ -280,13 +274,15 @@ def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_count
     return datum, rank
 
 
+@functools.lru_cache(maxsize=None)
+def _edges(device: torch.device) -> torch.Tensor:
+    """The log ``PROBABILITY_EDGES`` on ``device``, made once per device, so that no step copies them from the host."""
+    return torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
+
+
 def _probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
-    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64; the
-    edges made once per device, so that no step copies them from the host."""
-    if sampler.device not in _EDGES:
-        _EDGES[sampler.device] = torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64,
-                                              device=sampler.device)
-    return torch.bucketize(sampler.to(torch.float64), _EDGES[sampler.device], right=True)
+    """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64."""
+    return torch.bucketize(sampler.to(torch.float64), _edges(sampler.device), right=True)
 
 
 def _on_host(device: torch.device) -> bool:
@@ -316,7 +312,7 @@ def _row_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.zeros(rows, dtype=summed.dtype, device=values.device).index_add_(0, row_of, summed)
 
 
-def _max_and_negated_min(values: torch.Tensor, where: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def max_and_negated_min(values: torch.Tensor, where: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, -min) of ``values`` where ``where`` (all when ``None``), float64; -inf for both when there are none."""
     if values.numel() == 0:  # aminmax of nothing is an error
         none = torch.full((), -math.inf, dtype=torch.float64, device=values.device)
@@ -345,19 +341,6 @@ def _stable_top_k(ranked: torch.Tensor, k: int) -> torch.Tensor:
     above, tied = ranked > threshold, ranked == threshold
     take = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
     return torch.topk(take.to(torch.float32), k, sorted=False).indices.sort().values
-
-
-def _positions_of_selected(active: torch.Tensor, row_lengths: torch.Tensor, counts: torch.Tensor,
-                           selected: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the ``selected`` entries of ``active``'s selection (the CPU; a few rows)."""
-    ends = torch.cumsum(counts, 0)
-    rows = torch.searchsorted(ends, selected, right=True)
-    row_starts = torch.cumsum(row_lengths, 0) - row_lengths
-    flat = []
-    for row, rank in zip(rows.tolist(), (selected - (ends - counts).index_select(0, rows)).tolist()):
-        start = int(row_starts[row])
-        flat.append(start + int(active[start : start + int(row_lengths[row])].nonzero()[rank]))
-    return torch.tensor(flat, dtype=torch.int64)
 
 
 def _worst_rows(flat: FlatBatch, flat_index: torch.Tensor, chosen: torch.Tensor, ranked: torch.Tensor,
