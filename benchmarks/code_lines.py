@@ -2,11 +2,13 @@
 
 ``python benchmarks/code_lines.py`` counts ``loops_callbacks/`` and prints the total, the module
 count and the largest modules; ``--all`` lists every module. A docstring is a string expression
-that is the first statement of a module, class or function (what ``ast.get_docstring`` reads);
-a comment line is one whose first token is ``#``.
+that is the first statement of a module, class or function (what ``ast.get_docstring`` reads), or
+an attribute docstring (PEP 257: a string right after an assignment in a module, a class or an
+``__init__``, which mkdocstrings renders as the attribute's documentation); a comment line is one
+whose first token is ``#``.
 
 Example:
-    >>> count_source("'Doc.'\\n\\n# a comment\\nx = 1  # counted\\ndef f():\\n    'Doc.'\\n    return x\\n")
+    >>> count_source("'Doc.'\\n\\n# a comment\\nx = 1  # counted\\n'x, documented.'\\ndef f():\\n    'Doc.'\\n    return x\\n")
     3
 """
 
@@ -24,13 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def count_source(source: str) -> int:
     """Code lines of one module's ``source`` (module docstring)."""
-    tree = ast.parse(source)
     docstring_lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                docstring_lines.update(range(first.lineno, first.end_lineno + 1))
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        holds_attributes = isinstance(node, (ast.Module, ast.ClassDef)) or node.name == "__init__"
+        for before, statement in zip([None, *node.body], node.body):
+            first = before is None
+            after_assignment = holds_attributes and isinstance(before, (ast.Assign, ast.AnnAssign))
+            if (first or after_assignment) and _is_string(statement):
+                docstring_lines.update(range(statement.lineno, statement.end_lineno + 1))
     code_lines: set[int] = set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
@@ -38,6 +43,11 @@ def count_source(source: str) -> int:
             continue
         code_lines.update(range(token.start[0], token.end[0] + 1))
     return len(code_lines - docstring_lines)
+
+
+def _is_string(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(
+        statement.value.value, str)
 
 
 def count_package(package: Path) -> dict[str, int]:
