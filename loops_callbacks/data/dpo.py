@@ -36,8 +36,8 @@ from loops_callbacks.conventions import tinker_convention_message
 from loops_callbacks.data.sources import pair_label
 from loops_callbacks.data.packed_pairs import FIELDS, PackedPairs
 from loops_callbacks.reference.packing import OutOfVocabularyError
-from loops_callbacks.types import Datum, ModelInput, TensorData
-from loops_callbacks.validation import check
+from loops_callbacks.types import Datum
+from loops_callbacks.validation import check, check_int
 
 __all__ = ["DPOPairDataset", "OutOfVocabularyError", "check_dpo_pairs", "collate_dpo_pairs", "dpo_pair_datums",
            "pair_rows"]
@@ -65,12 +65,7 @@ def dpo_pair_datums(chosen: Sequence[int], rejected: Sequence[int], prompt_lengt
         ([0.0, 1.0, 0.0], [1.0, 0.0])
     """
     rows = pair_rows(chosen, rejected, prompt_length, chosen_weights=chosen_weights, rejected_weights=rejected_weights)
-    return tuple(  # type: ignore[return-value]
-        Datum(ModelInput.from_ints(row["input_ids"].tolist()),
-              {"target_tokens": TensorData(row["target_tokens"].tolist(), "int64"),
-               "weights": TensorData(row["weights"].tolist(), "float32")})
-        for row in rows
-    )
+    return tuple(PackedPairs.from_rows(rows).datums())  # type: ignore[return-value]
 
 
 def pair_rows(chosen: Any, rejected: Any, prompt_length: Any = None, *, chosen_weights: Any = None,
@@ -82,20 +77,26 @@ def pair_rows(chosen: Any, rejected: Any, prompt_length: Any = None, *, chosen_w
         >>> [row["weights"].tolist() for row in pair_rows([1, 2, 3], [1, 4], 1)]
         [[1.0, 1.0, 0.0], [1.0, 0.0]]
     """
-    sequences = [_token_ids(chosen, "chosen"), _token_ids(rejected, "rejected")]
-    by_weights = chosen_weights is not None or rejected_weights is not None
-    if by_weights == (prompt_length is not None):
+    chosen, rejected = _token_ids(chosen, "chosen"), _token_ids(rejected, "rejected")
+    by_weights = chosen_weights is not None and rejected_weights is not None
+    if by_weights == (prompt_length is not None) or (chosen_weights is None) != (rejected_weights is None):
         raise ValueError("give either prompt_length or both chosen_weights and rejected_weights (got prompt_length="
                          f"{prompt_length!r}, chosen_weights {'set' if chosen_weights is not None else 'None'}, "
                          f"rejected_weights {'set' if rejected_weights is not None else 'None'})")
     if by_weights:
-        if chosen_weights is None or rejected_weights is None:
-            raise ValueError("give both chosen_weights and rejected_weights, or prompt_length")
-        weights = [_token_weights(chosen_weights, len(sequences[0]), "chosen"),
-                   _token_weights(rejected_weights, len(sequences[1]), "rejected")]
-        return [_row(ids, w) for ids, w in zip(sequences, weights)]
-    _check_prompt_length(prompt_length, *sequences)
-    return prompt_rows(*sequences, prompt_length)
+        return [_row(chosen, _token_weights(chosen_weights, len(chosen), "chosen")),
+                _row(rejected, _token_weights(rejected_weights, len(rejected), "rejected"))]
+    check_int("prompt_length", prompt_length, least=1, what=" (token 0 is never predicted)")
+    for name, tokens in (("chosen", chosen), ("rejected", rejected)):
+        if prompt_length >= len(tokens):
+            raise ValueError(f"prompt_length={prompt_length} leaves no response tokens in the {name} sequence "
+                             f"({len(tokens)} tokens)")
+    differ = np.flatnonzero(chosen[:prompt_length] != rejected[:prompt_length])
+    if differ.size:
+        position = int(differ[0])
+        raise ValueError(f"the chosen and rejected prompts (first prompt_length={prompt_length} tokens) differ at "
+                         f"token {position}: {chosen[position]} vs {rejected[position]}")
+    return prompt_rows(chosen, rejected, prompt_length)
 
 
 def prompt_rows(chosen: Sequence[int], rejected: Sequence[int], prompt_length: int) -> list[dict[str, np.ndarray]]:
@@ -129,21 +130,6 @@ def _token_ids(tokens: Any, name: str) -> np.ndarray:
     if not tokens:
         raise ValueError(f"the {name} sequence is empty")
     return np.asarray(tokens, dtype=np.int64)
-
-
-def _check_prompt_length(prompt_length: Any, chosen: np.ndarray, rejected: np.ndarray) -> None:
-    check("prompt_length", prompt_length, int, "an int")
-    if prompt_length < 1:
-        raise ValueError(f"prompt_length={prompt_length} must be at least 1 (token 0 is never predicted)")
-    for name, tokens in (("chosen", chosen), ("rejected", rejected)):
-        if prompt_length >= len(tokens):
-            raise ValueError(f"prompt_length={prompt_length} leaves no response tokens in the {name} sequence "
-                             f"({len(tokens)} tokens)")
-    differ = np.flatnonzero(chosen[:prompt_length] != rejected[:prompt_length])
-    if differ.size:
-        position = int(differ[0])
-        raise ValueError(f"the chosen and rejected prompts (first prompt_length={prompt_length} tokens) differ at "
-                         f"token {position}: {chosen[position]} vs {rejected[position]}")
 
 
 def _token_weights(weights: Any, length: int, name: str) -> np.ndarray:

@@ -240,14 +240,11 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             return
         # the split; with the default reference the logprobs come in on_fit_start (ReferenceLogprobsMixin)
         num_pairs = self.num_dpo_pairs
-        order = np.arange(num_pairs)
-        num_val = 0
-        if self.val_fraction > 0:
-            num_val = max(1, round(num_pairs * self.val_fraction))
-            if num_val >= num_pairs:
-                raise ValueError(f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no "
-                                 "training pairs")
-            order = np.random.default_rng(self.seed).permutation(num_pairs)
+        num_val = max(1, round(num_pairs * self.val_fraction)) if self.val_fraction > 0 else 0
+        if num_val >= num_pairs:
+            raise ValueError(f"DPODataModule val_fraction={self.val_fraction} of {num_pairs} pairs leaves no "
+                             "training pairs")
+        order = np.random.default_rng(self.seed).permutation(num_pairs)
         self._val = sorted(order[:num_val].tolist())
         self._train = sorted(order[num_val:].tolist())
         trainer = getattr(self, "trainer", None)
@@ -257,8 +254,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        if self._train is None:
-            raise RuntimeError("DPODataModule.train_dataloader needs setup('fit') first (trainer.fit calls it)")
+        """The training pairs (after ``setup("fit")``: before it, reading ``scored_pairs`` says so)."""
         generator = torch.Generator().manual_seed(self.seed) if self.shuffle else None
         return self._loader(self._train, shuffle=self.shuffle, generator=generator)
 

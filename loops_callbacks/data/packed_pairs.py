@@ -116,21 +116,6 @@ class PackedPairs:
             result.append(Datum(ModelInput.from_ints(self.input_ids[start:stop].tolist()), inputs))
         return result
 
-    def head(self, count: int) -> PackedPairs:
-        """The first ``count`` sequences (views of the arrays, no copy).
-
-        Examples:
-            >>> from loops_callbacks.data.dpo import check_dpo_pairs, dpo_pair_datums
-            >>> check_dpo_pairs([*dpo_pair_datums([1, 2], [1, 3], 1), *dpo_pair_datums([4, 5], [4, 6], 1)]).head(2).offsets.tolist()
-            [0, 2, 4]
-        """
-        stop = int(self.offsets[count])
-        arrays = {key: getattr(self, key)[:stop] for key in FIELDS if getattr(self, key) is not None}
-        return replace(self, **arrays, offsets=self.offsets[: count + 1],
-                       without_weights=tuple(index for index in self.without_weights if index < count),
-                       where=self.where and self.where[: (count + 1) // 2],
-                       source=None if self.source is None else self.source[:count])
-
     @classmethod
     def concatenate(cls, parts: Sequence[PackedPairs]) -> PackedPairs:
         """The parts' sequences one after the other, in one set of arrays (not yet scored, no source).

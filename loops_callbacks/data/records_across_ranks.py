@@ -25,7 +25,6 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.data.preference import parse_preference
 from loops_callbacks.data.sources import LocatedRecord
-from loops_callbacks.data.tokenization import TokenizationReport, kept_pairs, preference_pairs, tokenize_records
+from loops_callbacks.data.tokenization import TokenizationReport, kept_pairs, tokenize_records
 from loops_callbacks.data.tokenizer import load_tokenizer, tokenizer_digests
 from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
@@ -75,8 +74,8 @@ def tokenize_across_ranks(records: Sequence[LocatedRecord], tokenizer: Any, *, m
     """
     group = Group()
     if group.world_size == 1:
-        return preference_pairs(list(records), tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
-                                progress=progress)
+        return kept_pairs(*tokenize_records(records, tokenizer, max_length=max_length,
+                                            max_prompt_length=max_prompt_length, progress=progress))
     guard = StallGuard(group, timeout)
     digests = record_digests(records)
     check_ranks_agree(group, what="preference records", unit="pairs", count=len(records),
@@ -111,15 +110,14 @@ def _joined(reports: list[TokenizationReport], bounds: list[int]) -> Tokenizatio
     """The report of all the shares in order: counts added, record indices shifted, first examples kept."""
     joined = TokenizationReport()
     for report, first in zip(reports, bounds):
-        for field in dataclasses.fields(report):
-            mine, theirs = getattr(joined, field.name), getattr(report, field.name)
-            if field.name == "record_indices":
+        for name, theirs in vars(report).items():
+            mine = getattr(joined, name)
+            if name == "record_indices":
                 mine.extend(first + index for index in theirs)
-            elif isinstance(theirs, dict):
-                for key, value in theirs.items():
-                    mine[key] = mine.get(key, 0) + value if isinstance(value, int) else mine.get(key, value)
-            elif isinstance(theirs, list):
-                mine.extend(theirs)
-            elif isinstance(theirs, int):
-                setattr(joined, field.name, mine + theirs)
+            elif name == "formats":
+                mine.update({key: mine.get(key, 0) + count for key, count in theirs.items()})
+            elif name == "examples":
+                joined.examples = {**theirs, **mine}  # the first share's example of each event
+            else:
+                setattr(joined, name, mine + theirs)
     return joined

@@ -68,7 +68,7 @@ class _ScoreReferenceAfterStrategySetup(Callback):
 
     @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.datamodule.reference_stage == "awaiting restore":
+        if self.datamodule._stage == "awaiting restore":
             self.datamodule.score_reference()
 
 
@@ -136,10 +136,6 @@ class ReferenceLogprobsMixin:
     def reference_config(self) -> ReferenceConfig:
         """The settings ``configure_reference`` made (the defaults when it was not called)."""
         return self._reference_config
-
-    @property
-    def reference_stage(self) -> Stage:
-        return self._stage
 
     @property
     def reference_report(self) -> ReferenceLogprobsReport | None:
@@ -271,10 +267,8 @@ class ReferenceLogprobsMixin:
                               "reference logprobs came from (saved by another DataModule or version): the cached "
                               "values of these data are used whichever reference made them", ReferenceCacheWarning)
         which = f" (weights fingerprint {expected[:16]}...)" if expected else ""
-        where = "run with use_cache=True and the first run's cache_dir"
-        if config.use_cache:
-            where = (f"restore the first run's cache file in {config.cache_dir} (or point cache_dir at the directory "
-                     "holding it)")
+        where = (f"restore the first run's cache file in {config.cache_dir} (or point cache_dir at the directory "
+                 "holding it)" if config.use_cache else "run with use_cache=True and the first run's cache_dir")
         fix = (f"this run resumes from {trainer.ckpt_path}, so the LightningModule holds trained weights, not the "
                f"initial policy{which} whose logprobs are the DPO reference; they can only come from the cache the "
                f"first run wrote: {where}, or pass reference=<a checkpoint of the initial policy, saved before the "

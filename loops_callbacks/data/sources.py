@@ -73,7 +73,7 @@ def read_preference_records(source: Any) -> list[LocatedRecord]:
                          f"dataset[{next(iter(source))!r}]")
     if isinstance(source, Mapping):
         return _read_load_dataset(source)
-    if _is_dataset(source):
+    if type(source).__module__.startswith("datasets.") and hasattr(source, "column_names"):  # a datasets.Dataset
         return _read_dataset(source, "the dataset")
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         return [LocatedRecord(record, f"item {index} of the data list") for index, record in enumerate(source)]
@@ -218,10 +218,6 @@ def _one_document_hint(path: str) -> str:
     what = "an array" if isinstance(document, list) else "an object" if isinstance(document, Mapping) else "a value"
     return (f". The file holds one JSON document ({what}) over several lines, not one record per line: name it "
             f"{os.path.splitext(path)[0]}.json, or write one record per line")
-
-
-def _is_dataset(source: Any) -> bool:
-    return type(source).__module__.startswith("datasets.") and hasattr(source, "column_names")
 
 
 def _is_dataset_dict(source: Any) -> bool:

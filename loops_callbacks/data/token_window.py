@@ -185,8 +185,6 @@ def common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
         (2, 2)
     """
     length = min(len(ids), len(other))
-    if length == 0:
-        return 0
     differ = np.flatnonzero(np.asarray(ids[:length]) != np.asarray(other[:length]))
     return int(differ[0]) if differ.size else length
 

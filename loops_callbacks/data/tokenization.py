@@ -101,23 +101,18 @@ class TokenizationReport:
 
     def warning(self) -> str | None:
         """One message for everything worth a warning, or ``None``."""
-        parts = []
-        if self.prompt_not_prefix:
-            parts.append(f"{self.prompt_not_prefix} pair(s) have a tokenized prompt that is not a prefix of the tokenized "
-                         "prompt+completion, usually because the chat template renders the prompt alone differently or "
-                         "because tokens merge across the boundary; their completion starts where the two diverge, and "
-                         "the rest of the prompt is left out of the training sequence (first: "
-                         f"{self.examples['prompt_not_prefix']}). The model is trained on a context that differs from "
-                         "the one it sees at inference: use a chat template that renders the prompt the same way in both "
-                         "cases, or end the prompt on a token boundary")
-        for event, text in _EVENTS.items():
-            count = getattr(self, event)
-            if count:
-                parts.append(f"{count} of {self.num_records} pair(s) {text} (first: {self.examples[event]})")
+        parts = [f"{getattr(self, event)} of {self.num_records} pair(s) {text} (first: {self.examples[event]})"
+                 for event, text in _EVENTS.items() if getattr(self, event)]
         return "; ".join(parts) + "." if parts else None
 
 
 _EVENTS = {  # what the warning says of each event counted in a TokenizationReport
+    "prompt_not_prefix": "have a tokenized prompt that is not a prefix of the tokenized prompt+completion, usually "
+                         "because the chat template renders the prompt alone differently or because tokens merge across "
+                         "the boundary; their completion starts where the two diverge, and the rest of the prompt is "
+                         "left out of the training sequence, so the model is trained on a context that differs from the "
+                         "one it sees at inference: use a chat template that renders the prompt the same way in both "
+                         "cases, or end the prompt on a token boundary",
     "prompt_truncated": "had their prompt cut to its last max_prompt_length tokens",
     "truncated": "had a sequence cut to its first max_length tokens",
     "dropped_prompt_fills_max_length": "were dropped: their prompt alone fills max_length",
@@ -167,7 +162,7 @@ def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | No
 
     Args:
         source: anything ``read_preference_records`` reads (a file path, a list of records, a
-            ``datasets.Dataset``, ``load_dataset`` arguments), or already located records.
+            ``datasets.Dataset``, ``load_dataset`` arguments).
         tokenizer: a Hugging Face tokenizer or its name/path; needed for text and chat records.
         max_length: longest sequence (prompt + completion) in tokens; keeps the start.
         max_prompt_length: longest prompt in tokens; keeps the end.
@@ -179,10 +174,8 @@ def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | No
             bad limits, a missing tokenizer or chat template, or no pair left.
     """
     check_limits(max_length, max_prompt_length)
-    is_located = isinstance(source, list) and bool(source) and isinstance(source[0], LocatedRecord)
-    located = list(source) if is_located else read_preference_records(source)
-    pairs, report = tokenize_records(located, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length,
-                                     progress=progress)
+    pairs, report = tokenize_records(read_preference_records(source), tokenizer, max_length=max_length,
+                                     max_prompt_length=max_prompt_length, progress=progress)
     return kept_pairs(pairs, report, warn=warn)
 
 
@@ -308,9 +301,8 @@ def check_limits(max_length: Any, max_prompt_length: Any, owner: str = "") -> No
         ...
         ValueError: max_prompt_length=8 must be less than max_length=8, or a prompt cut to max_prompt_length leaves no room for the completion
     """
-    for name, value, least in (("max_length", max_length, 2), ("max_prompt_length", max_prompt_length, 1)):
-        if value is not None:
-            check_int(f"{owner}{name} (or None)", value, least=least)
+    check_int(f"{owner}max_length", max_length, least=2, optional=True)
+    check_int(f"{owner}max_prompt_length", max_prompt_length, least=1, optional=True)
     if max_length is not None and max_prompt_length is not None and max_prompt_length >= max_length:
         raise ValueError(f"{owner}max_prompt_length={max_prompt_length} must be less than max_length={max_length}, or "
                          "a prompt cut to max_prompt_length leaves no room for the completion")

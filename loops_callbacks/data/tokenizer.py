@@ -190,18 +190,15 @@ def tokenize_preferences(examples: Sequence[PreferenceExample], tokenizer: Any, 
             for index in range(start, min(start + _CHUNK, len(examples))):
                 shared, tails, special = _texts(examples[index], tokenizer)
                 if worth_a_window(len(shared) + max(map(len, tails)), max_length, max_prompt_length, tokenizer):
-                    prompt, chosen, rejected = window_token_ids(tokenizer, shared, tails, add_special_tokens=special,
-                                                                max_length=max_length,
-                                                                max_prompt_length=max_prompt_length)
-                    results[index] = (prompt, chosen, rejected)
+                    results[index] = tuple(window_token_ids(tokenizer, shared, tails, add_special_tokens=special,
+                                                            max_length=max_length, max_prompt_length=max_prompt_length))
                 else:
                     whole[special].append((index, [shared + tail for tail in tails]))
             for special, items in whole.items():
                 if items:
                     ids = tokenizer([text for _, texts in items for text in texts], add_special_tokens=special)
                     for number, (index, _) in enumerate(items):
-                        prompt, chosen, rejected = (list(i) for i in ids["input_ids"][3 * number : 3 * number + 3])
-                        results[index] = (prompt, chosen, rejected)
+                        results[index] = tuple(list(i) for i in ids["input_ids"][3 * number : 3 * number + 3])
             bar.advance(min(_CHUNK, len(examples) - start))
     return results
 

@@ -155,21 +155,7 @@ class DPOModule(LightningModule):
             self.log(f"val/{name}", value, prog_bar=name in _PROGRESS_BAR, batch_size=1, sync_dist=True)
 
     def _loss_and_metrics(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-        self._check_batch(batch)
-        loss, metrics = dpo_loss(self.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], self.beta)
-        return loss, metrics, batch["input_ids"].shape[0] // 2
-
-    def _zero_totals(self) -> torch.Tensor:
-        """One sum per metric, then the pair count (float64 where the device has it)."""
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        return torch.zeros(len(_METRIC_NAMES) + 1, dtype=dtype, device=self.device)
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        parameters = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(parameters, lr=self.lr, weight_decay=self.weight_decay)
-
-    def _check_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """The loss, the metrics and the number of pairs of a batch, checked first (``ref_logprobs``, one shape)."""
         name = type(self).__name__
         if "ref_logprobs" not in batch:
             raise ValueError(f"{name}: the batch has no 'ref_logprobs' - the reference logprobs were not attached. "
@@ -183,6 +169,18 @@ class DPOModule(LightningModule):
         shapes = {key: tuple(batch[key].shape) for key in (*_REQUIRED_KEYS, "ref_logprobs")}
         if len(set(shapes.values())) != 1:
             raise ValueError(f"{name}: batch fields must share one [2P, T] shape, got {shapes}")
+        loss, metrics = dpo_loss(self.policy_logprobs(batch), batch["ref_logprobs"], batch["weights"], self.beta)
+        return loss, metrics, batch["input_ids"].shape[0] // 2
+
+    def _zero_totals(self) -> torch.Tensor:
+        """One sum per metric, then the pair count (float64 where the device has it)."""
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        return torch.zeros(len(_METRIC_NAMES) + 1, dtype=dtype, device=self.device)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        parameters = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(parameters, lr=self.lr, weight_decay=self.weight_decay)
 
 
 class HFDPOModule(DPOModule):
@@ -222,7 +220,6 @@ class HFDPOModule(DPOModule):
             self.model = transformers.AutoModelForCausalLM.from_pretrained(model, **(from_pretrained_kwargs or {}))
         elif isinstance(model, Mapping):
             config, self.tokenizer_name_or_path = _config_and_tokenizer(model)
-            config = dict(config)
             if "model_type" not in config:
                 raise ValueError(f"HFDPOModule model config {sorted(config)} has no 'model_type' (e.g. 'llama', "
                                  "'qwen2', 'gpt2')")
@@ -246,12 +243,13 @@ class HFDPOModule(DPOModule):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def _config_and_tokenizer(model: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
+def _config_and_tokenizer(model: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A copy of the model's config (the dict itself, or its ``"config"``), and its ``"tokenizer"`` if any."""
     if "config" not in model:
-        return model, None
+        return dict(model), None
     unknown = sorted(set(model) - {"config", "tokenizer"})
     if unknown or not isinstance(model["config"], Mapping):
         raise ValueError(f"HFDPOModule model: a dict is a config ({{'model_type': ...}}) or {{'config': {{...}}, "
                          f"'tokenizer': name_or_path}}; got keys {sorted(model)}")
     tokenizer = check("HFDPOModule model['tokenizer']", model.get("tokenizer"), str, "a name or path", optional=True)
-    return model["config"], tokenizer
+    return dict(model["config"]), tokenizer

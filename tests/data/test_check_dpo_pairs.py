@@ -173,13 +173,6 @@ def test_pairs_checked_without_their_prompts_are_checked_when_the_prompts_count(
         check_dpo_pairs(pairs, check_prompts=True)
 
 
-def test_a_part_of_checked_pairs_is_checked() -> None:
-    pairs = check_dpo_pairs(pair_datums(make_pairs(2)))
-    assert check_dpo_pairs(pairs.head(2)).offsets.tolist() == pairs.offsets[:3].tolist()
-    with pytest.raises(ValueError, match=r"odd number of datums \(3\)"):
-        check_dpo_pairs(pairs.head(3))
-
-
 @st.composite
 def sequence_weights(draw: st.DrawFn, length: int) -> list[float] | None:
     """Weights of a sequence of ``length`` tokens, none on the last position: a prompt's shape (zeros, then

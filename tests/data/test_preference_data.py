@@ -303,7 +303,7 @@ def test_a_chat_template_that_renders_the_prompt_differently_splits_where_they_d
         "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think></think>'"
     )
     record = RECORDS["conversational"][0]
-    with pytest.warns(PreferenceDataWarning, match=r"1 pair\(s\) have a tokenized prompt that is not a prefix.*'<think></think>'"):
+    with pytest.warns(PreferenceDataWarning, match=r"1 of 1 pair\(s\) have a tokenized prompt that is not a prefix.*'<think></think>'"):
         [chosen, _], report = preference_datums([record], thinking, progress=False)
     full = thinking.apply_chat_template(record["prompt"] + record["chosen"])["input_ids"]
     before = thinking.apply_chat_template(record["prompt"])["input_ids"]  # no generation prompt
@@ -378,7 +378,7 @@ def test_max_prompt_length_keeps_the_end_of_the_prompt_and_the_whole_completion(
     assert all(len(d.model_input.to_ints()) == 7 and prompt_length(d) == 5 for d in both)
     with pytest.raises(ValueError, match="max_prompt_length=7 must be less than max_length=7"):
         preference_datums(records, tokenizer, max_prompt_length=7, max_length=7, progress=False)
-    with pytest.raises(ValueError, match=r"max_length \(or None\) must be an int >= 2, got 1"):
+    with pytest.raises(ValueError, match=r"max_length must be an int >= 2 or None, got 1"):
         preference_datums(records, tokenizer, max_length=1, progress=False)
 
 

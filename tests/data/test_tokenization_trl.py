@@ -67,7 +67,7 @@ def test_the_golden_file_covers_every_format_and_a_split_inside_the_prompt() -> 
         assert row[3] == row[4] < len(tokenizer(record["prompt"])["input_ids"])
     _, report = preference_datums(case["records"], TOKENIZER, progress=False, warn=False)
     assert report.prompt_not_prefix == len(case["records"])
-    with pytest.warns(UserWarning, match=r"24 pair\(s\) have a tokenized prompt that is not a prefix .*prompt end ' '"):
+    with pytest.warns(UserWarning, match=r"24 of 24 pair\(s\) have a tokenized prompt that is not a prefix .*prompt end ' '"):
         preference_datums(case["records"], TOKENIZER, progress=False)
     # max_length drops pairs whose prompt fills it, and truncates the others
     assert 0 < cases["conversational_max_length_40"]["num_kept"] < cases["conversational"]["num_kept"]

@@ -171,8 +171,8 @@ def test_chat_pairs_train_with_the_modules_tokenizer_and_tokenize_once(tmp_path:
     import loops_callbacks.data.records_across_ranks as tokenizing  # DPODataModule tokenizes through it
 
     calls = []
-    real = tokenizing.preference_pairs
-    monkeypatch.setattr(tokenizing, "preference_pairs", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = tokenizing.tokenize_records
+    monkeypatch.setattr(tokenizing, "tokenize_records", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     data = DPODataModule(path=small_pairs(tmp_path), max_length=128, batch_size=4, val_fraction=0.25, progress=False)
     trainer = fit(tiny_module(), data, tmp_path, val_check_interval=2)
     assert calls == [TOKENIZER]  # the LightningModule's tokenizer
