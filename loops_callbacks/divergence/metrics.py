@@ -94,7 +94,6 @@ SAMPLING_METRICS = (
 
 STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
 """The scalars logged per stratum with tokens: ``stratum/<name>/<metric>``."""
-_PERCENTILES = (50, 90, 99)
 
 
 def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
@@ -106,7 +105,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
     counts = {"n_sequences": t["n_datums"], "n_skipped_nonfinite": t["n_skipped_nonfinite"]}
     if n == 0:
         return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
-    abs_percentiles = abs_percentiles_linear(host.diffs, _PERCENTILES)
+    abs_percentiles = abs_percentiles_linear(host.diffs, (50, 90, 99))
     ess_denominator = n * t["sum_is_ratio2"]
     with_actions = t["n_datums_with_actions"]
     values = {
@@ -116,9 +115,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "is_ratio_mean": is_ratio_mean(t),
         "ess_fraction": t["sum_is_ratio"] ** 2 / ess_denominator if ess_denominator != 0 else 0.0,
         "diff_mean": t["sum_d"] / n,
-        "diff_abs_p50": float(abs_percentiles[0]),
-        "diff_abs_p90": float(abs_percentiles[1]),
-        "diff_abs_p99": float(abs_percentiles[2]),
+        **dict(zip(("diff_abs_p50", "diff_abs_p90", "diff_abs_p99"), abs_percentiles)),
         "diff_abs_max": max(e["max_d"], e["neg_min_d"]),
         "frac_abs_gt_1": t["n_abs_gt_1"] / n,
         "frac_abs_gt_2": t["n_abs_gt_2"] / n,

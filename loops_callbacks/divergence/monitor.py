@@ -31,7 +31,6 @@ from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import step_warnings
 from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
-from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
     Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
@@ -182,7 +181,6 @@ class KLSampleTrainMonitor(Callback):
         self.history = RunHistory(self.guard_rail.kl_metric, self.guard_rail.max_kl, self.guard_rail.max_sampling_z)
         self.calibration = Calibration(self.calibration_steps)
         self._step_stats: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
-        self._last_flat: FlatBatch | None = None
         self._logged_keys: set[str] = set()  # the keys put in callback_metrics last
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -217,7 +215,6 @@ class KLSampleTrainMonitor(Callback):
             rank=trainer.global_rank,
         )
         self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)
-        self._last_flat = flat
         if self.interval == "optimizer_step" and accumulating(trainer):
             return
         step_stats, self._step_stats = self._step_stats, None
@@ -240,10 +237,9 @@ class KLSampleTrainMonitor(Callback):
             self.calibration.observe(report.diagnosis, report.signatures)
         if self.history.fit_logged_steps == step_warnings.WATCHING_NOTHING_AFTER and not self.history.judged_steps:
             step_warnings.watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
-        step_warnings.about_step(self.warnings, self.keys, report, host, self._last_flat, step,
+        step_warnings.about_step(self.warnings, self.keys, report, host, flat, step,
                                  max_groups=self.media.max_groups, max_sampling_z=self.guard_rail.max_sampling_z)
         self._act(trainer, report, step)
-        self._last_flat = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
