@@ -131,22 +131,13 @@ def diagnose(
         return statistical  # no mismatch: live dropout does not reach these logprobs
     numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p,
                "k3": sig.get("kl_sample_train_k3", math.nan)}
-    beyond = _beyond_dropout(sig, n_tokens, bound, by_lag, trend)
+    beyond = None  # what live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps
+    if n_tokens >= MIN_TOKENS:
+        beyond = _offset(sig)
+        if beyond is None and _beyond_noise(sig, bound):
+            lags = _lag_growth(by_lag)
+            beyond = _stale_by_lag(lags) or _growing(sig, by_lag, lags, trend, bound, since_floor=False)
     return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts, beyond=beyond)
-
-
-def _beyond_dropout(
-    sig: Mapping[str, float], n_tokens: float, noise_bound: float, by_lag: Mapping[str, Any] | None,
-    trend: Sequence[float],
-) -> Diagnosis | None:
-    """What live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps."""
-    if n_tokens < MIN_TOKENS:
-        return None
-    offset = _offset(sig)
-    if offset is not None or not _beyond_noise(sig, noise_bound):
-        return offset
-    lags = _lag_growth(by_lag)
-    return _stale_by_lag(lags) or _growing(sig, by_lag, lags, trend, noise_bound, since_floor=False)
 
 
 def _statistical_cause(

@@ -49,10 +49,8 @@ class DropoutSeen:
     @property
     def text(self) -> str:
         plural = "s" if self.count != 1 else ""
-        if "." in self.kind:  # a functional dropout attribute
-            owner, attribute = self.kind.split(".", 1)
-            return f"{self.count} {owner} module{plural} with {attribute} = {self.p:g}"
-        return f"{self.count} {self.kind} module{plural} with p = {self.p:g}"
+        owner, _, attribute = self.kind.partition(".")  # a functional dropout attribute, or a layer's p
+        return f"{self.count} {owner} module{plural} with {attribute or 'p'} = {self.p:g}"
 
 
 class SamplerFacts(NamedTuple):

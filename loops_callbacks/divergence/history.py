@@ -131,10 +131,8 @@ class RunHistory:
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Continue the run ``saved`` describes; what an older checkpoint lacks keeps its value."""
-        for name in _RUN_FIELDS:
-            if name in saved:
-                value = saved[name]
-                setattr(self, name, _diagnosis(value) if name == "last_diagnosis" else value)
+        for name in saved.keys() & set(_RUN_FIELDS):
+            setattr(self, name, _diagnosis(saved[name]) if name == "last_diagnosis" else saved[name])
 
     def lines(self, prefix: str) -> list[str]:
         """The summary as plain text lines, the guard rail's verdict last; ``prefix``: the metrics' key prefix."""

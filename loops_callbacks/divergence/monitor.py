@@ -208,18 +208,16 @@ class KLSampleTrainMonitor(Callback):
         if not logged:
             return
         facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # this rank's engine's own account
+        generator = self._generator(flat.device, trainer.global_rank)
         stats = DivergenceStats.from_batch(
-            flat, top_n=self.media.rows, sample_size=self.sample_size,
-            generator=self._generator(flat.device, trainer.global_rank), diagnose=self.diagnose,
-            max_groups=self.media.strata_groups, corrections=self.corrections,
-            rank=trainer.global_rank,
+            flat, top_n=self.media.rows, sample_size=self.sample_size, generator=generator, diagnose=self.diagnose,
+            max_groups=self.media.strata_groups, corrections=self.corrections, rank=trainer.global_rank,
         )
         self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)
         if self.interval == "optimizer_step" and accumulating(trainer):
             return
         step_stats, self._step_stats = self._step_stats, None
         if trainer.world_size > 1:
-            generator = self._generator(flat.device, trainer.global_rank)
             step_stats = reduce_across_ranks(step_stats, trainer.strategy, generator=generator)
         host = step_stats.to_host()  # the one host synchronization of a logged step
         report = step_report(
@@ -365,13 +363,12 @@ def _advice(report: StepReport) -> str:
     cause = report.diagnosis
     if cause is None and report.problems:  # diagnose=False: the inputs are still what the message names
         cause = Diagnosis.impossible_inputs(report.problems.values())
-    if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
+    if cause is None or cause.cause in ("unclear", "none"):
+        return (
+            "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+            "precision and sampling settings."
+        )
+    if cause.cause == IMPOSSIBLE_INPUTS:
         return f"{cause.message}."  # a fact about the inputs, not a hint
-    if cause is not None and cause.is_observation:
-        return f"{cause.message} (observed)."  # seen directly, not inferred: no confidence to weigh
-    if cause is not None and cause.cause not in ("unclear", "none"):
-        return f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
-    return (
-        "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
-        "precision and sampling settings."
-    )
+    # seen directly, not inferred: no confidence to weigh
+    return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."

@@ -255,8 +255,7 @@ def token_text(token: int, tokenizer: Tokenizer | None) -> str:
         >>> token_text(49947, None), token_text(-1, None)
         ('49947', '<end>')
     """
-    text = None if token == NO_TOKEN else _decoded([token], tokenizer)
-    return END if token == NO_TOKEN else text if text is not None else str(token)
+    return END if token == NO_TOKEN else _decoded([token], tokenizer)
 
 
 def _ids(values: np.ndarray) -> list[int]:
@@ -264,17 +263,17 @@ def _ids(values: np.ndarray) -> list[int]:
 
 
 def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
-    text = _decoded(ids, tokenizer) if ids else ""
-    return escape(text if text is not None else " ".join(map(str, ids)))
+    return escape(_decoded(ids, tokenizer)) if ids else ""
 
 
-def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str | None:
-    if tokenizer is None:
-        return None
-    try:
-        return str(tokenizer.decode(ids))
-    except Exception:  # a tokenizer that cannot decode these ids: the ids, as without one
-        return None
+def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str:
+    """``tokenizer.decode(ids)``; the ids, space-separated, without a tokenizer or one that cannot decode them."""
+    if tokenizer is not None:
+        try:
+            return str(tokenizer.decode(ids))
+        except Exception:  # a tokenizer that cannot decode these ids: the ids, as without one
+            pass
+    return " ".join(map(str, ids))
 
 
 def escape(text: str) -> str:
