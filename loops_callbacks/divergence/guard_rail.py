@@ -144,9 +144,8 @@ class GuardRail:
             side = "sharper" if z > 0 else "flatter" if z < 0 else "unknown"
             return (
                 f"{prefix}sampling_z = {z:.3g} ({held:.3g} without its most extreme token) exceeded max_sampling_z = "
-                f"{self.max_sampling_z:g}: the tokens were "
-                f"drawn {side} than the trainer's distribution (effective temperature "
-                f"{scalars.get('sampling_temperature', float('nan')):.3g})"
+                f"{self.max_sampling_z:g}: the tokens were drawn {side} than the trainer's distribution (effective "
+                f"temperature {scalars.get('sampling_temperature', math.nan):.3g})"
             )
         return None
 

@@ -109,8 +109,6 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
     mean_d2 = t["sum_d2"] / n
     d2_se = math.sqrt(max(t["sum_d4"] / n - mean_d2**2, 0.0) / n)
     slope = cov / var_s if var_s > 0 else math.nan
-    mean_abs_low = _share(t["sum_abs_d_p_low"], low)
-    mean_abs_high = _share(t["sum_abs_d_p_high"], high)
     return {
         "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
         "frac_d_pos": t["n_d_pos"] / n,
@@ -127,7 +125,7 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         "shift_ratio": _ratio(min(after, before), aligned),
         "shift_direction": 1.0 if after <= before else -1.0,
         "token_eta2": token_eta2(host.token_sums),
-        "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
+        "low_high_abs_ratio": _ratio(_share(t["sum_abs_d_p_low"], low), _share(t["sum_abs_d_p_high"], high)),
         "rms_d": math.sqrt(mean_d2),
         "kl_sample_train_k3": kl_sample_train_k3(t),
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else math.nan,
