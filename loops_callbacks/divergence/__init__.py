@@ -21,17 +21,14 @@ Examples:
     'kl_sample_train_k3'
 """
 
+import importlib
+
 __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError", "SamplerFacts"]
 
 
 def __getattr__(name: str) -> object:
     """The Lightning callback is imported on first use (the plain functions need no Lightning)."""
-    if name in ("KLSampleTrainMonitor", "SampleTrainDivergenceError"):
-        from loops_callbacks.divergence import monitor
-
-        return getattr(monitor, name)
-    if name == "SamplerFacts":
-        from loops_callbacks.divergence.evidence import SamplerFacts
-
-        return SamplerFacts
+    if name in __all__:
+        module = "evidence" if name == "SamplerFacts" else "monitor"
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module 'loops_callbacks.divergence' has no attribute {name!r}")

@@ -129,24 +129,15 @@ def diagnose(
     statistical = _statistical_cause(sig, n_tokens, bound, lag_bound, noise_floor is not None, facts, by_lag, trend)
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
         return statistical  # no mismatch: live dropout does not reach these logprobs
-    numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
-    numbers["k3"] = sig.get("kl_sample_train_k3", math.nan)
-    beyond = _beyond_dropout(sig, n_tokens, bound, by_lag, trend)
+    numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p,
+               "k3": sig.get("kl_sample_train_k3", math.nan)}
+    beyond = None  # what live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps
+    if n_tokens >= MIN_TOKENS:
+        beyond = _offset(sig)
+        if beyond is None and _beyond_noise(sig, bound):
+            lags = _lag_growth(by_lag)
+            beyond = _stale_by_lag(lags) or _growing(sig, by_lag, lags, trend, bound, since_floor=False)
     return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts, beyond=beyond)
-
-
-def _beyond_dropout(
-    sig: Mapping[str, float], n_tokens: float, noise_bound: float, by_lag: Mapping[str, Any] | None,
-    trend: Sequence[float],
-) -> Diagnosis | None:
-    """What live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps."""
-    if n_tokens < MIN_TOKENS:
-        return None
-    offset = _offset(sig)
-    if offset is not None or not _beyond_noise(sig, noise_bound):
-        return offset
-    lags = _lag_growth(by_lag)
-    return _stale_by_lag(lags) or _growing(sig, by_lag, lags, trend, noise_bound, since_floor=False)
 
 
 def _statistical_cause(
@@ -244,23 +235,14 @@ def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis
     what was sampled at least ``SAMPLING_Z`` with and without its most extreme token (``held_sampling_z``), or
     the engine says it reports raw logprobs while it samples at another temperature or truncated (then an
     observation); None otherwise."""
-    z = held_sampling_z(sig)
     names = ("sampling_z", "sampling_z_trimmed", "sampling_relative_bias", "sampling_temperature")
-    numbers = {name: sig.get(name, math.nan) for name in names}
-    said = facts is not None and facts.samples_other_than_reported
-    if not (abs(z) >= SAMPLING_Z or said):
-        return None
-    observed = _sampling_settings(facts) if said and facts is not None else ""
-    confidence = 1.0 if said else _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z)
-    return Diagnosis(SAMPLING, confidence, {k: v for k, v in numbers.items() if not math.isnan(v)}, observed=observed)
-
-
-def _sampling_settings(facts: SamplerFacts) -> str:
-    settings = [f"temperature {facts.temperature:g}" if facts.temperature not in (None, 1.0) else "",
-                f"top-p {facts.top_p:g}" if facts.top_p is not None and facts.top_p < 1.0 else "",
-                f"top-k {facts.top_k}" if facts.top_k is not None and facts.top_k > 0 else ""]
-    engine = f"the {facts.engine} engine" if facts.engine else "the engine"
-    return f"{engine} reports {facts.logprobs_mode} while sampling with {', '.join(filter(None, settings))}"
+    numbers = {name: sig[name] for name in names if not math.isnan(sig.get(name, math.nan))}
+    if facts is not None and facts.samples_other_than_reported:
+        engine = f"the {facts.engine} engine" if facts.engine else "the engine"
+        said = f"{engine} reports {facts.logprobs_mode} while sampling with {', '.join(facts.sampling_settings)}"
+        return Diagnosis(SAMPLING, 1.0, numbers, observed=said)
+    z = held_sampling_z(sig)
+    return Diagnosis(SAMPLING, _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z), numbers) if abs(z) >= SAMPLING_Z else None
 
 
 def _offset(sig: Mapping[str, float]) -> Diagnosis | None:
@@ -318,25 +300,17 @@ def _growing(
     sig: Mapping[str, float], by_lag: Mapping[str, Any] | None, lags: dict[str, float] | None,
     trend: Sequence[float], noise_bound: float, *, since_floor: bool = True,
 ) -> Diagnosis | None:
-    """``stale`` when the relative gap has grown step after step (``_trend_growth``), unless the versions
-    show every datum current or a gap flat across lags (versions outrank the trend). ``since_floor``: only
-    since it was last at the noise bound (beside live dropout, whose noise lifts it off: over the whole trend)."""
+    """``stale`` when the relative gap has grown step after step, unless the versions show every datum
+    current or a gap flat across lags (versions outrank the trend). ``since_floor``: only since it was last
+    at the noise bound, and not when it is there now or never was over the trend (beside live dropout, whose
+    noise lifts it off: over the whole trend). The last value of the series is this step's."""
     if _common_lag(by_lag) == 0 or (lags is not None and lags["lag_growth"] < LAG_GROWTH):
         return None
     series = [*trend, sig.get("relative_gap", math.nan)]
-    growing = _trend_growth(series, floor=noise_bound if since_floor else -math.inf, from_start=not since_floor)
-    if growing is None:
-        return None
-    return Diagnosis("stale", _confidence((growing["gap_growth"] - TREND_GROWTH) / TREND_GROWTH), growing)
-
-
-def _trend_growth(series: Sequence[float], *, floor: float, from_start: bool = False) -> dict[str, float] | None:
-    """The numbers showing that the relative gap has grown step after step since it was last at ``floor``
-    (with ``from_start``, since the trend's first step when it never was); the last value is now."""
-    at_floor = [i for i, value in enumerate(series) if value <= floor]
-    if (at_floor and at_floor[-1] == len(series) - 1) or not (at_floor or from_start):
-        return None  # in sync now, or never in sync over the trend
-    since = list(series[at_floor[-1] + 1 :] if at_floor else series)
+    at_floor = [i for i, value in enumerate(series) if value <= noise_bound]
+    if since_floor and (not at_floor or at_floor[-1] == len(series) - 1):
+        return None  # never in sync over the trend, or in sync now
+    since = series[at_floor[-1] + 1 :] if since_floor else series
     if len(since) < TREND_MIN_STEPS:
         return None
     third = max(1, len(since) // 3)
@@ -345,18 +319,17 @@ def _trend_growth(series: Sequence[float], *, floor: float, from_start: bool = F
     rho = _spearman(since)
     if growth < TREND_GROWTH or rho < TREND_SPEARMAN:
         return None
-    return {"relative_gap": since[-1], "steps_growing": float(len(since)), "gap_growth": growth, "gap_spearman": rho}
+    numbers = {"relative_gap": since[-1], "steps_growing": float(len(since)), "gap_growth": growth, "gap_spearman": rho}
+    return Diagnosis("stale", _confidence((growth - TREND_GROWTH) / TREND_GROWTH), numbers)
 
 
 def _spearman(values: Sequence[float]) -> float:
     """Spearman's rank correlation of ``values`` with their order (ties ranked by position)."""
     n = len(values)
-    ranks = [0.0] * n
-    for rank, index in enumerate(sorted(range(n), key=lambda i: values[i])):
-        ranks[index] = float(rank)
     mean = (n - 1) / 2
     spread = sum((i - mean) ** 2 for i in range(n))
-    return sum((i - mean) * (r - mean) for i, r in enumerate(ranks)) / spread if spread else 0.0
+    by_rank = sorted(range(n), key=values.__getitem__)  # by_rank[r]: the position of rank r
+    return sum((i - mean) * (r - mean) for r, i in enumerate(by_rank)) / spread if spread else 0.0
 
 
 def _beyond_noise(sig: Mapping[str, float], noise_bound: float) -> bool:

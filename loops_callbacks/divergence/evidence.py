@@ -49,10 +49,8 @@ class DropoutSeen:
     @property
     def text(self) -> str:
         plural = "s" if self.count != 1 else ""
-        if "." in self.kind:  # a functional dropout attribute
-            owner, attribute = self.kind.split(".", 1)
-            return f"{self.count} {owner} module{plural} with {attribute} = {self.p:g}"
-        return f"{self.count} {self.kind} module{plural} with p = {self.p:g}"
+        owner, _, attribute = self.kind.partition(".")  # a functional dropout attribute, or a layer's p
+        return f"{self.count} {owner} module{plural} with {attribute or 'p'} = {self.p:g}"
 
 
 class SamplerFacts(NamedTuple):
@@ -84,16 +82,19 @@ class SamplerFacts(NamedTuple):
     stale_prefix_cache: bool | None = None
 
     @property
+    def sampling_settings(self) -> list[str]:
+        """The settings that move the sampled distribution off the model's at temperature 1, as text
+        (``["temperature 0.7", "top-p 0.9"]``): a temperature other than 1, top-p below 1, top-k on."""
+        settings = [f"temperature {self.temperature:g}" if self.temperature not in (None, 1.0) else "",
+                    f"top-p {self.top_p:g}" if self.top_p is not None and self.top_p < 1.0 else "",
+                    f"top-k {self.top_k}" if self.top_k is not None and self.top_k > 0 else ""]
+        return [setting for setting in settings if setting]
+
+    @property
     def samples_other_than_reported(self) -> bool:
         """Whether the tokens are drawn from another distribution than the reported logprobs describe: raw
-        (temperature-1, untruncated) logprobs with a temperature other than 1, top-p below 1 or top-k on."""
-        if self.logprobs_mode not in ("raw_logprobs", "raw_logits"):
-            return False
-        return (
-            (self.temperature is not None and self.temperature != 1.0)
-            or (self.top_p is not None and self.top_p < 1.0)
-            or (self.top_k is not None and self.top_k > 0)
-        )
+        (temperature-1, untruncated) logprobs with any of the ``sampling_settings``."""
+        return self.logprobs_mode in ("raw_logprobs", "raw_logits") and bool(self.sampling_settings)
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,10 @@ def observe_modules(module: torch.nn.Module, *, precision: str | None) -> Direct
     for child in module.modules():
         if not child.training:
             continue
-        p = _layer_dropout(child)
-        if p is not None:
-            counts[type(child).__name__, p] += 1
+        layer = isinstance(child, torch.nn.modules.dropout._DropoutNd) or "Dropout" in type(child).__name__
+        p = getattr(child, "p", None) if layer else None  # a dropout layer's probability
+        if isinstance(p, (float, int)) and not isinstance(p, bool) and 0.0 < float(p) <= 1.0:
+            counts[type(child).__name__, float(p)] += 1
             continue
         for attribute in FUNCTIONAL_DROPOUT_ATTRIBUTES:
             value = getattr(child, attribute, None)
@@ -168,12 +170,3 @@ def observe_training(trainer: Any, pl_module: torch.nn.Module) -> DirectEvidence
         precision = None
     return observe_modules(pl_module, precision=precision)
 
-
-def _layer_dropout(module: torch.nn.Module) -> float | None:
-    """p of a dropout layer with p > 0; None for anything else."""
-    if not (isinstance(module, torch.nn.modules.dropout._DropoutNd) or "Dropout" in type(module).__name__):
-        return None
-    p = getattr(module, "p", None)
-    if isinstance(p, (float, int)) and not isinstance(p, bool) and 0.0 < float(p) <= 1.0:
-        return float(p)
-    return None

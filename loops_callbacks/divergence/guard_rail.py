@@ -42,8 +42,6 @@ from loops_callbacks.validation import check, check_choice, check_int, check_rea
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
 """Metrics that may be negative; every other scalar metric is >= 0 on valid logprobs."""
 
-DEFAULT_MAX_NONFINITE_FRACTION = 0.01
-
 
 class SampleTrainDivergenceError(RuntimeError):
     """Raised by ``KLSampleTrainMonitor(on_exceed="raise")`` when a logged step exceeds the guard rail."""
@@ -86,21 +84,18 @@ class GuardRail:
     kl_metric: str = "kl_sample_train_k3"
     patience: int = 1
     on_exceed: Literal["warn", "stop", "raise"] = "stop"
-    max_nonfinite_fraction: float = DEFAULT_MAX_NONFINITE_FRACTION
+    max_nonfinite_fraction: float = 0.01
     max_sampling_z: float | None = None
 
     def __post_init__(self) -> None:
         check("kl_metric", self.kl_metric, str, "a str")
         check_int("patience", self.patience, least=1)
         check_choice("on_exceed", self.on_exceed, ("warn", "stop", "raise"))
-        numbers = {
-            "max_kl": check_real("max_kl", self.max_kl, least=0.0, what="a number >= 0", optional=True),
-            "max_nonfinite_fraction": check_real("max_nonfinite_fraction", self.max_nonfinite_fraction, least=0.0,
-                                                 most=1.0, what="a number in [0, 1]"),
-            "max_sampling_z": check_real("max_sampling_z", self.max_sampling_z, least=0.0,
-                                         what="a number >= 0", optional=True),
-        }
-        for name, value in numbers.items():  # numbers of any real type, kept as floats
+        bounds = (("max_kl", math.inf, "a number >= 0"), ("max_nonfinite_fraction", 1.0, "a number in [0, 1]"),
+                  ("max_sampling_z", math.inf, "a number >= 0"))
+        for name, most, what in bounds:  # numbers of any real type, kept as floats (None: no bound, but the fraction)
+            value = check_real(name, getattr(self, name), least=0.0, most=most, what=what,
+                               optional=name != "max_nonfinite_fraction")
             object.__setattr__(self, name, value)
 
     @property
@@ -110,9 +105,7 @@ class GuardRail:
 
     def untrusted(self, scalars: Mapping[str, float], host: HostDivergence) -> str | None:
         """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
-        totals = host.totals
-        n = totals["n_action_tokens"]
-        skipped = totals["n_skipped_nonfinite"]
+        n, skipped = host.totals["n_action_tokens"], host.totals["n_skipped_nonfinite"]
         masked_in = n + skipped
         if masked_in == 0:
             return None
@@ -127,9 +120,7 @@ class GuardRail:
             impossible = f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
             why = sentinel or _positive(host) or impossible
             return f"{self.kl_metric} = {value:.3g}: {why}"
-        if sentinel:
-            return sentinel
-        return None
+        return sentinel
 
     def exceeds(self, scalars: Mapping[str, float], host: HostDivergence, *, prefix: str = "") -> str | None:
         """Why this step exceeds the guard rail, or ``None``; an untrusted step always exceeds.
@@ -153,9 +144,8 @@ class GuardRail:
             side = "sharper" if z > 0 else "flatter" if z < 0 else "unknown"
             return (
                 f"{prefix}sampling_z = {z:.3g} ({held:.3g} without its most extreme token) exceeded max_sampling_z = "
-                f"{self.max_sampling_z:g}: the tokens were "
-                f"drawn {side} than the trainer's distribution (effective temperature "
-                f"{scalars.get('sampling_temperature', float('nan')):.3g})"
+                f"{self.max_sampling_z:g}: the tokens were drawn {side} than the trainer's distribution (effective "
+                f"temperature {scalars.get('sampling_temperature', math.nan):.3g})"
             )
         return None
 

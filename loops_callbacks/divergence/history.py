@@ -44,7 +44,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
-    CALIBRATION_SPREAD, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_bound, noise_shaped,
+    CALIBRATION_SPREAD, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_shaped,
 )
 
 
@@ -131,10 +131,8 @@ class RunHistory:
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Continue the run ``saved`` describes; what an older checkpoint lacks keeps its value."""
-        for name in _RUN_FIELDS:
-            if name in saved:
-                value = saved[name]
-                setattr(self, name, _diagnosis(value) if name == "last_diagnosis" else value)
+        for name in saved.keys() & set(_RUN_FIELDS):
+            setattr(self, name, _diagnosis(saved[name]) if name == "last_diagnosis" else saved[name])
 
     def lines(self, prefix: str) -> list[str]:
         """The summary as plain text lines, the guard rail's verdict last; ``prefix``: the metrics' key prefix."""
@@ -193,12 +191,12 @@ class Calibration:
 
     Examples:
         >>> calibration = Calibration(calibration_steps=2)
-        >>> calibration.noise_bound  # the prior, until calibrated
-        0.001
+        >>> calibration.noise_floor is None  # the prior bound holds until calibrated
+        True
         >>> for gap in (2e-5, 3e-5):
         ...     calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": gap})
-        >>> calibration.noise_bound
-        0.0005
+        >>> calibration.noise_floor
+        2.5e-05
     """
 
     calibration_steps: int = 5
@@ -214,11 +212,6 @@ class Calibration:
     def noise_floor(self) -> float | None:
         """The median relative gap of the healthy steps; ``None`` until calibrated."""
         return statistics.median(self.healthy_gaps) if self.calibrated else None
-
-    @property
-    def noise_bound(self) -> float:
-        """The largest relative gap taken as rounding noise: ``NOISE_FACTOR`` x the floor, the prior before."""
-        return noise_bound(self.noise_floor)
 
     def observe(self, diagnosis: Diagnosis, signatures: Mapping[str, float]) -> None:
         """Learn from a step: its relative gap joins the trend; a healthy one sets the floor.

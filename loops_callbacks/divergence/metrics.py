@@ -29,8 +29,8 @@ s = sampler logprob, each key (after the prefix, default ``optim/train-sample-di
 ``n_skipped_nonfinite``         masked-in positions dropped for a None/NaN/inf logprob
 ==============================  ====================================================================
 
-The first 15 are the Loops SDK's keys and formulas (``SDK_METRICS``); the rest are this package's
-(``EXTRA_METRICS``). With no action tokens only ``n_action_tokens`` (0.0) and the two counts are
+The first 15 are the Loops SDK's keys and formulas; the rest are this package's (all in
+``SCALAR_METRICS``, in this order). With no action tokens only ``n_action_tokens`` (0.0) and the two counts are
 returned.
 
 With the trainer's entropy H and varentropy V at each position (``training_entropy`` and
@@ -71,20 +71,15 @@ from loops_callbacks.divergence.sums import IS_RATIO_CLAMP
 
 DEFAULT_PREFIX = "optim/train-sample-div/"
 
-SDK_METRICS = (
+SCALAR_METRICS = (
+    # the Loops SDK's keys, in its order
     "kl_sample_train_v1_loops", "kl_sample_train_v2_loops", "kl_sample_train_k3", "is_ratio_mean", "ess_fraction",
     "diff_mean", "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max", "frac_abs_gt_1", "frac_abs_gt_2",
     "frac_abs_gt_4", "entropy", "n_action_tokens",
-)
-"""The scalar keys of the Loops SDK, in its order."""
-
-EXTRA_METRICS = (
+    # the keys this package adds beside them
     "is_ratio_max", "is_ratio_min", "chi2_token", "seq_log_ratio_mean", "seq_is_ratio_mean", "seq_is_ratio_max",
     "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
 )
-"""Scalar keys this package adds beside the SDK's."""
-
-SCALAR_METRICS = SDK_METRICS + EXTRA_METRICS
 """Every scalar key (after the prefix) a step with action tokens logs."""
 
 SAMPLING_METRICS = (
@@ -94,7 +89,6 @@ SAMPLING_METRICS = (
 
 STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
 """The scalars logged per stratum with tokens: ``stratum/<name>/<metric>``."""
-_PERCENTILES = (50, 90, 99)
 
 
 def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
@@ -106,7 +100,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
     counts = {"n_sequences": t["n_datums"], "n_skipped_nonfinite": t["n_skipped_nonfinite"]}
     if n == 0:
         return {prefix + "n_action_tokens": 0.0, **{prefix + k: v for k, v in counts.items()}}
-    abs_percentiles = abs_percentiles_linear(host.diffs, _PERCENTILES)
+    abs_percentiles = abs_percentiles_linear(host.diffs, (50, 90, 99))
     ess_denominator = n * t["sum_is_ratio2"]
     with_actions = t["n_datums_with_actions"]
     values = {
@@ -116,9 +110,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "is_ratio_mean": is_ratio_mean(t),
         "ess_fraction": t["sum_is_ratio"] ** 2 / ess_denominator if ess_denominator != 0 else 0.0,
         "diff_mean": t["sum_d"] / n,
-        "diff_abs_p50": float(abs_percentiles[0]),
-        "diff_abs_p90": float(abs_percentiles[1]),
-        "diff_abs_p99": float(abs_percentiles[2]),
+        **dict(zip(("diff_abs_p50", "diff_abs_p90", "diff_abs_p99"), abs_percentiles)),
         "diff_abs_max": max(e["max_d"], e["neg_min_d"]),
         "frac_abs_gt_1": t["n_abs_gt_1"] / n,
         "frac_abs_gt_2": t["n_abs_gt_2"] / n,

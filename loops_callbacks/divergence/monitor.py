@@ -31,7 +31,6 @@ from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import step_warnings
 from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
-from loops_callbacks.divergence.flat_batch import FlatBatch
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
     Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
@@ -182,7 +181,6 @@ class KLSampleTrainMonitor(Callback):
         self.history = RunHistory(self.guard_rail.kl_metric, self.guard_rail.max_kl, self.guard_rail.max_sampling_z)
         self.calibration = Calibration(self.calibration_steps)
         self._step_stats: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
-        self._last_flat: FlatBatch | None = None
         self._logged_keys: set[str] = set()  # the keys put in callback_metrics last
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -210,19 +208,16 @@ class KLSampleTrainMonitor(Callback):
         if not logged:
             return
         facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # this rank's engine's own account
+        generator = self._generator(flat.device, trainer.global_rank)
         stats = DivergenceStats.from_batch(
-            flat, top_n=self.media.rows, sample_size=self.sample_size,
-            generator=self._generator(flat.device, trainer.global_rank), diagnose=self.diagnose,
-            max_groups=self.media.strata_groups, corrections=self.corrections,
-            rank=trainer.global_rank,
+            flat, top_n=self.media.rows, sample_size=self.sample_size, generator=generator, diagnose=self.diagnose,
+            max_groups=self.media.strata_groups, corrections=self.corrections, rank=trainer.global_rank,
         )
         self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)
-        self._last_flat = flat
         if self.interval == "optimizer_step" and accumulating(trainer):
             return
         step_stats, self._step_stats = self._step_stats, None
         if trainer.world_size > 1:
-            generator = self._generator(flat.device, trainer.global_rank)
             step_stats = reduce_across_ranks(step_stats, trainer.strategy, generator=generator)
         host = step_stats.to_host()  # the one host synchronization of a logged step
         report = step_report(
@@ -240,10 +235,9 @@ class KLSampleTrainMonitor(Callback):
             self.calibration.observe(report.diagnosis, report.signatures)
         if self.history.fit_logged_steps == step_warnings.WATCHING_NOTHING_AFTER and not self.history.judged_steps:
             step_warnings.watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
-        step_warnings.about_step(self.warnings, self.keys, report, host, self._last_flat, step,
+        step_warnings.about_step(self.warnings, self.keys, report, host, flat, step,
                                  max_groups=self.media.max_groups, max_sampling_z=self.guard_rail.max_sampling_z)
         self._act(trainer, report, step)
-        self._last_flat = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -340,8 +334,7 @@ class KLSampleTrainMonitor(Callback):
         """The guard rail's patience and action on the report's judgement: warn, stop or raise."""
         if report.exceeds is None:
             if report.untrusted is not None:  # no bound set: say it, act on nothing
-                self.warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: "
-                                   f"{report.untrusted}")
+                self.warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
@@ -369,13 +362,12 @@ def _advice(report: StepReport) -> str:
     cause = report.diagnosis
     if cause is None and report.problems:  # diagnose=False: the inputs are still what the message names
         cause = Diagnosis.impossible_inputs(report.problems.values())
-    if cause is not None and cause.cause == IMPOSSIBLE_INPUTS:
+    if cause is None or cause.cause in ("unclear", "none"):
+        return (
+            "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+            "precision and sampling settings."
+        )
+    if cause.cause == IMPOSSIBLE_INPUTS:
         return f"{cause.message}."  # a fact about the inputs, not a hint
-    if cause is not None and cause.is_observation:
-        return f"{cause.message} (observed)."  # seen directly, not inferred: no confidence to weigh
-    if cause is not None and cause.cause not in ("unclear", "none"):
-        return f"{cause.message} (a hint, confidence {cause.confidence:.2f})."
-    return (
-        "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
-        "precision and sampling settings."
-    )
+    # seen directly, not inferred: no confidence to weigh
+    return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."

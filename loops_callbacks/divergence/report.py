@@ -130,16 +130,15 @@ def step_report(
     noise_floor: float | None = None,
     evidence: DirectEvidence | None = None,
     facts: SamplerFacts | None = None,
-    by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
     ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
     as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
-    seen of the trainer), ``facts`` (what the sampling engine says), ``by_lag`` (``host.by_lag`` when
-    ``None``) and ``trend`` (the relative gaps of the run's previous logged steps, oldest first);
-    ``tokenizer`` shows the worst tokens as text.
+    seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
+    (the relative gaps of the run's previous logged steps, oldest first); ``tokenizer`` shows the worst tokens
+    as text.
     """
     scalars = scalar_metrics(host, prefix="")
     problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
@@ -147,15 +146,14 @@ def step_report(
     if diagnose and n > 0:
         signatures = signature_numbers(host)
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
-            signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts,
-            by_lag=by_lag if by_lag is not None else host.by_lag, trend=trend,
+            signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
+            trend=trend,
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
     strata = host.strata if host.strata is not None and n > 0 else {}
     breakdown |= stratum_scalars(strata) | shadow_scalars(host.totals, host.extrema, corrections)
-    histogram = None
-    if n and media.log_histogram and host.diffs.size:
-        histogram = histogram_values(host.diffs, media.max_histogram_tokens)
+    logs_histogram = n and media.log_histogram and host.diffs.size
+    histogram = histogram_values(host.diffs, media.max_histogram_tokens) if logs_histogram else None
     return StepReport(
         scalars, diagnosis, breakdown, signatures, histogram,
         worst_rows=worst_token_rows(host.worst, tokenizer) if n and media.log_worst_tokens else None,
@@ -257,8 +255,7 @@ def token_text(token: int, tokenizer: Tokenizer | None) -> str:
         >>> token_text(49947, None), token_text(-1, None)
         ('49947', '<end>')
     """
-    text = None if token == NO_TOKEN else _decoded([token], tokenizer)
-    return END if token == NO_TOKEN else text if text is not None else str(token)
+    return END if token == NO_TOKEN else _decoded([token], tokenizer)
 
 
 def _ids(values: np.ndarray) -> list[int]:
@@ -266,17 +263,17 @@ def _ids(values: np.ndarray) -> list[int]:
 
 
 def _text(ids: list[int], tokenizer: Tokenizer | None) -> str:
-    text = _decoded(ids, tokenizer) if ids else ""
-    return escape(text if text is not None else " ".join(map(str, ids)))
+    return escape(_decoded(ids, tokenizer)) if ids else ""
 
 
-def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str | None:
-    if tokenizer is None:
-        return None
-    try:
-        return str(tokenizer.decode(ids))
-    except Exception:  # a tokenizer that cannot decode these ids: the ids, as without one
-        return None
+def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str:
+    """``tokenizer.decode(ids)``; the ids, space-separated, without a tokenizer or one that cannot decode them."""
+    if tokenizer is not None:
+        try:
+            return str(tokenizer.decode(ids))
+        except Exception:  # a tokenizer that cannot decode these ids: the ids, as without one
+            pass
+    return " ".join(map(str, ids))
 
 
 def escape(text: str) -> str:

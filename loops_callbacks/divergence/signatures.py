@@ -46,7 +46,7 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``sampling_*``          the check of what was sampled (``metrics.sampling_metrics``), with the trainer's entropies
 ======================  ============================================================================
 
-The last five need the step's ``alignment.offset_sums`` (``offsets=``, or ``host.offset_sums``);
+The last five need the step's ``alignment.offset_sums`` (``host.offset_sums``);
 they are NaN without them.
 
 ``is_ratio_mean`` and ``kl_sample_train_k3`` are the scalar metrics of those names (one formula,
@@ -82,25 +82,18 @@ SIGNATURES = (
     "context_fade_z", "offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share",
 )
 
-_NAN = float("nan")
 CONTEXT_MIN_TOKENS = 64
 """Fewest compared tokens (the buckets' weights together) for a ``context_fade``."""
 CONTEXT_BUCKET_MIN_TOKENS = 16
 """Fewest first and later action tokens (each) for a sampler-probability bucket to count in it."""
 
 
-def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -> dict[str, float]:
-    """The numbers of the module docstring (all NaN without action tokens).
-
-    ``offsets`` is the step's host ``alignment.offset_sums`` vector; ``None`` reads
-    ``host.offset_sums`` when the statistics carry it.
-    """
-    if offsets is None:
-        offsets = getattr(host, "offset_sums", None)
+def signature_numbers(host: HostDivergence) -> dict[str, float]:
+    """The numbers of the module docstring (all NaN without action tokens)."""
     t = host.totals
     n = t["n_action_tokens"]
     if n == 0:
-        return dict.fromkeys(SIGNATURES, _NAN)
+        return dict.fromkeys(SIGNATURES, math.nan)
     mean_is_ratio = is_ratio_mean(t)
     var_s = t["sum_sampler2"] / n - (t["sum_sampler"] / n) ** 2
     var_t = t["sum_trainer2"] / n - (t["sum_trainer"] / n) ** 2
@@ -111,50 +104,43 @@ def signature_numbers(host: HostDivergence, offsets: np.ndarray | None = None) -
     sharper = min(high_neg, low_pos)  # T < 1: the sampler over-weights likely tokens
     flatter = min(high_pos, low_neg)
     pairs = t["n_pairs"]
-    aligned = t["sum_abs_d_pairs"] / (2 * pairs) if pairs else _NAN
-    after, before = (t["sum_abs_shift_next"] / pairs, t["sum_abs_shift_prev"] / pairs) if pairs else (_NAN, _NAN)
+    aligned = t["sum_abs_d_pairs"] / (2 * pairs) if pairs else math.nan
+    after, before = (t["sum_abs_shift_next"] / pairs, t["sum_abs_shift_prev"] / pairs) if pairs else (math.nan, math.nan)
     mean_d2 = t["sum_d2"] / n
     d2_se = math.sqrt(max(t["sum_d4"] / n - mean_d2**2, 0.0) / n)
-    slope = cov / var_s if var_s > 0 else _NAN
-    mean_abs_low = _share(t["sum_abs_d_p_low"], low)
-    mean_abs_high = _share(t["sum_abs_d_p_high"], high)
+    slope = cov / var_s if var_s > 0 else math.nan
     return {
         "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
         "frac_d_pos": t["n_d_pos"] / n,
         "both_16_bit_share": t["n_both_16_bit"] / n,
         "is_ratio_mean": mean_is_ratio,
         "is_ratio_se": math.sqrt(max(t["sum_is_ratio2"] / n - mean_is_ratio**2, 0.0) / n),
-        "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else _NAN,
+        "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else math.nan,
         "temperature": slope,
-        "temperature_se": math.sqrt(max(var_t - slope * cov, 0.0) / (n * var_s)) if var_s > 0 else _NAN,
+        "temperature_se": math.sqrt(max(var_t - slope * cov, 0.0) / (n * var_s)) if var_s > 0 else math.nan,
         "relative_gap": mean_d2 / var_s if var_s > 0 else (0.0 if mean_d2 == 0 else math.inf),
-        "relative_gap_se": d2_se / var_s if var_s > 0 else _NAN,
-        "sign_split": max(sharper, flatter) if high and low else _NAN,
+        "relative_gap_se": d2_se / var_s if var_s > 0 else math.nan,
+        "sign_split": max(sharper, flatter) if high and low else math.nan,
         "temperature_sign": -1.0 if sharper >= flatter else 1.0,
         "shift_ratio": _ratio(min(after, before), aligned),
         "shift_direction": 1.0 if after <= before else -1.0,
         "token_eta2": token_eta2(host.token_sums),
-        "low_high_abs_ratio": _ratio(mean_abs_low, mean_abs_high),
+        "low_high_abs_ratio": _ratio(_share(t["sum_abs_d_p_low"], low), _share(t["sum_abs_d_p_high"], high)),
         "rms_d": math.sqrt(mean_d2),
         "kl_sample_train_k3": kl_sample_train_k3(t),
-        "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else _NAN,
+        "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else math.nan,
         **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),
-        **_offset_numbers(offsets),
+        **_offset_numbers(host.offset_sums),
         **sampling_metrics(t, host.extrema),  # the check of what was sampled, when the trainer's entropies were given
     }
 
 
 def _offset_numbers(offsets: np.ndarray | None) -> dict[str, float]:
     if offsets is None:
-        return dict.fromkeys(SIGNATURES[SIGNATURES.index("offset") :], _NAN)
+        return dict.fromkeys(SIGNATURES[SIGNATURES.index("offset") :], math.nan)
     found = read_offsets(offsets)
-    return {
-        "offset": found.offset,
-        "offset_share": found.share,
-        "offset_ratio": found.ratio,
-        "left_aligned_ratio": found.left_ratio,
-        "left_aligned_share": found.left_share,
-    }
+    return {"offset": found.offset, "offset_share": found.share, "offset_ratio": found.ratio,
+            "left_aligned_ratio": found.left_ratio, "left_aligned_share": found.left_share}
 
 
 def token_eta2(token_sums: np.ndarray | None) -> float:
@@ -170,15 +156,15 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
         1.0
     """
     if token_sums is None:
-        return _NAN
+        return math.nan
     count, total, squares = token_sums
     used = count > 0
     groups, n = int(used.sum()), float(count.sum())
     if groups < 2 or n <= groups:
-        return _NAN
+        return math.nan
     ss_total = float(squares.sum()) - float(total.sum()) ** 2 / n
     if not ss_total > 0:
-        return _NAN
+        return math.nan
     ss_within = max(float(squares.sum()) - float((total[used] ** 2 / count[used]).sum()), 0.0)
     return 1.0 - (ss_within / (n - groups)) / (ss_total / (n - 1))
 
@@ -205,19 +191,19 @@ def _context_fade(totals: dict[str, float]) -> tuple[float, float]:
         weight += share
         variance += share**2 * (first_var / (first * first_mean**2) + later_var / (later * later_mean**2))
     if weight < CONTEXT_MIN_TOKENS:
-        return _NAN, _NAN
+        return math.nan, math.nan
     log_fade = weighted_logs / weight
     spread = math.sqrt(variance) / weight
     return math.exp(log_fade), (log_fade / spread if spread > 0 else math.copysign(math.inf, log_fade))
 
 
 def _share(part: float, whole: float) -> float:
-    return part / whole if whole else _NAN
+    return part / whole if whole else math.nan
 
 
 def _ratio(top: float, bottom: float) -> float:
     if math.isnan(top) or math.isnan(bottom):
-        return _NAN
+        return math.nan
     if bottom == 0:
         return 0.0 if top == 0 else math.inf
     return top / bottom

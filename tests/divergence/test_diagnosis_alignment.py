@@ -31,8 +31,7 @@ def diagnosed(batch: dict[str, torch.Tensor], *, with_offsets: bool = True) -> t
     host = host_of(batch)
     if not with_offsets:  # the statistics without the votes
         host = dataclasses.replace(host, arrays={k: v for k, v in host.arrays.items() if k != "offset_sums"})
-    offsets = offset_sums(flatten_padded(**batch)).numpy() if with_offsets else None
-    sig = signature_numbers(host, offsets)
+    sig = signature_numbers(host)
     return diagnose(sig, n_tokens=host.totals["n_action_tokens"]), sig
 
 

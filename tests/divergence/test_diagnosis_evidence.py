@@ -117,7 +117,7 @@ def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None
     options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnose=True)
     host = host_of(case("stale"))
     assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
-    report = step_report(host, **options, evidence=evidence, by_lag=None)
+    report = step_report(host, **options, evidence=evidence)
     assert report.diagnosis.cause == DROPOUT and report.breakdown["diagnosis/dropout"] == 1.0
     history = RunHistory("kl_sample_train_k3", None)
     history.observe(3, report.scalars, report.diagnosis)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -125,17 +126,21 @@ def test_calibration_keeps_the_recent_relative_gaps_for_the_trend() -> None:
     assert calibration.recent_gaps == [0.0, 0.01, 0.02]
 
 
-def test_per_lag_numbers_and_offsets_merge_through_the_report_defaults() -> None:
-    """step_report reads host.by_lag when nothing is passed, and the per-lag numbers when they are."""
+def test_the_report_reads_the_per_lag_numbers_of_the_host() -> None:
+    """step_report diagnoses with host.by_lag: none without policy versions, the lag strata with them."""
     from loops_callbacks.divergence.guard_rail import GuardRail
     from loops_callbacks.divergence.report import MediaOptions, step_report
+    from loops_callbacks.divergence.states import LAG_STRATA
+    from loops_callbacks.divergence.statistics import StratumSums
 
     batch = case("unrelated")
     host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
     options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnose=True)
-    by_lag = {"0": Lag(400, 0.02), "1": Lag(300, 0.3)}
+    lags = dict.fromkeys(LAG_STRATA, StratumSums(0.0, 0.0, 0.0, 0.0))
+    lagged = dataclasses.replace(host, strata=lags | {"lag_0": StratumSums(400, 0, 400 * 0.02, 400),
+                                                      "lag_1": StratumSums(300, 0, 300 * 0.3, 300)})
     assert step_report(host, **options).diagnosis.cause == "unrelated"
-    assert step_report(host, **options, by_lag=by_lag).diagnosis.cause == "stale"
+    assert step_report(lagged, **options).diagnosis.cause == "stale"
 
 
 def test_token_identity_at_the_level_of_rounding_noise_is_not_staleness() -> None:
