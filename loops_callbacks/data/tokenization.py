@@ -162,7 +162,7 @@ def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | No
 
     Args:
         source: anything ``read_preference_records`` reads (a file path, a list of records, a
-            ``datasets.Dataset``, ``load_dataset`` arguments).
+            ``datasets.Dataset``, ``load_dataset`` arguments), or the records it read.
         tokenizer: a Hugging Face tokenizer or its name/path; needed for text and chat records.
         max_length: longest sequence (prompt + completion) in tokens; keeps the start.
         max_prompt_length: longest prompt in tokens; keeps the end.
@@ -174,8 +174,9 @@ def preference_pairs(source: Any, tokenizer: Any = None, *, max_length: int | No
             bad limits, a missing tokenizer or chat template, or no pair left.
     """
     check_limits(max_length, max_prompt_length)
-    pairs, report = tokenize_records(read_preference_records(source), tokenizer, max_length=max_length,
-                                     max_prompt_length=max_prompt_length, progress=progress)
+    is_read = isinstance(source, list) and bool(source) and isinstance(source[0], LocatedRecord)
+    pairs, report = tokenize_records(source if is_read else read_preference_records(source), tokenizer,
+                                     max_length=max_length, max_prompt_length=max_prompt_length, progress=progress)
     return kept_pairs(pairs, report, warn=warn)
 
 

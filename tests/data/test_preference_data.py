@@ -402,3 +402,13 @@ def test_no_pair_is_kept_with_an_empty_completion() -> None:
     # an empty prompt whose two sequences start differently cannot share a first token: dropped, counted
     records = [{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}]
     assert preference_datums(records, progress=False)[1].num_pairs == 1
+
+
+def test_the_records_read_preference_records_read_are_tokenized_as_their_file_is(tmp_path: Path, tokenizer: Any
+                                                                                  ) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}\n'
+                    '{"prompt": "Grass is", "chosen": " green.", "rejected": " red."}\n')
+    from_records, _ = preference_datums(read_preference_records(str(path)), tokenizer, progress=False)
+    from_file, _ = preference_datums(str(path), tokenizer, progress=False)
+    assert [datum.model_input.to_ints() for datum in from_records] == [datum.model_input.to_ints() for datum in from_file]
