@@ -370,10 +370,12 @@ def test_cache_tool_is_a_subcommand_of_the_console_script(tmp_path: Path) -> Non
     """``loops-callbacks cache ...``: the command the messages and ``--help`` name."""
     script = shutil.which("loops-callbacks", path=os.path.dirname(sys.executable)) or shutil.which("loops-callbacks")
     assert script is not None, "the loops-callbacks console script is not installed"
-    run = subprocess.run([script, "cache", "list", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
-    bad = subprocess.run([script, "cache", "prune", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "nothing is removed by default" in bad.stderr
+    run, bad = (subprocess.Popen([script, "cache", command, str(tmp_path)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for command in ("list", "prune"))  # at once
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0 and "no reference-logprob caches" in out, err
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and "nothing is removed by default" in err
     assert CACHE_TOOL == "loops-callbacks cache"
 
 
