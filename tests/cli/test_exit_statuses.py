@@ -432,7 +432,7 @@ def command_runs(
     with the first test that reads one, two at a time, and go on through the tests that run ``main``
     in this process, so that both cores work.
     """
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
     with ThreadPoolExecutor(max_workers=2) as pool:
 
         def start(run: str) -> Future[Any]:
