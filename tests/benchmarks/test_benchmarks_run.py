@@ -1,9 +1,9 @@
 """Every benchmark still runs and prints whole output (a refactor once broke bench_diagnosis silently).
 
 Each script runs in a subprocess (``sys.executable``, one torch thread, W&B offline, temporary
-files in the test's folder) on settings that take seconds; a test checks that it works and that
-what it prints is whole (its tables' rows as wide as their headers, no number nan or inf), not its
-figures: the README's come from full runs. ``heldout_faults.py`` is a module, tested by
+files in its run's folder) on settings that take seconds, started ahead of its test (``conftest``);
+a test checks that it works and that what it prints is whole (its tables' rows as wide as their
+headers, no number nan or inf), not its figures: the README's come from full runs. ``heldout_faults.py`` is a module, tested by
 ``test_heldout_faults.py``.
 """
 
@@ -14,28 +14,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.conftest import BenchmarkRun
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
-
-
-def run_benchmark(tmp_path: Path, script: str, *args: str, check: Callable[[str], None] | None = None) -> str:
-    """``benchmarks/<script> *args`` in ``tmp_path``: its output, checked by ``check`` (default ``assert_whole``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    (check or assert_whole)(done.stdout)
-    return done.stdout
 
 
 def assert_whole(out: str) -> None:
@@ -58,8 +44,10 @@ def lines_starting(out: str, start: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(start)]
 
 
-def test_bench_callback_prints_the_hook_costs_and_what_each_part_costs(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_callback.py", "--steps", "51", "--repeats", "1", "--all-on")
+@pytest.mark.benchmark_run("bench_callback.py", "--steps", "51", "--repeats", "1", "--all-on")
+def test_bench_callback_prints_the_hook_costs_and_what_each_part_costs(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("cpu: 51 steps x 1 repeats"), out[:300]
     assert "whole runs: without monitor" in out
     for label in ("monitor (defaults)", "monitor + 3 corrections"):
@@ -69,18 +57,21 @@ def test_bench_callback_prints_the_hook_costs_and_what_each_part_costs(tmp_path:
         assert f"  {part} " in out, out
 
 
-def test_bench_correction_demo_prints_the_comparison(tmp_path: Path) -> None:
-    curves = tmp_path / "curves.csv"
-    settings = "--seeds 0 --steps 4 --eval-every 2 --lags 16 --corrections token_truncate:2.0 --out".split()
-    out = run_benchmark(tmp_path, "bench_correction_demo.py", *settings, str(curves))
+@pytest.mark.benchmark_run("bench_correction_demo.py", *"--seeds 0 --steps 4 --eval-every 2 --lags 16".split(),
+                            "--corrections", "token_truncate:2.0", "--out", "curves.csv")
+def test_bench_correction_demo_prints_the_comparison(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert "| sampler, loss | policy reward at step 2 | step 4 |" in out, out[-3000:]
     for variant in ("every step", "every 16 steps, Loops' ratio", "every 16 steps, token_truncate"):
         assert f"| synced {variant}" in out, out[-3000:]
-    assert curves.read_text().startswith("variant,seed,step,sampled_reward,policy_reward,k3")
+    assert (benchmark_run.folder / "curves.csv").read_text().startswith("variant,seed,step,sampled_reward,policy_reward,k3")
 
 
-def test_bench_corrections_prints_a_row_per_correction(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_corrections.py", "--datums", "4", "--length", "32", "--repeats", "1")
+@pytest.mark.benchmark_run("bench_corrections.py", "--datums", "4", "--length", "32", "--repeats", "1")
+def test_bench_corrections_prints_a_row_per_correction(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("CPU: "), out[:300]
     assert "| DivergenceStats.from_batch (monitor, logged step) |" in out
     for label in (
@@ -92,17 +83,20 @@ def test_bench_corrections_prints_a_row_per_correction(tmp_path: Path) -> None:
         assert label in out, out
 
 
-def test_bench_demo_times_a_shipped_config(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_demo.py", "--configs", "rl_tiny", "--max-steps", "2", "--skip-startup")
+@pytest.mark.benchmark_run("bench_demo.py", "--configs", "rl_tiny", "--max-steps", "2", "--skip-startup")
+def test_bench_demo_times_a_shipped_config(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("CPU: ") and "bf16/float32 matmul time" in out, out[:300]
     (row,) = lines_starting(out, "| rl_tiny | ")
     assert row.split(" | ")[5] == "2", row  # the steps the clock counted
-    assert not list(tmp_path.glob("bench_demo_*"))  # each run's directory is removed
+    assert not list(benchmark_run.folder.glob("bench_demo_*"))  # each run's directory is removed
 
 
-def test_bench_diagnosis_tables_prints_the_tuning_and_every_held_out_table(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    out = run_benchmark(tmp_path, "bench_diagnosis.py", "--tables", "--quick", "--cache-dir", str(cache))
+@pytest.mark.benchmark_run("bench_diagnosis.py", "--tables", "--quick", "--cache-dir", "cache")
+def test_bench_diagnosis_tables_prints_the_tuning_and_every_held_out_table(benchmark_run: BenchmarkRun) -> None:
+    out, cache = benchmark_run.out, benchmark_run.folder / "cache"
+    assert_whole(out)
     assert out.startswith("CPU: "), out[:300]
     tuning, seen, seen_after, held_out = out.split("\nHeld-out set ")
     assert seen.startswith("1, seen (rules were designed looking at it)"), seen[:300]
@@ -123,12 +117,11 @@ def test_bench_diagnosis_tables_prints_the_tuning_and_every_held_out_table(tmp_p
     assert [p.suffix for p in cache.iterdir()] == [".pt"] * 6  # one file per set and variant, in the given folder
 
 
-def test_bench_distributed_checks_both_schemes_and_prints_the_model(tmp_path: Path) -> None:
-    def whole_but_the_fit(out: str) -> None:  # fitted to one world's two points, the bandwidth may be infinite
-        assert_whole(re.sub(r"\nModel fitted to these runs.*?\n\n", "\n", out, flags=re.DOTALL))
-
-    settings = "--worlds 2 --repeats 1 --model-worlds 2 --model-repeats 1".split()
-    out = run_benchmark(tmp_path, "bench_distributed.py", *settings, check=whole_but_the_fit)
+@pytest.mark.benchmark_run("bench_distributed.py", *"--worlds 2 --repeats 1 --model-worlds 2 --model-repeats 1".split())
+def test_bench_distributed_checks_both_schemes_and_prints_the_model(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    # whole but the fit: fitted to one world's two points, the bandwidth may be infinite
+    assert_whole(re.sub(r"\nModel fitted to these runs.*?\n\n", "\n", out, flags=re.DOTALL))
     for scheme in ("current", "new"):
         assert lines_starting(out, f"| 2 | {scheme} | "), out  # part 1, gloo processes
         assert lines_starting(out, f"| 2 | 16M | {scheme} | "), out  # part 2, the cost model
@@ -137,23 +130,29 @@ def test_bench_distributed_checks_both_schemes_and_prints_the_model(tmp_path: Pa
     assert re.search(bound, out, re.MULTILINE), out
 
 
-def test_bench_dpo_setup_memory_prints_a_row_per_size(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_dpo_setup_memory.py", "--pairs", "16", "--length", "16")
+@pytest.mark.benchmark_run("bench_dpo_setup_memory.py", "--pairs", "16", "--length", "16")
+def test_bench_dpo_setup_memory_prints_a_row_per_size(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     rows = [line.split() for line in out.splitlines()[2:]]
     assert [row[:2] for row in rows] == [["16", "496"]], out
     assert all(re.fullmatch(r"[0-9a-f]{16}", row[4]) for row in rows), out
 
 
-def test_bench_memory_prints_the_copies_per_token(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_memory.py", "--tokens", "20480")
+@pytest.mark.benchmark_run("bench_memory.py", "--tokens", "20480")
+def test_bench_memory_prints_the_copies_per_token(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert re.search(
         r"^ +20,480 tokens: peak \+\d+ MiB = \d+\.\d\d float64 copies per token \(target <= 6\)$", out, re.MULTILINE
     ), out
     assert lines_starting(out, "worst ratio "), out
 
 
-def test_bench_rank_checks_prints_each_check_on_two_ranks(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_rank_checks.py", "--repeats", "1")
+@pytest.mark.benchmark_run("bench_rank_checks.py", "--repeats", "1")
+def test_bench_rank_checks_prints_each_check_on_two_ranks(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("median of 1 runs, milliseconds (2 gloo ranks, torch threads 1)"), out[:300]
     for name in (
         "demo 1,024 pairs: dpo_data() on 2 ranks",
@@ -163,8 +162,10 @@ def test_bench_rank_checks_prints_each_check_on_two_ranks(tmp_path: Path) -> Non
         assert re.search(rf"^  {re.escape(name)}.* \d+\.\d \| +\d+\.\d +\d+\.\d$", out, re.MULTILINE), out
 
 
-def test_bench_reference_prints_the_remote_and_local_rows(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_reference.py", "--quick", "--delay", "0.001", "--budgets", "1024")
+@pytest.mark.benchmark_run("bench_reference.py", "--quick", "--delay", "0.001", "--budgets", "1024")
+def test_bench_reference_prints_the_remote_and_local_rows(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     for row in (
         "remote async client, 64 x 1 ms",
         "remote futures client, 64 x 1 ms",
@@ -175,8 +176,10 @@ def test_bench_reference_prints_the_remote_and_local_rows(tmp_path: Path) -> Non
     assert "results identical" in out and json.loads(out.splitlines()[-1])["total_s"] > 0
 
 
-def test_bench_reference_cache_prints_both_loads(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_reference_cache.py", "--tokens", "10000", "--tokens-per-datum", "100")
+@pytest.mark.benchmark_run("bench_reference_cache.py", "--tokens", "10000", "--tokens-per-datum", "100")
+def test_bench_reference_cache_prints_both_loads(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("cache: 100 datums, 10,000 tokens"), out
     for method in ("read ", "mmap "):
         assert re.search(rf"^{method}.* s  RssAnon \+ *-?\d+\.\d MiB  RssFile \+ *-?\d+\.\d MiB", out, re.MULTILINE), (
@@ -184,24 +187,30 @@ def test_bench_reference_cache_prints_both_loads(tmp_path: Path) -> None:
         )
 
 
-def test_bench_rl_metrics_prints_every_timing_and_the_memory(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_rl_metrics.py", "--datums", "20", "--length", "50", "--repeats", "1")
+@pytest.mark.benchmark_run("bench_rl_metrics.py", "--datums", "20", "--length", "50", "--repeats", "1")
+def test_bench_rl_metrics_prints_every_timing_and_the_memory(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert out.startswith("20 datums x 50 positions = 1,000 positions"), out[:300]
     for row in ("  tensor rows ", "  padded [B, T] ", "  list TensorData "):
         assert lines_starting(out, row), out
     assert re.search(r"^  tensor +\d+\.\d\n  list +\d+\.\d$", out, re.MULTILINE), out
 
 
-def test_bench_token_logprobs_finds_every_path_the_same(tmp_path: Path) -> None:
-    out = run_benchmark(tmp_path, "bench_token_logprobs.py", "--shape", "2", "8", "64", "--repeats", "1")
+@pytest.mark.benchmark_run("bench_token_logprobs.py", "--shape", "2", "8", "64", "--repeats", "1")
+def test_bench_token_logprobs_finds_every_path_the_same(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     rows = out.splitlines()[1:]
     assert len(rows) == 6 and all(row.endswith("same=True") for row in rows), out
 
 
-def test_bench_tokenization_memory_prints_both_paths(tmp_path: Path) -> None:
-    out = run_benchmark(
-        tmp_path, "bench_tokenization_memory.py", "--formats", "standard", "--window-mb", "0.01", "--whole-mb", "0.01"
-    )
+@pytest.mark.benchmark_run(
+    "bench_tokenization_memory.py", "--formats", "standard", "--window-mb", "0.01", "--whole-mb", "0.01"
+)
+def test_bench_tokenization_memory_prints_both_paths(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert [line.split()[:3] for line in out.splitlines()[2:]] == [
         ["standard", "whole", "0.0"],
         ["standard", "window", "0.0"],
@@ -209,20 +218,20 @@ def test_bench_tokenization_memory_prints_both_paths(tmp_path: Path) -> None:
     assert out.splitlines()[-1].endswith("True"), out  # the window's ids are the whole text's
 
 
-def test_demo_learning_prints_rl_dpo_and_the_variants(tmp_path: Path) -> None:
-    out = run_benchmark(
-        tmp_path, "demo_learning.py", "--rl-steps", "2", "--dpo-steps", "2", "--dpo-pairs", "32", "--variants"
-    )
+@pytest.mark.benchmark_run("demo_learning.py", "--rl-steps", "2", "--dpo-steps", "2", "--dpo-pairs", "32", "--variants")
+def test_demo_learning_prints_rl_dpo_and_the_variants(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     assert lines_starting(out, "RL   2 steps: reward ") and lines_starting(out, "DPO  2 steps (beta=0.1, 32 pairs)"), (
         out
     )
     assert len(lines_starting(out, "RL   ")) == 4, out
 
 
-def test_tune_diagnosis_prints_each_variant(tmp_path: Path) -> None:
-    out = run_benchmark(
-        tmp_path, "tune_diagnosis.py", "--base-steps", "2", "--steps", "2", "--skip", "0", "--seeds", "0"
-    )
+@pytest.mark.benchmark_run("tune_diagnosis.py", "--base-steps", "2", "--steps", "2", "--skip", "0", "--seeds", "0")
+def test_tune_diagnosis_prints_each_variant(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
     for variant in ("every rule", "trend, no token identity", "token identity, no trend"):
         assert lines_starting(out, f"{variant}: right when a cause is named "), out
 

@@ -4,7 +4,8 @@ errors and a ``--help`` that lists the shipped configs.
 
 What only a process of its own shows runs through the console script, once each: the terminal's order of
 W&B's output and the summary (one guard-rail stop, checked for everything it shows), two runs at once,
-Ctrl-C, a killed DDP rank. The rest runs ``main`` in this process.
+Ctrl-C, a killed DDP rank. Those runs start ahead of their tests, two at a time (``command_runs``);
+the rest runs ``main`` in this process meanwhile.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +88,20 @@ def files_under(directory: Path) -> list[Path]:
     return sorted(path for path in directory.rglob("*") if path.is_file())
 
 
-def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the_root_dir(tmp_path: Path) -> None:
-    here, root = tmp_path / "here", tmp_path / "elsewhere" / "run"
+def guard_rail_stop(folder: Path) -> tuple[int, str]:
+    """The stale-sampler config run in ``folder/here``, its logs under ``folder/elsewhere/run``."""
+    here, root = folder / "here", folder / "elsewhere" / "run"
     here.mkdir()
-    status, output = run_command(
+    return run_command(
         "fit", "--config", str(CONFIGS / "rl_stale_sampler.yaml"), "--trainer.default_root_dir", str(root), cwd=here
     )
+
+
+def test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the_root_dir(
+    command_runs: dict[str, Future[Any]]
+) -> None:
+    folder, (status, output) = command_runs["guard_rail_stop"].result()
+    here, root = folder / "here", folder / "elsewhere" / "run"
     assert status == EXIT_GUARD_RAIL_STOPPED, output[-3000:]
     # the summary comes after W&B's shutdown output, the guard rail's verdict last
     assert "wandb: Find logs at" in output, output[-3000:]
@@ -160,22 +171,30 @@ def test_a_dpo_run_exits_0_with_its_summary_and_a_rerun_loads_the_reference_from
     assert "loaded from the cache runs/dpo_tiny/reference_logprobs" in reference and "nothing scored" in reference
 
 
-def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config_and_exit_0(tmp_path: Path) -> None:
-    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared); one
-    is started as ``loops-callbacks``, the other as ``python -m loops_callbacks``."""
+def two_runs_at_once(folder: Path) -> list[tuple[int, str, str]]:
+    """Two 1-step runs of rl_tiny in ``folder``, started together: each one's (status, stdout, stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     arguments = ["fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.max_steps", "1",
                  "--trainer.enable_progress_bar", "false", "--model.init_args.lr"]
     runs = [
-        subprocess.Popen([*command, *arguments, lr], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        subprocess.Popen([*command, *arguments, lr], cwd=folder, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for command, lr in (([console_script()], "0.001"), ([sys.executable, "-m", "loops_callbacks"], "0.002"))
     ]
-    for run in runs:
-        output, errors = run.communicate(timeout=TIMEOUT_S)
-        assert run.returncode == EXIT_OK, errors[-3000:]
+    outputs = [run.communicate(timeout=TIMEOUT_S) for run in runs]
+    return [(run.returncode, output, errors) for run, (output, errors) in zip(runs, outputs)]
+
+
+def test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config_and_exit_0(
+    command_runs: dict[str, Future[Any]]
+) -> None:
+    """Each run's config.yaml goes in its own log version (a W&B-first run's Lightning log_dir is shared); one
+    is started as ``loops-callbacks``, the other as ``python -m loops_callbacks``."""
+    folder, runs = command_runs["two_runs_at_once"].result()
+    for status, output, errors in runs:
+        assert status == EXIT_OK, errors[-3000:]
         assert "no exceedance" in last_lines(output, 1)[0], output[-2000:]
-    root = tmp_path / "runs" / "rl_tiny"
+    root = folder / "runs" / "rl_tiny"
     saved = sorted(root.rglob("config.yaml"))
     assert [path.relative_to(root).parent.as_posix() for path in saved] == ["csv/version_0", "csv/version_1"], saved
     assert sorted(yaml.safe_load(path.read_text())["model"]["init_args"]["lr"] for path in saved) == [0.001, 0.002]
@@ -304,13 +323,14 @@ def test_a_shipped_rl_run_resumes_through_the_command(
     assert last_lines(capsys.readouterr().out, 1)[0].startswith("Guard rail: no exceedance")
 
 
-def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:
+def ctrl_c(folder: Path) -> tuple[int, str]:
+    """A long run of rl_tiny in ``folder``, sent SIGINT 2 s into its steps: its status and output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [console_script(), "fit", "--config", str(CONFIGS / "rl_tiny.yaml"), "--trainer.logger", "false",
-         "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(folder / "run"), "--trainer.enable_progress_bar", "false",
          "--trainer.max_steps", "5000"],  # minutes of training: a loaded machine cannot finish it before the signal
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         assert process.stdout is not None
@@ -324,8 +344,12 @@ def test_ctrl_c_prints_the_summary_so_far_and_exits_130(tmp_path: Path) -> None:
         rest, _ = process.communicate(timeout=TIMEOUT_S)
     finally:
         process.kill()
-    output = "".join(seen) + rest
-    assert process.returncode == EXIT_INTERRUPTED, output[-3000:]
+    return process.returncode, "".join(seen) + rest
+
+
+def test_ctrl_c_prints_the_summary_so_far_and_exits_130(command_runs: dict[str, Future[Any]]) -> None:
+    _, (status, output) = command_runs["ctrl_c"].result()
+    assert status == EXIT_INTERRUPTED, output[-3000:]
     assert re.fullmatch(r"Interrupted \(Ctrl-C\) at step \d+: the run did not finish", last_lines(output, 1)[0])
     assert "Sampler-vs-trainer divergence" in output
 
@@ -381,18 +405,59 @@ def run_two_ranks_with(tmp_path: Path, killer: str, config: str, *args: str) -> 
     return process.returncode, output
 
 
-def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+def killed_while_scoring(folder: Path) -> tuple[int, str]:
+    return run_two_ranks_with(folder, KILL_RANK_1_WHILE_SCORING, "dpo_tiny.yaml", "--data", "killer.KillRank1WhileScoring")
+
+
+def killed_while_training(folder: Path) -> tuple[int, str]:
+    return run_two_ranks_with(folder, KILL_RANK_1, "rl_tiny.yaml", "--trainer.callbacks+=killer.KillRank1")
+
+
+RUNS = {  # the console-script runs and the test that reads each
+    "guard_rail_stop": "test_a_guard_rail_stop_exits_3_with_the_summary_last_and_every_log_under_the_root_dir",
+    "two_runs_at_once": "test_two_runs_started_at_once_in_one_root_dir_keep_their_own_config_and_exit_0",
+    "ctrl_c": "test_ctrl_c_prints_the_summary_so_far_and_exits_130",
+    "killed_while_scoring": "test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far",
+    "killed_while_training": "test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far",
+}
+
+
+@pytest.fixture(scope="module")
+def command_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Any]]]:
+    """The console-script runs of the selected tests, ``{run: future of (its folder, what it returned)}``.
+
+    Each run is a process of its own that keeps about one core busy while pytest waits: they start
+    with the first test that reads one, two at a time, and go on through the tests that run ``main``
+    in this process, so that both cores work.
+    """
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+
+        def start(run: str) -> Future[Any]:
+            folder = tmp_path_factory.mktemp(run)
+            return pool.submit(lambda: (folder, globals()[run](folder)))
+
+        yield {run: start(run) for run, test in RUNS.items() if test in selected}
+        pool.shutdown(cancel_futures=True)
+
+
+def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(
+    command_runs: dict[str, Future[Any]]
+) -> None:
     """Lightning's watcher of the ranks SIGKILLed rank 0 there: exit 137 and not a word of what happened."""
-    status, output = run_two_ranks_with(tmp_path, KILL_RANK_1_WHILE_SCORING, "dpo_tiny.yaml",
-                                        "--data", "killer.KillRank1WhileScoring")
+    _, (status, output) = command_runs["killed_while_scoring"].result()
     assert status == EXIT_RANK_KILLED, output[-3000:]
     assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 0: the run did not finish"], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
 
 
-def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(tmp_path: Path) -> None:
+def test_a_ddp_rank_killed_during_training_exits_137_after_the_summary_so_far(
+    command_runs: dict[str, Future[Any]]
+) -> None:
     """Rank 0 sees gloo's "Connection closed by peer": it was a traceback and exit 1, as if rank 0 had failed."""
-    status, output = run_two_ranks_with(tmp_path, KILL_RANK_1, "rl_tiny.yaml", "--trainer.callbacks+=killer.KillRank1")
+    _, (status, output) = command_runs["killed_while_training"].result()
     assert status == EXIT_RANK_KILLED == 137, output[-3000:]
     assert last_lines(output, 1) == ["Rank 1 was killed by SIGKILL at step 3: the run did not finish"], output[-3000:]
     assert last_lines(output, 2)[0].startswith("Guard rail: "), output[-3000:]  # the monitor's summary, before it

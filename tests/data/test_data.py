@@ -1,6 +1,6 @@
 """The DPO DataModule's reference logprobs: scored once, cached, resumable, sharded across ranks.
 
-Real ``lightning.Trainer`` runs on CPU with a toy DPO module. The classes used by the ``ddp_spawn``
+Real ``lightning.Trainer`` runs on CPU with a toy DPO module. The classes and the worker of the 2-rank
 test are defined at module level so that the spawned ranks can unpickle them.
 """
 
@@ -11,6 +11,7 @@ import json
 import os
 import re
 import warnings
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +23,7 @@ import safetensors
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from lightning.pytorch.strategies import DDPStrategy
 
 from loops_callbacks.data import (
     DPODataModule,
@@ -41,7 +43,7 @@ from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cac
 from loops_callbacks.reference.cache_tool import list_caches
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
-from tests.helpers import CleanDistributedExit, ToyDPO
+from tests.helpers import ToyDPO, free_port, run_two_ranks
 
 os.environ.setdefault("WANDB_MODE", "offline")
 VOCAB = 16
@@ -842,8 +844,24 @@ def test_yaml_configs_parse(tmp_path: Any) -> None:
 # ----------------------------------------------------------------------------- two ranks
 
 
-def _ddp_fit(model: L.LightningModule, datamodule: L.LightningDataModule, root: Any) -> None:
-    fit(model, datamodule, root, max_steps=2, strategy="ddp_spawn", devices=2, callbacks=[CleanDistributedExit()])
+def _two_ddp_fits(rank: int, port: int, root: str) -> None:
+    """One rank of two 2-step DDP fits in one process group: one that scores (rank 1's weights perturbed
+    before DDP gives every rank rank 0's), then one that finds the cache the first wrote. Their reports
+    go in ``<root>/scored`` and ``<root>/cached``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        data, cache_dir = pair_datums(make_pairs(9)), os.path.join(root, "cache")
+        for name, perturb_rank in (("scored", 1), ("cached", None)):
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+            module = ReportingDPODataModule(data, batch_size=2, cache_dir=cache_dir, progress=False,
+                                            report_dir=os.path.join(root, name), perturb_rank=perturb_rank)
+            fit(toy_model(11), module, root, strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2)
+        torch.save(None, os.path.join(root, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def assert_close_rows(actual: list[list[float]], expected: list[list[float]], atol: float = 1e-6) -> None:
@@ -869,22 +887,16 @@ def test_two_ranks_each_score_half_and_agree_with_one_process(tmp_path: Any) -> 
     expected = ref_values(single.scored_pairs.datums())
 
     # the default reference under DDP: each rank scores one block of pairs with the policy itself,
-    # after DDP has given it rank 0's weights (rank 1's were perturbed in setup)
-    cache_dir = str(tmp_path / "cache")
-    module = ReportingDPODataModule(
-        data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path), perturb_rank=1
-    )
-    _ddp_fit(copy.deepcopy(model), module, tmp_path)
-    reports = _reports(tmp_path)
+    # after DDP has given it rank 0's weights (rank 1's were perturbed in setup); then a second
+    # run finds the cache rank 0 wrote: nothing is scored on either rank
+    run_two_ranks(_two_ddp_fits, (free_port(), str(tmp_path)), tmp_path, "the two DDP fits")
+    reports = _reports(tmp_path / "scored")
     assert [r["source"] for r in reports] == ["scored", "scored"]
     assert sum(r["scored_here"] for r in reports) == len(data) and all(r["scored_here"] > 0 for r in reports)
     for report in reports:
         assert_close_rows(report["ref_logprobs"], expected)
 
-    # a second run finds the cache rank 0 wrote: nothing is scored on either rank
-    module = ReportingDPODataModule(data, batch_size=2, cache_dir=cache_dir, progress=False, report_dir=str(tmp_path))
-    _ddp_fit(copy.deepcopy(model), module, tmp_path)
-    reports = _reports(tmp_path)
+    reports = _reports(tmp_path / "cached")
     assert [(r["source"], r["scored_here"]) for r in reports] == [("cache", 0), ("cache", 0)]
     for report in reports:
         assert_close_rows(report["ref_logprobs"], expected)

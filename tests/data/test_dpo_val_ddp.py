@@ -1,22 +1,27 @@
-"""``val/dpo_*`` under DDP (two gloo ranks, ``ddp_spawn``): the metrics of every held-out pair, not rank 0's half.
+"""``val/dpo_*`` under DDP (two gloo ranks): the metrics of every held-out pair, not rank 0's half.
 
 The held-out pairs are split across the ranks into batches of different sizes (and, with a sampler
 that does not pad, into different numbers of pairs per rank); the logged values must equal
-``dpo_loss`` over all the pairs at once, as one process computes them.
+``dpo_loss`` over all the pairs at once, as one process computes them. Every case validates in one
+pair of processes and one process group (``ddp_results``), started once for the module.
 """
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks.demo.dpo import DPOPolicyModule
 from loops_callbacks.models import dpo_loss
-from tests.helpers import CleanDistributedExit, quiet_trainer
+from tests.helpers import free_port, quiet_trainer, run_two_ranks
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -86,8 +91,7 @@ def one_batch_metrics(module: HeldOut, indices: list[int]) -> dict[str, float]:
 
 
 def validate(module: HeldOut, **trainer_kwargs: Any) -> dict[str, float]:
-    trainer = quiet_trainer(callbacks=[CleanDistributedExit()], **trainer_kwargs)
-    (results,) = trainer.validate(module, verbose=False)
+    (results,) = quiet_trainer(**trainer_kwargs).validate(module, verbose=False)
     return {key: float(value) for key, value in results.items()}
 
 
@@ -97,14 +101,37 @@ def assert_metrics_close(got: dict[str, float], want: dict[str, float]) -> None:
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize(
-    ("pairs", "batch_size", "pad"),
-    [
-        (10, 3, True),  # Lightning's DistributedSampler: 5 pairs per rank, batches of 3 and 2
-        (9, 2, False),  # no padding: 5 pairs on rank 0 (batches 2, 2, 1), 4 on rank 1 (2, 2)
-    ],
-)
-def test_two_ranks_log_the_metrics_of_every_held_out_pair(pairs: int, batch_size: int, pad: bool) -> None:
+CASES = [
+    (10, 3, True),  # Lightning's DistributedSampler: 5 pairs per rank, batches of 3 and 2
+    (9, 2, False),  # no padding: 5 pairs on rank 0 (batches 2, 2, 1), 4 on rank 1 (2, 2)
+]
+
+
+def _validate_every_case(rank: int, port: int, out: str) -> None:
+    """One rank: each case's validation by a Trainer with DDP in this process group; the results in rank<r>.pt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        results = {case: validate(HeldOut(*case), strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2)
+                   for case in CASES}
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[tuple[int, int, bool], dict[str, float]]]:
+    """What each rank's Trainer returned for each case, ``[rank 0's, rank 1's]``."""
+    out = tmp_path_factory.mktemp("dpo_val_ddp")
+    return run_two_ranks(_validate_every_case, (free_port(), str(out)), Path(out), "the DDP validations")
+
+
+@pytest.mark.parametrize(("pairs", "batch_size", "pad"), CASES)
+def test_two_ranks_log_the_metrics_of_every_held_out_pair(
+    pairs: int, batch_size: int, pad: bool, ddp_results: list[dict[tuple[int, int, bool], dict[str, float]]]
+) -> None:
     module = HeldOut(pairs, batch_size, pad)
     want = one_batch_metrics(module, list(range(pairs)))
     rank_zero_half = one_batch_metrics(module, list(range(0, pairs, 2)))
@@ -113,4 +140,5 @@ def test_two_ranks_log_the_metrics_of_every_held_out_pair(pairs: int, batch_size
     assert 0.0 < want["val/dpo_accuracy"] < 1.0
 
     assert_metrics_close(validate(module), want)  # one process, batches of different sizes
-    assert_metrics_close(validate(module, strategy="ddp_spawn", devices=2), want)
+    for results in ddp_results:  # every rank logs the metrics of all the pairs
+        assert_metrics_close(results[pairs, batch_size, pad], want)

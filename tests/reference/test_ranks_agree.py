@@ -1,11 +1,12 @@
 """Ranks that read different data, tokenizers or limits stop before any scoring, each naming the difference.
 
-Two gloo ranks on the CPU: a real ``lightning.Trainer`` (``ddp_spawn``) where each rank reads its
-own copy of the preference file, and plain processes for the generic path (a user's datums given to
+Two gloo ranks on the CPU: a real ``lightning.Trainer`` (DDP) where each rank reads its own copy of
+the preference file, and plain calls for the generic path (a user's datums given to
 ``ReferenceLogprobsMixin``), the tokenizer and the limits. Every rank must raise the same clear
 error, and no cache file may be written. Then the sharded tokenization: each rank tokenizes half of
-the records, and every rank gets the same datums as one process tokenizing them all. The plain cases
-share one process group (``ranks``: every case runs in it, one after the other).
+the records, and every rank gets the same datums as one process tokenizing them all. All the cases
+share one pair of processes and one process group (``ranks``: every case runs in it, one after the
+other), since starting the processes costs far more than any case.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from loops_callbacks.data import DPODataModule, ReferenceLogprobsMixin, dpo_pair_datums
-from tests.helpers import CleanDistributedExit, ToyDPO, free_port, run_two_ranks
+from tests.helpers import ToyDPO, free_port, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = str(ROOT / "configs" / "data" / "chat_tokenizer")
@@ -64,10 +67,10 @@ class PerRankFile(DPODataModule):
 
 
 def fit_two_ranks(datamodule: L.LightningDataModule, root: Path) -> None:
+    """A 2-step DDP fit on the two ranks of the process group this rank is in."""
     trainer = L.Trainer(
-        default_root_dir=str(root), accelerator="cpu", strategy="ddp_spawn", devices=2, max_steps=2,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False,
-        callbacks=[CleanDistributedExit()],
+        default_root_dir=str(root), accelerator="cpu", strategy=DDPStrategy(timeout=timedelta(seconds=60)), devices=2,
+        max_steps=2, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False,
     )
     torch.manual_seed(0)
     trainer.fit(ToyDPO(), datamodule=datamodule)
@@ -81,41 +84,16 @@ def cache_files(directory: Path) -> list[Path]:
     return [path for path in directory.rglob("*") if path.is_file()] if directory.exists() else []
 
 
-@pytest.mark.parametrize("rank1_pairs", [8, 9], ids=["same_count", "different_count"])
-def test_ranks_reading_different_files_stop_with_the_first_differing_pair(tmp_path: Path, rank1_pairs: int) -> None:
-    files = tmp_path / "files"
-    files.mkdir()
-    write_jsonl(files / "pairs.0.jsonl", token_records(8))
-    write_jsonl(files / "pairs.1.jsonl", token_records(rank1_pairs, changed=5 if rank1_pairs == 8 else None))
-    cache = tmp_path / "cache"
-    module = PerRankFile(str(files / "pairs.{rank}.jsonl"), batch_size=2, cache_dir=str(cache), progress=False)
-
-    with pytest.raises(Exception, match="different"):
-        fit_two_ranks(module, tmp_path)
-
-    first = 5 if rank1_pairs == 8 else 8
-    counts = "rank 0: 8 pairs, rank 1: 8 pairs" if rank1_pairs == 8 else "rank 0: 8 pairs, rank 1: 9 pairs"
-    for message in rank_errors(files):
-        assert message.startswith("RanksDisagreeError: the ranks read different preference records"), message
-        assert counts in message, message
-        assert f"the first difference is pair {first}:" in message, message
-        if rank1_pairs == 8:
-            assert f"rank 0: line 6 of {files / 'pairs.0.jsonl'}" in message, message
-            assert f"rank 1: line 6 of {files / 'pairs.1.jsonl'}" in message, message
-        else:
-            assert "rank 0: none (8 pairs)" in message, message
-            assert f"rank 1: line 9 of {files / 'pairs.1.jsonl'}" in message, message
-    assert cache_files(cache) == []
+# ----------------------------------------------------------------------------- the cases, in one process group
 
 
-# ----------------------------------------------------------------------------- plain processes
-
-
-CASES = ("generic", "limits", "tokenizer", "sharded", "dropped_share", "missing_file", "invalid_on_one_rank")
+CASES = ("generic", "limits", "tokenizer", "sharded", "dropped_share", "missing_file", "invalid_on_one_rank",
+         "files_same_count", "files_different_count")
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # a Trainer's DDP finds this group
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     results: dict[str, Any] = {}
@@ -134,7 +112,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every plain case's result on each rank, ``{case: [rank 0's, rank 1's]}``, and where each case wrote."""
+    """Every case's result on each rank, ``{case: [rank 0's, rank 1's]}``, and where each case wrote."""
     out_dir = tmp_path_factory.mktemp("ranks")
     results = run_two_ranks(_worker, (free_port(), str(out_dir)), out_dir, "the plain cases")
     return {case: [result[case] for result in results] for case in CASES} | {"dir": out_dir}
@@ -231,10 +209,54 @@ def dropped_first_half() -> list[dict[str, Any]]:
     return long + token_records(4)
 
 
+def _files_case(rank: int, out_dir: Path, rank1_pairs: int) -> dict[str, Any]:
+    """Rank r's Trainer reads ``files/pairs.<r>.jsonl``: 8 pairs on rank 0, ``rank1_pairs`` on rank 1 (8: pair 5
+    differs)."""
+    files = out_dir / "files"
+    files.mkdir(exist_ok=True)
+    if rank == 0:
+        write_jsonl(files / "pairs.0.jsonl", token_records(8))
+    else:
+        write_jsonl(files / "pairs.1.jsonl", token_records(rank1_pairs, changed=5 if rank1_pairs == 8 else None))
+    module = PerRankFile(str(files / "pairs.{rank}.jsonl"), batch_size=2, cache_dir=str(out_dir / "cache"),
+                         progress=False)
+    fit_two_ranks(module, out_dir / f"root{rank}")
+    return {}
+
+
+def _case_files_same_count(rank: int, out_dir: Path) -> dict[str, Any]:
+    return _files_case(rank, out_dir, 8)
+
+
+def _case_files_different_count(rank: int, out_dir: Path) -> dict[str, Any]:
+    return _files_case(rank, out_dir, 9)
+
+
 def _case_dropped_share(rank: int, out_dir: Path) -> dict[str, Any]:
     module = DPODataModule(data=dropped_first_half(), max_length=5, progress=False)
     data = module.dpo_data()
     return {"tokens": [d.model_input.to_ints() for d in data.datums()], "report": module.tokenization_report}
+
+
+@pytest.mark.parametrize("rank1_pairs", [8, 9], ids=["same_count", "different_count"])
+def test_ranks_reading_different_files_stop_with_the_first_differing_pair(ranks: dict[str, Any], rank1_pairs: int) -> None:
+    case = "files_same_count" if rank1_pairs == 8 else "files_different_count"
+    for result in ranks[case]:  # the fit failed on every rank
+        assert "different" in result.get("error", ""), result
+    files = ranks["dir"] / case / "files"
+    first = 5 if rank1_pairs == 8 else 8
+    counts = "rank 0: 8 pairs, rank 1: 8 pairs" if rank1_pairs == 8 else "rank 0: 8 pairs, rank 1: 9 pairs"
+    for message in rank_errors(files):
+        assert message.startswith("RanksDisagreeError: the ranks read different preference records"), message
+        assert counts in message, message
+        assert f"the first difference is pair {first}:" in message, message
+        if rank1_pairs == 8:
+            assert f"rank 0: line 6 of {files / 'pairs.0.jsonl'}" in message, message
+            assert f"rank 1: line 6 of {files / 'pairs.1.jsonl'}" in message, message
+        else:
+            assert "rank 0: none (8 pairs)" in message, message
+            assert f"rank 1: line 9 of {files / 'pairs.1.jsonl'}" in message, message
+    assert cache_files(ranks["dir"] / case / "cache") == []
 
 
 def test_a_users_datums_that_differ_across_ranks_stop_before_scoring(ranks: dict[str, Any]) -> None:

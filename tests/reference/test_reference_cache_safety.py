@@ -1,7 +1,7 @@
 """The reference-logprob cache is never silently wrong, never destroyed by another run, never a signal death.
 
-- a cache file copied over or truncated under a running job changes nothing in it (subprocesses:
-  a memory map of a truncated file kills a process with SIGBUS);
+- a cache file copied over or truncated under a running job changes nothing in it (subprocesses, both
+  started at once: a memory map of a truncated file kills a process with SIGBUS);
 - runs that share a directory keep their own caches, and each can resume from its own;
 - a resume that finds no cache of its own names the caches present and why none matches;
 - the writer's temporary file is created exclusively: a planted link is never written through;
@@ -113,12 +113,29 @@ CHANGED_UNDER_A_JOB = """
 """
 
 
-@pytest.mark.parametrize("how", ["overwrite", "truncate"])
-def test_a_cache_file_changed_under_a_running_job_changes_nothing_in_it(tmp_path: Path, how: str) -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(tmp_path / "c"), how],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+CHANGES = ("overwrite", "truncate")
+
+
+@pytest.fixture(scope="module")
+def jobs_whose_cache_changed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each change's job (``CHANGED_UNDER_A_JOB``), both started at once: what each ended with."""
+    folder = tmp_path_factory.mktemp("changed_under_a_job")
+    jobs = {how: subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(folder / how), how],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for how in CHANGES}
+    try:
+        outputs = {how: job.communicate(timeout=300) for how, job in jobs.items()}
+        return {how: subprocess.CompletedProcess(job.args, job.returncode, *outputs[how]) for how, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.kill()
+
+
+@pytest.mark.parametrize("how", CHANGES)
+def test_a_cache_file_changed_under_a_running_job_changes_nothing_in_it(
+    jobs_whose_cache_changed: dict[str, subprocess.CompletedProcess[str]], how: str
+) -> None:
+    run = jobs_whose_cache_changed[how]
     assert run.returncode >= 0, f"killed by signal {-run.returncode} (SIGBUS: a memory map of a truncated file)"
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     before, after = run.stdout.split()[1::2]
@@ -370,10 +387,12 @@ def test_cache_tool_is_a_subcommand_of_the_console_script(tmp_path: Path) -> Non
     """``loops-callbacks cache ...``: the command the messages and ``--help`` name."""
     script = shutil.which("loops-callbacks", path=os.path.dirname(sys.executable)) or shutil.which("loops-callbacks")
     assert script is not None, "the loops-callbacks console script is not installed"
-    run = subprocess.run([script, "cache", "list", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "no reference-logprob caches" in run.stdout, run.stderr
-    bad = subprocess.run([script, "cache", "prune", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "nothing is removed by default" in bad.stderr
+    run, bad = (subprocess.Popen([script, "cache", command, str(tmp_path)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for command in ("list", "prune"))  # at once
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0 and "no reference-logprob caches" in out, err
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode == 2 and "nothing is removed by default" in err
     assert CACHE_TOOL == "loops-callbacks cache"
 
 

@@ -4,6 +4,7 @@ Two gloo ranks as separate processes (``python -m tests.reference.test_scoring_s
 scoring forward far longer than ``scoring_timeout``. The other must stop within the timeout with a
 ``RankStalledError`` naming the step it waited at and the rank that did not come (and where that
 rank was); the late rank, when it wakes, must stop too instead of entering a collective alone.
+The three cases' pairs start at once (``stalled_runs``): each mostly sleeps through its stall.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_two_ranks(stalled: int, reference: str) -> tuple[list[subprocess.Popen[str]], list[str]]:
-    """Both ranks as processes (``main``), rank ``stalled`` sleeping in its scoring; their outputs."""
+def start_two_ranks(stalled: int, reference: str) -> list[subprocess.Popen[str]]:
+    """Both ranks as processes (``main``), rank ``stalled`` sleeping in its scoring."""
     port = _free_port()
     processes = []
     for rank in (0, 1):
@@ -97,18 +99,28 @@ def run_two_ranks(stalled: int, reference: str) -> tuple[list[subprocess.Popen[s
             [sys.executable, "-c", "from tests.reference.test_scoring_stall import main; main()"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
+    return processes
+
+
+CASES = {"rank1_stalls": (1, "client"), "rank0_stalls": (0, "client"), "policy_rank1_stalls": (1, "policy")}
+
+
+@pytest.fixture(scope="module")
+def stalled_runs() -> Iterator[dict[str, tuple[list[subprocess.Popen[str]], list[str]]]]:
+    """Every case's two ranks, all started at once (each mostly waits out its stall): processes and outputs."""
+    started = {case: start_two_ranks(*args) for case, args in CASES.items()}
     try:
-        outputs = [process.communicate(timeout=120)[0] for process in processes]
+        yield {case: (processes, [process.communicate(timeout=120)[0] for process in processes])
+               for case, processes in started.items()}
     finally:
-        for process in processes:
+        for process in (process for processes in started.values() for process in processes):
             if process.poll() is None:
                 process.kill()
-    return processes, outputs
 
 
 @pytest.mark.parametrize("stalled", [1, 0], ids=["rank1_stalls", "rank0_stalls"])
-def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
-    processes, outputs = run_two_ranks(stalled, "client")
+def test_a_stalled_rank_is_named_within_the_timeout(stalled: int, stalled_runs: dict[str, Any]) -> None:
+    processes, outputs = stalled_runs[f"rank{stalled}_stalls"]
     waiting = 1 - stalled
     waited = outputs[waiting].strip().splitlines()[-1]
     assert processes[waiting].returncode == 3, outputs[waiting]
@@ -126,9 +138,9 @@ def test_a_stalled_rank_is_named_within_the_timeout(stalled: int) -> None:
         assert "rank 1 lost the process group's store" in late, late
 
 
-def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward() -> None:
+def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward(stalled_runs: dict[str, Any]) -> None:
     """The policy as the reference: its forwards may be collectives (FSDP), so the ranks meet before each."""
-    processes, outputs = run_two_ranks(1, "policy")
+    processes, outputs = stalled_runs["policy_rank1_stalls"]
     waited = outputs[0].strip().splitlines()[-1]
     assert processes[0].returncode == 3 and "RankStalledError" in waited, outputs[0]
     assert f"rank(s) 1 did not reach 'lock-step forward 2 of 2' within {TIMEOUT_S:g} s" in waited, waited
