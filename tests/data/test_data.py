@@ -734,7 +734,10 @@ class _TwoRanks:
         return [("RuntimeError", "out of memory"), obj] if self.failed else [obj, obj]  # raise_together's form
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        """Rank 0's object: this rank's own, or, where only rank 0 holds one (the cache lookup), no cache found."""
+        from loops_callbacks.reference.cache import CacheLookup
+
+        return CacheLookup("missing") if obj is None else obj
 
     def any_true(self, flag: bool) -> bool:
         self.failed = True  # rank 0's flag
