@@ -76,9 +76,10 @@ def parse_error_line(message: str) -> str:
             option = _NOT_ACCEPTED.fullmatch(text)
             group = _group_holding(class_path, option[1]) if option and class_path else None
             problem = text + (f": it is a field of {group} ({group}: {{{option[1]}: ...}})" if group else "")
-            value = next((rest.strip().removeprefix("Given value: ") for rest in lines[index + 1 :]
-                          if key_indent is not None and rest.startswith(" " * (key_indent + 2) + "Given value: ")), None)
-            problem += "" if value is None else f", got {value}"
+            if key_indent is not None:  # the value the innermost key was given, where jsonargparse shows it
+                shown = " " * (key_indent + 2) + "Given value: "
+                value = next((rest[len(shown):] for rest in lines[index + 1 :] if rest.startswith(shown)), None)
+                problem += "" if value is None else f", got {value}"
             return f"{path}: {problem}" if path else problem
     return " ".join(message.split())
 

@@ -107,12 +107,12 @@ class TokenizationReport:
 
 
 _EVENTS = {  # what the warning says of each event counted in a TokenizationReport
-    "prompt_not_prefix": "have a tokenized prompt that is not a prefix of the tokenized prompt+completion, usually "
-                         "because the chat template renders the prompt alone differently or because tokens merge across "
-                         "the boundary; their completion starts where the two diverge, and the rest of the prompt is "
-                         "left out of the training sequence, so the model is trained on a context that differs from the "
-                         "one it sees at inference: use a chat template that renders the prompt the same way in both "
-                         "cases, or end the prompt on a token boundary",
+    "prompt_not_prefix": "have a tokenized prompt that is not a prefix of the tokenized prompt+completion, "
+                         "usually because the chat template renders the prompt alone differently or because tokens "
+                         "merge across the boundary; their completion starts where the two diverge, and the rest of "
+                         "the prompt is left out of the training sequence, so the model is trained on a context that "
+                         "differs from the one it sees at inference: use a chat template that renders the prompt the "
+                         "same way in both cases, or end the prompt on a token boundary",
     "prompt_truncated": "had their prompt cut to its last max_prompt_length tokens",
     "truncated": "had a sequence cut to its first max_length tokens",
     "dropped_prompt_fills_max_length": "were dropped: their prompt alone fills max_length",

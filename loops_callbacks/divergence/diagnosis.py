@@ -242,7 +242,9 @@ def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis
         said = f"{engine} reports {facts.logprobs_mode} while sampling with {', '.join(facts.sampling_settings)}"
         return Diagnosis(SAMPLING, 1.0, numbers, observed=said)
     z = held_sampling_z(sig)
-    return Diagnosis(SAMPLING, _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z), numbers) if abs(z) >= SAMPLING_Z else None
+    if not abs(z) >= SAMPLING_Z:  # NaN (nothing sampled to check) included
+        return None
+    return Diagnosis(SAMPLING, _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z), numbers)
 
 
 def _offset(sig: Mapping[str, float]) -> Diagnosis | None:

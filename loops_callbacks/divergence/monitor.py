@@ -334,7 +334,8 @@ class KLSampleTrainMonitor(Callback):
         """The guard rail's patience and action on the report's judgement: warn, stop or raise."""
         if report.exceeds is None:
             if report.untrusted is not None:  # no bound set: say it, act on nothing
-                self.warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
+                self.warnings.warn(f"untrusted:{report.untrusted}",
+                                   f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
             self.exceeded_steps = 0
             return
         self.exceeded_steps += 1
