@@ -84,7 +84,7 @@ def lags(step: Any, flat: FlatBatch, optimizer_step: int) -> torch.Tensor | None
     """Int64 ``[B]`` policy lags, ``optimizer_step - policy_version``, on the batch's device; ``None``:
     absent or unusable (module docstring). A negative or non-integer version turns the family off."""
     key, n, say = step.label("policy_version"), flat.n_datums, step.say
-    versions = _read(step, "policy_version", flat)
+    versions = _read(step, "policy_version", flat, labels_refused="must count optimizer steps")
     if versions is None or _on_accelerator(versions):  # on an accelerator: unread (ahead: said from the strata)
         return None if versions is None else optimizer_step - versions
     if (versions < 0).any():
@@ -181,15 +181,16 @@ def _row_values(positions: torch.Tensor, flat: FlatBatch, key: str, say: RunWarn
     return mean
 
 
-def _read(step: Any, name: str, flat: FlatBatch) -> torch.Tensor | list[str] | None:
-    """The per-datum key ``name`` as given: an int64 ``[B]`` tensor or (``group`` only) a list of string labels;
-    ``None`` when absent, or (one warning per run and problem) when it cannot be one integer per datum."""
+def _read(step: Any, name: str, flat: FlatBatch, *, labels_refused: str | None = None
+          ) -> torch.Tensor | list[str] | None:
+    """The per-datum key ``name`` as given: an int64 ``[B]`` tensor or a list of string labels (unless
+    ``labels_refused`` says why labels cannot be); ``None`` when absent, or (one warning per run and problem)
+    when it cannot be one integer per datum."""
     n = flat.n_datums
     try:
         value = _given(step, name, n, flat.device)
-        if isinstance(value, list) and name == "policy_version":
-            raise _Unusable("labels", f"{step.label(name)} must count optimizer steps, got labels (datum 0: "
-                            f"{value[0]!r})")
+        if isinstance(value, list) and labels_refused is not None:
+            raise _Unusable("labels", f"{step.label(name)} {labels_refused}, got labels (datum 0: {value[0]!r})")
         return value if value is None or isinstance(value, list) else _integers(value, step.label(name))
     except _Unusable as problem:
         step.say.warn(f"{name}:{problem.kind}", _unusable_message(problem.text, name, n, given=problem.given))
