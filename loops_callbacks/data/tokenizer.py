@@ -86,13 +86,9 @@ def _from_pretrained(auto: Any, name: str) -> Any:
         pass  # not in the local cache
     missing = f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and"
     fetch = f"fetch it where there is a network (hf download {name} --exclude '*.safetensors' '*.bin')"
-    if _hub_offline():
-        raise ValueError(f"{missing} the Hub is offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE): {fetch} or give "
-                         "the path of its directory")
-    unreachable = _hub_unreachable()
-    if unreachable:
-        raise ValueError(f"{missing} the Hub cannot be reached ({unreachable}): {fetch} or give the path of its "
-                         "directory; set HF_HUB_OFFLINE=1 on machines without one")
+    unavailable = _hub_unavailable()
+    if unavailable:
+        raise ValueError(f"{missing} {unavailable}: {fetch} or give the path of its directory")
     try:
         return auto.from_pretrained(name)
     except OSError as error:
@@ -100,24 +96,21 @@ def _from_pretrained(auto: Any, name: str) -> Any:
                          "path of its directory") from error
 
 
-def _hub_unreachable() -> str | None:
-    """Why the Hub cannot be reached when its host name does not resolve (no network: fail now, not after retries)."""
+def _hub_unavailable() -> str | None:
+    """Why the Hub cannot be used now, or ``None``: offline (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` as set now;
+    ``huggingface_hub`` reads them once, at import), or its host name does not resolve (no network: fail now, not
+    after retries)."""
     from huggingface_hub import constants
 
+    flags = (os.environ.get(key, "").upper() for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if any(flag in ("1", "ON", "YES", "TRUE") for flag in flags) or constants.HF_HUB_OFFLINE:
+        return "the Hub is offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)"
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError as error:
-        return f"{host} does not resolve: {error}"
+        return f"the Hub cannot be reached ({host} does not resolve: {error}; set HF_HUB_OFFLINE=1 on machines without one)"
     return None
-
-
-def _hub_offline() -> bool:
-    """``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` as set now (``huggingface_hub`` reads them once, at import)."""
-    from huggingface_hub import constants
-
-    flags = (os.environ.get(key, "").upper() for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return any(flag in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(constants.HF_HUB_OFFLINE)
 
 
 # apply_chat_template's own arguments and the template's own variables: a record's
