@@ -30,6 +30,7 @@ import netrc
 import os
 import sys
 import warnings
+from argparse import RawDescriptionHelpFormatter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,11 +174,8 @@ class _SaveConfigBesideTheLogs(SaveConfigCallback):
 _trainers: list[Trainer] = []  # the trainers run_cli built: their W&B runs are finished, an interrupted one summarized
 
 
-class _HelpFormatter(DefaultHelpFormatter):
-    """jsonargparse's formatter, keeping the line breaks of the description and the epilog."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "".join(indent + line for line in text.splitlines(keepends=True))
+class _HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's formatter, keeping the line breaks of the description and the epilog (argparse's raw one)."""
 
 
 def help_epilog() -> str:
