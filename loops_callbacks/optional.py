@@ -1,9 +1,10 @@
-"""The optional 'hf' extra (``transformers``, ``datasets``, ``pyarrow``): imported when a feature needs it.
+"""The optional 'hf' extra (``transformers``, ``datasets``, ``pyarrow``), and vLLM: imported when a feature needs it.
 
 ``import_optional(module, feature)`` imports a module of the extra, or raises an ``ImportError``
 that names the feature, the package and how to install the extra (``HF_EXTRA_HINT``: the
 editable install of the checkout this runs from, else the extra's packages). The data readers,
-the tokenizer, ``HFDPOModule`` and the demos use it, so the base install works without the extra.
+the tokenizer, ``HFDPOModule`` and the demos use it, so the base install works without the extra;
+``integrations.vllm.import_vllm`` too, with ``needs`` saying how to install vLLM.
 
 Examples:
     >>> import_optional("json", "reading JSON").__name__
@@ -38,16 +39,20 @@ def _hf_extra_hint(checkout: Path = Path(__file__).resolve().parents[1]) -> str:
 HF_EXTRA_HINT = _hf_extra_hint()
 
 
-def import_optional(module: str, feature: str) -> Any:
-    """Import ``module`` (``transformers``, ``datasets``, ``pyarrow``), or an ImportError naming the extra.
+def import_optional(module: str, feature: str, needs: str | None = None) -> Any:
+    """Import ``module`` (``transformers``, ``datasets``, ``pyarrow``), or an ImportError saying that ``feature``
+    needs it: ``needs`` (what to install and how), by default the package and the 'hf' extra.
 
     Examples:
         >>> import_optional("json", "reading JSON").__name__
         'json'
+        >>> import_optional("no_such_module", "the demo", "vLLM, which is not installed: pip install vllm")
+        Traceback (most recent call last):
+        ...
+        ImportError: the demo needs vLLM, which is not installed: pip install vllm
     """
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise ImportError(
-            f"{feature} needs the {module.split('.')[0]!r} package, part of the 'hf' extra: {HF_EXTRA_HINT}"
-        ) from error
+        needs = needs or f"the {module.split('.')[0]!r} package, part of the 'hf' extra: {HF_EXTRA_HINT}"
+        raise ImportError(f"{feature} needs {needs}") from error

