@@ -24,8 +24,8 @@ __all__: list[str] = []  # the package's field readers: nothing here is for user
 def field_to_tensor(value: Any, *, where: str) -> torch.Tensor:
     """One 1-D tensor from any accepted field kind, keeping tensors on their device (not detached).
 
-    Lists become float64 (``None`` becomes NaN) unless every item is an int; numpy arrays and
-    ``TensorData`` keep their dtype. Raises ``TypeError`` for other kinds and ``ValueError`` for
+    Lists become float64 (``None`` becomes NaN; a caller reading token ids takes ``.long()``); numpy
+    arrays and ``TensorData`` keep their dtype. Raises ``TypeError`` for other kinds and ``ValueError`` for
     anything that is not one-dimensional.
     """
     if isinstance(value, torch.Tensor):
