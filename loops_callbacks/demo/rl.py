@@ -144,8 +144,7 @@ class RLPolicyModule(LightningModule):
     ) -> None:
         super().__init__()
         check_int("RLPolicyModule group_size (advantages are relative to the group)", group_size, least=2)
-        if sync_every is not None:
-            check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1)
+        check_int("RLPolicyModule sync_every (None: never sync)", sync_every, least=1, optional=True)
         sampler_dtype = check_dtype("RLPolicyModule sampler_precision", sampler_precision, ("float32", "bfloat16"))
         # a plain float: the optimizer state is pickled with it, and jsonargparse gives PositiveFloat
         self.lr = float(check("RLPolicyModule lr", lr, numbers.Real, "a positive number", lambda value: value > 0))

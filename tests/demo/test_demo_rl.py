@@ -227,7 +227,7 @@ def test_arguments_are_validated_by_the_parser_and_the_constructor() -> None:
     for bad in ("--model.sync_every=0", "--model.sampler_precision=float16", "--model.group_size=0"):
         with pytest.raises(Exception, match="sync_every|sampler_precision|group_size"):
             parser.parse_args([bad])
-    with pytest.raises(ValueError, match=r"sync_every \(None: never sync\) must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"sync_every \(None: never sync\) must be an int >= 1 or None, got 0"):
         RLPolicyModule(sync_every=0)
     with pytest.raises(ValueError, match="group_size .*must be an int >= 2, got 1"):
         RLPolicyModule(group_size=PositiveInt(1))
