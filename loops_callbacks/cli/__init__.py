@@ -357,7 +357,7 @@ def main(args: Any = None) -> None:
         if missing is None:
             raise
         _exit_with(f"loops-callbacks: error: {missing}", EXIT_ERROR)
-    raise SystemExit(exit_status(cli.trainer, cli.guard_rail_error is not None))
+    raise SystemExit(exit_status(cli.trainer))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -91,10 +91,11 @@ def reference_lines(datamodule: Any) -> list[str]:
             f"(cache lookup: {report.cache_status}), {cached}"]
 
 
-def exit_status(trainer: Trainer, guard_rail_raised: bool) -> int:
-    """The command's exit status after ``fit``: ``EXIT_GUARD_RAIL_*`` when the guard rail acted, else 0."""
+def exit_status(trainer: Trainer) -> int:
+    """The command's exit status after a ``fit`` that returned: ``EXIT_GUARD_RAIL_*`` when the guard rail acted, else
+    0 (a ``SampleTrainDivergenceError`` that ended fit is ``EXIT_GUARD_RAIL_RAISED`` in ``main``)."""
     verdicts = {monitor.verdict for monitor in monitors_of(trainer)}
-    if guard_rail_raised or Verdict.RAISED in verdicts:
+    if Verdict.RAISED in verdicts:
         return EXIT_GUARD_RAIL_RAISED
     return EXIT_GUARD_RAIL_STOPPED if Verdict.STOPPED in verdicts else EXIT_OK
 
