@@ -103,11 +103,9 @@ class Group:
         out = torch.empty(bounds[-1], dtype=local.dtype, device=self.device)
         for rank in range(self.world_size):
             block = out[bounds[rank] : bounds[rank + 1]]
-            if block.numel() == 0:
-                continue
             if rank == self.rank:
                 block.copy_(local)
-            dist.broadcast(block, src=rank)
+            self.broadcast_tensor(block, src=rank)  # on the device already, in place; an empty block is skipped
         return out
 
 
