@@ -95,8 +95,7 @@ def attach_reference_logprobs(
         >>> [d.loss_fn_inputs["ref_logprobs"].shape for d in attach_reference_logprobs(data, reference)]
         [[3], [2]]
     """
-    if batch_size is not None:
-        check_int("batch_size", batch_size, least=1)
+    check_int("batch_size", batch_size, least=1, optional=True)
     check_int("max_concurrency", max_concurrency, least=1)
     data = list(data)
     model_inputs = []

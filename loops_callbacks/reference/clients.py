@@ -257,8 +257,7 @@ def _checked(model: Any, device: Any, dtype: Any, max_tokens_per_batch: Any,
     if not isinstance(model, nn.Module) and not callable(model):
         raise TypeError(f"model must be a torch.nn.Module or a callable fn(input_ids) -> logits, got "
                         f"{type(model).__name__}")
-    if max_tokens_per_batch is not None:
-        check_int("max_tokens_per_batch", max_tokens_per_batch, least=1)
+    check_int("max_tokens_per_batch", max_tokens_per_batch, least=1, optional=True)
     check_bool("output_head", output_head)
     dtype = None if dtype is None else check_dtype("dtype", dtype)
     if dtype is not None and not isinstance(model, nn.Module):

@@ -27,7 +27,7 @@ Examples:
     >>> ReferenceConfig(max_tokens_per_batch=0)
     Traceback (most recent call last):
     ...
-    ValueError: max_tokens_per_batch must be an int >= 1, got 0
+    ValueError: max_tokens_per_batch must be an int >= 1 or None, got 0
 """
 
 from __future__ import annotations
@@ -90,8 +90,7 @@ class ReferenceConfig:
             raise ValueError("reference='' is not a path; use None for the LightningModule itself")
         if self.scoring_dtype is not None:
             check_dtype("scoring_dtype", self.scoring_dtype, get_args(ScoringDtype))
-        if self.max_tokens_per_batch is not None:
-            check_int("max_tokens_per_batch", self.max_tokens_per_batch, least=1)
+        check_int("max_tokens_per_batch", self.max_tokens_per_batch, least=1, optional=True)
         check("cache_dir", self.cache_dir, (str, os.PathLike), "a path", optional=True)
         if isinstance(self.cache_dir, os.PathLike):
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))

@@ -812,7 +812,7 @@ def test_jsonl_input(tmp_path: Any) -> None:
         ({"path": "x.jsonl", "max_length": 8, "max_prompt_length": 8}, "max_prompt_length=8 must be less than"),
         ({"data": [], "batch_size": 0}, "batch_size must be an int >= 1, got 0"),
         ({"data": [], "scoring": Scoring(scoring_dtype="float64")}, "scoring_dtype='float64' is not one of"),
-        ({"data": [], "scoring": Scoring(max_tokens_per_batch=-5)}, "max_tokens_per_batch must be an int >= 1, got -5"),
+        ({"data": [], "scoring": Scoring(max_tokens_per_batch=-5)}, "max_tokens_per_batch must be an int >= 1 or None, got -5"),
         ({"data": [], "val_fraction": 1.0}, r"val_fraction must be a number in \[0, 1\), got 1.0"),
         ({"data": [], "num_workers": -1}, "num_workers must be an int >= 0, got -1"),
     ],

@@ -351,7 +351,7 @@ def test_bad_max_concurrency(value: Any, error: type[Exception]) -> None:
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), ("4", TypeError)])
 def test_bad_batch_size(value: Any, error: type[Exception]) -> None:
-    with pytest.raises(error, match=f"batch_size must be an int >= 1, got {value!r}"):
+    with pytest.raises(error, match=f"batch_size must be an int >= 1 or None, got {value!r}"):
         attach_reference_logprobs(make_data(2), BatchClient(), batch_size=value)
 
 

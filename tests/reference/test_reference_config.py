@@ -25,8 +25,8 @@ def tiny_model() -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("field", "value", "error", "message"),
     [
-        ("max_tokens_per_batch", 0, ValueError, "max_tokens_per_batch must be an int >= 1, got 0"),
-        ("max_tokens_per_batch", 2.0, TypeError, "max_tokens_per_batch must be an int >= 1, got 2.0"),
+        ("max_tokens_per_batch", 0, ValueError, "max_tokens_per_batch must be an int >= 1 or None, got 0"),
+        ("max_tokens_per_batch", 2.0, TypeError, "max_tokens_per_batch must be an int >= 1 or None, got 2.0"),
         ("progress", 1, TypeError, "progress must be a bool, got 1"),
         ("use_cache", "no", TypeError, "use_cache must be a bool, got 'no'"),
         ("cache_dir", 3, TypeError, "cache_dir must be a path or None, got 3"),
@@ -79,7 +79,7 @@ def test_snapshot_checks_its_settings_before_the_copy(monkeypatch: pytest.Monkey
     assert client.dtype == torch.float64 and client.device == torch.device("cpu") and client.max_tokens_per_batch == 64
     copies: list[Any] = []
     monkeypatch.setattr("copy.deepcopy", lambda module: copies.append(module))
-    with pytest.raises(ValueError, match="max_tokens_per_batch must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_tokens_per_batch must be an int >= 1 or None, got 0"):
         TorchSamplingClient.snapshot(tiny_model(), max_tokens_per_batch=0)
     with pytest.raises(TypeError, match="output_head must be a bool, got 'logits'"):
         TorchSamplingClient.snapshot(tiny_model(), output_head="logits")  # type: ignore[arg-type]

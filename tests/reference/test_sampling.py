@@ -253,10 +253,10 @@ def test_token_outside_the_vocabulary_names_the_prompt() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"max_tokens_per_batch": 0}, ValueError, "max_tokens_per_batch must be an int >= 1, got 0"),
-        ({"max_tokens_per_batch": -5}, ValueError, "max_tokens_per_batch must be an int >= 1, got -5"),
-        ({"max_tokens_per_batch": "512"}, TypeError, "max_tokens_per_batch must be an int >= 1, got '512'"),
-        ({"max_tokens_per_batch": 2.0}, TypeError, "max_tokens_per_batch must be an int >= 1, got 2.0"),
+        ({"max_tokens_per_batch": 0}, ValueError, "max_tokens_per_batch must be an int >= 1 or None, got 0"),
+        ({"max_tokens_per_batch": -5}, ValueError, "max_tokens_per_batch must be an int >= 1 or None, got -5"),
+        ({"max_tokens_per_batch": "512"}, TypeError, "max_tokens_per_batch must be an int >= 1 or None, got '512'"),
+        ({"max_tokens_per_batch": 2.0}, TypeError, "max_tokens_per_batch must be an int >= 1 or None, got 2.0"),
         ({"dtype": "int8"}, ValueError, "dtype='int8'"),
         ({"dtype": torch.int64}, ValueError, "dtype=torch.int64"),
         ({"device": "warp-drive"}, ValueError, "device='warp-drive'"),
