@@ -32,7 +32,7 @@ from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.scorer import TokenScorer
 from loops_callbacks.types import ModelInput
-from loops_callbacks.validation import check_bool, check_dtype, check_int
+from loops_callbacks.validation import check, check_bool, check_dtype, check_int
 
 __all__ = ["SamplingClient", "ScorerClient", "TorchSamplingClient", "frozen_copy"]
 
@@ -68,8 +68,7 @@ def frozen_copy(module: nn.Module) -> nn.Module:
         >>> copy_ is layer, copy_.training, layer.weight.requires_grad
         (False, False, True)
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    check("module", module, nn.Module, "a torch.nn.Module")
     frozen = copy.deepcopy(module)
     frozen.eval()
     frozen.requires_grad_(False)
