@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from loops_callbacks.fields import (
     datum_loss_fn_inputs,
@@ -356,8 +357,8 @@ class PaddedTokens:
 
 
 class DatumTokens:
-    """The worst tokens' ids read from the chosen datums' ``model_input`` and ``target_tokens``, as
-    ``PaddedTokens`` reads them (on the host: a few rows)."""
+    """The worst tokens' ids read from the chosen datums' ``model_input`` and ``target_tokens`` (on the host: a
+    few rows), padded with ``NO_TOKEN`` and looked up as ``PaddedTokens`` looks them up."""
 
     def __init__(self, data: Sequence[Any]) -> None:
         self.data = data
@@ -366,18 +367,16 @@ class DatumTokens:
         return DatumTokens(self.data[first:end])
 
     def lookup(self, datum: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        window = torch.full((datum.shape[0], CONTEXT_BEFORE + CONTEXT_AFTER), NO_TOKEN, dtype=torch.int64)
-        token = torch.full((datum.shape[0],), NO_TOKEN, dtype=torch.int64)
-        for row, (i, k) in enumerate(zip(datum.tolist(), position.tolist())):  # one per table row
+        inputs, predicted = [], []
+        for i in datum.tolist():  # one per table row
             model_input = datum_model_input(self.data[i])
             ids = torch.tensor(model_input_tokens(model_input) if model_input is not None else [], dtype=torch.int64)
-            window[row] = _take(ids[None], torch.zeros(1, dtype=torch.int64), k + 1 + torch.arange(
-                -CONTEXT_BEFORE, CONTEXT_AFTER)[None])[0]
             target = datum_loss_fn_inputs(self.data[i], index=i).get("target_tokens")
-            field = f"datum {i}, key 'target_tokens'"
-            token[row] = int(field_to_tensor(target, where=field)[k]) if target is not None else window[row, CONTEXT_BEFORE]
-        window, token = window.to(datum.device), token.to(datum.device)
-        return token, window[:, :CONTEXT_BEFORE], window[:, CONTEXT_BEFORE:]
+            inputs.append(ids)
+            predicted.append(_predicted_ids(target, ids, ids.shape[0], where=f"datum {i}"))
+        padded = [pad_sequence(rows, batch_first=True, padding_value=NO_TOKEN) for rows in (inputs, predicted)]
+        rows = torch.arange(len(inputs), device=datum.device)
+        return PaddedTokens(*padded, datum.device).lookup(rows, position)
 
 
 def _take(tokens: torch.Tensor, row: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
