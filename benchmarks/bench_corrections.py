@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks.correction import METHODS  # noqa: E402
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_padded  # noqa: E402
-from loops_callbacks.divergence.shadow import shadow_values  # noqa: E402
+from loops_callbacks.divergence.shadow import parse_corrections, shadow_values  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
@@ -84,7 +84,8 @@ def main() -> None:
     print("| statistics | ms | ratio to DivergenceStats.from_batch |\n|---|---:|---:|")
     print(f"| DivergenceStats.from_batch (monitor, logged step) | {base * 1e3:.2f} | 1.00 |")
     specs = [f"{m}:{BOUNDS[m]}" if m in BOUNDS else m for m in METHODS]
-    for label, corrections in [*((s, [s]) for s in specs), (" + ".join(THREE), THREE)]:
+    for label, listed in [*((s, [s]) for s in specs), (" + ".join(THREE), THREE)]:
+        corrections = parse_corrections(listed)
         seconds = median_seconds(lambda c=corrections: shadow_values(flat, c, advantages), args.repeats)
         print(f"| shadow: {label} | {seconds * 1e3:.2f} | {seconds / base:.3f} |")
 

@@ -1,6 +1,6 @@
 """Shadow statistics of rollout corrections: what each listed correction would do to a batch, without applying it.
 
-For a list of corrections (``loops_callbacks.correction``) and one ``FlatBatch``, ``shadow_values``
+For a list of parsed corrections (``parse_corrections``) and one ``FlatBatch``, ``shadow_values``
 gives mergeable sums, counts and maxima (0-d float64 tensors, by name); ``shadow_statistics`` declares
 each name with its reduction (``states.State``: sums add, maxima take the max, minima are stored
 negated), so micro-batches and ranks merge exactly; ``shadow_scalars`` turns merged values into
@@ -28,8 +28,9 @@ Examples:
     >>> from loops_callbacks.divergence.flat_batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
     ...                       mask=torch.ones(1, 2))
-    >>> values = shadow_values(flat, ["token_mask:2.0"])
-    >>> scalars = shadow_scalars(values, values, ["token_mask:2.0"])
+    >>> corrections = parse_corrections(["token_mask:2.0"])
+    >>> values = shadow_values(flat, corrections)
+    >>> scalars = shadow_scalars(values, values, corrections)
     >>> scalars["correction/token_mask(clip_max=2.0)/frac_tokens_masked"]
     1.0
     >>> round(scalars["correction/raw/token_ratio_max"], 3)
@@ -87,40 +88,34 @@ def _key(correction: Correction | None, stat: str) -> str:
     return f"correction:{'' if correction is None else correction.name}:{stat}"
 
 
-def shadow_statistics(corrections: Sequence[str | Correction]) -> tuple[State, ...]:
+def shadow_statistics(corrections: Sequence[Correction]) -> tuple[State, ...]:
     """Every statistic ``shadow_values`` returns, with its reduction; none for an empty list.
 
     Examples:
-        >>> [s.name for s in shadow_statistics(["geo"])][2:4]
+        >>> [s.name for s in shadow_statistics(parse_corrections(["geo"]))][2:4]
         ['correction::n_datums_no_advantage', 'correction:geo:n_tokens_masked']
     """
-    parsed = parse_corrections(corrections)
-    if not parsed:
+    if not corrections:
         return ()
-    totals = [_key(None, s) for s in SHARED_TOTALS] + [_key(c, s) for c in parsed for s in PER_CORRECTION_TOTALS]
+    totals = [_key(None, s) for s in SHARED_TOTALS] + [_key(c, s) for c in corrections for s in PER_CORRECTION_TOTALS]
     return (*(State(n, "sum") for n in totals), *(State(_key(None, s), "max") for s in SHARED_EXTREMA))
 
 
 @torch.no_grad()
 def shadow_values(
-    flat: FlatBatch, corrections: Sequence[str | Correction], advantages: torch.Tensor | None = None, *, rank: int = 0
+    flat: FlatBatch, corrections: Sequence[Correction], advantages: torch.Tensor | None = None, *, rank: int = 0
 ) -> dict[str, torch.Tensor]:
     """The shadow statistics of one batch, by name: 0-d float64 tensors on the batch's device.
 
-    ``advantages`` (one per datum, ``[B]``) is needed only by ``off_policy_mask``; NaN marks a datum
-    whose advantages could not be read: its sequence is not kept, and counted with ``rank`` (this
-    process's) for ``no_advantage_message``. Nothing synchronizes with the device.
+    ``advantages`` (one per datum, ``[B]``: ``per_datum.advantages``) is needed only by ``off_policy_mask``;
+    NaN marks a datum whose advantages could not be read: its sequence is not kept, and counted with ``rank``
+    (this process's) for ``no_advantage_message``. Nothing synchronizes with the device.
     """
-    parsed = parse_corrections(corrections)
-    if not parsed:
+    if not corrections:
         return {}
     diff, mask = flat.diff, flat.counted
     rows = Segments.of_lengths(flat.row_lengths, total=diff.numel())
     if advantages is not None:
-        if tuple(advantages.shape) != (rows.n_rows,):
-            raise ValueError(
-                f"'advantages' has shape {tuple(advantages.shape)}; expected ({rows.n_rows},), one per datum"
-            )
         advantages = advantages.detach().to(device=diff.device, dtype=torch.float64)
     x = CorrectionInput(diff, mask, rows, advantages)
     count = x.row_count
@@ -139,7 +134,7 @@ def shadow_values(
     values.update(_extrema("token_log_ratio", diff, x.finite))
     values.update(_extrema("seq_log_ratio", x.row_log_ratio, with_actions))
     values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), with_actions))
-    for correction in parsed:
+    for correction in corrections:
         if correction.spec.level == "sequence":
             values.update(_sequence_level(correction, correct_rows(correction, x), count, with_actions))
         else:
@@ -194,14 +189,13 @@ def _extrema(name: str, values: torch.Tensor, where: torch.Tensor) -> dict[str, 
 def shadow_scalars(
     totals: Mapping[str, float | torch.Tensor],
     extrema: Mapping[str, float | torch.Tensor],
-    corrections: Sequence[str | Correction],
+    corrections: Sequence[Correction],
 ) -> dict[str, float]:
     """The logged scalars (module docstring) from merged totals and extrema, by statistic name.
 
     Nothing is logged for a step without action tokens (every share would be 0 / 0).
     """
-    parsed = parse_corrections(corrections)
-    if not parsed:
+    if not corrections:
         return {}
     total = {name: float(value) for name, value in totals.items()}
     peak = {name: float(value) for name, value in extrema.items()}
@@ -215,7 +209,7 @@ def shadow_scalars(
         if high > -math.inf:  # -inf: every action token's log ratio was NaN
             scalars[f"{PREFIX}raw/{name}_max"] = _exp(high)
             scalars[f"{PREFIX}raw/{name}_min"] = _exp(-neg_low)
-    for correction in parsed:
+    for correction in corrections:
         sums = {stat: total[_key(correction, stat)] for stat in PER_CORRECTION_TOTALS}
         out = f"{PREFIX}{correction.name}/"
         scalars[out + "frac_tokens_masked"] = sums["n_tokens_masked"] / n_tokens

@@ -16,7 +16,7 @@ import torch
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import per_datum, step_warnings
 from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.shadow import shadow_scalars, shadow_values
+from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.metrics import stratum_scalars
 from loops_callbacks.divergence.monitor import MediaOptions
@@ -67,8 +67,9 @@ def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]
 def expected_shadow(window: list[dict[str, Any]], step: int) -> dict[str, float]:
     """The corrections' shadow scalars of the window's micro-batches concatenated, in one piece."""
     advantages = torch.cat([record["advantages"] for record in window]).double()  # one per datum
-    values = shadow_values(window_flat(window, step), CORRECTIONS, advantages)
-    return {PREFIX + name: value for name, value in shadow_scalars(values, values, CORRECTIONS).items()}
+    corrections = parse_corrections(CORRECTIONS)
+    values = shadow_values(window_flat(window, step), corrections, advantages)
+    return {PREFIX + name: value for name, value in shadow_scalars(values, values, corrections).items()}
 
 
 def assert_close(got: dict[str, float], want: dict[str, float]) -> None:
