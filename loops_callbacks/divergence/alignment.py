@@ -128,9 +128,6 @@ def offset_sums(flat: FlatBatch) -> torch.Tensor:
 
 def read_offsets(sums: np.ndarray) -> Offsets:
     """The ``Offsets`` of a host ``offset_sums`` vector (merged over micro-batches and ranks)."""
-    sums = np.asarray(sums, dtype=np.float64)
-    if sums.shape != (OFFSET_SIZE,):
-        raise ValueError(f"offset sums must have shape ({OFFSET_SIZE},), got {sums.shape}")
     count, total, squares, gap_voted, gap_aligned = sums[: len(BIN_FIELDS) * OFFSET_BINS].reshape(len(BIN_FIELDS), -1)
     left_rows, left_vote_rows, left_pairs, left_gap, left_gap_aligned = sums[len(BIN_FIELDS) * OFFSET_BINS :]
     rows = float(count.sum())
