@@ -375,8 +375,8 @@ class DatumTokens:
             inputs.append(ids)
             predicted.append(_predicted_ids(target, ids, ids.shape[0], where=f"datum {i}"))
         padded = [pad_sequence(rows, batch_first=True, padding_value=NO_TOKEN) for rows in (inputs, predicted)]
-        rows = torch.arange(len(inputs), device=datum.device)
-        return PaddedTokens(*padded, datum.device).lookup(rows, position)
+        chosen = torch.arange(len(inputs), device=datum.device)  # row r of the padded ids is datum[r]
+        return PaddedTokens(*padded, datum.device).lookup(chosen, position)
 
 
 def _take(tokens: torch.Tensor, row: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
