@@ -13,7 +13,8 @@ fails at setup, naming the Lightning version, if a release renames them.
 
 Examples:
     >>> from loops_callbacks.divergence.causes import Diagnosis
-    >>> history = RunHistory(watched="kl_sample_train_k3", max_kl=0.05)
+    >>> from loops_callbacks.divergence.guard_rail import GuardRail
+    >>> history = RunHistory(GuardRail(max_kl=0.05))
     >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, Diagnosis("stale", 0.8, {"token_eta2": 0.2}))
     >>> history.observe(1, {"n_action_tokens": 0.0}, None)
     >>> history.acted(Verdict.STOPPED, 0, "kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05")
@@ -46,6 +47,7 @@ from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
     CALIBRATION_SPREAD, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_shaped,
 )
+from loops_callbacks.divergence.guard_rail import GuardRail
 
 
 class Verdict(enum.Enum):
@@ -75,9 +77,7 @@ class RunHistory:
     """One run's history (module docstring): the monitor starts a new one when a fit starts, and a fit resumed
     from a checkpoint continues the saved one (``_RUN_FIELDS``), with a verdict of its own."""
 
-    watched: str
-    max_kl: float | None
-    max_sampling_z: float | None = None
+    guard_rail: GuardRail  # its bounds, for the verdict (kl_metric by its bare name)
     logged_steps: int = 0
     last_step: int | None = None
     causes: dict[str, list[int]] = field(default_factory=dict)  # label: [steps, first step], in order of appearance
@@ -100,7 +100,7 @@ class RunHistory:
         """What the guard rail did; ``NO_EXCEEDANCE`` only when it judged at least one step."""
         if self.action is not None:
             return self.action
-        if self.max_kl is None and self.max_sampling_z is None:
+        if not self.guard_rail.judges:
             return Verdict.OFF
         return Verdict.NO_EXCEEDANCE if self.judged_steps else Verdict.NOTHING_JUDGED
 
@@ -168,8 +168,9 @@ class RunHistory:
                 f"step (log_every_n_steps = {self.log_every_n_steps})")
             return f"Guard rail: nothing judged ({why})"
         if verdict is Verdict.NO_EXCEEDANCE:
-            bounds = [f"{self.watched} <= {self.max_kl:g}"] if self.max_kl is not None else []
-            bounds += [f"|sampling_z| <= {self.max_sampling_z:g}"] if self.max_sampling_z is not None else []
+            rail = self.guard_rail
+            bounds = [f"{rail.kl_metric} <= {rail.max_kl:g}"] if rail.max_kl is not None else []
+            bounds += [f"|sampling_z| <= {rail.max_sampling_z:g}"] if rail.max_sampling_z is not None else []
             since = f" since step {self.fit_start}" if self.fit_start else ""
             return f"Guard rail: no exceedance ({' and '.join(bounds)} on every judged step{since})"
         if verdict is Verdict.WARNED:

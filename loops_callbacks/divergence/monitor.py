@@ -178,7 +178,7 @@ class KLSampleTrainMonitor(Callback):
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.last_metrics: dict[str, float] = {}
         self.last_diagnosis: Diagnosis | None = None
-        self.history = RunHistory(self.guard_rail.kl_metric, self.guard_rail.max_kl, self.guard_rail.max_sampling_z)
+        self.history = RunHistory(self.guard_rail)
         self.calibration = Calibration(self.calibration_steps)
         self._step_stats: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
         self._logged_keys: set[str] = set()  # the keys put in callback_metrics last
