@@ -126,8 +126,7 @@ class RunHistory:
 
     def saved(self) -> dict[str, Any]:
         """The run's part (``_RUN_FIELDS``) as plain data, for a checkpoint ``torch.load(weights_only=True)`` reads."""
-        return {name: dataclasses.asdict(value) if isinstance(value, Diagnosis) else value
-                for name, value in ((name, getattr(self, name)) for name in _RUN_FIELDS)}
+        return {name: value for name, value in dataclasses.asdict(self).items() if name in _RUN_FIELDS}
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Continue the run ``saved`` describes; what an older checkpoint lacks keeps its value."""
