@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,22 @@ _WANDB_DIRS = {
 def pytest_configure(config: pytest.Config) -> None:
     """Hypothesis writes its cache (``.hypothesis/``) while test modules are collected: in the tmp dir."""
     set_hypothesis_home_dir(config._tmp_path_factory.mktemp("hypothesis"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``pytest -n``: one worker runs each file's tests, so that they share the file's fixtures (its 2-rank
+    process group, its background runs), and one runs every vLLM file, which share one engine."""
+    if config.getvalue("dist") != "loadfile":  # another --dist asked for
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::")[0]
+            return "tests/integrations" if file.startswith("tests/integrations/") else file
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

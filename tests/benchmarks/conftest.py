@@ -2,8 +2,9 @@
 
 A test marked ``@pytest.mark.benchmark_run(script, *args)`` reads its run from the ``benchmark_run``
 fixture. Each run is its own process (``sys.executable``, one torch thread) that mostly keeps one
-core busy while pytest waits: the first such test of the package starts every selected one, two
-at a time in the order of the tests, so that both cores work, also through the tests in between.
+core busy while pytest waits: the first such test of a module starts every selected one of that module,
+two at a time in the order of the tests, so that both cores work, also through the tests in between
+(a module is the unit ``pytest -n`` sends to one worker: ``--dist loadscope``).
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "benchmark_run(script, *args): the benchmark run the test reads")
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def started_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Future[BenchmarkRun]]]:
-    """Every selected test's run, by test node id, started ``AT_ONCE`` at a time in the order of the tests."""
-    marked = [(item.nodeid, item.get_closest_marker("benchmark_run")) for item in request.session.items]
+    """This module's selected tests' runs, by test node id, started ``AT_ONCE`` at a time in their order."""
+    marked = [(item.nodeid, item.get_closest_marker("benchmark_run")) for item in request.session.items
+              if getattr(item, "module", None) is request.module]
     with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
 
         def submit(marker: pytest.Mark) -> Future[BenchmarkRun]:
