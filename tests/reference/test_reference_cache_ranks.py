@@ -14,13 +14,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as mp
 
 import loops_callbacks.reference.across_ranks as across_ranks
 from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.types import ModelInput
-from tests.helpers import free_port
+from tests.helpers import free_port, start_two_ranks
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [3, 1, 4, 1, 5]]
 
@@ -68,7 +67,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_a_rank_that_reads_other_bytes_than_rank_0_checked_trains_on_rank_0s_values(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    start_two_ranks(_worker, (free_port(), str(tmp_path)), join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     expected = [-0.5 if k < len(ids) - 1 else 0.0 for ids in TOKENS for k in range(len(ids))]  # (shifted: targets)
     for rank, result in enumerate(results):
