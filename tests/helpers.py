@@ -379,8 +379,9 @@ PRELOADED = ["torch", "lightning.pytorch", "loops_callbacks", "tests.helpers"]
 
 def start_two_ranks(worker: Callable[..., None], args: tuple[Any, ...], *, join: bool) -> Any:
     """``worker(rank, *args)`` in two processes (``torch.multiprocessing.start_processes``), forked from one
-    server per test process that has imported ``PRELOADED`` (``multiprocessing``'s forkserver: nothing of the
-    test process but its ``sys.path`` and working directory reaches the ranks, as with ``spawn``)."""
+    server per test process that has imported ``PRELOADED`` (``multiprocessing``'s forkserver). A rank gets this
+    process's ``sys.path`` and working directory, and the environment it had when the server started (after the
+    session's fixtures set theirs): a rank sets its own ``RANK`` and ``MASTER_PORT``, as each worker here does."""
     multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts, the first time
     return mp.start_processes(worker, args=args, nprocs=2, join=join, start_method="forkserver")
 

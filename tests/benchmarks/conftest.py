@@ -4,7 +4,7 @@ A test marked ``@pytest.mark.benchmark_run(script, *args)`` reads its run from t
 fixture. Each run is its own process (``sys.executable``, one torch thread) that mostly keeps one
 core busy while pytest waits: the first such test of a module starts every selected one of that module,
 two at a time in the order of the tests, so that both cores work, also through the tests in between
-(a module is the unit ``pytest -n`` sends to one worker: ``--dist loadscope``).
+(a file is the unit ``pytest -n`` gives one worker: ``tests/conftest.py``).
 """
 
 from __future__ import annotations
