@@ -9,13 +9,22 @@ accepted input form. ``reduce_in_threads`` runs the cross-rank reduction with th
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing
 import multiprocessing.util
+import os
+import runpy
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import traceback
+import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +413,97 @@ def run_two_ranks(
             process.terminate()
         pytest.fail(f"the ranks hung: {what}")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+@dataclass
+class ForkedPython:
+    """``python *args`` run by a process forked from the preloaded server (``start_python``)."""
+
+    args: list[str]
+    process: Any  # a multiprocessing.Process
+    outputs: tempfile.TemporaryDirectory[str]
+    stderr_to_stdout: bool
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Its exit status and outputs, as ``subprocess.run(..., capture_output=True, text=True)`` gives them;
+        ``subprocess.TimeoutExpired`` (the process killed) if it runs past ``timeout`` seconds."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+            raise subprocess.TimeoutExpired(self.args, timeout, output=self._read("stdout"))
+        stderr = None if self.stderr_to_stdout else self._read("stderr")
+        done = subprocess.CompletedProcess(self.args, self.process.exitcode, self._read("stdout"), stderr)
+        self.outputs.cleanup()
+        return done
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()
+
+    def _read(self, name: str) -> str:
+        return Path(self.outputs.name, name).read_text(errors="replace")
+
+
+def start_python(
+    *args: str, cwd: str | Path | None = None, env: dict[str, str] | None = None, stderr_to_stdout: bool = False
+) -> ForkedPython:
+    """Start ``python *args`` (a script and its arguments, ``-c CODE ...`` or ``-m MODULE ...``) as a process
+    forked from the server that has imported ``PRELOADED``: 0.04 s to start instead of about 7 s.
+
+    It runs in ``cwd`` with exactly ``env`` (default: this process's environment), its ``sys.argv`` and
+    ``sys.path[0]`` as Python sets them, ``OMP_NUM_THREADS`` applied to torch, its outputs in files, and the
+    ``atexit`` handlers run at its end. Unlike a fresh process, it has the preloaded modules imported
+    already (so an environment variable they read at import has no effect) and the server's hash seed:
+    what depends on those (imports, memory, ``PYTHONHASHSEED``) needs ``subprocess``.
+    """
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    outputs = tempfile.TemporaryDirectory(prefix="python-")
+    stderr = "stdout" if stderr_to_stdout else "stderr"
+    for name in {"stdout", stderr}:
+        Path(outputs.name, name).touch()
+    target_args = (list(args), str(cwd or os.getcwd()), dict(os.environ if env is None else env), outputs.name, stderr)
+    process = multiprocessing.get_context("forkserver").Process(target=_as_python, args=target_args)
+    process.start()
+    return ForkedPython(list(args), process, outputs, stderr_to_stdout)
+
+
+def run_python(*args: str, timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``start_python(*args, **kwargs).wait(timeout)``."""
+    return start_python(*args, **kwargs).wait(timeout)
+
+
+def _as_python(args: list[str], cwd: str, env: dict[str, str], outputs: str, stderr: str) -> None:
+    """The forked process: what ``python *args`` does, from the point where the imports are done."""
+    for fd, name in ((1, "stdout"), (2, stderr)):
+        file = os.open(os.path.join(outputs, name), os.O_WRONLY | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # TMPDIR is read again
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        if args[0] == "-c":
+            sys.argv, sys.path[0:0] = ["-c", *args[2:]], [""]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        elif args[0] == "-m":
+            sys.argv, sys.path[0:0] = [args[1], *args[2:]], [cwd]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[0:0] = list(args), [os.path.dirname(os.path.abspath(args[0]))]
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit:
+        raise  # multiprocessing turns its code into the exit status, as Python does
+    except BaseException:
+        traceback.print_exc()  # as Python prints it, without multiprocessing's header
+        raise SystemExit(1) from None
+    finally:
+        atexit._run_exitfuncs()
 
 
 class WarningsDuringFit(pl.Callback):

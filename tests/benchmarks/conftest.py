@@ -1,8 +1,9 @@
 """The benchmark smoke runs start ahead of their tests, two at a time.
 
 A test marked ``@pytest.mark.benchmark_run(script, *args)`` reads its run from the ``benchmark_run``
-fixture. Each run is its own process (``sys.executable``, one torch thread) that mostly keeps one
-core busy while pytest waits: the first such test of a module starts every selected one of that module,
+fixture. Each run is its own process (one torch thread), forked from a server that has imported torch,
+Lightning and the package (``tests.helpers.run_python``; the scripts measure memory and imports in
+processes of their own), that mostly keeps one core busy while pytest waits: the first such test of a module starts every selected one of that module,
 two at a time in the order of the tests, so that both cores work, also through the tests in between
 (a file is the unit ``pytest -n`` gives one worker: ``tests/conftest.py``).
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 AT_ONCE = 2  # the cores of the smallest machine the suite runs on
@@ -39,10 +41,7 @@ class BenchmarkRun:
 
 def start_benchmark(folder: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TMPDIR": str(folder)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
+    return run_python(str(ROOT / "benchmarks" / script), *args, cwd=folder, env=env, timeout=600)
 
 
 def pytest_configure(config: pytest.Config) -> None:
