@@ -17,6 +17,7 @@ from loops_callbacks.reference.across_ranks import score_across_ranks
 from loops_callbacks.reference.cache import CACHE_FILE_NAME, CacheKey, read_cache, write_cache
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.types import ModelInput
+from tests.helpers import run_python
 
 KEY = CacheKey(reference="r", data="d", dtype="float32")
 VALUES = [np.array([-0.5, 0.0]), np.array([0.0])]
@@ -38,8 +39,7 @@ KILLED_WRITER = """
 @pytest.mark.skipif(os.name != "posix", reason="SIGKILL and the liveness check are POSIX")
 def test_the_next_write_removes_the_temporary_file_of_a_killed_writer(tmp_path: Path) -> None:
     path = tmp_path / CACHE_FILE_NAME
-    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_WRITER), str(path)],
-                            capture_output=True, text=True, timeout=120)
+    killed = run_python("-c", textwrap.dedent(KILLED_WRITER), str(path), timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     leftover = tmp_path / killed.stdout.strip()
     assert leftover.name.startswith(CACHE_FILE_NAME + ".tmp.") and leftover.stat().st_size > 4000

@@ -38,6 +38,7 @@ from loops_callbacks.reference.cache import read_cache, write_cache
 from loops_callbacks.reference.cache_tool import list_caches
 from loops_callbacks.reference.cache_tool import main as cache_tool
 from loops_callbacks.types import Datum, ModelInput
+from tests.helpers import run_python, start_python
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
 OTHER_TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 7]]
@@ -120,12 +121,10 @@ CHANGES = ("overwrite", "truncate")
 def jobs_whose_cache_changed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
     """Each change's job (``CHANGED_UNDER_A_JOB``), both started at once: what each ended with."""
     folder = tmp_path_factory.mktemp("changed_under_a_job")
-    jobs = {how: subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(folder / how), how],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for how in CHANGES}
+    jobs = {how: start_python("-c", textwrap.dedent(CHANGED_UNDER_A_JOB), str(folder / how), how,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for how in CHANGES}
     try:
-        outputs = {how: job.communicate(timeout=300) for how, job in jobs.items()}
-        return {how: subprocess.CompletedProcess(job.args, job.returncode, *outputs[how]) for how, job in jobs.items()}
+        return {how: job.wait(timeout=300) for how, job in jobs.items()}
     finally:
         for job in jobs.values():
             job.kill()
@@ -167,8 +166,8 @@ def test_a_fifo_or_a_directory_at_the_cache_path_is_reported_not_waited_on(tmp_p
     key = CacheKey("r", data_fingerprint(TOKENS), "float32")
     (tmp_path / "dir.cache").mkdir()
     assert read_cache(tmp_path / "dir.cache", key, [4, 3, 2]).status == "corrupt"
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(READ_A_FIFO), str(tmp_path / "fifo.cache")],
-                         capture_output=True, text=True, timeout=120)  # (opening a FIFO to read waits for a writer)
+    run = run_python("-c", textwrap.dedent(READ_A_FIFO), str(tmp_path / "fifo.cache"),
+                     timeout=120)  # (opening a FIFO to read waits for a writer)
     assert run.returncode == 0 and "not a regular file" in run.stdout, run.stderr[-2000:]
 
 

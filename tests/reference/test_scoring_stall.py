@@ -1,6 +1,6 @@
 """A rank that stalls while scoring the reference is named on every other rank within the timeout, with no hang.
 
-Two gloo ranks as separate processes (``python -m tests.reference.test_scoring_stall``): one sleeps in its
+Two gloo ranks as separate processes (``main``, forked by ``tests.helpers.start_python``): one sleeps in its
 scoring forward far longer than ``scoring_timeout``. The other must stop within the timeout with a
 ``RankStalledError`` naming the step it waited at and the rank that did not come (and where that
 rank was); the late rank, when it wakes, must stop too instead of entering a collective alone.
@@ -10,19 +10,17 @@ The three cases' pairs start at once (``stalled_runs``): each mostly sleeps thro
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ForkedPython, free_port, start_python
+
 TIMEOUT_S = 2.0
-STALL_S = 10.0
+STALL_S = 6.0
 
 
 class SleepyClient:
@@ -82,55 +80,42 @@ def main() -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_two_ranks(stalled: int, reference: str) -> list[subprocess.Popen[str]]:
+def start_two_ranks(stalled: int, reference: str) -> list[ForkedPython]:
     """Both ranks as processes (``main``), rank ``stalled`` sleeping in its scoring."""
-    port = _free_port()
-    processes = []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), STALLED_RANK=str(stalled), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1", REFERENCE=reference)
-        processes.append(subprocess.Popen(
-            [sys.executable, "-c", "from tests.reference.test_scoring_stall import main; main()"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    return processes
+    port = free_port()
+    return [start_python("-c", "from tests.reference.test_scoring_stall import main; main()", stderr_to_stdout=True,
+                         env=dict(os.environ, RANK=str(rank), STALLED_RANK=str(stalled), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1", REFERENCE=reference))
+            for rank in (0, 1)]
 
 
 CASES = {"rank1_stalls": (1, "client"), "rank0_stalls": (0, "client"), "policy_rank1_stalls": (1, "policy")}
 
 
 @pytest.fixture(scope="module")
-def stalled_runs() -> Iterator[dict[str, tuple[list[subprocess.Popen[str]], list[str]]]]:
-    """Every case's two ranks, all started at once (each mostly waits out its stall): processes and outputs."""
+def stalled_runs() -> Iterator[dict[str, list[subprocess.CompletedProcess[str]]]]:
+    """Every case's two ranks, all started at once (each mostly waits out its stall): how each ended."""
     started = {case: start_two_ranks(*args) for case, args in CASES.items()}
     try:
-        yield {case: (processes, [process.communicate(timeout=120)[0] for process in processes])
-               for case, processes in started.items()}
+        yield {case: [rank.wait(timeout=120) for rank in ranks] for case, ranks in started.items()}
     finally:
-        for process in (process for processes in started.values() for process in processes):
-            if process.poll() is None:
-                process.kill()
+        for rank in (rank for ranks in started.values() for rank in ranks):
+            rank.kill()
 
 
 @pytest.mark.parametrize("stalled", [1, 0], ids=["rank1_stalls", "rank0_stalls"])
 def test_a_stalled_rank_is_named_within_the_timeout(stalled: int, stalled_runs: dict[str, Any]) -> None:
-    processes, outputs = stalled_runs[f"rank{stalled}_stalls"]
+    ranks = stalled_runs[f"rank{stalled}_stalls"]
     waiting = 1 - stalled
-    waited = outputs[waiting].strip().splitlines()[-1]
-    assert processes[waiting].returncode == 3, outputs[waiting]
+    waited = ranks[waiting].stdout.strip().splitlines()[-1]
+    assert ranks[waiting].returncode == 3, ranks[waiting].stdout
     assert "RankStalledError" in waited, waited
     assert f"rank(s) {stalled} did not reach 'gathering the scored values' within {TIMEOUT_S:g} s" in waited, waited
     assert f"rank {stalled} is still at: scoring its block" in waited, waited
     seconds = float(waited.split()[1])
     assert TIMEOUT_S <= seconds < STALL_S, waited  # named within the timeout, not after the stall ended
-    late = outputs[stalled].strip().splitlines()[-1]
-    assert processes[stalled].returncode == 3, outputs[stalled]
+    late = ranks[stalled].stdout.strip().splitlines()[-1]
+    assert ranks[stalled].returncode == 3, ranks[stalled].stdout
     assert "RankStalledError" in late, late
     if stalled == 0:  # the store (on rank 0) is still up: the late rank reads why rank 1 gave up
         assert "rank 0 stops before 'gathering the scored values': rank 1 gave up waiting" in late, late
@@ -140,13 +125,13 @@ def test_a_stalled_rank_is_named_within_the_timeout(stalled: int, stalled_runs: 
 
 def test_a_rank_stalled_in_a_lock_step_forward_is_named_at_the_next_forward(stalled_runs: dict[str, Any]) -> None:
     """The policy as the reference: its forwards may be collectives (FSDP), so the ranks meet before each."""
-    processes, outputs = stalled_runs["policy_rank1_stalls"]
-    waited = outputs[0].strip().splitlines()[-1]
-    assert processes[0].returncode == 3 and "RankStalledError" in waited, outputs[0]
+    ranks = stalled_runs["policy_rank1_stalls"]
+    waited = ranks[0].stdout.strip().splitlines()[-1]
+    assert ranks[0].returncode == 3 and "RankStalledError" in waited, ranks[0].stdout
     assert f"rank(s) 1 did not reach 'lock-step forward 2 of 2' within {TIMEOUT_S:g} s" in waited, waited
     assert "rank 1 is still at: in lock-step forward 1 of 2" in waited, waited
     assert TIMEOUT_S <= float(waited.split()[1]) < STALL_S, waited
-    assert processes[1].returncode == 3, outputs[1]
+    assert ranks[1].returncode == 3, ranks[1].stdout
 
 
 @pytest.mark.parametrize(("value", "error"), [(0, ValueError), (float("nan"), ValueError), ("60", TypeError)])
