@@ -1,6 +1,6 @@
 """What a module may import, as pyproject.toml's ruff rules say (TID251, TID253): the shared modules
 (``loops_callbacks/*.py``) import no wing, and the command imports the demo and the logger backends only
-when a config names them. ruff comes with the dev extra."""
+when a config names them. ruff comes with the dev extra. What a fresh process imports is checked in one."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def test_the_rules_refuse_a_shared_module_importing_a_wing_and_the_command_impor
     assert command.returncode == 1 and "TID253 `wandb` is banned at the module level" in command.stdout, command.stdout
     in_a_function = "def log():\n    import wandb\n"  # imported when a config names it: allowed
     assert ruff("--stdin-filename", "loops_callbacks/cli/summary.py", "-", source=in_a_function).returncode == 0
+
+
+def test_the_plain_functions_import_without_lightning_and_the_command_without_the_demo_or_a_logger() -> None:
+    probe = (
+        "import sys, loops_callbacks\n"
+        "from loops_callbacks import loops_compute_kl_sample_train, attach_reference_logprobs\n"
+        "assert 'lightning' not in sys.modules, 'lightning was imported'\n"
+        "import loops_callbacks.cli\n"
+        "print(sorted(m for m in ('loops_callbacks.demo', 'wandb', 'tensorboard') if m in sys.modules))\n"
+        "from loops_callbacks import KLSampleTrainMonitor\n"
+        "assert 'lightning' in sys.modules and KLSampleTrainMonitor.__name__ == 'KLSampleTrainMonitor'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

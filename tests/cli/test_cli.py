@@ -358,17 +358,6 @@ def test_a_value_refused_once_fit_runs_is_still_an_error() -> None:
         run_cli(["fit", "--config", dpo_config("pairs.jsonl", val_fraction=0.9)])
 
 
-def test_the_cli_imports_no_demo_and_no_logger_backend_until_a_config_names_them() -> None:
-    import subprocess
-    import sys
-
-    probe = ("import sys, loops_callbacks.cli; "
-             "print(sorted(m for m in ('loops_callbacks.demo', 'wandb', 'tensorboard') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
-
-
 def test_the_package_classes_have_short_names_and_the_demo_full_paths(tmp_path: Path) -> None:
     (tmp_path / "pairs.jsonl").write_text('{"chosen": [1, 2], "rejected": [1, 3], "prompt_length": 1}\n')
     config = tmp_path / "short.yaml"

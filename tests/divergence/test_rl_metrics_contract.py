@@ -204,17 +204,3 @@ def test_tensor_data_round_trip_keeps_none() -> None:
     assert data.data == [0.5, None, -1.0] and data.shape == [3]
     assert torch.equal(data.to_torch().nan_to_num(7.0), torch.tensor([0.5, 7.0, -1.0]))
     assert ModelInput.from_ints([1, 2]).append_int(3).length == 3
-
-
-def test_the_plain_functions_import_without_lightning() -> None:
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, loops_callbacks\n"
-        "from loops_callbacks import loops_compute_kl_sample_train, attach_reference_logprobs\n"
-        "assert 'lightning' not in sys.modules, 'lightning was imported'\n"
-        "from loops_callbacks import KLSampleTrainMonitor\n"
-        "assert 'lightning' in sys.modules and KLSampleTrainMonitor.__name__ == 'KLSampleTrainMonitor'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
