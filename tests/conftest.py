@@ -1,4 +1,5 @@
-"""Test-wide settings: nothing touches the network, and nothing is written outside pytest's tmp dirs.
+"""Test-wide settings: nothing touches the network, nothing is written outside pytest's tmp dirs, and under
+``pytest -n`` each worker (and each process it starts) uses its share of the cores for torch's threads.
 
 W&B is offline and every directory it writes (runs, service logs, cache, settings) lies in one
 session tmp dir; so does Hypothesis's cache, and it keeps no example database. ``.ci/run`` checks that
@@ -37,6 +38,13 @@ _WANDB_DIRS = {
 def pytest_configure(config: pytest.Config) -> None:
     """Hypothesis writes its cache (``.hypothesis/``) while test modules are collected: in the tmp dir."""
     set_hypothesis_home_dir(config._tmp_path_factory.mktemp("hypothesis"))
+
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in each worker of ``pytest -n``
+if _WORKERS > 1:  # the cores shared out: a worker's torch threads (and its processes') would wait on the others'
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(optionalhook=True)
