@@ -31,10 +31,17 @@ def test_the_rules_refuse_a_shared_module_importing_a_wing_and_the_command_impor
     assert ruff("--stdin-filename", "loops_callbacks/cli/summary.py", "-", source=in_a_function).returncode == 0
 
 
-def test_the_plain_functions_import_without_lightning_and_the_command_without_the_demo_or_a_logger() -> None:
+def test_the_plain_functions_and_the_cache_command_run_without_lightning_and_the_cli_without_the_demo_or_a_logger(
+    tmp_path: Path,
+) -> None:
     probe = (
         "import sys, loops_callbacks\n"
         "from loops_callbacks import loops_compute_kl_sample_train, attach_reference_logprobs\n"
+        "from loops_callbacks.__main__ import main\n"
+        "try:\n"
+        f"    main(['cache', 'list', {str(tmp_path)!r}])\n"
+        "except SystemExit as exit_:\n"
+        "    assert exit_.code == 0, exit_.code\n"
         "assert 'lightning' not in sys.modules, 'lightning was imported'\n"
         "import loops_callbacks.cli\n"
         "print(sorted(m for m in ('loops_callbacks.demo', 'wandb', 'tensorboard') if m in sys.modules))\n"
@@ -43,4 +50,4 @@ def test_the_plain_functions_import_without_lightning_and_the_command_without_th
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
+    assert done.stdout.splitlines() == [f"no reference-logprob caches in {tmp_path}", "[]"]

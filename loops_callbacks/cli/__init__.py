@@ -50,7 +50,6 @@ from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT
 from loops_callbacks.cli.summary import exit_status, killed_line, killed_rank, monitors_of, rank_deaths_reported
 from loops_callbacks.cli.summary import run_summary, shown, wandb_run_directory
 from loops_callbacks.divergence.guard_rail import SampleTrainDivergenceError
-from loops_callbacks.reference import cache_tool
 
 __all__ = ["LoopsCLI", "main", "run_cli"]
 
@@ -340,14 +339,8 @@ def run_cli(args: Any = None) -> LoopsCLI:
 
 
 def main(args: Any = None) -> None:
-    """Entry point of ``loops-callbacks`` and ``python -m loops_callbacks``; exits with ``EXIT_STATUSES``.
-
-    ``loops-callbacks cache list|prune DIR ...`` sees and prunes reference-logprob caches
-    (``loops_callbacks.reference.cache_tool``) instead of running LightningCLI.
-    """
-    argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, (list, tuple)) and argv[:1] == ["cache"]:
-        raise SystemExit(cache_tool.main(list(argv[1:])))
+    """LightningCLI on ``args`` (default: ``sys.argv[1:]``); exits with ``EXIT_STATUSES``. The ``loops-callbacks``
+    command (``loops_callbacks.__main__.main``) runs it for everything but ``cache``."""
     try:
         cli = run_cli(args)
     except SampleTrainDivergenceError:
@@ -358,7 +351,3 @@ def main(args: Any = None) -> None:
             raise
         _exit_with(f"loops-callbacks: error: {missing}", EXIT_ERROR)
     raise SystemExit(exit_status(cli.trainer))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
