@@ -85,7 +85,7 @@ CHANGED_UNDER_A_JOB = """
     from loops_callbacks.reference.config import ReferenceConfig
 
     base, how = Path(sys.argv[1]), sys.argv[2]
-    tokens = [[1, 2, 3, 4], [5, 6, 7], [8, 9]] * 2000
+    tokens = [[1, 2, 3, 4], [5, 6, 7], [8, 9]] * 500      # 18 KB of values: a memory map would fault past 64 bytes
 
     class Constant:
         def __init__(self, value):
