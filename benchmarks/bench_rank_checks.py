@@ -115,7 +115,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    mp.start_processes(_rank, args=(port, args.repeats), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(port, args.repeats), nprocs=2, start_method="fork")  # nothing runs here yet
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def run(mechanism: str, timeout: float, meetings: int) -> dict:
     with mp.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        processes = [mp.get_context("spawn").Process(target=_rank, args=(rank, port, mechanism, timeout, meetings,
+        processes = [mp.get_context("fork").Process(target=_rank, args=(rank, port, mechanism, timeout, meetings,
                                                                           results)) for rank in (0, 1)]
         for process in processes:
             process.start()
