@@ -1,5 +1,5 @@
 """The reference-logprob caches of a directory: which one a run reads (``find_cache``), and the command that lists
-and prunes them, ``loops-callbacks cache`` (``python -m loops_callbacks.reference.cache_tool`` is the same)::
+and prunes them, ``loops-callbacks cache`` (``python -m loops_callbacks cache`` is the same)::
 
     loops-callbacks cache list runs/dpo/reference_logprobs
     loops-callbacks cache prune runs/dpo/reference_logprobs --older-than 30
@@ -33,7 +33,6 @@ import argparse
 import errno
 import os
 import stat
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -334,6 +333,3 @@ def _remove(path: str) -> str:
         return f"it cannot be removed ({error.strerror or error})"
     return ""
 
-
-if __name__ == "__main__":
-    sys.exit(main())
