@@ -10,6 +10,7 @@ accepted input form. ``reduce_in_threads`` runs the cross-rank reduction with th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import multiprocessing
 import multiprocessing.util
@@ -23,7 +24,8 @@ import threading
 import traceback
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -504,6 +506,20 @@ def _as_python(args: list[str], cwd: str, env: dict[str, str], outputs: str, std
         raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()
+
+
+def tests_of_this_module(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The session's selected tests that belong to the requesting fixture's module."""
+    return [item for item in request.session.items if getattr(item, "module", None) is request.module]
+
+
+@contextlib.contextmanager
+def in_background(runs: Mapping[str, Callable[[], Any]], at_once: int = 2) -> Iterator[dict[str, Future[Any]]]:
+    """Each of ``runs`` started in order, ``at_once`` at a time (the cores of the smallest machine the suite runs
+    on), while the tests go on: its future by name. Those not started yet are cancelled at the end."""
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        yield {name: pool.submit(run) for name, run in runs.items()}
+        pool.shutdown(cancel_futures=True)
 
 
 class WarningsDuringFit(pl.Callback):

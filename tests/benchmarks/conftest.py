@@ -2,27 +2,27 @@
 
 A test marked ``@pytest.mark.benchmark_run(script, *args)`` reads its run from the ``benchmark_run``
 fixture. Each run is its own process (one torch thread), forked from a server that has imported torch,
-Lightning and the package (``tests.helpers.run_python``; the scripts measure memory and imports in
-processes of their own), that mostly keeps one core busy while pytest waits: the first such test of a module starts every selected one of that module,
-two at a time in the order of the tests, so that both cores work, also through the tests in between
-(a file is the unit ``pytest -n`` gives one worker: ``tests/conftest.py``).
+Lightning and the package (``tests.helpers.run_python``: the scripts measure memory and imports in
+processes of their own), and mostly keeps one core busy while pytest waits. The first such test of a
+module starts every selected one of that module, two at a time in the order of the tests
+(``tests.helpers.in_background``), so that both cores work, also through the tests in between (a file
+is the unit ``pytest -n`` gives one worker: ``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_python
+from tests.helpers import in_background, run_python, tests_of_this_module
 
 ROOT = Path(__file__).resolve().parents[2]
-AT_ONCE = 2  # the cores of the smallest machine the suite runs on
 
 
 @dataclass(frozen=True)
@@ -52,18 +52,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def started_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Future[BenchmarkRun]]]:
-    """This module's selected tests' runs, by test node id, started ``AT_ONCE`` at a time in their order."""
-    marked = [(item.nodeid, item.get_closest_marker("benchmark_run")) for item in request.session.items
-              if getattr(item, "module", None) is request.module]
-    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+    """This module's selected tests' runs, by test node id, started two at a time in their order."""
 
-        def submit(marker: pytest.Mark) -> Future[BenchmarkRun]:
-            folder = tmp_path_factory.mktemp(Path(marker.args[0]).stem)
-            return pool.submit(lambda: BenchmarkRun(folder, start_benchmark(folder, *marker.args)))
+    def run(marker: pytest.Mark) -> Callable[[], BenchmarkRun]:
+        folder = tmp_path_factory.mktemp(Path(marker.args[0]).stem)
+        return lambda: BenchmarkRun(folder, start_benchmark(folder, *marker.args))
 
-        runs = {nodeid: submit(marker) for nodeid, marker in marked if marker is not None}
+    marked = {item.nodeid: item.get_closest_marker("benchmark_run") for item in tests_of_this_module(request)}
+    with in_background({nodeid: run(marker) for nodeid, marker in marked.items() if marker is not None}) as runs:
         yield runs
-        pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture

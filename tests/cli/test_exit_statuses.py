@@ -21,8 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from loops_callbacks.cli.summary import (
     EXIT_USAGE,
 )
 from tests.cli.test_cli import K3, P, tensorboard_events, text_at
+from tests.helpers import in_background, tests_of_this_module
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -432,15 +433,14 @@ def command_runs(
     with the first test that reads one, two at a time, and go on through the tests that run ``main``
     in this process, so that both cores work.
     """
-    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
-    with ThreadPoolExecutor(max_workers=2) as pool:
 
-        def start(run: str) -> Future[Any]:
-            folder = tmp_path_factory.mktemp(run)
-            return pool.submit(lambda: (folder, globals()[run](folder)))
+    def start(run: str) -> Callable[[], tuple[Path, Any]]:
+        folder = tmp_path_factory.mktemp(run)
+        return lambda: (folder, globals()[run](folder))
 
-        yield {run: start(run) for run, test in RUNS.items() if test in selected}
-        pool.shutdown(cancel_futures=True)
+    selected = {item.originalname for item in tests_of_this_module(request)}
+    with in_background({run: start(run) for run, test in RUNS.items() if test in selected}) as runs:
+        yield runs
 
 
 def test_a_ddp_rank_killed_during_reference_scoring_exits_137_after_the_summary_so_far(
