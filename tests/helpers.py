@@ -508,7 +508,7 @@ def _as_python(args: list[str], cwd: str, env: dict[str, str], outputs: str, std
         atexit._run_exitfuncs()
 
 
-def tests_of_this_module(request: pytest.FixtureRequest) -> list[pytest.Item]:
+def selected_in_this_module(request: pytest.FixtureRequest) -> list[pytest.Item]:
     """The session's selected tests that belong to the requesting fixture's module."""
     return [item for item in request.session.items if getattr(item, "module", None) is request.module]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import in_background, run_python, tests_of_this_module
+from tests.helpers import in_background, run_python, selected_in_this_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def started_runs(
         folder = tmp_path_factory.mktemp(Path(marker.args[0]).stem)
         return lambda: BenchmarkRun(folder, start_benchmark(folder, *marker.args))
 
-    marked = {item.nodeid: item.get_closest_marker("benchmark_run") for item in tests_of_this_module(request)}
+    marked = {item.nodeid: item.get_closest_marker("benchmark_run") for item in selected_in_this_module(request)}
     with in_background({nodeid: run(marker) for nodeid, marker in marked.items() if marker is not None}) as runs:
         yield runs
 

@@ -42,7 +42,7 @@ from loops_callbacks.cli.summary import (
     EXIT_USAGE,
 )
 from tests.cli.test_cli import K3, P, tensorboard_events, text_at
-from tests.helpers import in_background, tests_of_this_module
+from tests.helpers import in_background, selected_in_this_module
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -438,7 +438,7 @@ def command_runs(
         folder = tmp_path_factory.mktemp(run)
         return lambda: (folder, globals()[run](folder))
 
-    selected = {item.originalname for item in tests_of_this_module(request)}
+    selected = {item.originalname for item in selected_in_this_module(request)}
     with in_background({run: start(run) for run, test in RUNS.items() if test in selected}) as runs:
         yield runs
 
