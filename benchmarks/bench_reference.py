@@ -255,7 +255,7 @@ def bench_local(args: argparse.Namespace) -> None:
     where = f"{args.model} model ({params / 1e6:.1f}M params, vocab {head.vocab_size}), {len(prompts)} seqs, {tokens} tokens"
     head.compute_logprobs_batch(prompts[:4])  # warm-up, and the head path's one-time check
     general.compute_logprobs_batch(prompts[:4])
-    assert head.path == "output_head", head.scorer.why_not_head
+    assert head.path == "output_head", head.why_not_head
 
     batches = padded_batches(head, prompts)
     padded = sum(b.numel() for b in batches)
@@ -540,7 +540,7 @@ def probe_head_memory(args: argparse.Namespace, path: str) -> dict[str, Any]:
     rows = budget // 512
     packed = PackedTokens.from_sequences(torch.randint(0, vocab, (rows, 512), generator=generator).numpy())
     client.score_packed(packed.slice(0, 1)).cpu()  # warm-up, and the head path's one-time check
-    assert client.path == path, client.scorer.why_not_head
+    assert client.path == path, client.why_not_head
     seconds, values, peak = timed_with_peak(device, lambda: client.score_packed(packed))
     return {"peak_mib": peak / 2**20, "seconds": seconds, "values": values.cpu().numpy(), "tokens": packed.num_tokens}
 

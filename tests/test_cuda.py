@@ -193,7 +193,7 @@ def test_output_head_path_on_the_gpu_in_bfloat16() -> None:
     head = TorchSamplingClient(model)
     general = TorchSamplingClient(model, output_head=False)
     got, want = head.compute_logprobs_batch(prompts), general.compute_logprobs_batch(prompts)
-    assert head.path == "output_head", head.scorer.why_not_head
+    assert head.path == "output_head", head.why_not_head
     worst = max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x[1:], y[1:]))
     assert worst < 0.1  # the same bf16 logits; float32 log-softmax either way
 

@@ -125,8 +125,8 @@ def test_the_scorer_general_path_gives_what_it_gave_before(dtype: torch.dtype) -
     torch.manual_seed(3)
     model = TinyCausalLM(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_seq_len=16).to(dtype)
     ids = torch.randint(0, 50, (3, 12))
-    scorer = TokenScorer(model, model=model, device="cpu", output_head=False, max_tokens_per_batch=64)
-    got = scorer.score(PackedTokens.from_sequences(ids.tolist())).view(3, 12)[:, :-1]
+    scorer = TokenScorer(model, module=model, device="cpu", output_head=False, max_tokens_per_batch=64)
+    got = scorer.score_packed(PackedTokens.from_sequences(ids.tolist())).view(3, 12)[:, :-1]
     with torch.inference_mode():
         want = reference_before(model(ids)[:, :-1], ids[:, 1:])
     assert scorer.path == "logits" and torch.equal(got, want)
@@ -185,9 +185,9 @@ def test_the_head_and_logits_paths_share_the_formula_on_a_model() -> None:
     torch.manual_seed(7)
     model = LM()
     packed = PackedTokens.from_sequences(torch.randint(0, 30, (4, 10)).tolist())
-    head = TokenScorer(model, model=model, device="cpu", head_rows=3)
-    general = TokenScorer(model, model=model, device="cpu", output_head=False)
-    got, want = head.score(packed), general.score(packed)
+    head = TokenScorer(model, module=model, device="cpu", head_rows=3)
+    general = TokenScorer(model, module=model, device="cpu", output_head=False)
+    got, want = head.score_packed(packed), general.score_packed(packed)
     assert head.path == "output_head" and general.path == "logits"
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 

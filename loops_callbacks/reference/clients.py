@@ -4,7 +4,7 @@ A *sampling client* answers ``compute_logprobs(prompt)`` with one log-probabilit
 ``prompt``: element i is log p(token i | tokens before i), and element 0 is ``None`` (nothing
 predicts the first token). Remote clients (Tinker, Baseten Loops) implement it over the network;
 ``TorchSamplingClient`` implements it over a local frozen causal LM, scoring many prompts per
-forward pass (``loops_callbacks.reference.scorer``), and ``score_packed`` gives the same values
+forward pass (``loops_callbacks.reference.scorer.TokenScorer``), and ``score_packed`` gives the same values
 for packed token ids, flat, in the ``ref_logprobs`` layout.
 
 Examples:
@@ -20,17 +20,15 @@ Examples:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import weights_fingerprint
-from loops_callbacks.reference.packing import PackedTokens, check_token_ids
-from loops_callbacks.reference.scorer import TokenScorer
+from loops_callbacks.reference.scorer import ScorerClient, TokenScorer
 from loops_callbacks.types import ModelInput
 from loops_callbacks.validation import check, check_bool, check_dtype, check_int
 
@@ -95,65 +93,7 @@ def find_vocab_size(model: nn.Module) -> int | None:
     return linears[-1].out_features if linears else None
 
 
-class ScorerClient:
-    """What the local clients share: the ``SamplingClient`` forms of ``score_packed``.
-
-    A subclass sets ``scorer`` (a ``TokenScorer``) and ``vocab_size``; ``compute_logprobs`` and
-    ``compute_logprobs_batch`` are the SDK's list forms of ``score_packed``.
-    """
-
-    scorer: TokenScorer
-    vocab_size: int | None
-
-    def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
-                     lockstep: Any = None) -> torch.Tensor:
-        """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
-        of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
-
-        Examples:
-            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
-            >>> client.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
-            torch.Size([3])
-        """
-        check_token_ids(packed, self.vocab_size)
-        return self.scorer.score(packed, progress=progress, lockstep=lockstep)
-
-    @property
-    def max_tokens_per_batch(self) -> int:
-        """The padded-token budget of one forward pass (the given one, or the default of the path)."""
-        return self.scorer.max_tokens_per_batch
-
-    @property
-    def path(self) -> str:
-        """``"output_head"`` (chunked, from hidden states) or ``"logits"`` (the general path)."""
-        return self.scorer.path
-
-    def compute_logprobs(self, prompt: Any) -> list[float | None]:
-        """Log-probabilities of ``prompt``'s tokens (a ``ModelInput``, a list of ids or a 1-D tensor); element 0 is
-        ``None``."""
-        return self.compute_logprobs_batch([prompt])[0]
-
-    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
-        """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
-
-        Examples:
-            >>> client = TorchSamplingClient(torch.nn.Sequential(torch.nn.Embedding(5, 5)))
-            >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
-            [3, 0, 1]
-        """
-        sequences = []
-        for index, prompt in enumerate(prompts):
-            try:
-                sequences.append(model_input_tokens(prompt))
-            except (TypeError, ValueError) as error:
-                raise TypeError(f"prompt {index}: {error}") from None
-        packed = PackedTokens.from_sequences(sequences)
-        values = self.score_packed(packed).cpu().numpy()
-        bounds = zip(packed.offsets[:-1].tolist(), packed.offsets[1:].tolist())
-        return [[None, *values[start : stop - 1].tolist()] if stop > start else [] for start, stop in bounds]
-
-
-class TorchSamplingClient(ScorerClient):
+class TorchSamplingClient(TokenScorer):
     """A ``SamplingClient`` over a local causal LM, scoring many prompts per forward pass.
 
     ``model`` is an ``nn.Module`` that maps token ids ``LongTensor[B, T]`` to logits ``[B, T, V]``
@@ -193,21 +133,18 @@ class TorchSamplingClient(ScorerClient):
                  dtype: str | torch.dtype | None = None, max_tokens_per_batch: int | None = None,
                  output_head: bool = True) -> None:
         device, dtype = _checked(model, device, dtype, max_tokens_per_batch, output_head)
-        is_module = isinstance(model, nn.Module)
-        if is_module and (device is not None or dtype is not None):
-            model.to(device=device, dtype=dtype)
+        module = model if isinstance(model, nn.Module) else None
+        if module is not None and (device is not None or dtype is not None):
+            module.to(device=device, dtype=dtype)
         self.model = model
-        if is_module:
-            self.device = device if device is not None else module_device(model)
-            floating = (t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point())
-            self.dtype: torch.dtype | None = dtype if dtype is not None else next(floating, torch.float32)
-            self.vocab_size = find_vocab_size(model)
-        else:
-            self.device = device if device is not None else torch.device("cpu")
-            self.dtype, self.vocab_size = None, None
-        self.scorer = TokenScorer(model, model=model if is_module else None, device=self.device,
-                                  max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
-                                  vocab_size=self.vocab_size)
+        self.dtype: torch.dtype | None = None
+        if module is not None:
+            device = device if device is not None else module_device(module)
+            floating = (t.dtype for t in (*module.parameters(), *module.buffers()) if t.is_floating_point())
+            self.dtype = dtype if dtype is not None else next(floating, torch.float32)
+        super().__init__(model, module=module, device=device if device is not None else "cpu",
+                         max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
+                         vocab_size=find_vocab_size(module) if module is not None else None)
 
     @classmethod
     def snapshot(cls, module: nn.Module, *, dtype: str | torch.dtype | None = None,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loops_callbacks.reference.clients import ScorerClient, find_vocab_size, module_device
+from loops_callbacks.reference.clients import find_vocab_size, module_device
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.fingerprint import fsdp_classes, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
@@ -60,7 +60,7 @@ def policy_tag(trainer: Any, scoring_dtype: str | None) -> str:
     return scoring_dtype or f"policy|precision={trainer.precision}"
 
 
-class PolicyReference(ScorerClient):
+class PolicyReference(TokenScorer):
     """The policy module as a reference scorer, used in place; see the module docstring.
 
     Its scoring methods (``score_packed``, and the ``SamplingClient`` forms ``compute_logprobs`` /
@@ -85,28 +85,12 @@ class PolicyReference(ScorerClient):
                  device: str | torch.device | None = None, scoring_dtype: str | None = None,
                  max_tokens_per_batch: int | None = None, autocast: Autocast | None = None, tag: str = "policy",
                  output_head: bool = True) -> None:
-        self.module = module
         self.forward_module = forward_module if forward_module is not None else module
-        self.device = torch.device(device) if device is not None else module_device(module)
-        self.vocab_size = find_vocab_size(module)
         self.tag = tag
-        self.scorer = TokenScorer(self.forward_module, model=module, device=self.device,
-                                  max_tokens_per_batch=max_tokens_per_batch, output_head=output_head,
-                                  vocab_size=self.vocab_size, autocast=self._autocast(scoring_dtype, autocast),
-                                  grad_mode="no_grad")
-
-    def _autocast(self, scoring_dtype: str | None, autocast: Autocast | None) -> Autocast | None:
-        device_type = self.device.type
-        if scoring_dtype is None:
-            return autocast
-        if scoring_dtype in ("bfloat16", "float16"):
-            return lambda: torch.autocast(device_type, dtype=FLOAT_DTYPES[scoring_dtype])
-        low = sorted({str(p.dtype) for p in self.module.parameters() if p.is_floating_point()} - {"torch.float32"})
-        if low:
-            raise ValueError(f"scoring_dtype='float32' cannot be honoured by the policy itself: its weights are {low} "
-                             "and it is not copied; use scoring_dtype=None (the training precision) or pass a float32 "
-                             "reference=")
-        return lambda: torch.autocast(device_type, enabled=False)
+        device = torch.device(device) if device is not None else module_device(module)
+        super().__init__(self.forward_module, module=module, device=device, max_tokens_per_batch=max_tokens_per_batch,
+                         output_head=output_head, vocab_size=find_vocab_size(module),
+                         autocast=_autocast(module, device, scoring_dtype, autocast), grad_mode="no_grad")
 
     @classmethod
     def from_trainer(cls, trainer: Any, *, scoring_dtype: str | None = None,
@@ -139,3 +123,18 @@ class PolicyReference(ScorerClient):
             for m in self.module.modules():
                 if fsdp2 is not None and isinstance(m, fsdp2):
                     m.reshard()
+
+
+def _autocast(module: nn.Module, device: torch.device, scoring_dtype: str | None,
+              autocast: Autocast | None) -> Autocast | None:
+    """The autocast that ``scoring_dtype`` asks for (``None``: ``autocast``, the training precision)."""
+    if scoring_dtype is None:
+        return autocast
+    if scoring_dtype in ("bfloat16", "float16"):
+        return lambda: torch.autocast(device.type, dtype=FLOAT_DTYPES[scoring_dtype])
+    low = sorted({str(p.dtype) for p in module.parameters() if p.is_floating_point()} - {"torch.float32"})
+    if low:
+        raise ValueError(f"scoring_dtype='float32' cannot be honoured by the policy itself: its weights are {low} "
+                         "and it is not copied; use scoring_dtype=None (the training precision) or pass a float32 "
+                         "reference=")
+    return lambda: torch.autocast(device.type, enabled=False)

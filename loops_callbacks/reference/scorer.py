@@ -1,6 +1,7 @@
 """``TokenScorer``: packed token sequences in, one flat float32 tensor of log-probabilities out.
 
-The engine under ``TorchSamplingClient`` and ``PolicyReference``. It calls a causal LM as
+The base of ``TorchSamplingClient`` and ``PolicyReference`` (and ``ScorerClient``, the
+``SamplingClient`` list forms of any ``score_packed``, the base of every packed-token client). It calls a causal LM as
 ``call(input_ids)`` on right-padded batches built on the device (``packing.DeviceBatches``), in
 eval mode, without autograd and with the Hugging Face key/value cache off, and gets the
 log-probabilities of the target tokens either from the model's output head fed chunk by chunk
@@ -20,8 +21,8 @@ Examples:
     >>> import torch
     >>> from loops_callbacks.reference.packing import PackedTokens
     >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
-    >>> scorer = TokenScorer(model, model=model, device="cpu", max_tokens_per_batch=8)
-    >>> values = scorer.score(PackedTokens.from_sequences([[1, 2, 3], [4]]))
+    >>> scorer = TokenScorer(model, module=model, device="cpu", max_tokens_per_batch=8)
+    >>> values = scorer.score_packed(PackedTokens.from_sequences([[1, 2, 3], [4]]))
     >>> values.shape, float(values[2]), float(values[3]), scorer.path
     (torch.Size([4]), 0.0, 0.0, 'logits')
 """
@@ -29,19 +30,20 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from loops_callbacks import run_warnings
+from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.collectives import Group, StallGuard
 from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
-from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, plan_batches
+from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, check_token_ids, plan_batches
 
-__all__ = ["OutputHeadWarning", "TokenScorer", "default_head_rows", "default_tokens_per_batch"]
+__all__ = ["OutputHeadWarning", "ScorerClient", "TokenScorer", "default_head_rows", "default_tokens_per_batch"]
 
 
 class OutputHeadWarning(UserWarning):
@@ -108,12 +110,48 @@ def default_head_rows(device: str | torch.device, vocab_size: int) -> int:
     return max(1, min(max(fewest, target // row_bytes), most // row_bytes))
 
 
-class TokenScorer:
+class ScorerClient:
+    """What every packed-token client shares: the ``SamplingClient`` forms of its ``score_packed``.
+
+    A subclass has ``score_packed(packed, *, progress=None, lockstep=None)`` (flat float32 values in
+    the ``ref_logprobs`` layout) and ``vocab_size``; ``compute_logprobs`` and
+    ``compute_logprobs_batch`` are the SDK's list forms of it.
+    """
+
+    vocab_size: int | None
+    score_packed: Callable[..., torch.Tensor]
+
+    def compute_logprobs(self, prompt: Any) -> list[float | None]:
+        """Log-probabilities of ``prompt``'s tokens (a ``ModelInput``, a list of ids or a 1-D tensor); element 0 is
+        ``None``."""
+        return self.compute_logprobs_batch([prompt])[0]
+
+    def compute_logprobs_batch(self, prompts: Sequence[Any]) -> list[list[float | None]]:
+        """``compute_logprobs`` of every prompt, in the caller's order, batched by length.
+
+        Examples:
+            >>> client = TokenScorer(torch.nn.Sequential(torch.nn.Embedding(5, 5)), module=None, device="cpu")
+            >>> [len(lp) for lp in client.compute_logprobs_batch([[1, 2, 3], [], [4]])]
+            [3, 0, 1]
+        """
+        sequences = []
+        for index, prompt in enumerate(prompts):
+            try:
+                sequences.append(model_input_tokens(prompt))
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"prompt {index}: {error}") from None
+        packed = PackedTokens.from_sequences(sequences)
+        values = self.score_packed(packed).cpu().numpy()
+        bounds = zip(packed.offsets[:-1].tolist(), packed.offsets[1:].tolist())
+        return [[None, *values[start : stop - 1].tolist()] if stop > start else [] for start, stop in bounds]
+
+
+class TokenScorer(ScorerClient):
     """Scores ``PackedTokens`` with a causal LM; see the module docstring.
 
     Args:
         call: ``call(input_ids [B, T]) -> logits [B, T, V]`` (or an object with ``.logits``).
-        model: the ``nn.Module`` behind ``call`` (eval mode, KV cache off, output head), or ``None``
+        module: the ``nn.Module`` behind ``call`` (eval mode, KV cache off, output head), or ``None``
             for a plain callable (general path only).
         device: where batches are built.
         max_tokens_per_batch: padded tokens per forward; ``None`` for the default of the path.
@@ -129,7 +167,7 @@ class TokenScorer:
         self,
         call: Callable[[torch.Tensor], Any],
         *,
-        model: nn.Module | None,
+        module: nn.Module | None,
         device: str | torch.device,
         max_tokens_per_batch: int | None = None,
         output_head: bool = True,
@@ -139,16 +177,16 @@ class TokenScorer:
         head_rows: int | None = None,
     ) -> None:
         self.call = call
-        self.model = model
+        self.module = module
         self.device = torch.device(device)
         self.autocast = autocast or contextlib.nullcontext
         self.grad_mode = grad_mode
         self.head: OutputHead | None = None
         self.why_not_head = "output_head=False" if not output_head else "no nn.Module to look into"
-        if output_head and model is not None:
-            self.head, self.why_not_head = find_output_head(model)
+        if output_head and module is not None:
+            self.head, self.why_not_head = find_output_head(module)
         # a head exposed but refused (an unknown transform, or the check below) is said once, when scoring
-        self._tell_fallback = output_head and callable(getattr(model, "get_output_embeddings", None))
+        self._tell_fallback = output_head and callable(getattr(module, "get_output_embeddings", None))
         self.vocab_size = vocab_size if vocab_size is not None else (self.head.vocab_size if self.head else None)
         self._explicit_budget = max_tokens_per_batch
         self._verified = self.head is None
@@ -161,28 +199,32 @@ class TokenScorer:
 
     @property
     def max_tokens_per_batch(self) -> int:
+        """The padded-token budget of one forward pass (the given one, or the default of the path)."""
         if self._explicit_budget is not None:
             return self._explicit_budget
         return default_tokens_per_batch(self.device, None if self.head is not None else self.vocab_size)
 
-    def score(
-        self,
-        packed: PackedTokens,
-        *,
-        lockstep: Group | StallGuard | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Flat float32 log-probabilities of ``packed`` (``ref_logprobs`` layout), on the device.
+    def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
+                     lockstep: Group | StallGuard | None = None) -> torch.Tensor:
+        """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
+        of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
 
-        ``progress(n)`` is told each batch's number of real tokens. With ``lockstep``, call it on
-        every rank of the group at the same time.
+        The ids are checked against ``vocab_size`` first (``check_token_ids``). ``progress(n)`` is
+        told each batch's number of real tokens. With ``lockstep``, call it on every rank of the
+        group at the same time.
+
+        Examples:
+            >>> scorer = TokenScorer(torch.nn.Sequential(torch.nn.Embedding(5, 5)), module=None, device="cpu")
+            >>> scorer.score_packed(PackedTokens.from_sequences([[1, 2], [3]])).shape
+            torch.Size([3])
         """
+        check_token_ids(packed, self.vocab_size)
         with self._scoring():
             if not self._verified:
                 self._verify()
             if self._tell_fallback and self.head is None:
                 run_warnings.warn(
-                    f"{type(self.model).__name__} is scored from its full logits, not from its output head in row "
+                    f"{type(self.module).__name__} is scored from its full logits, not from its output head in row "
                     f"chunks: {self.why_not_head}. Each batch then holds [B, T, V] logits: lower "
                     "max_tokens_per_batch if memory runs short",
                     OutputHeadWarning,
@@ -237,12 +279,12 @@ class TokenScorer:
         """Eval mode (no dropout) and no Hugging Face key/value cache (``config.use_cache = False``) while scoring,
         then every submodule's own mode and config back; no autograd (``no_grad`` outside inference mode for FSDP,
         whose collectives write into its own tensors)."""
-        modules = list(self.model.modules()) if self.model is not None else []
+        modules = list(self.module.modules()) if self.module is not None else []
         training = [m for m in modules if m.training]
         configs = {id(m.config): m.config for m in modules if getattr(getattr(m, "config", None), "use_cache", 0) is True}
         grad = torch.inference_mode() if self.grad_mode == "inference" else torch.inference_mode(False)
-        if self.model is not None:
-            self.model.eval()
+        if self.module is not None:
+            self.module.eval()
         for config in configs.values():
             config.use_cache = False
         try:

@@ -58,7 +58,7 @@ def test_output_head_path_equals_the_general_path(architecture: str) -> None:
     head = TorchSamplingClient(model, max_tokens_per_batch=64)  # several right-padded batches
     general = TorchSamplingClient(model, max_tokens_per_batch=64, output_head=False)
     got, want = values(head), values(general)
-    assert head.path == "output_head", head.scorer.why_not_head
+    assert head.path == "output_head", head.why_not_head
     assert general.path == "logits"
     assert max_diff(got, want) <= 1e-5
     # the model's own logits were never made: during scoring the head returns a [B, T, 1] placeholder
@@ -77,8 +77,8 @@ def test_gemma2_soft_capping_matters_and_is_applied() -> None:
     assert found is not None and found.transform == LogitTransform(softcap=0.5), why
     found.transform = LogitTransform()  # what leaving the soft-cap out would give
     client = TorchSamplingClient(model)
-    client.scorer.head = found
-    client.scorer._verified = True
+    client.head = found
+    client._verified = True
     uncapped = values(client)
     assert max_diff(uncapped, values(TorchSamplingClient(model, output_head=False))) > 1e-3  # 100x the tolerance
 
@@ -86,7 +86,7 @@ def test_gemma2_soft_capping_matters_and_is_applied() -> None:
 def test_small_chunks_give_the_same_values() -> None:
     model = tiny("llama")
     one_row = TorchSamplingClient(model)
-    one_row.scorer.head_rows = 1
+    one_row.head_rows = 1
     assert max_diff(values(one_row), values(TorchSamplingClient(model))) <= 1e-5
 
 
@@ -98,7 +98,7 @@ def test_unknown_transforms_take_the_general_path() -> None:
         logits_scaling=4.0,
     )
     granite = TorchSamplingClient(transformers.GraniteForCausalLM(config).eval())
-    assert granite.path == "logits" and "logits_scaling" in granite.scorer.why_not_head
+    assert granite.path == "logits" and "logits_scaling" in granite.why_not_head
     with pytest.warns(OutputHeadWarning, match="GraniteForCausalLM is scored from its full logits.*logits_scaling"):
         values(granite)
     with warnings.catch_warnings():
@@ -122,7 +122,7 @@ def test_unknown_transforms_take_the_general_path() -> None:
     client = TorchSamplingClient(model)
     with pytest.warns(OutputHeadWarning, match="Scaled is scored from its full logits.*relative difference"):
         got = values(client)
-    assert client.path == "logits" and "relative difference" in client.scorer.why_not_head
+    assert client.path == "logits" and "relative difference" in client.why_not_head
     with warnings.catch_warnings():
         warnings.simplefilter("error", OutputHeadWarning)  # the general path asked for, or no head: nothing to say
         assert max_diff(got, values(TorchSamplingClient(model, output_head=False))) == 0.0
@@ -151,5 +151,5 @@ def test_the_default_budget_does_not_depend_on_the_vocabulary_on_the_head_path()
     model = transformers.LlamaForCausalLM(config)
     assert TorchSamplingClient(model, device="cpu").max_tokens_per_batch == 2048
     # on CUDA (nothing runs here: the budget is known before any batch)
-    assert TokenScorer(model, model=model, device="cuda").max_tokens_per_batch == 16384
-    assert TokenScorer(model, model=model, device="cuda", output_head=False, vocab_size=big_vocab).max_tokens_per_batch == general
+    assert TokenScorer(model, module=model, device="cuda").max_tokens_per_batch == 16384
+    assert TokenScorer(model, module=model, device="cuda", output_head=False, vocab_size=big_vocab).max_tokens_per_batch == general
