@@ -183,7 +183,7 @@ class TorchSamplingClient(TokenScorer):
         """
         if not isinstance(self.model, nn.Module):
             return None
-        return weights_fingerprint(self.model, tag=str(self.dtype), group=Group.local())
+        return weights_fingerprint(self.model, tag=str(self.dtype), group=Group(local=True))
 
 
 def _checked(model: Any, device: Any, dtype: Any, max_tokens_per_batch: Any,

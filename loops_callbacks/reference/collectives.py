@@ -33,7 +33,8 @@ __all__ = ["Group", "RankStalledError", "StallGuard", "fail_together", "raise_to
 
 
 class Group:
-    """This process's rank and the collectives of the default ``torch.distributed`` group."""
+    """This process's rank and the collectives of the default ``torch.distributed`` group (``local=True``: this
+    process alone, for work on weights that are not distributed)."""
 
     def __init__(self, *, local: bool = False) -> None:
         self.distributed = not local and dist.is_available() and dist.is_initialized()
@@ -42,11 +43,6 @@ class Group:
         self.device = torch.device("cpu")
         if self.distributed and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-
-    @classmethod
-    def local(cls) -> Group:
-        """This process alone (for work on weights that are not distributed)."""
-        return cls(local=True)
 
     def all_gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (small metadata only: it is pickled)."""
@@ -71,9 +67,6 @@ class Group:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
-
-    def before_forward(self, index: int, count: int) -> None:
-        """Lock-step scoring's meeting before forward ``index`` of ``count``: none (a ``StallGuard`` has one)."""
 
     def any_true(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank."""
@@ -179,11 +172,6 @@ class StallGuard:
         self.group = group
         self.rank, self.world_size, self.timeout = group.rank, group.world_size, timeout
         self.store = _default_store() if timeout is not None and group.world_size > 1 else None
-
-    def max_int(self, value: int) -> int:
-        """``Group.max_int`` once every rank has come: a ``StallGuard`` is a lock-step for ``TokenScorer``."""
-        self.arrive("agreeing on the number of lock-step forwards")
-        return self.group.max_int(value)
 
     def before_forward(self, index: int, count: int) -> None:
         """Every rank meets before each lock-step forward, so a rank stalled in a sharded forward is named."""

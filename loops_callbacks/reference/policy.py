@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.reference.clients import find_vocab_size, module_device
-from loops_callbacks.reference.collectives import Group
+from loops_callbacks.reference.collectives import Group, StallGuard
 from loops_callbacks.reference.fingerprint import fsdp_classes, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
@@ -112,10 +112,11 @@ class PolicyReference(TokenScorer):
             return weights_fingerprint(self.forward_module, tag=self.tag, group=Group())
 
     def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
-                     lockstep: Any = None) -> torch.Tensor:
+                     lockstep: StallGuard | None = None) -> torch.Tensor:
         """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
         try:
-            return super().score_packed(packed, progress=progress, lockstep=lockstep if lockstep is not None else Group())
+            guard = lockstep if lockstep is not None else StallGuard(Group(), timeout=None)
+            return super().score_packed(packed, progress=progress, lockstep=guard)
         finally:
             # FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one); after
             # scoring there is none: shard them again, so that training starts as it would have

@@ -8,9 +8,9 @@ log-probabilities of the target tokens either from the model's output head fed c
 (no ``[B, T, V]`` logits) or from its logits (``heads``). The head path is verified once on a
 short probe before it is trusted; a model that fails the check is scored on the general path.
 
-*Lock-step* scoring (``lockstep=`` a ``Group`` or ``StallGuard``): every rank runs the same number
-of forward passes, the ranks with fewer batches running tiny padding batches, and (with a
-``StallGuard``) the ranks meet before each one, so a model whose forward is a collective (FSDP,
+*Lock-step* scoring (``lockstep=`` a ``StallGuard``): every rank runs the same number of forward
+passes, the ranks with fewer batches running tiny padding batches, and (with a timeout) the ranks
+meet before each one, so a model whose forward is a collective (FSDP,
 FSDP2) never waits for a rank that has finished or stalled. This is what "lock-step" means
 everywhere in this package.
 
@@ -205,7 +205,7 @@ class TokenScorer(ScorerClient):
         return default_tokens_per_batch(self.device, None if self.head is not None else self.vocab_size)
 
     def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
-                     lockstep: Group | StallGuard | None = None) -> torch.Tensor:
+                     lockstep: StallGuard | None = None) -> torch.Tensor:
         """Flat float32 values of every sequence of ``packed`` in the ``ref_logprobs`` layout, on the device: value k
         of a sequence is log p(token k + 1 | tokens up to k), its last value 0.
 
@@ -231,21 +231,22 @@ class TokenScorer(ScorerClient):
                 )
             self._tell_fallback = False
             order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
-            ranks = lockstep if lockstep is not None else Group.local()
+            guard = lockstep if lockstep is not None else StallGuard(Group(local=True), timeout=None)
             # Agreed before the first forward: a rank must not wait in this collective while
             # another is inside a forward's (FSDP's all-gathers).
-            forwards = ranks.max_int(len(plan))
+            guard.arrive("agreeing on the number of lock-step forwards")
+            forwards = guard.group.max_int(len(plan))
             batches = DeviceBatches(packed, order, self.device)
             lengths = packed.lengths[order]
             for index, (start, stop) in enumerate(plan):
                 ids = batches.input_ids(start, stop, int(lengths[start]))
-                ranks.before_forward(index, forwards)
+                guard.before_forward(index, forwards)
                 batches.store(start, stop, self._batch_logprobs(ids))
                 if progress is not None:
                     progress(int(lengths[start:stop].sum()))
             padding = torch.zeros((1, 2), dtype=torch.long, device=self.device)
             for index in range(len(plan), forwards):
-                ranks.before_forward(index, forwards)
+                guard.before_forward(index, forwards)
                 self._batch_logprobs(padding)
             return batches.result()
 

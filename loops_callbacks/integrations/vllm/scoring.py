@@ -100,4 +100,4 @@ def _weights_fingerprint(worker: Any, tag: str) -> str:
     from loops_callbacks.reference.collectives import Group
     from loops_callbacks.reference.fingerprint import weights_fingerprint
 
-    return weights_fingerprint(worker.model_runner.get_model(), tag=tag, group=Group.local())
+    return weights_fingerprint(worker.model_runner.get_model(), tag=tag, group=Group(local=True))
