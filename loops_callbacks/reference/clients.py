@@ -4,8 +4,8 @@ A *sampling client* answers ``compute_logprobs(prompt)`` with one log-probabilit
 ``prompt``: element i is log p(token i | tokens before i), and element 0 is ``None`` (nothing
 predicts the first token). Remote clients (Tinker, Baseten Loops) implement it over the network;
 ``TorchSamplingClient`` implements it over a local frozen causal LM, scoring many prompts per
-forward pass (``loops_callbacks.reference.scorer.TokenScorer``), and ``score_packed`` gives the same values
-for packed token ids, flat, in the ``ref_logprobs`` layout.
+forward pass (it is a ``loops_callbacks.reference.scorer.TokenScorer``), and ``score_packed``
+gives the same values for packed token ids, flat, in the ``ref_logprobs`` layout.
 
 Examples:
     >>> import torch
