@@ -74,11 +74,10 @@ class MediaOptions:
     max_groups: int = DEFAULT_MAX_GROUPS
 
     def __post_init__(self) -> None:
-        check_bool("log_histogram", self.log_histogram)
+        for name in ("log_histogram", "log_worst_tokens", "log_strata"):
+            check_bool(name, getattr(self, name))
         check_int("max_histogram_tokens", self.max_histogram_tokens, least=None, what=" (<= 0: no cap)")
-        check_bool("log_worst_tokens", self.log_worst_tokens)
         check_int("top_n", self.top_n, least=0)
-        check_bool("log_strata", self.log_strata)
         check_int("max_groups", self.max_groups, least=1)
 
     @property
@@ -106,8 +105,7 @@ class StepReport:
     breakdown: dict[str, float] = field(default_factory=dict)
     signatures: dict[str, float] = field(default_factory=dict)  # the numbers the diagnosis read
     histogram: np.ndarray | None = None
-    worst_rows: list[list[Any]] | None = None
-    strata_rows: list[list[Any]] = field(default_factory=list)
+    tables: dict[str, tuple[Sequence[str], list[list[Any]]]] = field(default_factory=dict)  # key: (columns, rows)
     problems: dict[str, str] = field(default_factory=dict)  # impossible inputs, by a stable key
     exceeds: str | None = None  # why the step exceeds the guard rail; None: it does not (or no bound)
     untrusted: str | None = None  # why the numbers cannot be trusted, bound or not
@@ -154,11 +152,15 @@ def step_report(
     breakdown |= stratum_scalars(strata) | shadow_scalars(host.totals, host.extrema, corrections)
     logs_histogram = n and media.log_histogram and host.diffs.size
     histogram = histogram_values(host.diffs, media.max_histogram_tokens) if logs_histogram else None
+    tables = {}
+    if n and media.log_worst_tokens:
+        tables[TABLE_KEY] = (WORST_TOKEN_COLUMNS, worst_token_rows(host.worst, tokenizer))
+    strata_rows = [[name, *(float(getattr(s, metric)) for metric in STRATUM_METRICS)]
+                   for name, s in strata.items() if s.n_tokens]
+    if strata_rows:
+        tables[STRATA_TABLE_KEY] = (STRATA_COLUMNS, strata_rows)
     return StepReport(
-        scalars, diagnosis, breakdown, signatures, histogram,
-        worst_rows=worst_token_rows(host.worst, tokenizer) if n and media.log_worst_tokens else None,
-        strata_rows=[[name, *(float(getattr(s, metric)) for metric in STRATUM_METRICS)]
-                     for name, s in strata.items() if s.n_tokens],
+        scalars, diagnosis, breakdown, signatures, histogram, tables,
         problems=problems,
         exceeds=guard_rail.exceeds(scalars, host, prefix=prefix),
         untrusted=guard_rail.untrusted(scalars, host),
@@ -167,18 +169,14 @@ def step_report(
 
 def wandb_media(report: StepReport, prefix: str) -> dict[str, Any]:
     """The report's media as W&B objects (``wandb`` is imported only when there are some): the histogram,
-    the worst-tokens and strata tables, the diagnosis as HTML."""
-    if report.histogram is None and report.worst_rows is None and not report.strata_rows and report.diagnosis is None:
+    the worst-tokens and strata tables (one type per column: the token column is text), the diagnosis as HTML."""
+    if report.histogram is None and not report.tables and report.diagnosis is None:
         return {}
     import wandb
 
-    media: dict[str, Any] = {}
-    if report.histogram is not None:
-        media[prefix + HISTOGRAM_KEY] = wandb.Histogram(report.histogram)
-    if report.worst_rows is not None:  # one type per column: the token column is text
-        media[prefix + TABLE_KEY] = wandb.Table(columns=list(WORST_TOKEN_COLUMNS), data=report.worst_rows)
-    if report.strata_rows:
-        media[prefix + STRATA_TABLE_KEY] = wandb.Table(columns=list(STRATA_COLUMNS), data=report.strata_rows)
+    media = {prefix + HISTOGRAM_KEY: wandb.Histogram(report.histogram)} if report.histogram is not None else {}
+    media |= {prefix + key: wandb.Table(columns=list(columns), data=rows)
+              for key, (columns, rows) in report.tables.items()}
     if report.diagnosis is not None:
         media[prefix + DIAGNOSIS_KEY] = html_panel(report.diagnosis.message)
     return media
@@ -235,16 +233,15 @@ def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> l
     return rows
 
 
-def format_context(before: Sequence[int], centre: int, after: Sequence[int], tokenizer: Tokenizer | None) -> str:
+def format_context(before: list[int], centre: int, after: list[int], tokenizer: Tokenizer | None) -> str:
     """``before⟦near»centre«near⟧after``, "near" being the 3 tokens on each side; text escaped.
 
     Examples:
         >>> format_context([1, 2, 3, 4], 5, [6, 7, 8, 9], None), format_context([1, 2], NO_TOKEN, [], None)
         ('1⟦2 3 4»5«6 7 8⟧9', '⟦1 2»<end>«⟧')
     """
-    before, after = list(before), list(after)
     shown = END if centre == NO_TOKEN else _text([centre], tokenizer)
-    return (f"{_text(before[:-NEAR] if before else [], tokenizer)}⟦{_text(before[-NEAR:], tokenizer)}»{shown}"
+    return (f"{_text(before[:-NEAR], tokenizer)}⟦{_text(before[-NEAR:], tokenizer)}»{shown}"
             f"«{_text(after[:NEAR], tokenizer)}⟧{_text(after[NEAR:], tokenizer)}")
 
 

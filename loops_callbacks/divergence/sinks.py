@@ -27,8 +27,7 @@ from typing import Any
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
 from loops_callbacks.divergence.report import (
-    DIAGNOSIS_KEY, HISTOGRAM_KEY, STRATA_COLUMNS, STRATA_TABLE_KEY, TABLE_KEY, WORST_TOKEN_COLUMNS, StepReport, escape,
-    html_panel, wandb_media,
+    DIAGNOSIS_KEY, HISTOGRAM_KEY, TABLE_KEY, WORST_TOKEN_COLUMNS, StepReport, escape, html_panel, wandb_media,
 )
 from loops_callbacks.run_warnings import RunWarnings
 
@@ -38,9 +37,10 @@ def deliver(loggers: Iterable[Any], report: StepReport, *, step: int, prefix: st
             warnings: RunWarnings | None = None) -> None:
     """Log ``report`` at ``step`` to each logger (module docstring), every key under ``prefix``."""
     scalars = {prefix + name: value for name, value in {**report.scalars, **report.breakdown}.items()}
-    texts = {TABLE_KEY: worst_tokens_markdown(report.worst_rows) if report.worst_rows is not None else None,
-             STRATA_TABLE_KEY: markdown(STRATA_COLUMNS, report.strata_rows) if report.strata_rows else None,
-             DIAGNOSIS_KEY: report.diagnosis.message if report.diagnosis is not None else None}
+    texts = {key: worst_tokens_markdown(rows) if key == TABLE_KEY else markdown(columns, rows)
+             for key, (columns, rows) in report.tables.items()}
+    if report.diagnosis is not None:
+        texts[DIAGNOSIS_KEY] = report.diagnosis.message
     for logger in loggers:
         try:
             if isinstance(logger, WandbLogger):
@@ -51,8 +51,7 @@ def deliver(loggers: Iterable[Any], report: StepReport, *, step: int, prefix: st
                 if report.histogram is not None:
                     logger.experiment.add_histogram(prefix + HISTOGRAM_KEY, report.histogram, step)
                 for key, text in texts.items():
-                    if text is not None:
-                        logger.experiment.add_text(prefix + key, text, step)
+                    logger.experiment.add_text(prefix + key, text, step)
         except Exception as error:  # a full disk, a closed W&B run, a network error
             name = type(logger).__name__
             (warnings or RunWarnings()).warn(
@@ -88,10 +87,10 @@ def markdown(columns: Iterable[str], rows: list[list[Any]]) -> str:
     """A Markdown table (TensorBoard's text panel renders it); numbers to 6 significant digits.
 
     Examples:
-        >>> print(markdown(STRATA_COLUMNS, [["pos_q1", 0.05, 0.5, 1.0, 2.0]]))
-        | stratum | k3 | abs_d_mean | is_ratio_mean | n_tokens |
-        |---|---|---|---|---|
-        | pos_q1 | 0.05 | 0.5 | 1 | 2 |
+        >>> print(markdown(["stratum", "k3", "is_ratio_mean"], [["pos_q1", 0.05, 1.0]]))
+        | stratum | k3 | is_ratio_mean |
+        |---|---|---|
+        | pos_q1 | 0.05 | 1 |
     """
     columns = list(columns)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
