@@ -26,20 +26,17 @@ class ProgressBar:
     def __init__(
         self, progress: bool | Callable[[int, int], None], total: int, *, desc: str, unit: str, unit_scale: bool = False
     ) -> None:
+        from tqdm.auto import tqdm
+
         self.total, self.done = total, 0
         self.callback = progress if callable(progress) else None
-        self.bar: Any = None
-        if progress is True:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale)
+        self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=progress is not True)
 
     def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
     def advance(self, steps: int) -> None:
         """``steps`` more done."""
@@ -47,8 +44,7 @@ class ProgressBar:
 
     def reach(self, done: int) -> None:
         """``done`` steps done in all."""
-        if self.bar is not None:
-            self.bar.update(done - self.done)
+        self.bar.update(done - self.done)  # a disabled bar (no tqdm display asked for) shows nothing
         self.done = done
         if self.callback is not None:
             self.callback(done, self.total)
