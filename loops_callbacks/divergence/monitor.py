@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence import step_warnings
-from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, Diagnosis
+from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
@@ -360,15 +360,13 @@ class KLSampleTrainMonitor(Callback):
 
 def _advice(report: StepReport) -> str:
     """What the guard rail's message says to check: the likely cause when there is one."""
+    if report.problems:  # a fact about the inputs, not a hint: the diagnosis names it too (diagnose=False: none)
+        return f"{Diagnosis.impossible_inputs(report.problems.values()).message}."
     cause = report.diagnosis
-    if cause is None and report.problems:  # diagnose=False: the inputs are still what the message names
-        cause = Diagnosis.impossible_inputs(report.problems.values())
     if cause is None or cause.cause in ("unclear", "none"):
         return (
             "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
             "precision and sampling settings."
         )
-    if cause.cause == IMPOSSIBLE_INPUTS:
-        return f"{cause.message}."  # a fact about the inputs, not a hint
     # seen directly, not inferred: no confidence to weigh
     return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."
