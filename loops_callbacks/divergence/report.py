@@ -21,7 +21,7 @@ Examples:
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -187,24 +187,6 @@ def html_panel(text: str) -> Any:
     import wandb
 
     return wandb.Html(f"<pre>{html.escape(text)}</pre>")
-
-
-def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | None:
-    """What to say about advantages holding NaN on masked-in positions (every micro-batch and rank
-    together); ``None`` when there are none. ``label`` names the advantages key (``inputs.key_label``).
-
-    Examples:
-        >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]
-        "'advantages' holds NaN on 2 of the 30 masked-in positions (mask > 0) of the step, all ranks together"
-    """
-    if not totals["n_advantage_nan"] > 0:
-        return None
-    return (
-        f"{label} holds NaN on {int(totals['n_advantage_nan'])} of the {int(totals['n_masked_in'])} masked-in "
-        "positions (mask > 0) of the step, all ranks together; a NaN advantage counts as 0, so those tokens are not "
-        "action tokens: the monitor's numbers leave them out, and a correction that needs advantages reads each "
-        "datum's without them (0 where none is left)"
-    )
 
 
 def worst_token_rows(worst: np.ndarray, tokenizer: Tokenizer | None = None) -> list[list[Any]]:

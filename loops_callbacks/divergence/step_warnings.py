@@ -25,7 +25,7 @@ import torch
 
 from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR, FlatBatch
 from loops_callbacks.divergence.inputs import key_label
-from loops_callbacks.divergence.report import StepReport, nan_advantages_message
+from loops_callbacks.divergence.report import StepReport
 from loops_callbacks.divergence.shadow import no_advantage_message
 from loops_callbacks.divergence.states import AHEAD_STRATUM
 from loops_callbacks.divergence.statistics import HostDivergence
@@ -64,6 +64,24 @@ def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, ho
         say.warn("group_other", f"KLSampleTrainMonitor, step {step}: datums with {keys['group']!r} >= max_groups = "
                  f"{max_groups} (or negative) are pooled in the stratum 'group_other'; raise max_groups to see them "
                  "apart")
+
+
+def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | None:
+    """What to say about advantages holding NaN on masked-in positions (every micro-batch and rank
+    together); ``None`` when there are none. ``label`` names the advantages key (``inputs.key_label``).
+
+    Examples:
+        >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]
+        "'advantages' holds NaN on 2 of the 30 masked-in positions (mask > 0) of the step, all ranks together"
+    """
+    if not totals["n_advantage_nan"] > 0:
+        return None
+    return (
+        f"{label} holds NaN on {int(totals['n_advantage_nan'])} of the {int(totals['n_masked_in'])} masked-in "
+        "positions (mask > 0) of the step, all ranks together; a NaN advantage counts as 0, so those tokens are not "
+        "action tokens: the monitor's numbers leave them out, and a correction that needs advantages reads each "
+        "datum's without them (0 where none is left)"
+    )
 
 
 def partial_keys(say: RunWarnings, keys: Mapping[str, str], host: Any, step: int) -> None:
