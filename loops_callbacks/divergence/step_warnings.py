@@ -39,7 +39,7 @@ def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, ho
                flat: FlatBatch | None, step: int, *, max_groups: int, max_sampling_z: float | None) -> None:
     """Every warning of the module docstring that this step calls for (``flat``: its last micro-batch)."""
     for problem, message in report.problems.items():
-        if not say.said(problem):
+        if not say.said(problem):  # the example costs a search of the micro-batch: once
             say.warn(problem, f"KLSampleTrainMonitor, step {step}: {message} ({_example(problem, keys, flat)})")
     if max_sampling_z is not None and report.has_action_tokens and "sampling_z" not in report.scalars:
         entropies = [keys[name] for name in ("training_entropy", "training_varentropy")]
@@ -49,12 +49,12 @@ def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, ho
     label = key_label(keys, "advantages")
     for key, message in ((f"advantages_nan:{keys['advantages']}", nan_advantages_message(host.totals, label)),
                          ("advantages_unusable", no_advantage_message(host.totals, host.extrema, label))):
-        if message is not None and not say.said(key):
+        if message is not None:
             say.warn(key, f"KLSampleTrainMonitor, step {step}: {message}")
     if host.strata is None:
         return
     ahead = host.strata[AHEAD_STRATUM].n_tokens
-    if ahead and not say.said("policy_version:ahead"):  # what per_datum could not say on an accelerator
+    if ahead:  # what per_datum could not say on an accelerator
         say.warn("policy_version:ahead", f"KLSampleTrainMonitor, step {step}: {int(ahead)} action tokens are of "
                  f"datums whose {keys['policy_version']!r} is ahead of the trainer's optimizer step; they are counted "
                  f"at lag 0 and in the stratum {AHEAD_STRATUM!r} (versions must count the trainer's optimizer steps, "
