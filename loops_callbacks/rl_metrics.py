@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from loops_callbacks.divergence.flat_batch import flatten_datums
-from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
+from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.inputs import trainer_logprobs_from_output
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import MediaOptions, Tokenizer, checked_tokenizer, step_report, wandb_media
-from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
+from loops_callbacks.divergence.statistics import DivergenceStats
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train"]
 
@@ -93,8 +93,8 @@ def _report(
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
     """
     flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnose=False)
-    host: HostDivergence = DivergenceStats.from_batch(flat, top_n=media.rows, diagnose=False).to_host()
-    for message in impossible_inputs(host).values():
-        logger.warning("%s", message)
+    host = DivergenceStats.from_batch(flat, top_n=media.rows, diagnose=False).to_host()
     report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(), diagnose=False, tokenizer=tokenizer)
+    for message in report.problems.values():
+        logger.warning("%s", message)
     return {prefix + name: value for name, value in report.scalars.items()}, report
