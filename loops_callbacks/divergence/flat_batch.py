@@ -167,22 +167,21 @@ def flatten_datums(
                 f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
                 f"training_logprobs are only {training_logprobs.shape[1]} wide"
             )
+        model_input, target = datum_model_input(datum), inputs.get("target_tokens")
+        lengths_of = {"loss_fn_inputs['mask']": mask.shape[0]}
         if not padded:
             trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
-        trainer_length = length if padded else trainers[-1].shape[0]
-        if not length == mask.shape[0] == trainer_length:
+            lengths_of[f"training_logprobs[{i}]"] = trainers[-1].shape[0]
+        if model_input is not None:
+            lengths_of["model_input"] = model_input_length(model_input)
+        if target is not None:
+            lengths_of["loss_fn_inputs['target_tokens']"] = field_length(target, where=f"datum {i}, key 'target_tokens'")
+        if any(n != length for n in lengths_of.values()):
             raise ValueError(
                 f"datum {i}: lengths differ: loss_fn_inputs['logprobs'] has {length}, "
-                f"loss_fn_inputs['mask'] has {mask.shape[0]}, training logprobs have {trainer_length}; "
-                "every per-position field must have the datum's length (nothing is truncated: a "
-                "mismatch means sampler and trainer positions are misaligned)"
-            )
-        model_input = datum_model_input(datum)
-        if model_input is not None and model_input_length(model_input) != length:
-            raise ValueError(
-                f"datum {i}: model_input has length {model_input_length(model_input)} but "
-                f"loss_fn_inputs['logprobs'] has {length}; position k of every field belongs to "
-                "the token predicted at k, so they must have the same length"
+                + ", ".join(f"{name} has {n}" for name, n in lengths_of.items())
+                + "; every per-position field must have the datum's length (position k of each belongs to the token "
+                "predicted at k; nothing is truncated: a mismatch means sampler and trainer positions are misaligned)"
             )
         advantage = inputs.get(advantages_key)
         if advantage is not None:
@@ -193,12 +192,6 @@ def flatten_datums(
                     f"expected 1 (one value for the row) or {length} (one per position)"
                 )
             advantage = advantage.expand(length)
-        target = inputs.get("target_tokens")
-        if target is not None and field_length(target, where=f"datum {i}, key 'target_tokens'") != length:
-            raise ValueError(
-                f"datum {i}: loss_fn_inputs['target_tokens'] has length "
-                f"{field_length(target, where='')}, but loss_fn_inputs['logprobs'] has {length}"
-            )
         if diagnose:
             token_rows.append(_predicted_ids(target, model_input, length, where=f"datum {i}"))
         samplers.append(sampler)
