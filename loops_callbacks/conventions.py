@@ -39,12 +39,6 @@ class TinkerConventionWarning(UserWarning):
     """Datums in Tinker's convention were scored under the Loops rule, losing their last token's reference logprob."""
 
 
-TINKER_CONVENTION_FIX = (
-    "convert them with loops_callbacks.data.from_tinker_convention(data) (it appends the last target token to "
-    "model_input and a 0 to target_tokens and weights), or build them with dpo_pair_datums"
-)
-
-
 def weighted_last_positions(data: Sequence[Any]) -> list[int]:
     """Indices of the datums whose ``weights`` are > 0 on the last position (Tinker's convention).
 
@@ -86,7 +80,8 @@ def tinker_convention_message(subject: str) -> str:
         f"{subject} weight on the last position, as in Tinker's convention (model_input = tokens[:-1], "
         "target_tokens = tokens[1:]). In the Loops convention the last position predicts nothing and its "
         "ref_logprobs is 0.0, so the last token's reference logprob is lost (several nats a sequence) and the DPO "
-        f"margins are wrong: {TINKER_CONVENTION_FIX}"
+        "margins are wrong: convert them with loops_callbacks.data.from_tinker_convention(data) (it appends the last "
+        "target token to model_input and a 0 to target_tokens and weights), or build them with dpo_pair_datums"
     )
 
 
