@@ -167,19 +167,19 @@ def flatten_datums(
                 f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
                 f"training_logprobs are only {training_logprobs.shape[1]} wide"
             )
-        model_input, target = datum_model_input(datum), inputs.get("target_tokens")
-        lengths_of = {"loss_fn_inputs['mask']": mask.shape[0]}
         if not padded:
             trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
-            lengths_of[f"training_logprobs[{i}]"] = trainers[-1].shape[0]
-        if model_input is not None:
-            lengths_of["model_input"] = model_input_length(model_input)
-        if target is not None:
-            lengths_of["loss_fn_inputs['target_tokens']"] = field_length(target, where=f"datum {i}, key 'target_tokens'")
-        if any(n != length for n in lengths_of.values()):
+        model_input, target = datum_model_input(datum), inputs.get("target_tokens")
+        trainer_length = length if padded else trainers[-1].shape[0]
+        input_length = length if model_input is None else model_input_length(model_input)
+        target_length = length if target is None else field_length(target, where=f"datum {i}, key 'target_tokens'")
+        if not length == mask.shape[0] == trainer_length == input_length == target_length:
+            given = {"loss_fn_inputs['mask']": mask.shape[0], f"training_logprobs[{i}]": None if padded else trainer_length,
+                     "model_input": None if model_input is None else input_length,
+                     "loss_fn_inputs['target_tokens']": None if target is None else target_length}
             raise ValueError(
                 f"datum {i}: lengths differ: loss_fn_inputs['logprobs'] has {length}, "
-                + ", ".join(f"{name} has {n}" for name, n in lengths_of.items())
+                + ", ".join(f"{name} has {n}" for name, n in given.items() if n is not None)
                 + "; every per-position field must have the datum's length (position k of each belongs to the token "
                 "predicted at k; nothing is truncated: a mismatch means sampler and trainer positions are misaligned)"
             )
