@@ -130,8 +130,11 @@ def advantages(step: Any, flat: FlatBatch) -> torch.Tensor:
             value = torch.cat([row.to(rows[0].device, torch.float64).expand(n if per_position else 1)
                                for row, n in zip(rows, lengths)])
         _no_bools(value, label)
-        values = field_to_tensor(_as_row(value) if not isinstance(value, torch.Tensor) else value.reshape(-1),
-                                 where=label).detach().to(flat.device, torch.float64)
+        try:
+            values = field_to_tensor(value.reshape(-1) if isinstance(value, (torch.Tensor, np.ndarray)) else _as_row(value),
+                                     where=label).detach().to(flat.device, torch.float64)
+        except (TypeError, ValueError) as error:  # e.g. a nested list: said, never raised into training
+            raise _Unusable("", str(error)) from None
         if per_position or values.numel() != flat.n_datums:
             if values.numel() != flat.counted.numel():
                 raise _Unusable("", f"{label} has shape {tuple(getattr(value, 'shape', (values.numel(),)))} "

@@ -228,6 +228,23 @@ def test_a_datum_field_of_several_labels_is_said_as_several_values() -> None:
     assert "datum 0's 'group' holds 2 values (a list of length 2)" in message and "list of numbers" not in message, message
 
 
+@pytest.mark.parametrize("given", [[[1.0]] * B, "high"], ids=["nested list", "text"])
+def test_advantages_beside_datums_that_cannot_be_read_are_said_not_raised(given: Any) -> None:
+    """Only a correction reads advantages given next to datums: what it cannot read is one warning, never an error."""
+    output, _ = datums()
+    output["advantages"] = given
+    flat, message = one_warning((output, None), datum_advantages=True)
+    assert "needs one advantage per datum: 'advantages'" in message, message
+    assert flat.datum_advantages.isnan().all()
+
+
+def test_a_b_by_1_array_of_advantages_beside_datums_is_read_as_a_b_by_1_tensor_is() -> None:
+    output, _ = datums()
+    output["advantages"] = np.array([[1.0], [0.5], [-1.0]])
+    flat, said = read((output, None), datum_advantages=True)
+    assert not said and flat.datum_advantages.tolist() == [1.0, 0.5, -1.0]
+
+
 def test_per_token_advantages_of_the_wrong_size_name_the_positions_the_datums_have() -> None:
     """Datums of different lengths: the step's positions in all, not a made-up row width."""
     output, _ = datums()
