@@ -130,11 +130,8 @@ def advantages(step: Any, flat: FlatBatch) -> torch.Tensor:
             value = torch.cat([row.to(rows[0].device, torch.float64).expand(n if per_position else 1)
                                for row, n in zip(rows, lengths)])
         _no_bools(value, label)
-        try:
-            values = field_to_tensor(value.reshape(-1) if isinstance(value, (torch.Tensor, np.ndarray)) else _as_row(value),
-                                     where=label).detach().to(flat.device, torch.float64)
-        except (TypeError, ValueError) as error:  # e.g. a nested list: said, never raised into training
-            raise _Unusable("", str(error)) from None
+        row = value.reshape(-1) if isinstance(value, (torch.Tensor, np.ndarray)) else _as_row(value)
+        values = _row(row, label, _described(value), flat.n_datums).to(flat.device, torch.float64)
         if per_position or values.numel() != flat.n_datums:
             if values.numel() != flat.counted.numel():
                 raise _Unusable("", f"{label} has shape {tuple(getattr(value, 'shape', (values.numel(),)))} "
@@ -234,15 +231,7 @@ def _given(step: Any, name: str, n: int, device: torch.device) -> torch.Tensor |
             if len(value) != n:
                 raise _Unusable("count", f"{label} has {len(value)} labels for {n} datums", given)
             return list(value)
-    shape = _shape_of(value)
-    if shape is not None and len(shape) != 1:
-        raise _Unusable("shape", f"{label} is {given}")
-    if shape is not None and shape[0] == 0 != n:
-        raise _Unusable("empty", f"{label} is empty ({given})")
-    try:
-        values = field_to_tensor(value, where=label).detach()
-    except (TypeError, ValueError) as error:
-        raise _Unusable("unreadable", str(error)) from None
+    values = _row(value, label, given, n)
     if values.dtype == torch.bool:
         raise _Unusable("dtype", f"{label} must hold integers, got bools (dtype torch.bool)", given)
     if values.numel() != n:
@@ -265,19 +254,27 @@ def _one_value(field: Any, where: str) -> Any:
         field = field[0] if isinstance(field[0], (str, *_BOOLS)) else field
     if isinstance(field, (str, *_BOOLS)):
         return field
-    shape = _shape_of(_as_row(field))
-    if shape is not None and len(shape) > 1:
-        raise _Unusable("shape", f"{where} is {_described(field)}")
-    if shape is not None and shape[0] != 1:
-        problem = "is empty" if shape[0] == 0 else f"holds {shape[0]} values"
-        raise _Unusable("empty" if shape[0] == 0 else "count", f"{where} {problem} ({_described(field)})")
+    shape, given = _shape_of(_as_row(field)), _described(field)
+    if shape is not None and len(shape) == 1 and shape[0] > 1:  # said as a count before labels fail to convert
+        raise _Unusable("count", f"{where} holds {shape[0]} values ({given})")
+    row = _row(_as_row(field), where, given, 1)
+    if row.numel() != 1:  # a kind without a shape
+        raise _Unusable("count", f"{where} holds {row.numel()} values ({given})")
+    return row.reshape(()).item()
+
+
+def _row(value: Any, label: str, given: str, n: int) -> torch.Tensor:
+    """``value`` as a detached 1-D tensor; ``_Unusable`` when it is not 1-D, is empty where ``n`` > 0 values are due,
+    or cannot be read (``given``: what it is, for the message)."""
+    shape = _shape_of(value)
+    if shape is not None and len(shape) != 1:
+        raise _Unusable("shape", f"{label} is {given}")
+    if shape is not None and shape[0] == 0 != n:
+        raise _Unusable("empty", f"{label} is empty ({given})")
     try:
-        row = field_to_tensor(_as_row(field), where=where)
+        return field_to_tensor(value, where=label).detach()
     except (TypeError, ValueError) as error:
         raise _Unusable("unreadable", str(error)) from None
-    if row.numel() != 1:  # a kind without a shape
-        raise _Unusable("count", f"{where} holds {row.numel()} values ({_described(field)})")
-    return row.reshape(()).item()
 
 
 def _integers(values: torch.Tensor, key: str) -> torch.Tensor:
