@@ -162,19 +162,14 @@ def flatten_datums(
         sampler = field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'")
         mask = field_to_tensor(inputs["mask"], where=f"datum {i}, key 'mask'")
         length = sampler.shape[0]
-        if padded and length > training_logprobs.shape[1]:
-            raise ValueError(
-                f"datum {i}: loss_fn_inputs['logprobs'] has length {length} but the padded "
-                f"training_logprobs are only {training_logprobs.shape[1]} wide"
-            )
         if not padded:
             trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
         model_input, target = datum_model_input(datum), inputs.get("target_tokens")
-        trainer_length = length if padded else trainers[-1].shape[0]
+        trainer_length = min(length, training_logprobs.shape[1]) if padded else trainers[-1].shape[0]
         input_length = length if model_input is None else model_input_length(model_input)
         target_length = length if target is None else field_length(target, where=f"datum {i}, key 'target_tokens'")
         if not length == mask.shape[0] == trainer_length == input_length == target_length:
-            given = {"loss_fn_inputs['mask']": mask.shape[0], f"training_logprobs[{i}]": None if padded else trainer_length,
+            given = {"loss_fn_inputs['mask']": mask.shape[0], f"training_logprobs[{i}]": trainer_length,
                      "model_input": None if model_input is None else input_length,
                      "loss_fn_inputs['target_tokens']": None if target is None else target_length}
             raise ValueError(

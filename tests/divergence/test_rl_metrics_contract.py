@@ -125,6 +125,7 @@ def good() -> Datum:
          ValueError, r"datum 0: lengths differ: loss_fn_inputs\['logprobs'\] has 2, .* model_input has 4"),
         ([Datum(ModelInput.from_ints([1, 2]), {"logprobs": [0.0, -1.0], "mask": [1.0, 1.0], "target_tokens": [2]})],
          [[0.0, -1.0]], ValueError, r"datum 0: lengths differ: .* loss_fn_inputs\['target_tokens'\] has 1"),
+        ([good()], torch.zeros(1, 2), ValueError, r"datum 0: lengths differ: .* has 3, .* training_logprobs\[0\] has 2"),
         ([Datum(ModelInput.from_ints([1]), {"logprobs": "oops", "mask": [1.0]})], [[0.0]], TypeError,
          r"datum 0, key 'logprobs': expected a tensor, numpy array, list or TensorData, got str"),
         ([Datum(ModelInput.from_ints([1]), {"logprobs": [["a"]], "mask": [1.0]})], [[0.0]], TypeError,
