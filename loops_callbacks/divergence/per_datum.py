@@ -131,7 +131,7 @@ def advantages(step: Any, flat: FlatBatch) -> torch.Tensor:
                                for row, n in zip(rows, lengths)])
         _no_bools(value, label)
         row = value.reshape(-1) if isinstance(value, (torch.Tensor, np.ndarray)) else _as_row(value)
-        values = _row(row, label, _described(value), flat.n_datums).to(flat.device, torch.float64)
+        values = _row(row, label, _described(value), 0).to(flat.device, torch.float64)  # counts: checked below
         if per_position or values.numel() != flat.n_datums:
             if values.numel() != flat.counted.numel():
                 raise _Unusable("", f"{label} has shape {tuple(getattr(value, 'shape', (values.numel(),)))} "
