@@ -63,31 +63,17 @@ VERL_MEAN_EPSILON = 1e-8
 
 @dataclass(frozen=True)
 class Segments:
-    """Rows of given lengths over ``L`` concatenated positions: sums, maxima and spreading per row.
+    """Rows of given lengths over ``L`` concatenated positions: sums, maxima and spreading per row. The lengths
+    are the caller's promise (``FlatBatch.row_lengths``, or full rows): reading them back would synchronize.
 
     Examples:
-        >>> rows = Segments.of_lengths(torch.tensor([2, 1]), total=3)
+        >>> rows = Segments(torch.tensor([2, 1]), total=3)
         >>> rows.sum(torch.tensor([1.0, 2.0, 5.0])).tolist()
         [3.0, 5.0]
     """
 
-    lengths: torch.Tensor  # int64 [B], on the positions' device
+    lengths: torch.Tensor  # int64 [B], on the positions' device, each >= 0
     total: int  # L = lengths.sum(), known on the host
-
-    @classmethod
-    def of_lengths(cls, row_lengths: torch.Tensor, *, total: int) -> Segments:
-        """Rows of the given lengths (on their device), ``total`` = their sum, known on the host.
-
-        On the CPU the lengths are checked (a ``ValueError`` when they do not sum to ``total`` or
-        one is negative); on an accelerator that would synchronize, so they are the caller's promise.
-        """
-        lengths = row_lengths.to(torch.int64)
-        on_host = lengths.device.type == "cpu" and lengths.numel() > 0
-        if on_host and (int(lengths.sum()) != total or int(lengths.min()) < 0):
-            raise ValueError(
-                f"row lengths {lengths.tolist()[:10]} (sum {int(lengths.sum())}) do not cover {total} positions"
-            )
-        return cls(lengths, total)
 
     @property
     def n_rows(self) -> int:
@@ -182,7 +168,7 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
 
     Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
-        ...                     Segments.of_lengths(torch.tensor([2, 1]), total=3))
+        ...                     Segments(torch.tensor([2, 1]), total=3))
         >>> rows = correct_rows(parse_correction("sequence_truncate:2.0"), x)
         >>> [round(w, 4) for w in rows.weights.tolist()], rows.clipped.tolist()
         ([2.0, 1.1052], [True, False])
@@ -205,7 +191,7 @@ def correct_flat(correction: Correction, x: CorrectionInput) -> Weights:
 
     Examples:
         >>> x = CorrectionInput(torch.tensor([0.5, 2.0], dtype=torch.float64), torch.tensor([True, True]),
-        ...                     Segments.of_lengths(torch.tensor([2]), total=2))
+        ...                     Segments(torch.tensor([2]), total=2))
         >>> out = correct_flat(parse_correction("token_truncate:2.0"), x)
         >>> [round(w, 4) for w in out.weights.tolist()], out.clipped.tolist()
         ([1.6487, 2.0], [False, True])
@@ -244,6 +230,13 @@ def _weights(correction: Correction, x: CorrectionInput, log_ratio: torch.Tensor
     return Weights(ratio.masked_fill(outside, 0.0), mask & ~outside, torch.zeros_like(mask))
 
 
+_VERL_ESTIMATORS = {  # of the log ratio log r: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r**2,
+    "k3": lambda log_r: torch.exp(log_r) - 1.0 - log_r,
+}
+
+
 def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Tensor:
     """verl's keep (``compute_rollout_rejection_mask``): per position for token options, per row for sequence options.
 
@@ -253,12 +246,7 @@ def _verl_rejection_keep(correction: Correction, x: CorrectionInput) -> torch.Te
     option = correction.spec.formula
     safe = x.log_ratio.where(x.finite, math.nan).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)  # off the mask: unread
     kind = option[-2:]
-    if kind == "k1":
-        stat = -safe
-    elif kind == "k2":
-        stat = 0.5 * safe**2
-    else:
-        stat = torch.exp(safe) - 1.0 - safe
+    stat = _VERL_ESTIMATORS[kind](safe)
     if option.startswith("seq_max"):
         peak = x.rows.max(stat.masked_fill(~x.mask, -math.inf))  # verl: masked -inf, an empty row's max is 0
         stat = torch.where(peak == -math.inf, 0.0, peak)
@@ -314,7 +302,7 @@ def apply_correction(
     trainer = trainer_logprobs.detach()
     log_ratio = trainer.to(torch.float64) - sampler_logprobs.detach().to(device=device, dtype=torch.float64)
     active = mask.detach().to(device) > 0
-    rows = Segments.of_lengths(torch.full((batch,), width, dtype=torch.int64, device=device), total=batch * width)
+    rows = Segments(torch.full((batch,), width, dtype=torch.int64, device=device), total=batch * width)
     flat = correct_flat(correction, CorrectionInput(log_ratio.reshape(-1), active.reshape(-1), rows, per_row))
     return CorrectionResult(
         weights=flat.weights.reshape(batch, width).to(torch.promote_types(trainer.dtype, torch.float32)),

@@ -114,7 +114,7 @@ def shadow_values(
     if not corrections:
         return {}
     diff, mask = flat.diff, flat.counted
-    rows = Segments.of_lengths(flat.row_lengths, total=diff.numel())
+    rows = Segments(flat.row_lengths, total=diff.numel())
     if advantages is not None:
         advantages = advantages.detach().to(device=diff.device, dtype=torch.float64)
     x = CorrectionInput(diff, mask, rows, advantages)

@@ -128,7 +128,7 @@ def test_the_flat_form_of_ragged_rows_equals_the_padded_form(spec: str) -> None:
     lengths = inputs["mask"].sum(dim=1).long()
     keep_positions = inputs["mask"] > 0
     log_ratio = (inputs["trainer"].double() - inputs["sampler"].double())[keep_positions]
-    rows = Segments.of_lengths(lengths, total=int(lengths.sum()))
+    rows = Segments(lengths, total=int(lengths.sum()))
     x = CorrectionInput(log_ratio, torch.ones_like(log_ratio, dtype=torch.bool), rows, inputs["advantages"].double())
     flat = correct_flat(correction, x)
     torch.testing.assert_close(flat.weights.float(), padded.weights[keep_positions], rtol=0, atol=0)
@@ -250,10 +250,3 @@ def test_the_docs_block_weights_the_loss_as_written() -> None:
     assert torch.isfinite(trainer.grad).all() and trainer.grad[inputs["mask"] == 0].eq(0).all()
     dropped = (inputs["mask"] > 0) & ~namespace["result"].keep
     assert dropped.any() and trainer.grad[dropped].eq(0).all()  # some sequences are above TRL's cap of 3.0
-
-
-def test_row_lengths_that_do_not_cover_the_positions_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"row lengths \[2, 2\] \(sum 4\) do not cover 5 positions"):
-        Segments.of_lengths(torch.tensor([2, 2]), total=5)
-    with pytest.raises(ValueError, match="do not cover 1 positions"):
-        Segments.of_lengths(torch.tensor([2, -1]), total=1)
