@@ -28,7 +28,7 @@ CAUSES = (
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
-_TEXTS = {  # cause: (what it is, what to check)
+_TEXTS = {  # cause (and "unclear" with a context fade): (what it is, what to check)
     IMPOSSIBLE_INPUTS: ("the inputs are not valid logprobs", "fix the inputs first (position k must hold log p of the "
                         "token predicted at k, a number <= 0); no other cause can be judged on them"),
     "none": ("no mismatch", ""),
@@ -52,13 +52,11 @@ _TEXTS = {  # cause: (what it is, what to check)
     PREFIX_CACHE: ("the sampler's prefix cache holds KV computed with older weights", "reset the prefix cache after "
                    "every weight update (vLLM: llm.reset_prefix_cache()) or salt it per weight version"),
     "unclear": ("unclear", "no single cause's signature fits; look at the worst-tokens table"),
+    "context_fade": ("unclear: the gap sits on each completion's first tokens and fades after them", "a difference "
+                     "in the prompt both sides score (chat template, BOS and special tokens, system prompt) or a "
+                     "sampler's prefix / KV cache kept across a weight update leaves this; so can an engine whose "
+                     "rounding grows where the first tokens' logits are larger, so check the prompts and the cache first"),
 }
-_FADE_WHAT = "unclear: the gap sits on each completion's first tokens and fades after them"
-_FADE_CHECK = (
-    "a difference in the prompt both sides score (chat template, BOS and special tokens, system prompt) or a "
-    "sampler's prefix / KV cache kept across a weight update leaves this; so can an engine whose rounding grows "
-    "where the first tokens' logits are larger, so check the prompts and the cache first"
-)
 
 
 @dataclass(frozen=True)
@@ -113,12 +111,8 @@ class Diagnosis:
     @property
     def _finding(self) -> str:
         """The cause, its numbers and what to check."""
-        if self.cause == "shift":
-            what, check = _shift_texts(self.numbers)
-        elif self.cause == "unclear" and "context_fade" in self.numbers:
-            what, check = _FADE_WHAT, _FADE_CHECK
-        else:
-            what, check = _TEXTS[self.cause]
+        key = "context_fade" if self.cause == "unclear" and "context_fade" in self.numbers else self.cause
+        what, check = _shift_texts(self.numbers) if key == "shift" else _TEXTS[key]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.numbers['temperature']:.2f})"
         if self.cause == SAMPLING and math.isfinite(self.numbers.get("sampling_z", math.nan)):

@@ -119,24 +119,23 @@ def diagnose(
     ``n_tokens`` and ``abs_d_mean``); ``trend`` the relative gaps of the run's previous logged steps,
     oldest first.
     """
-    sig = dict(signatures)
     full_precision = (
         facts is not None and facts.dtype in ("float32", "float64")
         and not (evidence is not None and evidence.reduced_precision)
     )
     bound = noise_bound(noise_floor, NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR)
     lag_bound = bound if noise_floor is None else max(LAG_NOISE_FACTOR * noise_floor, NOISE_MIN)
-    statistical = _statistical_cause(sig, n_tokens, bound, lag_bound, noise_floor is not None, facts, by_lag, trend)
+    statistical = _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts, by_lag, trend)
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
         return statistical  # no mismatch: live dropout does not reach these logprobs
     numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p,
-               "k3": sig.get("kl_sample_train_k3", math.nan)}
+               "k3": signatures.get("kl_sample_train_k3", math.nan)}
     beyond = None  # what live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps
     if n_tokens >= MIN_TOKENS:
-        beyond = _offset(sig)
-        if beyond is None and _beyond_noise(sig, bound):
+        beyond = _offset(signatures)
+        if beyond is None and _beyond_noise(signatures, bound):
             lags = _lag_growth(by_lag)
-            beyond = _stale_by_lag(lags) or _growing(sig, by_lag, lags, trend, bound, since_floor=False)
+            beyond = _stale_by_lag(lags) or _growing(signatures, by_lag, lags, trend, bound, since_floor=False)
     return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts, beyond=beyond)
 
 

@@ -104,10 +104,8 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
     sharper = min(high_neg, low_pos)  # T < 1: the sampler over-weights likely tokens
     flatter = min(high_pos, low_neg)
     pairs = t["n_pairs"]
-    aligned = t["sum_abs_d_pairs"] / (2 * pairs) if pairs else math.nan
-    after, before = math.nan, math.nan
-    if pairs:
-        after, before = t["sum_abs_shift_next"] / pairs, t["sum_abs_shift_prev"] / pairs
+    aligned = _share(t["sum_abs_d_pairs"], 2 * pairs)
+    after, before = _share(t["sum_abs_shift_next"], pairs), _share(t["sum_abs_shift_prev"], pairs)
     mean_d2 = t["sum_d2"] / n
     d2_se = math.sqrt(max(t["sum_d4"] / n - mean_d2**2, 0.0) / n)
     slope = cov / var_s if var_s > 0 else math.nan
