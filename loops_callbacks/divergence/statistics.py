@@ -47,8 +47,7 @@ def layout_of(diagnose: bool = True, max_groups: int | None = None, corrections:
               ) -> Layout:
     """The states a monitor with these options keeps: every step's, the diagnosis' sums when ``diagnose``,
     the strata with ``max_groups``, the shadow statistics of ``corrections``; made once per set of options."""
-    if max_groups is not None:
-        check_int("max_groups", max_groups, least=1)
+    check_int("max_groups", max_groups, least=1, optional=True)
     states = MAIN + (SIGNATURES if diagnose else ()) + (STRATA if max_groups is not None else ())
     return Layout(states + shadow_statistics(corrections), max_groups, corrections)
 
@@ -87,8 +86,7 @@ class DivergenceStats:
         with this process's ``rank`` where advantages could not be read). On the CPU a batch of more than
         ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay small."""
         check_int("top_n", top_n, least=0)
-        if sample_size is not None:
-            check_int("sample_size", sample_size, least=1, what=" or None")
+        check_int("sample_size", sample_size, least=1, optional=True)
         layout = layout_of(diagnose, max_groups, parse_corrections(corrections))
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
