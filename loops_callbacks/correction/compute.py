@@ -75,14 +75,10 @@ class Segments:
     lengths: torch.Tensor  # int64 [B], on the positions' device, each >= 0
     total: int  # L = lengths.sum(), known on the host
 
-    @property
-    def n_rows(self) -> int:
-        return int(self.lengths.numel())
-
     @cached_property
     def index(self) -> torch.Tensor:
         """Int64 [L]: the row of each position."""
-        rows = torch.arange(self.n_rows, device=self.lengths.device)
+        rows = torch.arange(self.lengths.numel(), device=self.lengths.device)
         return torch.repeat_interleave(rows, self.lengths, output_size=self.total)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -94,7 +90,7 @@ class Segments:
         return self._reduce(values, "max", -math.inf)
 
     def _reduce(self, values: torch.Tensor, how: str, initial: float) -> torch.Tensor:
-        if not self.n_rows:  # segment_reduce needs a row
+        if not self.lengths.numel():  # segment_reduce needs a row
             return values.new_zeros(0)
         # unsafe: the lengths sum to ``total`` by construction, and its checks would read them on the host
         return torch.segment_reduce(values, how, lengths=self.lengths, unsafe=True, initial=initial)

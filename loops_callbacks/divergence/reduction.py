@@ -48,11 +48,8 @@ from loops_callbacks.divergence.states import GROUP_ROWS, ROW, Layout
 class Collectives(Protocol):
     """A process group as the reduction uses it: this rank, the world, and two collectives."""
 
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
+    rank: int
+    world_size: int
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (one shape everywhere) stacked in rank order: ``[world_size, ...]``."""

@@ -123,14 +123,12 @@ def shadow_values(
     unjudged = count.new_zeros(())
     if advantages is not None:
         unjudged = (with_actions & advantages.isnan()).sum().to(torch.float64)
-    at_rank = torch.full_like(unjudged, float(rank))
     values: dict[str, torch.Tensor] = {
         _key(None, "n_tokens"): count.sum(),
         _key(None, "n_datums_with_actions"): with_actions.sum().to(torch.float64),
         _key(None, "n_datums_no_advantage"): unjudged,
-        _key(None, "max_rank_no_advantage"): at_rank.where(unjudged > 0, -math.inf),
-        _key(None, "neg_min_rank_no_advantage"): (-at_rank).where(unjudged > 0, -math.inf),
     }
+    values.update(_extrema("rank_no_advantage", torch.full_like(unjudged, float(rank)), unjudged > 0))
     values.update(_extrema("token_log_ratio", diff, x.finite))
     values.update(_extrema("seq_log_ratio", x.row_log_ratio, with_actions))
     values.update(_extrema("seq_mean_log_ratio", x.row_log_ratio / count.clamp(min=1.0), with_actions))
