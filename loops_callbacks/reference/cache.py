@@ -241,7 +241,12 @@ def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
     """
     path = os.fspath(path)
     try:
-        blob = _read_whole(path)
+        descriptor, size = open_regular(path)
+        with os.fdopen(descriptor, "rb", buffering=0) as file:
+            blob = np.fromfile(file, dtype=np.uint8, count=size)  # a copy, not a map: no SIGBUS if truncated
+            if len(blob) != size or file.read(1):
+                raise OSError(errno.EIO, f"it changed while being read ({size} bytes when opened, {len(blob)} read)",
+                              path)
     except FileNotFoundError:
         return CacheLookup("missing", path=path)
     except OSError as error:
@@ -258,10 +263,7 @@ class _Header:
     key: CacheKey
     checksum: Any
     tensors: dict[str, tuple[int, int, int]]  # name: (count, first byte, last byte + 1), from the file's start
-
-    @property
-    def file_size(self) -> int:
-        return max((stop for _, _, stop in self.tensors.values()), default=0)
+    file_size: int  # where the last tensor ends
 
 
 _TENSORS = {"values": ("F32", np.dtype("<f4")), "lengths": ("I64", np.dtype("<i8"))}
@@ -294,7 +296,7 @@ def read_header(head: bytes, file_size: int) -> _Header | str:
         return f"its header is damaged ({type(error).__name__}: {error})"
     if not all(isinstance(part, str) for part in (key.reference, key.data, key.dtype)):
         return f"its header is damaged (its key {dataclasses.asdict(key)} is not three strings)"
-    return _Header(key, metadata.get("sha256"), tensors)
+    return _Header(key, metadata.get("sha256"), tensors, max(stop for _, _, stop in tensors.values()))
 
 
 def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest: str | None) -> CacheLookup:
@@ -331,15 +333,3 @@ def open_regular(path: str) -> tuple[int, int]:
         raise OSError(errno.EINVAL, "not a regular file", path)
     return descriptor, status.st_size
 
-
-def _read_whole(path: str) -> np.ndarray:
-    """Every byte of the file, in this process's memory (``OSError`` if it changes size while being read)."""
-    descriptor, size = open_regular(path)
-    with os.fdopen(descriptor, "rb", buffering=0) as file:
-        blob = np.empty(size, dtype=np.uint8)
-        view, done = memoryview(blob), 0
-        while done < size and (count := file.readinto(view[done:])):
-            done += count
-        if done != size or file.read(1):
-            raise OSError(errno.EIO, f"it changed while being read ({size} bytes when opened, {done} read)", path)
-    return blob
