@@ -155,25 +155,21 @@ def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str
 
 def _info(path: str) -> CacheInfo | None:
     """What ``path``'s header says (``None``: not a cache file at all)."""
+    name = os.path.basename(path)
+    named = name.endswith(".cache") and not name.startswith(".")  # not hidden: ~/.cache in a cache_dir set to ~
     try:
         descriptor, size = open_regular(path)
         with os.fdopen(descriptor, "rb", buffering=0) as file:
             head = file.read(8 + MAX_HEADER_BYTES)
             modified = os.fstat(file.fileno()).st_mtime
     except OSError as error:
-        return _unreadable(path, error) if _named_as_a_cache(path) else None
+        return _unreadable(path, error) if named else None
     header = read_header(head, size)
     if isinstance(header, str):
-        return CacheInfo(path, size, modified, None, problem=header) if _named_as_a_cache(path) else None
+        return CacheInfo(path, size, modified, None, problem=header) if named else None
     problem = "" if header.file_size == size else f"truncated or damaged: {size} bytes, its header promises more"
     counts = (header.tensors["lengths"][0], header.tensors["values"][0])
     return CacheInfo(path, size, modified, header.key, *counts, problem=problem)
-
-
-def _named_as_a_cache(path: str) -> bool:
-    """``*.cache``, not hidden: ``~/.cache`` in a cache directory set to ``~`` is no cache of ours."""
-    name = os.path.basename(path)
-    return name.endswith(".cache") and not name.startswith(".")
 
 
 def _unreadable(path: str, error: OSError) -> CacheInfo | None:
