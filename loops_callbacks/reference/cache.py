@@ -325,11 +325,13 @@ def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest
 
 
 def open_regular(path: str) -> tuple[int, int]:
-    """A read-only descriptor of ``path`` and its size; ``OSError`` unless a regular file (never waits on a FIFO)."""
+    """A read-only descriptor of ``path`` and its size; unless a regular file, ``OSError`` (``EINVAL``: what it is
+    instead). Never waits on a FIFO."""
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     status = os.fstat(descriptor)
     if not stat.S_ISREG(status.st_mode):
         os.close(descriptor)
-        raise OSError(errno.EINVAL, "not a regular file", path)
+        raise OSError(errno.EINVAL, "a directory, not a cache file" if stat.S_ISDIR(status.st_mode)
+                      else "not a regular file (a FIFO, socket or device)", path)
     return descriptor, status.st_size
 

@@ -177,8 +177,12 @@ def _unreadable(path: str, error: OSError) -> CacheInfo | None:
 
     Examples:
         >>> import tempfile
-        >>> _unreadable(tempfile.mkdtemp(), OSError(errno.EINVAL, "not a regular file")).problem
-        'it is a directory, not a cache file'
+        >>> directory = tempfile.mkdtemp()
+        >>> try:
+        ...     open_regular(directory)
+        ... except OSError as error:
+        ...     print(_unreadable(directory, error).problem)
+        it is a directory, not a cache file
     """
     try:
         status = os.lstat(path)
@@ -186,10 +190,8 @@ def _unreadable(path: str, error: OSError) -> CacheInfo | None:
         return None  # gone meanwhile
     if stat.S_ISLNK(status.st_mode) and not os.path.exists(path):
         problem = f"it is a broken symbolic link (to {os.readlink(path)!r})"
-    elif os.path.isdir(path):
-        problem = "it is a directory, not a cache file"
-    elif not stat.S_ISREG(os.stat(path).st_mode):
-        problem = "it is not a regular file (a FIFO, socket or device)"
+    elif error.errno == errno.EINVAL:  # open_regular: it is no regular file, and says what it is
+        problem = f"it is {error.strerror}"
     else:
         problem = f"it cannot be read ({error.strerror or error})"
     return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem)
