@@ -273,23 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isdir(args.directory):
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
     caches = list_caches(args.directory)
-    orphans = orphaned_temporaries(args.directory)
+    orphans = {path: _size(path) for path in orphaned_temporaries(args.directory)}  # sizes before any removal
     if args.command == "list":
         if not caches:
             print(f"no reference-logprob caches in {args.directory}")
         for info in caches:
             print(_line(info))
         if orphans:
-            megabytes = sum(map(_size, orphans)) / (1 << 20)
-            print(f"{len(orphans)} temporary file(s) of killed writers ({megabytes:.1f} MB): "
-                  "prune --damaged removes them")
+            print(f"{_killed_writers(list(orphans.values()))}: prune --damaged removes them")
         return 0
     if args.older_than is None and args.keep_newest is None and not args.damaged:
         parser.error("prune needs --older-than DAYS, --keep-newest N or --damaged (nothing is removed by default)")
     chosen = select_for_pruning(caches, older_than_days=args.older_than, keep_newest=args.keep_newest,
                                 damaged=args.damaged)
     verb = "would remove" if args.dry_run else "removed"
-    targets = [info.path for info in chosen] + (orphans if args.damaged else [])
+    targets = [info.path for info in chosen] + (list(orphans) if args.damaged else [])
     left = {} if args.dry_run else {path: why for path in targets if (why := _remove(path))}  # not removed, and why
     removed = [info for info in chosen if info.path not in left]
     for info in removed:
@@ -297,11 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     freed = sum(info.size for info in removed) / (1 << 20)
     print(f"{len(removed)} of {len(caches)} caches {'selected' if args.dry_run else 'removed'} ({freed:.1f} MB)")
     if args.damaged and orphans:
-        gone = [orphan for orphan in orphans if orphan not in left]
-        print(f"{verb} {len(gone)} temporary file(s) of killed writers ({sum(map(_size, gone)) / (1 << 20):.1f} MB)")
+        print(f"{verb} {_killed_writers([size for path, size in orphans.items() if path not in left])}")
     for path, why in left.items():
         print(f"left {os.path.basename(path)}: {why}")
     return 1 if left else 0
+
+
+def _killed_writers(sizes: list[int]) -> str:
+    """``N temporary file(s) of killed writers (X MB)``, of files of these sizes."""
+    return f"{len(sizes)} temporary file(s) of killed writers ({sum(sizes) / (1 << 20):.1f} MB)"
 
 
 def _size(path: str) -> int:

@@ -406,13 +406,13 @@ def test_cache_tool_lists_and_prunes_the_temporary_files_of_killed_writers(
     kept = [tmp_path / f"ref_logprobs.0123456789abcdef.cache.tmp.{host}.{os.getppid()}",  # a live writer's
             tmp_path / f"notes.txt.tmp.{host}.{dead.pid}"]  # not a cache's
     for path in (orphan, *kept):
-        path.write_bytes(b"x" * 1000)
+        path.write_bytes(b"x" * (1 << 20))
     assert cache_tool(["list", str(tmp_path)]) == 0
-    assert "1 temporary file(s) of killed writers" in capsys.readouterr().out
+    assert "1 temporary file(s) of killed writers (1.0 MB)" in capsys.readouterr().out
     assert cache_tool(["prune", str(tmp_path), "--older-than", "1"]) == 0  # only --damaged removes them
     assert orphan.exists()
     assert cache_tool(["prune", str(tmp_path), "--damaged"]) == 0
-    assert "removed 1 temporary file(s)" in capsys.readouterr().out
+    assert "removed 1 temporary file(s) of killed writers (1.0 MB)" in capsys.readouterr().out  # what was freed
     assert not orphan.exists() and all(path.exists() for path in kept)
 
 
