@@ -46,7 +46,7 @@ class VLLMSamplingClient(ScorerClient):
         self.llm = llm
         self.vocab_size = int(config.model_config.get_vocab_size())
         self.dtype = str(config.model_config.dtype).removeprefix("torch.")
-        self._budget = int(config.scheduler_config.max_num_batched_tokens)
+        self.max_tokens_per_batch = int(config.scheduler_config.max_num_batched_tokens)  # of one forward pass
         self._params = vllm.SamplingParams(
             max_tokens=1, prompt_logprobs=0, skip_reading_prefix_cache=True, flat_logprobs=True, detokenize=False
         )
@@ -57,11 +57,6 @@ class VLLMSamplingClient(ScorerClient):
                 "(vLLM #42019). Build a reference-only engine with enable_prefix_caching=False to say so yourself",
                 VLLMWarning,
             )
-
-    @property
-    def max_tokens_per_batch(self) -> int:
-        """The engine's token budget of one forward pass (its ``max_num_batched_tokens``)."""
-        return self._budget
 
     def score_packed(
         self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None, lockstep: Any = None
