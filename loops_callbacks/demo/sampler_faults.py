@@ -85,7 +85,6 @@ class SamplerFaults:
         """``logprobs [B, T]`` reported one position off (``logprob_shift``), 0.0 where nothing shifts in."""
         if self.logprob_shift == 0:
             return logprobs
-        pad = torch.zeros_like(logprobs[:, :1])
-        if self.logprob_shift > 0:
-            return torch.cat([logprobs[:, 1:], pad], dim=1)
-        return torch.cat([pad, logprobs[:, :-1]], dim=1)
+        shifted = logprobs.roll(-self.logprob_shift, dims=1)
+        shifted[:, -1 if self.logprob_shift > 0 else 0] = 0.0  # the value rolled around: nothing shifts in
+        return shifted
