@@ -88,7 +88,7 @@ def test_the_engine_facts_and_the_warning_for_raw_logprobs_at_another_temperatur
     rollouts._SAID.reset()
     sync = VLLMWeightSync(engine)
     params = vllm.SamplingParams(max_tokens=2, logprobs=0, temperature=0.7)
-    with pytest.warns(VLLMWarning, match=r"temperature=0.7 but its logprobs_mode='raw_logprobs'.*processed_logprobs"):
+    with pytest.warns(VLLMWarning, match=r"temperature 0.7 but its logprobs_mode='raw_logprobs'.*processed_logprobs"):
         batch = generate_rollouts(engine, [[5, 6, 7]], params, weight_sync=sync)
     facts = batch["sampler_facts"]
     assert (facts.engine, facts.dtype, facts.logprobs_mode, facts.temperature, facts.top_p, facts.top_k) == (

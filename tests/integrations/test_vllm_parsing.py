@@ -153,7 +153,7 @@ def test_raw_logprobs_with_other_sampling_settings_warn_once_and_name_processed_
         rollout_batch(outputs, facts=SamplerFacts(engine="vllm", logprobs_mode="raw_logprobs", temperature=1.0, top_k=0))
     said = [str(w.message) for w in caught if issubclass(w.category, VLLMWarning)]
     assert len(said) == 1, said
-    assert "temperature=0.7, top_p=0.9" in said[0] and "logprobs_mode='processed_logprobs'" in said[0]
+    assert "temperature 0.7, top-p 0.9" in said[0] and "logprobs_mode='processed_logprobs'" in said[0]
     assert "importance ratio" in said[0]
     with pytest.raises(ValueError, match=r"reports logits, not logprobs \(logprobs_mode='raw_logits'\)"):
         rollout_batch(outputs, facts=SamplerFacts(engine="vllm", logprobs_mode="raw_logits"))
@@ -197,7 +197,7 @@ def test_a_server_answer_becomes_the_same_batch_with_its_request_settings_as_fac
     request = completions_request([[1, 5], [1, 6, 6]], max_tokens=4, n=2, temperature=0.8, stop_token_ids=[2])
     choices = [choice(3, [9], [-0.5]), choice(0, [7, 2], [-0.5, -0.25]), choice(2, [8, 8, 2], [-1.0, None, -0.5]),
                choice(1, [3], [-2.0])]
-    with pytest.warns(VLLMWarning, match="temperature=0.8"):  # raw logprobs, the server's default
+    with pytest.warns(VLLMWarning, match="temperature 0.8"):  # raw logprobs, the server's default
         batch = completions_batch(request, {"choices": choices}, weight_version=2, dtype="bfloat16")
     as_outputs = rollout_batch([
         request_output([1, 5], completion([7, 2], [-0.5, -0.25]), completion([3], [-2.0])),

@@ -188,9 +188,7 @@ def _warn_if_other_distribution(facts: SamplerFacts) -> None:
     """One ``VLLMWarning`` per process and settings when the logprobs are not of the distribution sampled from."""
     if not facts.samples_other_than_reported:
         return
-    changed = (("temperature", facts.temperature, facts.temperature not in (None, 1.0)),
-               ("top_p", facts.top_p, facts.top_p not in (None, 1.0)), ("top_k", facts.top_k, (facts.top_k or 0) > 0))
-    settings = ", ".join(f"{name}={value:g}" for name, value, on in changed if on)
+    settings = ", ".join(facts.sampling_settings)
     _SAID.warn(
         f"sampling:{facts.logprobs_mode}:{settings}",
         f"vLLM samples with {settings} but its logprobs_mode={facts.logprobs_mode!r} reports the model's distribution "
