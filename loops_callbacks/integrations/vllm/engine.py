@@ -28,7 +28,6 @@ def import_vllm(feature: str) -> Any:
 def shutdown_engine(llm: Any) -> None:
     """Stop an in-process ``vllm.LLM`` and take down the distributed environment it set up in this process,
     for a run that ends while its process goes on (a test session, a notebook, ``Trainer.fit`` twice)."""
-    import_vllm("shutdown_engine")
     llm.llm_engine.engine_core.shutdown()
     importlib.import_module("vllm.distributed.parallel_state").cleanup_dist_env_and_memory()
 
