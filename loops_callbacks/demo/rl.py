@@ -201,9 +201,8 @@ class RLPolicyModule(LightningModule):
         faults = self.active_faults
         with torch.autocast(prompt_ids.device.type, enabled=False):  # the sampler's own precision
             logits = self.sampler(faults.perturb(prompt_ids, pad_id=self.tokenizer.pad_id), cache=cache)[:, -1].float()
-            if repeats > 1:
-                cache.repeat_interleave(repeats)
-                logits = logits.repeat_interleave(repeats, dim=0)
+            cache.repeat_interleave(repeats)
+            logits = logits.repeat_interleave(repeats, dim=0)
             for step in range(self.task.max_new_tokens):  # one pass per new token, all rows at once
                 if step:
                     logits = self.sampler(completion[-1], cache=cache)[:, -1].float()
