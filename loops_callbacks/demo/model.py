@@ -96,9 +96,10 @@ class _Numerics:
         weight, bias = self.weight(norm.weight), self.weight(norm.bias)
         return self.round(F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps))
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-        """Causal attention of queries at positions ``offset..`` over keys at ``0..``; ``[B, H, Tq, Dh]``."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last ``Tq`` positions over all ``Tk`` keys (the earlier ones cached); ``[B, H, Tq, Dh]``."""
         queries, keys = q.shape[2], k.shape[2]
+        offset = keys - queries  # the queries' first position
         causal = None
         if queries > 1:  # a query sees the keys up to its own position
             causal = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(diagonal=offset)
@@ -135,16 +136,14 @@ class _Block(nn.Module):
         q, k, v = numerics.linear(self.qkv, numerics.layer_norm(self.attn_norm, x)).split(width, dim=-1)
         # [B, T, D] -> [B, heads, T, D / heads]
         q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        offset = 0
         if cache is not None:
             if layer < len(cache.layers):
                 past_k, past_v = cache.layers[layer]
-                offset = past_k.shape[2]
                 k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
                 cache.layers[layer] = (k, v)
             else:
                 cache.layers.append((k, v))
-        attended = numerics.attention(q, k, v, offset).transpose(1, 2).reshape(batch, length, width)
+        attended = numerics.attention(q, k, v).transpose(1, 2).reshape(batch, length, width)
         x = numerics.round(x + numerics.linear(self.attn_out, attended))
         hidden = numerics.round(self.mlp[1](numerics.linear(self.mlp[0], numerics.layer_norm(self.mlp_norm, x))))
         return numerics.round(x + numerics.linear(self.mlp[2], hidden))

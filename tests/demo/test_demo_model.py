@@ -116,7 +116,7 @@ def _one_bf16_step(x: torch.Tensor) -> torch.Tensor:
 def _flash_attention_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` for bf16 inputs, computed by the emulation in float32."""
     assert is_causal
-    return _Numerics(torch.bfloat16, torch.float32).attention(q.float(), k.float(), v.float(), 0).to(q.dtype)
+    return _Numerics(torch.bfloat16, torch.float32).attention(q.float(), k.float(), v.float()).to(q.dtype)
 
 
 def test_each_float32_kernel_is_its_native_bf16_kernel_up_to_float32_rounding() -> None:
@@ -133,7 +133,7 @@ def test_each_float32_kernel_is_its_native_bf16_kernel_up_to_float32_rounding() 
         "gelu": (numerics.round(F.gelu(x.float())), F.gelu(x), 0.0),
         # the bf16 probabilities: one step of each (<= eps * p) moves the output by <= eps * max |v|
         "attention": (
-            numerics.attention(q.float(), k.float(), v.float(), 0),
+            numerics.attention(q.float(), k.float(), v.float()),
             F.scaled_dot_product_attention(q, k, v, is_causal=True),
             eps * v.float().abs().amax(2, True),
         ),
