@@ -247,27 +247,25 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         order = np.random.default_rng(self.seed).permutation(num_pairs)
         self._val = sorted(order[:num_val].tolist())
         self._train = sorted(order[num_val:].tolist())
-        trainer = getattr(self, "trainer", None)
-        if num_val == 0 and trainer is not None:
+        if num_val == 0 and self.trainer is not None:
             # no held-out pairs: no validation loop at all (Lightning warns about an empty val loader)
-            trainer.limit_val_batches = 0
+            self.trainer.limit_val_batches = 0
 
     @override
     def train_dataloader(self) -> DataLoader:
         """The training pairs (after ``setup("fit")``: before it, reading ``scored_pairs`` says so)."""
-        generator = torch.Generator().manual_seed(self.seed) if self.shuffle else None
-        return self._loader(self._train, shuffle=self.shuffle, generator=generator)
+        return self._loader(self._train, shuffle=self.shuffle)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
         """The held-out pairs (``val_fraction``), or no loader when there are none."""
         if self._val is None:
             raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
-        return self._loader(self._val, shuffle=False, generator=None, unrepeated=True) if len(self._val) else []
+        return self._loader(self._val, shuffle=False, unrepeated=True) if len(self._val) else []
 
-    def _loader(self, indices: list[int], *, shuffle: bool, generator: torch.Generator | None,
-                unrepeated: bool = False) -> DataLoader:
-        """Batches of the pairs ``indices``; ``unrepeated``: under DDP each held-out pair goes to one rank once.
+    def _loader(self, indices: list[int], *, shuffle: bool, unrepeated: bool = False) -> DataLoader:
+        """Batches of the pairs ``indices`` (shuffled from ``seed``); ``unrepeated``: under DDP each held-out pair
+        goes to one rank once.
 
         Lightning's own ``DistributedSampler`` pads every rank to the same count by repeating up
         to world size - 1 pairs, which would count twice in ``val/*``; with fewer pairs than ranks
@@ -279,6 +277,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
         if unrepeated and trainer is not None and 1 < trainer.world_size <= len(indices):
             sampler = UnrepeatedDistributedSampler(subset, num_replicas=trainer.world_size, rank=trainer.global_rank,
                                                    shuffle=False)
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
         return DataLoader(subset, batch_size=self.batch_size, shuffle=shuffle, sampler=sampler, generator=generator,
                           collate_fn=collate_dpo_pairs, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
