@@ -228,9 +228,8 @@ class ReferenceLogprobsMixin:
     def _score(self, reference: Any, config: ReferenceConfig, **how: Any) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """``score_across_ranks`` on the checked pairs: a pair's two sequences on one rank, errors naming the pair."""
         assert self._pairs is not None
-        pairs = self._pairs
-        return score_across_ranks(pairs.tokens, reference, config, datums=pairs.source, shard_unit=2,
-                                  datum_name=pairs.label, **how)
+        return score_across_ranks(self._pairs.tokens, reference, config, datums=self._pairs.source, shard_unit=2,
+                                  datum_name=self._pairs.label, **how)
 
     def _score_explicit(self, trainer: Any, config: ReferenceConfig) -> tuple[np.ndarray, ReferenceLogprobsReport]:
         """A reference other than the policy: resolved (a copy, a client, a callable) from ``config`` and scored now."""
