@@ -39,16 +39,32 @@ def load_tokenizer(tokenizer: Any) -> Any:
     """A Hugging Face tokenizer: ``tokenizer`` itself, or ``AutoTokenizer.from_pretrained(tokenizer)`` for a name/path.
 
     A name is looked up in the local cache first; a path that is not a directory, or a name that
-    is not cached while the Hub is offline (``HF_HUB_OFFLINE``), is a ``ValueError`` at once.
+    is not cached while the Hub is offline (``HF_HUB_OFFLINE``), is a ``ValueError`` at once, with the fix.
     """
-    if isinstance(tokenizer, (str, os.PathLike)):
-        name = os.fspath(tokenizer)
-        transformers = import_optional("transformers", f"loading the tokenizer {name!r}")
-        return _from_pretrained(transformers.AutoTokenizer, name)
     if callable(tokenizer) and callable(getattr(tokenizer, "apply_chat_template", None)):
         return tokenizer
-    raise TypeError("tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
-                    f"got {type(tokenizer).__name__}")
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError("tokenizer must be a Hugging Face tokenizer or a name/path for AutoTokenizer.from_pretrained, "
+                        f"got {type(tokenizer).__name__}")
+    name = os.fspath(tokenizer)
+    auto = import_optional("transformers", f"loading the tokenizer {name!r}").AutoTokenizer
+    check_tokenizer_path(name)
+    if os.path.isdir(name):
+        return auto.from_pretrained(name)
+    try:
+        return auto.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        pass  # not in the local cache
+    missing = f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and"
+    fetch = f"fetch it where there is a network (hf download {name} --exclude '*.safetensors' '*.bin')"
+    unavailable = _hub_unavailable()
+    if unavailable:
+        raise ValueError(f"{missing} {unavailable}: {fetch} or give the path of its directory")
+    try:
+        return auto.from_pretrained(name)
+    except OSError as error:
+        raise ValueError(f"{missing} could not be downloaded ({error}); check the name and the network, or give the "
+                         "path of its directory") from error
 
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?")
@@ -73,27 +89,6 @@ def check_tokenizer_path(name: str, what: str = "tokenizer") -> None:
     problem = "is a file, not a directory" if os.path.exists(name) else f"does not exist{relative_path_note(name)}"
     raise ValueError(f"{what} {name!r} {problem}: give the directory that holds tokenizer.json / tokenizer_config.json "
                      "(save_pretrained writes one), or a Hugging Face Hub name such as 'Qwen/Qwen2.5-0.5B-Instruct'")
-
-
-def _from_pretrained(auto: Any, name: str) -> Any:
-    """``auto.from_pretrained(name)``, failing fast with the fix for a missing path or an uncached name offline."""
-    check_tokenizer_path(name)
-    if os.path.isdir(name):
-        return auto.from_pretrained(name)
-    try:
-        return auto.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):
-        pass  # not in the local cache
-    missing = f"tokenizer {name!r} is neither a local directory nor in the local Hugging Face cache, and"
-    fetch = f"fetch it where there is a network (hf download {name} --exclude '*.safetensors' '*.bin')"
-    unavailable = _hub_unavailable()
-    if unavailable:
-        raise ValueError(f"{missing} {unavailable}: {fetch} or give the path of its directory")
-    try:
-        return auto.from_pretrained(name)
-    except OSError as error:
-        raise ValueError(f"{missing} could not be downloaded ({error}); check the name and the network, or give the "
-                         "path of its directory") from error
 
 
 def _hub_unavailable() -> str | None:
