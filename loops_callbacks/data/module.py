@@ -258,10 +258,9 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        """The held-out pairs (``val_fraction``), or no loader when there are none."""
-        if self._val is None:
-            raise RuntimeError("DPODataModule.val_dataloader needs setup('fit') first (trainer.fit calls it)")
-        return self._loader(self._val, shuffle=False, unrepeated=True) if len(self._val) else []
+        """The held-out pairs (``val_fraction``), or no loader when there are none (before ``setup("fit")``, reading
+        ``scored_pairs`` says so)."""
+        return [] if self._val == [] else self._loader(self._val, shuffle=False, unrepeated=True)
 
     def _loader(self, indices: list[int], *, shuffle: bool, unrepeated: bool = False) -> DataLoader:
         """Batches of the pairs ``indices`` (shuffled from ``seed``); ``unrepeated``: under DDP each held-out pair
