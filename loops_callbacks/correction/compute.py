@@ -169,6 +169,8 @@ def correct_rows(correction: Correction, x: CorrectionInput) -> Weights:
         >>> [round(w, 4) for w in rows.weights.tolist()], rows.clipped.tolist()
         ([2.0, 1.1052], [True, False])
     """
+    if correction.spec.level != "sequence":
+        raise ValueError(f"correction {correction.name!r} is token-level; use correct_flat")
     if correction.spec.family != "off_policy":
         return _weights(correction, x, x.row_log_ratio, torch.ones_like(x.row_count, dtype=torch.bool))
     if x.advantages is None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loops_callbacks.correction import METHODS, Correction, apply_correction, parse_correction
-from loops_callbacks.correction.compute import CorrectionInput, Segments, correct_flat
+from loops_callbacks.correction.compute import CorrectionInput, Segments, correct_flat, correct_rows
 
 NEEDS_BOUND = {"token_k1": "2.0", "token_k2": "0.1", "token_k3": "0.05", "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "1.0",
                "seq_sum_k3": "0.5", "seq_mean_k1": "0.9_1.1", "seq_mean_k2": "0.01", "seq_mean_k3": "0.01",
@@ -250,3 +250,10 @@ def test_the_docs_block_weights_the_loss_as_written() -> None:
     assert torch.isfinite(trainer.grad).all() and trainer.grad[inputs["mask"] == 0].eq(0).all()
     dropped = (inputs["mask"] > 0) & ~namespace["result"].keep
     assert dropped.any() and trainer.grad[dropped].eq(0).all()  # some sequences are above TRL's cap of 3.0
+
+
+def test_a_token_level_correction_is_refused_per_row() -> None:
+    x = CorrectionInput(torch.tensor([0.5, 0.5, 0.1], dtype=torch.float64), torch.tensor([True, True, True]),
+                        Segments(torch.tensor([2, 1]), total=3))
+    with pytest.raises(ValueError, match="is token-level; use correct_flat"):
+        correct_rows(parse_correction("token_truncate:2.0"), x)
