@@ -36,6 +36,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -249,10 +250,18 @@ def _at_least_zero(cast: type, what: str) -> Callable[[str], float]:
     return parse
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusal is one line on stderr (exit 2), as ``loops-callbacks fit``'s is, not the
+    usage and then the error; ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (0: done, 1: an entry to prune was left, and why is said,
     2: bad arguments)."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog=CACHE_TOOL,
         description="See and prune the reference-logprob caches of a directory (one file per reference weights, "
         "data and scoring dtype; a DPO run's cache_dir, by default <default_root_dir>/reference_logprobs).",
@@ -261,8 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("list", help="every cache in DIR: size, date, key").add_argument("directory", metavar="DIR")
     prune = commands.add_parser("prune", help="remove the caches of DIR that the options select")
     prune.add_argument("directory", metavar="DIR")
-    prune.add_argument("--older-than", type=_at_least_zero(float, "a number of days"), metavar="DAYS", help="remove those not modified for DAYS days")
-    prune.add_argument("--keep-newest", type=_at_least_zero(int, "a whole number"), metavar="N", help="remove all but the N newest")
+    prune.add_argument("--older-than", type=_at_least_zero(float, "a number of days"), metavar="DAYS",
+                       help="remove those not modified for DAYS days")
+    prune.add_argument("--keep-newest", type=_at_least_zero(int, "a whole number"), metavar="N",
+                       help="remove all but the N newest")
     prune.add_argument(
         "--damaged",
         action="store_true",

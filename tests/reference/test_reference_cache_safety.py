@@ -416,12 +416,21 @@ def test_cache_tool_lists_and_prunes_the_temporary_files_of_killed_writers(
     assert not orphan.exists() and all(path.exists() for path in kept)
 
 
-def test_cache_tool_names_a_bad_option_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for option, value in (("--older-than", "abc"), ("--keep-newest", "two")):
-        with pytest.raises(SystemExit):
-            cache_tool(["prune", str(tmp_path), option, value])
+def test_cache_tool_refuses_bad_arguments_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refusals = {
+        ("prune", str(tmp_path), "--older-than", "abc"): ["argument --older-than: must be", "'abc'"],
+        ("prune", str(tmp_path), "--keep-newest", "two"): ["argument --keep-newest: must be", "'two'"],
+        ("prune", str(tmp_path)): ["prune needs --older-than DAYS"],
+        ("list", str(tmp_path / "absent")): [f"{tmp_path / 'absent'} does not exist"],
+        ("lsit", str(tmp_path)): ["invalid choice: 'lsit'"],
+    }
+    for argv, said in refusals.items():
+        with pytest.raises(SystemExit) as exit_status:
+            cache_tool(list(argv))
         error = capsys.readouterr().err
-        assert f"argument {option}: must be" in error and repr(value) in error and "_days" not in error
+        assert exit_status.value.code == 2 and error.count("\n") == 1 and error.startswith("loops-callbacks cache"), (
+            argv, error)
+        assert all(part in error for part in said) and "_days" not in error, (argv, error)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="symlinks, FIFOs and the liveness check are POSIX")
