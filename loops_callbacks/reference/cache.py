@@ -96,13 +96,13 @@ class CacheLookup:
     ``status == "hit"``, else why not.
 
     ``status`` is ``"hit"``, ``"missing"`` (no file, and no other cache beside it), ``"stale"``
-    (files made for other keys only: ``reason`` names them and what differs) or ``"corrupt"`` (a
-    damaged file, one of an earlier version, or one whose lengths do not fit the data). ``path`` is
-    the file the values were read from, or the file this key's values belong in; ``digest`` the
-    checksum of what was read.
+    (files made for other keys only: ``reason`` names them and what differs), ``"corrupt"`` (a
+    damaged file, one of an earlier version, or one whose lengths do not fit the data) or ``"off"``
+    (a run without a cache). ``path`` is the file the values were read from, or the file this key's
+    values belong in; ``digest`` the checksum of what was read.
     """
 
-    status: Literal["hit", "missing", "stale", "corrupt"]
+    status: Literal["hit", "missing", "stale", "corrupt", "off"]
     reason: str = ""
     flat: np.ndarray | None = None
     digest: str | None = None
