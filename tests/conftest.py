@@ -47,6 +47,15 @@ if _WORKERS > 1:  # the cores shared out: a worker's torch threads (and its proc
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+SLOWEST_FILES = (
+    "tests/benchmarks/test_benchmarks_run.py", "tests/cli/test_exit_statuses.py",
+    "tests/reference/test_reference_cache_safety.py", "tests/benchmarks/test_heldout_faults.py",
+    "tests/models/test_dpo_hf.py", "tests/cli/test_cli.py",
+)
+"""The files whose tests take longest together (15-70 s each on 2 cores), sent to the workers first so that
+none is left for last."""
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``pytest -n``: one worker runs each file's tests, so that they share the file's fixtures (its 2-rank
@@ -59,6 +68,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::")[0]
             return "tests/integrations" if file.startswith("tests/integrations/") else file
+
+        def _assign_work_unit(self, node: Any) -> None:
+            for file in reversed(SLOWEST_FILES):  # xdist orders the files by their count of tests
+                if file in self.workqueue:
+                    self.workqueue.move_to_end(file, last=False)
+            super()._assign_work_unit(node)
 
     return ByFile(config, log)
 
