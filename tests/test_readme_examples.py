@@ -71,6 +71,20 @@ def test_the_rl_example_without_its_sync_is_stopped_and_named_stale(tmp_path: Pa
     assert monitor.stop_reason is not None and "the sampler's weights are out of date (lag" in monitor.stop_reason, printed
 
 
+def test_the_rl_example_whose_sync_fails_while_its_version_counts_is_stopped_with_a_hint_to_check_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's claim: a sync that fails while policy_version still counts reads as unrelated distributions,
+    with a hint to check that the sampler loaded the trainer's weights at all."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    block = python_block("class GRPO(LightningModule):").replace(
+        "self.sampler.load_state_dict(self.policy.state_dict())", "pass")
+    stop_reason = run(block)[0]["monitor"].stop_reason
+    assert stop_reason is not None and "unrelated distributions" in stop_reason, stop_reason
+    assert "that the sampler loaded the trainer's weights at all" in stop_reason, stop_reason
+
+
 def test_the_dpo_example_scores_caches_and_a_rerun_loads_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     block = python_block("DPODataModule(path=")
