@@ -94,6 +94,19 @@ class LoopsCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     @override
+    def _set_seed(self) -> None:
+        """Lightning's; its "Seed set to N" is said once the classes are made, so that a refused value is the one
+        line a bad config prints."""
+        seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+        self._seed_records: list[logging.LogRecord] = []
+        hold = self._seed_records.append
+        seed_log.addFilter(hold)  # a filter that returns None drops the record it kept
+        try:
+            super()._set_seed()
+        finally:
+            seed_log.removeFilter(hold)
+
+    @override
     def before_instantiate_classes(self) -> None:
         self._config_as_given = self.config  # what the run's config.yaml saves: save_dir as written
         self.config = self.config.clone()  # the classes are made from this one
@@ -117,6 +130,8 @@ class LoopsCLI(LightningCLI):
             if line is None:
                 raise
             _exit_with(f"loops-callbacks: error: {line}", EXIT_USAGE)
+        for record in getattr(self, "_seed_records", ()):
+            logging.getLogger(record.name).handle(record)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import logging
 import os
 import re
 import shutil
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pytest
@@ -39,6 +42,21 @@ def fit(config: str, *extra: str) -> LoopsCLI:
     return run_cli(["fit", "--config", str(CONFIGS / config), *extra])
 
 
+@contextlib.contextmanager
+def seed_messages() -> Iterator[list[str]]:
+    """What Lightning's seed logger says meanwhile ("Seed set to 0"); its handler writes to the stderr it found at
+    import, which capsys does not see."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.fabric.utilities.seed")
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+
+
 def wandb_run_dir(root: str) -> str:
     runs = glob.glob(os.path.join(root, "wandb", "offline-run-*"))
     assert len(runs) == 1, runs
@@ -65,7 +83,9 @@ def text_at(events: Any, tag: str) -> dict[int, str]:
 def test_the_rl_config_runs_and_leaves_an_offline_wandb_run_with_the_tables(capsys: Any) -> None:
     """The monitor logs with the trainer (every 2 steps here; rl_stale_sampler's judges every step: test_exit_statuses)."""
     config, monitored = "rl_tiny.yaml", [1, 3]
-    cli = fit(config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
+    with seed_messages() as said:
+        cli = fit(config, "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2")
+    assert said == ["Seed set to 0"]  # once the classes are made
     monitor = next(c for c in cli.trainer.callbacks if isinstance(c, KLSampleTrainMonitor))
     assert isinstance(monitor.tokenizer, CharTokenizer)
     assert K3 in monitor.last_metrics
@@ -308,10 +328,11 @@ def test_a_value_a_constructor_refuses_exits_2_with_one_line_naming_its_key(
     override: list[str], line: str, capsys: Any
 ) -> None:
     Path("clip_max.yaml").write_text(CORRECTION_CLIP_MAX)
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(SystemExit) as exit_, seed_messages() as said:
         fit("rl_tiny.yaml", "--trainer.logger", "false", *override)
     assert exit_.value.code == 2
     (error,) = capsys.readouterr().err.splitlines()
+    assert said == []  # not "Seed set to 0" before the refusal: one line in all
     assert error.startswith(f"loops-callbacks: error: {line}"), error
     assert not os.path.exists("runs")  # nothing ran
 
