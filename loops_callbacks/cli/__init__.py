@@ -46,6 +46,7 @@ from typing_extensions import override
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
 from loops_callbacks.cli.refusals import Constructors, missing_package, parse_error_line, refusal_line
+from loops_callbacks.cli.refusals import unparsable_config_line
 from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT_INTERRUPTED, EXIT_STATUSES, EXIT_USAGE
 from loops_callbacks.cli.summary import exit_status, killed_line, killed_rank, monitors_of, rank_deaths_reported
 from loops_callbacks.cli.summary import run_summary, shown, wandb_run_directory
@@ -74,10 +75,16 @@ class _Parser(LightningArgumentParser):
     many-line error."""
 
     @override
+    def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        self._given = list(sys.argv[1:] if args is None else args)  # a config YAML cannot read is named from these
+        return super().parse_args(args, *rest, **kwargs)
+
+    @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debug_mode_active():
             super().error(message, ex)
-        _exit_with(f"loops-callbacks: error: {parse_error_line(message)}", EXIT_USAGE)
+        line = unparsable_config_line(ex, getattr(self, "_given", ())) or parse_error_line(message)
+        _exit_with(f"loops-callbacks: error: {line}", EXIT_USAGE)
 
 
 class LoopsCLI(LightningCLI):

@@ -84,6 +84,44 @@ def parse_error_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def unparsable_config_line(error: BaseException | None, args: typing.Sequence[str]) -> str | None:
+    """A ``--config`` that is not YAML, as one line naming the file (the first of ``args``' that YAML cannot
+    read), the line and the column; ``None`` when no YAML error caused ``error``.
+
+    Examples:
+        >>> import yaml
+        >>> try:
+        ...     yaml.safe_load("trainer:" + chr(10) + "  max_steps: [" + chr(10))
+        ... except yaml.YAMLError as error:
+        ...     print(unparsable_config_line(error, ["fit"]))  # doctest: +NORMALIZE_WHITESPACE
+        the config, line 3, column 1: while parsing a flow node, expected the node content,
+        but found '<stream end>' (not YAML)
+    """
+    while error is not None and getattr(error, "problem_mark", None) is None:
+        error = error.__cause__ or error.__context__
+    if error is None:
+        return None
+    configs = [value for option, value in zip(args, args[1:]) if option == "--config"]
+    configs += [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
+    named = next((path for path in configs if not _reads_as_yaml(path)), "the config")
+    mark, said = error.problem_mark, ", ".join(filter(None, (error.context, error.problem)))
+    return f"{named}, line {mark.line + 1}, column {mark.column + 1}: {said} (not YAML)"
+
+
+def _reads_as_yaml(path: str) -> bool:
+    """Whether the file ``path`` holds YAML (``True`` when it is not a file that can be read: not the one)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            yaml.safe_load(file)
+    except yaml.YAMLError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True
+    return True
+
+
 def _group_holding(class_path: str, field: str) -> str | None:
     """The argument of ``class_path``'s constructor whose dataclass (an options group) has ``field``, if any."""
     made = pydoc.locate(class_path)

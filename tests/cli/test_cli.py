@@ -287,13 +287,18 @@ trainer:
         (["--config", "flat_max_kl.yaml"],  # a key of an options group written flat, as before the groups
          "trainer.callbacks (KLSampleTrainMonitor): Option 'max_kl' is not accepted: it is a field of guard_rail "
          "(guard_rail: {max_kl: ...})"),
+        (["--config", "unclosed.yaml"],  # the file, the line and the column, after a config that reads
+         "unclosed.yaml, line 3, column 1: while parsing a flow node, did not find expected node content (not YAML)"),
+        (["--config={a: [}"], "the config, line 1, column 6: while parsing a flow node"),  # a YAML string given
     ],
-    ids=["restriction", "type", "unknown option", "datamodule", "trainer", "unknown flag", "flat group key"],
+    ids=["restriction", "type", "unknown option", "datamodule", "trainer", "unknown flag", "flat group key",
+         "not YAML", "a string that is not YAML"],
 )
 def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
     override: list[str], line: str, capsys: Any
 ) -> None:
     Path("flat_max_kl.yaml").write_text(FLAT_MAX_KL)
+    Path("unclosed.yaml").write_text("trainer:\n  max_steps: [\n")
     with pytest.raises(SystemExit) as exit_:
         fit("rl_tiny.yaml", *override)
     assert exit_.value.code == 2
