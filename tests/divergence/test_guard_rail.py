@@ -181,6 +181,9 @@ def test_a_share_of_nonfinite_tokens_above_the_bound_exceeds() -> None:
         trainer = fit(BrokenSampler(nan_share(0.25), from_step=2), monitor)
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
     assert 0 < monitor.last_metrics[PREFIX + "n_skipped_nonfinite"] < monitor.last_metrics[PREFIX + "n_action_tokens"]
+    # what it stopped on is that it cannot judge the step, not a likely cause read off the rest ("usually harmless")
+    assert "counts as exceeding the bound; fix what makes the logprobs unreadable" in monitor.stop_reason
+    assert "likely cause:" not in monitor.stop_reason and "no longer match" not in monitor.stop_reason
 
 
 def test_a_share_below_the_bound_is_counted_but_trusted() -> None:
