@@ -28,7 +28,7 @@ CAUSES = (
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
-_TEXTS = {  # cause (and "unclear" with a context fade): (what it is, what to check)
+_TEXTS = {  # cause (and "unclear" with a context fade or too few tokens): (what it is, what to check)
     IMPOSSIBLE_INPUTS: ("the inputs are not valid logprobs", "fix the inputs first (position k must hold log p of the "
                         "token predicted at k, a number <= 0); no other cause can be judged on them"),
     "none": ("no mismatch", ""),
@@ -52,6 +52,9 @@ _TEXTS = {  # cause (and "unclear" with a context fade): (what it is, what to ch
     PREFIX_CACHE: ("the sampler's prefix cache holds KV computed with older weights", "reset the prefix cache after "
                    "every weight update (vLLM: llm.reset_prefix_cache()) or salt it per weight version"),
     "unclear": ("unclear", "no single cause's signature fits; look at the worst-tokens table"),
+    "too_few": ("unclear: too few action tokens on this step to judge", "log over more tokens (a larger batch or "
+                "another log_every_n_steps); a token whose advantage is 0 is not trained on, so a group whose "
+                "rewards are all equal adds none"),
     "context_fade": ("unclear: the gap sits on each completion's first tokens and fades after them", "a difference "
                      "in the prompt both sides score (chat template, BOS and special tokens, system prompt) or a "
                      "sampler's prefix / KV cache kept across a weight update leaves this; so can an engine whose "
@@ -111,7 +114,9 @@ class Diagnosis:
     @property
     def _finding(self) -> str:
         """The cause, its numbers and what to check."""
-        key = "context_fade" if self.cause == "unclear" and "context_fade" in self.numbers else self.cause
+        key = self.cause
+        if self.cause == "unclear" and ("context_fade" in self.numbers or "n_action_tokens" in self.numbers):
+            key = "context_fade" if "context_fade" in self.numbers else "too_few"
         what, check = _shift_texts(self.numbers) if key == "shift" else _TEXTS[key]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.numbers['temperature']:.2f})"

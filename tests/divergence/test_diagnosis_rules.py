@@ -186,3 +186,23 @@ def test_with_every_datum_current_a_slope_clearly_off_one_is_a_temperature_below
     current = {"0": Lag(4096, 0.3)}
     assert diagnose(sig, n_tokens=4096, by_lag=current, noise_floor=1e-9).cause == "temperature"
     assert diagnose(sig, n_tokens=4096, noise_floor=1e-9).cause != "temperature"  # no versions: the margin holds
+
+
+def padded_step(diff: float, dtype: torch.dtype = torch.float32, tokens: int = 48) -> dict[str, torch.Tensor]:
+    """One datum of ``tokens`` action tokens whose trainer logprobs are the sampler's plus ``diff``."""
+    sampler = torch.linspace(-3.0, -0.1, tokens).to(dtype)[None]
+    return {"sampler_logprobs": sampler, "training_logprobs": (sampler.double() + diff).to(dtype),
+            "mask": torch.ones(1, tokens)}
+
+
+def test_fewer_tokens_than_the_rules_need_are_none_when_every_logprob_is_equal_and_else_say_they_are_too_few() -> None:
+    """A healthy loop whose batch is mostly zero advantages: an exact match is seen on any number of tokens, a gap
+    on 48 is not weighed, and the message says why."""
+    for step, cause in ((padded_step(0.0), "none"), (padded_step(0.05), "unclear"),
+                        (padded_step(0.0, torch.bfloat16), "unclear")):  # 16-bit on both sides: equal says less
+        host = host_of(step)
+        found = diagnose(signature_numbers(host), n_tokens=host.totals["n_action_tokens"])
+        assert host.totals["n_action_tokens"] == 48 and found.cause == cause, (cause, found.message)
+        if cause == "unclear":
+            assert found.message.startswith("likely cause: unclear: too few action tokens on this step to judge "
+                                            "(n action tokens 48)"), found.message
