@@ -33,7 +33,7 @@ from loops_callbacks.conventions import (
     tinker_convention_message,
     weighted_last_positions,
 )
-from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
+from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_length, model_input_length
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
 from loops_callbacks.validation import check_int
@@ -42,6 +42,10 @@ __all__ = ["attach_reference_logprobs", "reference_field", "score_prompts", "wit
 
 D = TypeVar("D")
 Progress = Callable[[int, int], None]
+
+
+_PER_POSITION = frozenset({"target_tokens", "weights", "mask", "logprobs"})
+"""The SDK's per-position ``loss_fn_inputs`` fields: each has one value per position of ``model_input``."""
 
 
 def attach_reference_logprobs(
@@ -83,8 +87,10 @@ def attach_reference_logprobs(
         progress: ``True`` for a tqdm bar, or a callable ``progress(done, total)``.
 
     Raises:
+        TypeError: ``data`` is not a sequence of datums (one datum, say).
         ValueError: bad ``batch_size`` / ``max_concurrency``; a datum with an empty or missing
-            ``model_input``; a reference answer whose length differs from the datum's.
+            ``model_input``, or a per-position field (``target_tokens``, ``weights``, ``mask``,
+            ``logprobs``) of another length; a reference answer whose length differs from the datum's.
 
     Examples:
         >>> from loops_callbacks.reference.clients import TorchSamplingClient
@@ -97,15 +103,23 @@ def attach_reference_logprobs(
     """
     check_int("batch_size", batch_size, least=1, optional=True)
     check_int("max_concurrency", max_concurrency, least=1)
+    if isinstance(data, (str, bytes, Mapping)) or datum_model_input(data) is not None or not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be a sequence of datums, got {type(data).__name__} (one datum: pass [datum])")
     data = list(data)
     model_inputs = []
     for index, datum in enumerate(data):
         model_input = datum_model_input(datum)
         if model_input is None:
             raise ValueError(f"datum {index}: has no model_input ({type(datum).__name__})")
-        datum_loss_fn_inputs(datum, index=index)  # fail before any scoring if it has none
-        if model_input_length(model_input) < 1:
+        inputs = datum_loss_fn_inputs(datum, index=index)  # fail before any scoring if it has none
+        length = model_input_length(model_input)
+        if length < 1:
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
+        for key in _PER_POSITION.intersection(inputs):
+            if (n := field_length(inputs[key], where=f"datum {index}, key {key!r}")) != length:
+                raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] has {n} positions but model_input has "
+                                 f"{length}; every per-position field has one value per position of model_input "
+                                 "(ref_logprobs gets one too)")
         model_inputs.append(model_input)
     tinker = weighted_last_positions(data)
     if tinker:

@@ -374,6 +374,20 @@ def test_datum_without_loss_fn_inputs_fails_before_scoring() -> None:
     assert client.calls == []
 
 
+def test_one_datum_instead_of_a_list_is_a_type_error_that_says_so() -> None:
+    for given in (make_data(1)[0], {"model_input": [1, 2], "loss_fn_inputs": {}}, "datums"):
+        with pytest.raises(TypeError, match=r"data must be a sequence of datums, got \w+ \(one datum: pass \[datum\]\)"):
+            attach_reference_logprobs(given, SyncClient())  # type: ignore[arg-type]
+
+
+def test_a_per_position_field_of_another_length_names_the_datum_the_key_and_both_lengths() -> None:
+    client, good = SyncClient(), make_data(1)[0]
+    short = Datum(ModelInput.from_ints([1, 5, 6]), {"weights": [0.0, 1.0]})
+    with pytest.raises(ValueError, match=r"datum 1: loss_fn_inputs\['weights'\] has 2 positions but model_input has 3"):
+        attach_reference_logprobs([good, short], client)
+    assert client.calls == []  # refused before any scoring: nothing is truncated or padded
+
+
 def test_wrong_length_answer_is_an_error_not_a_truncation() -> None:
     class OffByOne:
         def compute_logprobs(self, prompt: Any) -> list[float | None]:
