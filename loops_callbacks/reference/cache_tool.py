@@ -36,7 +36,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -253,6 +253,9 @@ def _at_least_zero(cast: type, what: str) -> Callable[[str], float]:
 class _OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose refusal is one line on stderr (exit 2), as ``loops-callbacks fit``'s is, not the
     usage and then the error; ``--help`` still shows the usage."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, **kwargs)  # --keep is not --keep-newest: a prune says exactly what it is
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -423,6 +423,7 @@ def test_cache_tool_refuses_bad_arguments_in_one_line(tmp_path: Path, capsys: py
         ("prune", str(tmp_path)): ["prune needs --older-than DAYS"],
         ("list", str(tmp_path / "absent")): [f"{tmp_path / 'absent'} does not exist"],
         ("lsit", str(tmp_path)): ["invalid choice: 'lsit'"],
+        ("prune", str(tmp_path), "--keep", "1"): ["unrecognized arguments: --keep 1"],  # no abbreviation of an option
     }
     for argv, said in refusals.items():
         with pytest.raises(SystemExit) as exit_status:
