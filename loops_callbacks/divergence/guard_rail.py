@@ -60,9 +60,10 @@ def watchable_metric(kl_metric: str, prefix: str) -> str:
     """
     name = kl_metric.removeprefix(prefix) if prefix else kl_metric
     if name not in SCALAR_METRICS:
+        which = f"prefix {prefix!r}" if prefix else "monitor's prefix"
         raise ValueError(
             f"kl_metric={kl_metric!r} is not a metric the monitor logs; use one of {list(SCALAR_METRICS)} "
-            f"(or the full key, with the prefix {prefix!r})"
+            f"(or the full key, with the {which})"
         )
     return name
 
@@ -89,6 +90,8 @@ class GuardRail:
 
     def __post_init__(self) -> None:
         check("kl_metric", self.kl_metric, str, "a str")
+        if not any(self.kl_metric.endswith(name) for name in SCALAR_METRICS):  # a prefix is the monitor's to check
+            watchable_metric(self.kl_metric, "")
         check_int("patience", self.patience, least=1)
         check_choice("on_exceed", self.on_exceed, ("warn", "stop", "raise"))
         bounds = (("max_kl", math.inf, "a number >= 0"), ("max_nonfinite_fraction", 1.0, "a number in [0, 1]"),

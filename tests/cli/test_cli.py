@@ -322,7 +322,8 @@ trainer:
         (["--trainer.callbacks.init_args.guard_rail.max_kl", "-1"],
          "trainer.callbacks[0].init_args.guard_rail (GuardRail): max_kl must be a number >= 0 or None, got -1.0"),
         (["--trainer.callbacks.init_args.guard_rail.kl_metric", "kl_foo"],
-         "trainer.callbacks[0] (KLSampleTrainMonitor): kl_metric='kl_foo' is not a metric the monitor logs; use one"),
+         "trainer.callbacks[0].init_args.guard_rail (GuardRail): kl_metric='kl_foo' is not a metric the monitor logs; "
+         "use one"),
         (["--config", "clip_max.yaml"],  # a dataclass in a union (str | Correction) given by its fields
          "trainer.callbacks[0].init_args.corrections[0] (Correction): correction 'token_mask': 'clip_max' must be "
          "positive, got -1.0"),

@@ -246,3 +246,10 @@ def test_the_patience_counter_resets_after_a_trusted_step_below_the_bound() -> N
     monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop", patience=2))
     fit(BrokenSampler(sentinel_on_first_action_token, from_step=5), monitor, max_steps=5, logger=RecordingLogger())
     assert monitor.exceeded_steps == 0 and monitor.stop_reason is None
+
+
+def test_a_kl_metric_no_monitor_logs_is_refused_by_the_guard_rail_itself() -> None:
+    """Not first when a monitor is built with it: a GuardRail made alone (a config's group) says so at once."""
+    with pytest.raises(ValueError, match=r"kl_metric='kl' is not a metric the monitor logs; .* monitor's prefix\)"):
+        GuardRail(kl_metric="kl")
+    assert GuardRail(kl_metric="my/prefix/kl_sample_train_k3").kl_metric == "my/prefix/kl_sample_train_k3"
