@@ -174,12 +174,30 @@ def wandb_media(report: StepReport, prefix: str) -> dict[str, Any]:
         return {}
     import wandb
 
-    media = {prefix + HISTOGRAM_KEY: wandb.Histogram(report.histogram)} if report.histogram is not None else {}
+    media = {} if report.histogram is None else {
+        prefix + HISTOGRAM_KEY: wandb.Histogram(np_histogram=histogram_bins(report.histogram))}
     media |= {prefix + key: wandb.Table(columns=list(columns), data=rows)
               for key, (columns, rows) in report.tables.items()}
     if report.diagnosis is not None:
         media[prefix + DIAGNOSIS_KEY] = html_panel(report.diagnosis.message)
     return media
+
+
+def histogram_bins(values: Any, bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """``np.histogram(values, bins)``, as ``wandb.Histogram`` makes it, but for values a few ulps apart, where numpy
+    cannot make finite bins: those are centred in a range of 1, as numpy does for equal values.
+
+    Examples:
+        >>> counts, edges = histogram_bins(np.array([1.9030763833634445, 1.903076383363444]))
+        >>> int(counts.sum()), len(edges), float(edges[0]) < 1.9030763833634445 < float(edges[-1])
+        (2, 65, True)
+    """
+    values = np.asarray(values)
+    try:
+        return np.histogram(values, bins=bins)
+    except ValueError:  # "Too many bins for data range": the range is finite but below bins ulps
+        middle = float(values.min()) / 2 + float(values.max()) / 2
+        return np.histogram(values, bins=bins, range=(middle - 0.5, middle + 0.5))
 
 
 def html_panel(text: str) -> Any:
