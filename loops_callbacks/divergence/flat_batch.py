@@ -146,6 +146,7 @@ def flatten_datums(
             f"training_logprobs as one tensor must be padded [B, T], got shape {tuple(training_logprobs.shape)}; "
             "or pass a list with one 1-D row per datum"
         )
+    _check_floating(training_logprobs if padded else None, "training_logprobs")
     n_rows = training_logprobs.shape[0] if padded else len(training_logprobs)
     if len(data) != n_rows:
         raise ValueError(
@@ -159,11 +160,13 @@ def flatten_datums(
                          ("mask", "add a per-position mask with 1.0 on action tokens")):
             if key not in inputs:
                 raise ValueError(f"datum {i}: loss_fn_inputs has no {key!r} (keys: {sorted(inputs)}); {fix}")
-        sampler = field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'")
+        sampler = _check_floating(field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'"),
+                                  f"datum {i}: loss_fn_inputs['logprobs']")
         mask = field_to_tensor(inputs["mask"], where=f"datum {i}, key 'mask'")
         length = sampler.shape[0]
         if not padded:
-            trainers.append(field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs"))
+            trainer = field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs")
+            trainers.append(_check_floating(trainer, f"training_logprobs[{i}]"))
         model_input, target = datum_model_input(datum), inputs.get("target_tokens")
         trainer_length = min(length, training_logprobs.shape[1]) if padded else trainers[-1].shape[0]
         input_length = length if model_input is None else model_input_length(model_input)
@@ -208,6 +211,13 @@ def flatten_datums(
 
 
 @torch.no_grad()
+def _check_floating(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """``tensor``, refused (``TypeError``) unless it holds floats: logprobs in an integer dtype were never logprobs."""
+    if tensor is not None and not tensor.is_floating_point():
+        raise TypeError(f"{name} must hold floating-point logprobs (float32, bfloat16, ...), got dtype {tensor.dtype}")
+    return tensor
+
+
 def flatten_padded(
     *,
     sampler_logprobs: torch.Tensor,
@@ -236,6 +246,8 @@ def flatten_padded(
         if i < 3 and tensor.dim() != 2:  # the three fields every batch has
             raise ValueError(f"{name!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
     shape = training_logprobs.shape
+    for name in ("logprobs", "training_logprobs", "training_entropy", "training_varentropy"):
+        _check_floating(fields[name], repr(name))
     for name, tensor in fields.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(

@@ -247,6 +247,18 @@ def test_shape_mismatch_between_batch_and_output_is_named() -> None:
         trainer.fit(Truncated())
 
 
+def test_integer_sampler_logprobs_are_a_type_error_naming_the_key() -> None:
+    """A zeros_like of the token ids is no logprob: read as numbers it was diagnosed 'truncation', confidence 1."""
+    class IntegerLogprobs(TinyPolicy):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            return {**out, "logprobs": torch.zeros_like(out["training_logprobs"], dtype=torch.long)}
+
+    trainer = quiet_trainer(max_steps=2, callbacks=[KLSampleTrainMonitor()])
+    with pytest.raises(TypeError, match=r"'logprobs' must hold floating-point logprobs .* got dtype torch.int64"):
+        trainer.fit(IntegerLogprobs())
+
+
 def test_manual_optimization_and_bf16_mixed() -> None:
     model, logger = TinyPolicy(manual=True), RecordingLogger()
     trainer = quiet_trainer(max_steps=3, precision="bf16-mixed", logger=logger, callbacks=[KLSampleTrainMonitor()])

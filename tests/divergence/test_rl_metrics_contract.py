@@ -133,6 +133,12 @@ def good() -> Datum:
         ([Datum(ModelInput.from_ints([1, 2]), {"logprobs": torch.zeros(2, 1), "mask": [1.0, 1.0]})], [[0.0, 0.0]],
          ValueError, r"datum 0, key 'logprobs': expected a 1-D per-position field, got shape \(2, 1\)"),
         (["not a datum"], [[0.0]], TypeError, r"datum 0: expected a Datum with a loss_fn_inputs mapping, got str"),
+        # logprobs in an integer dtype (a zeros_like of the token ids) were never logprobs
+        ([Datum(ModelInput.from_ints([1, 2]), {"logprobs": np.zeros(2, dtype=np.int64), "mask": [1.0, 1.0]})],
+         [[0.0, -1.0]], TypeError, r"datum 0: loss_fn_inputs\['logprobs'\] must hold floating-point logprobs .*int64"),
+        ([Datum(ModelInput.from_ints([1, 2]), {"logprobs": [0.0, -1.0], "mask": [1.0, 1.0]})],
+         [torch.tensor([0, -1])], TypeError, r"training_logprobs\[0\] must hold floating-point logprobs"),
+        ([good()], torch.zeros(1, 3, dtype=torch.long), TypeError, r"training_logprobs must hold floating-point"),
     ],
 )
 def test_bad_input_names_the_datum_key_and_lengths(data: Any, trainer: Any, error: type, pattern: str) -> None:
