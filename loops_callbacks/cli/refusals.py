@@ -51,6 +51,7 @@ def refusal_line(error: BaseException, seen: list[Exception], config: Any) -> st
 
 _KEY, _CLASS = re.compile(r'Parser key "(.+?)":\s*(.*)'), re.compile(r"Problem with given class_path '(.+)':")
 _NOT_ACCEPTED = re.compile(r"Option '(.+)' is not accepted")
+_NOT_A_FILE = "Expected a path but "
 _ONLY_CONTEXT = ("Does not validate against", "Subtypes:", "Errors:", "Given value")
 
 
@@ -62,9 +63,12 @@ def parse_error_line(message: str) -> str:
         >>> print(parse_error_line('Parser key "trainer.max_steps":' + chr(10) + "  Expected an int. Got value: abc"))
         trainer.max_steps: Expected an int. Got value: abc
     """
-    lines, path, class_path, key_indent = message.splitlines(), "", None, None
+    lines, path, class_path, key_indent, not_a_file = message.splitlines(), "", None, None, False
     for index, line in enumerate(lines):
         text, indent = line.strip().removeprefix("- "), len(line) - len(line.lstrip())
+        if text.startswith(_NOT_A_FILE):  # a string is read as a file of the value first: the type's error follows
+            not_a_file = True
+            continue
         if key := _KEY.fullmatch(text):
             path, key_indent, text = path + (": " if path else "") + key[1], indent, key[2]
         if key and not text:
@@ -76,6 +80,7 @@ def parse_error_line(message: str) -> str:
             option = _NOT_ACCEPTED.fullmatch(text)
             group = _group_holding(class_path, option[1]) if option and class_path else None
             problem = text + (f": it is a field of {group} ({group}: {{{option[1]}: ...}})" if group else "")
+            problem += " (nor the path of a file holding one)" if not_a_file else ""
             if key_indent is not None:  # the value the innermost key was given, where jsonargparse shows it
                 shown = " " * (key_indent + 2) + "Given value: "
                 value = next((rest[len(shown):] for rest in lines[index + 1 :] if rest.startswith(shown)), None)
