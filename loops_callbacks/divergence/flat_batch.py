@@ -210,7 +210,6 @@ def flatten_datums(
     )
 
 
-@torch.no_grad()
 def _check_floating(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
     """``tensor``, refused (``TypeError``) unless it holds floats: logprobs in an integer dtype were never logprobs."""
     if tensor is not None and not tensor.is_floating_point():
@@ -218,6 +217,7 @@ def _check_floating(tensor: torch.Tensor | None, name: str) -> torch.Tensor | No
     return tensor
 
 
+@torch.no_grad()
 def flatten_padded(
     *,
     sampler_logprobs: torch.Tensor,
