@@ -76,7 +76,12 @@ def loops_log_kl_sample_train(
             raise ValueError("pass either forward_backward_output or training_logprobs")
         training_logprobs = trainer_logprobs_from_output(forward_backward_output)
     scalars, report = _report(data, training_logprobs, media, prefix, tokenizer)
-    metrics: dict[str, Any] = {**scalars, **wandb_media(report, prefix)}
+    try:
+        media = wandb_media(report, prefix)
+    except Exception as error:  # monitoring must never break training: the scalars still come back
+        logger.warning("could not make the divergence media (histogram, tables) at step %s: %r", step, error)
+        media = {}
+    metrics: dict[str, Any] = {**scalars, **media}
     if wandb_run is not None:
         try:
             wandb_run.log(metrics, step=step)

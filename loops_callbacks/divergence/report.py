@@ -185,19 +185,23 @@ def wandb_media(report: StepReport, prefix: str) -> dict[str, Any]:
 
 def histogram_bins(values: Any, bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """``np.histogram(values, bins)``, as ``wandb.Histogram`` makes it, but for values a few ulps apart, where numpy
-    cannot make finite bins: those are centred in a range of 1, as numpy does for equal values.
+    cannot make finite bins: those are centred in a range of 1 (as numpy does for equal values), or of ``bins`` ulps
+    where 1 is less than that (|values| above about 1e13, sentinels).
 
     Examples:
         >>> counts, edges = histogram_bins(np.array([1.9030763833634445, 1.903076383363444]))
         >>> int(counts.sum()), len(edges), float(edges[0]) < 1.9030763833634445 < float(edges[-1])
         (2, 65, True)
+        >>> int(histogram_bins(np.array([-1e15, -1e15 + 0.25]))[0].sum())
+        2
     """
-    values = np.asarray(values)
+    values = np.asarray(values, dtype=np.float64)
     try:
         return np.histogram(values, bins=bins)
     except ValueError:  # "Too many bins for data range": the range is finite but below bins ulps
         middle = float(values.min()) / 2 + float(values.max()) / 2
-        return np.histogram(values, bins=bins, range=(middle - 0.5, middle + 0.5))
+        half = max(0.5, bins * float(np.spacing(abs(middle))), float(values.max()) - middle)
+        return np.histogram(values, bins=bins, range=(middle - half, middle + half))
 
 
 def html_panel(text: str) -> Any:

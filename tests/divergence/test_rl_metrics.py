@@ -79,6 +79,13 @@ def test_log_histogram_and_table_agree_with_the_oracle(batch: list[dict[str, Any
     assert hist.bins == pytest.approx(want[1].tolist())
 
 
+def test_sentinel_logprobs_a_few_ulps_apart_still_give_a_histogram() -> None:
+    """At |d| near 1e15 a range of 1 is under 64 ulps: the histogram must still come, since training goes on."""
+    datums = [Datum(ModelInput.from_ints([1, 2, 3, 4]), {"logprobs": [-1e15] * 4, "mask": [1.0] * 4})]
+    got = loops_log_kl_sample_train(None, 0, datums, training_logprobs=[[-0.5, -1.25, -3.0, -2.0]])
+    assert sum(got[P + "per_token_diff_hist"].histogram) == 4 and got[P + "n_action_tokens"] == 4
+
+
 def test_padded_trainer_tensor_and_mapping_datums_read_like_rows() -> None:
     datums = [
         {"model_input": ModelInput.from_ints([1, 2, 3]), "loss_fn_inputs": {"logprobs": [None, -1.0, -2.0], "mask": [0, 1, 1]}},
