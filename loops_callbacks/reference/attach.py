@@ -33,7 +33,7 @@ from loops_callbacks.conventions import (
     tinker_convention_message,
     weighted_last_positions,
 )
-from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_length, model_input_length
+from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
 from loops_callbacks.validation import check_int
@@ -46,6 +46,15 @@ Progress = Callable[[int, int], None]
 
 _PER_POSITION = frozenset({"target_tokens", "weights", "mask", "logprobs"})
 """The SDK's per-position ``loss_fn_inputs`` fields: each has one value per position of ``model_input``."""
+
+
+def _positions(field: Any) -> int | None:
+    """The length of a 1-D field (a list, tuple, array, tensor or ``TensorData``); ``None`` for anything else
+    (``None``, a number, a field of other dimensions), which this check leaves to the loss that reads it."""
+    if isinstance(field, (list, tuple)):
+        return len(field)
+    shape = getattr(field, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 1 else None
 
 
 def attach_reference_logprobs(
@@ -89,8 +98,9 @@ def attach_reference_logprobs(
     Raises:
         TypeError: ``data`` is not a sequence of datums (one datum, say).
         ValueError: bad ``batch_size`` / ``max_concurrency``; a datum with an empty or missing
-            ``model_input``, or a per-position field (``target_tokens``, ``weights``, ``mask``,
-            ``logprobs``) of another length; a reference answer whose length differs from the datum's.
+            ``model_input``, or a 1-D per-position field (``target_tokens``, ``weights``, ``mask``,
+            ``logprobs``) of neither one value nor model_input's length; a reference answer whose
+            length differs from the datum's.
 
     Examples:
         >>> from loops_callbacks.reference.clients import TorchSamplingClient
@@ -103,7 +113,7 @@ def attach_reference_logprobs(
     """
     check_int("batch_size", batch_size, least=1, optional=True)
     check_int("max_concurrency", max_concurrency, least=1)
-    if isinstance(data, (str, bytes, Mapping)) or datum_model_input(data) is not None or not hasattr(data, "__iter__"):
+    if isinstance(data, (str, bytes, Mapping)) or datum_model_input(data) is not None:  # list() decides the rest
         raise TypeError(f"data must be a sequence of datums, got {type(data).__name__} (one datum: pass [datum])")
     data = list(data)
     model_inputs = []
@@ -116,7 +126,8 @@ def attach_reference_logprobs(
         if length < 1:
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
         for key in _PER_POSITION.intersection(inputs):
-            if (n := field_length(inputs[key], where=f"datum {index}, key {key!r}")) != length:
+            n = _positions(inputs[key])
+            if n not in (None, 1, length):  # one value (for the datum) or one per position
                 raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] has {n} positions but model_input has "
                                  f"{length}; every per-position field has one value per position of model_input "
                                  "(ref_logprobs gets one too)")

@@ -386,6 +386,20 @@ def test_a_per_position_field_of_another_length_names_the_datum_the_key_and_both
     with pytest.raises(ValueError, match=r"datum 1: loss_fn_inputs\['weights'\] has 2 positions but model_input has 3"):
         attach_reference_logprobs([good, short], client)
     assert client.calls == []  # refused before any scoring: nothing is truncated or padded
+    # what was accepted before stays accepted: one value for the datum, none, another dimension, a map-style dataset
+    for weights in (None, 1.0, [1.0], np.ones((3, 2))):
+        attach_reference_logprobs([Datum(ModelInput.from_ints([1, 5, 6]), {"weights": weights})], client)
+
+    class MapStyle(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, index: int) -> Datum:
+            if index >= 2:
+                raise IndexError(index)
+            return good
+
+    assert len(attach_reference_logprobs(MapStyle(), client)) == 2
 
 
 def test_wrong_length_answer_is_an_error_not_a_truncation() -> None:
