@@ -52,9 +52,9 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens): (what
     PREFIX_CACHE: ("the sampler's prefix cache holds KV computed with older weights", "reset the prefix cache after "
                    "every weight update (vLLM: llm.reset_prefix_cache()) or salt it per weight version"),
     "unclear": ("unclear", "no single cause's signature fits; look at the worst-tokens table"),
-    "too_few": ("unclear: too few action tokens on this step to judge", "log over more tokens (a larger batch or "
-                "another log_every_n_steps); a token whose advantage is 0 is not trained on, so a group whose "
-                "rewards are all equal adds none"),
+    "too_few": ("unclear: too few action tokens on this step to judge", "a logged step is judged on its own "
+                "micro-batches: a larger batch or gradient accumulation gives it more; a token whose advantage is 0 "
+                "is not trained on, so a group whose rewards are all equal adds none"),
     "context_fade": ("unclear: the gap sits on each completion's first tokens and fades after them", "a difference "
                      "in the prompt both sides score (chat template, BOS and special tokens, system prompt) or a "
                      "sampler's prefix / KV cache kept across a weight update leaves this; so can an engine whose "

@@ -149,9 +149,10 @@ def _statistical_cause(
     def found(cause: str, margin: float, *names: str) -> Diagnosis:
         return Diagnosis(cause, _confidence(margin), {name: get(name) for name in names})
 
-    if n_tokens < MIN_TOKENS:  # too few to weigh, but every logprob equal at full precision is seen, not weighed
-        if n_tokens and get("frac_d_zero") == 1.0 and get("both_16_bit_share") < 0.5:
-            return found("none", 1.0, "frac_d_zero")
+    if n_tokens < MIN_TOKENS:  # too few to weigh; seen, not weighed: every logprob equal at full precision, or
+        if n_tokens and get("frac_d_zero") == 1.0 and get("both_16_bit_share") < 0.5:  # what the engine says of itself
+            sampling = _sampling(sig, facts)
+            return sampling if sampling is not None and sampling.observed else found("none", 1.0, "frac_d_zero")
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)

@@ -13,6 +13,7 @@ import torch
 from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose
+from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.history import Calibration
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
@@ -206,3 +207,8 @@ def test_fewer_tokens_than_the_rules_need_are_none_when_every_logprob_is_equal_a
         if cause == "unclear":
             assert found.message.startswith("likely cause: unclear: too few action tokens on this step to judge "
                                             "(n action tokens 48)"), found.message
+    # what the engine says of itself is seen on any number of tokens too: raw logprobs while sampling at 0.7
+    host = host_of(padded_step(0.0))
+    facts = SamplerFacts(engine="vllm", dtype="float32", logprobs_mode="raw_logprobs", temperature=0.7)
+    found = diagnose(signature_numbers(host), n_tokens=48, facts=facts)
+    assert found.cause == "sampling" and found.observed, found.message
