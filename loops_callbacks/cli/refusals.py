@@ -80,18 +80,19 @@ def parse_error_line(message: str) -> str:
             option = _NOT_ACCEPTED.fullmatch(text)
             group = _group_holding(class_path, option[1]) if option and class_path else None
             problem = text + (f": it is a field of {group} ({group}: {{{option[1]}: ...}})" if group else "")
-            problem += " (nor the path of a file holding one)" if not_a_file else ""
             if key_indent is not None:  # the value the innermost key was given, where jsonargparse shows it
                 shown = " " * (key_indent + 2) + "Given value: "
                 value = next((rest[len(shown):] for rest in lines[index + 1 :] if rest.startswith(shown)), None)
-                problem += "" if value is None else f", got {value}"
+                problem += "" if value is None or text.endswith(f": {value}") else f", got {value}"
+            problem += ", nor the path of a file holding one" if not_a_file else ""
             return f"{path}: {problem}" if path else problem
     return " ".join(message.split())
 
 
 def unparsable_config_line(error: BaseException | None, args: typing.Sequence[str]) -> str | None:
-    """A ``--config`` that is not YAML, as one line naming the file (the first of ``args``' that YAML cannot
-    read), the line and the column; ``None`` when no YAML error caused ``error``.
+    """A config that is not YAML, as one line naming the file (the first file named in ``args``, by ``--config``,
+    ``-c`` or a group's own file, that YAML cannot read; else "a config file"), the line and the column; ``None``
+    when no YAML error caused ``error``.
 
     Examples:
         >>> import yaml
@@ -99,22 +100,21 @@ def unparsable_config_line(error: BaseException | None, args: typing.Sequence[st
         ...     yaml.safe_load("trainer:" + chr(10) + "  max_steps: [" + chr(10))
         ... except yaml.YAMLError as error:
         ...     print(unparsable_config_line(error, ["fit"]))  # doctest: +NORMALIZE_WHITESPACE
-        the config, line 3, column 1: while parsing a flow node, expected the node content,
+        a config file, line 3, column 1: while parsing a flow node, expected the node content,
         but found '<stream end>' (not YAML)
     """
     while error is not None and getattr(error, "problem_mark", None) is None:
         error = error.__cause__ or error.__context__
     if error is None:
         return None
-    configs = [value for option, value in zip(args, args[1:]) if option == "--config"]
-    configs += [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
-    named = next((path for path in configs if not _reads_as_yaml(path)), "the config")
+    given = [arg.partition("=")[2] if arg.startswith("-") else arg for arg in args]  # --trainer=t.yaml, -c x.yaml
+    named = next((path for path in given if os.path.isfile(path) and not _reads_as_yaml(path)), "a config file")
     mark, said = error.problem_mark, ", ".join(filter(None, (error.context, error.problem)))
     return f"{named}, line {mark.line + 1}, column {mark.column + 1}: {said} (not YAML)"
 
 
 def _reads_as_yaml(path: str) -> bool:
-    """Whether the file ``path`` holds YAML (``True`` when it is not a file that can be read: not the one)."""
+    """Whether the file ``path`` holds YAML (``True`` when it cannot be read: not the one)."""
     import yaml
 
     try:

@@ -289,19 +289,24 @@ trainer:
          "(guard_rail: {max_kl: ...})"),
         (["--config", "unclosed.yaml"],  # the file, the line and the column, after a config that reads
          "unclosed.yaml, line 3, column 1: while parsing a flow node, did not find expected node content (not YAML)"),
-        (["--config={a: [}"], "the config, line 1, column 6: while parsing a flow node"),  # a YAML string given
+        (["-c", "unclosed.yaml"],  # LightningCLI's short option
+         "unclosed.yaml, line 3, column 1: while parsing a flow node, did not find expected node content (not YAML)"),
+        (["--trainer", "unclosed_group.yaml"],  # a group's own file
+         "unclosed_group.yaml, line 2, column 1: while parsing a flow node"),
+        (["--config={a: [}"], "a config file, line 1, column 6: while parsing a flow node"),  # a YAML string given
         (["--config", "one_correction.yaml"],  # a string where a list goes: not "Expected a path"
          "trainer.callbacks (KLSampleTrainMonitor): corrections: Expected a <class 'collections.abc.Sequence'>. Got "
-         "value: sequence_mask:3.0 (nor the path of a file holding one)"),
+         "value: sequence_mask:3.0, nor the path of a file holding one"),
     ],
     ids=["restriction", "type", "unknown option", "datamodule", "trainer", "unknown flag", "flat group key",
-         "not YAML", "a string that is not YAML", "a string for a list"],
+         "not YAML", "-c", "a group's file", "a string that is not YAML", "a string for a list"],
 )
 def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
     override: list[str], line: str, capsys: Any
 ) -> None:
     Path("flat_max_kl.yaml").write_text(FLAT_MAX_KL)
     Path("unclosed.yaml").write_text("trainer:\n  max_steps: [\n")
+    Path("unclosed_group.yaml").write_text("max_steps: [\n")
     Path("one_correction.yaml").write_text(
         "trainer:\n  callbacks:\n    - class_path: KLSampleTrainMonitor\n      init_args:\n"
         "        corrections: sequence_mask:3.0\n")
