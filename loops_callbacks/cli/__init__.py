@@ -130,15 +130,18 @@ class LoopsCLI(LightningCLI):
 
         What the constructors raise while fit runs is not caught here: that is still an error (exit 1).
         """
+        refused = False
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
             line = refusal_line(error, self._constructors.errors, self._subcommand_config())
             if line is None:
                 raise
+            refused = True
             _exit_with(f"loops-callbacks: error: {line}", EXIT_USAGE)
-        for record in getattr(self, "_seed_records", ()):
-            logging.getLogger(record.name).handle(record)
+        finally:  # the seed is said unless the one line of a refusal is all there is to say
+            for record in () if refused else getattr(self, "_seed_records", ()):
+                logging.getLogger(record.name).handle(record)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
