@@ -28,7 +28,7 @@ CAUSES = (
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
 
-_TEXTS = {  # cause (and "unclear" with a context fade or too few tokens): (what it is, what to check)
+_TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, truncation to p = 1): (what, what to check)
     IMPOSSIBLE_INPUTS: ("the inputs are not valid logprobs", "fix the inputs first (position k must hold log p of the "
                         "token predicted at k, a number <= 0); no other cause can be judged on them"),
     "none": ("no mismatch", ""),
@@ -40,6 +40,9 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens): (what
     "truncation": ("the sampler truncates (top-k / top-p) and reports renormalized logprobs", "check that the "
                    "sampler reports logprobs of the full distribution (not of the top-k / top-p renormalized one), "
                    "or apply the same truncation in the trainer"),
+    "all_zero": ("every sampler logprob is exactly 0.0: a greedy (top-1) sampler's renormalized logprobs, or "
+                 "logprobs never filled in", "fill in the sampler's logprob of each drawn token, of the full "
+                 "distribution (a greedy sampler's raw logprobs, not its processed ones)"),
     "temperature": ("a temperature is applied on one side only", "check that the sampler's logprobs are at "
                     "temperature 1, or divide the trainer's logits by the same temperature"),
     "stale": ("the sampler's weights are out of date", "check that the sampler receives the trainer's weights every "
@@ -117,6 +120,8 @@ class Diagnosis:
         key = self.cause
         if self.cause == "unclear" and ("context_fade" in self.numbers or "n_action_tokens" in self.numbers):
             key = "context_fade" if "context_fade" in self.numbers else "too_few"
+        if key == "truncation" and self.numbers.get("sampler_all_zero") == 1.0:
+            key = "all_zero"
         what, check = _shift_texts(self.numbers) if key == "shift" else _TEXTS[key]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.numbers['temperature']:.2f})"

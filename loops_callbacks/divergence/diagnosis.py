@@ -202,6 +202,8 @@ def _statistical_cause(
         and not slope < TRUNCATION_MIN_SLOPE
     ):
         margin = (TRUNCATION_POSITIVE_SHARE - get("frac_d_pos")) / TRUNCATION_POSITIVE_SHARE
+        if get("sampler_all_zero") == 1.0:  # top-1 (greedy) logprobs, or none filled in: the text says which to check
+            return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "sampler_all_zero")
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     significant = off_one >= SLOPE_SE * slope_se  # a slope within its error of 1 is not a temperature

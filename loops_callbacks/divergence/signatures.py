@@ -13,6 +13,8 @@ With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p =
 ``frac_d_zero``         share of tokens with d exactly 0 (most, for identical float32 models)
 ``frac_d_pos``          share with d > 0 (about 0 under top-k / top-p truncation)
 ``both_16_bit_share``   share whose sampler and trainer logprobs both came as 16-bit floats (exact matches say less)
+``sampler_all_zero``    1 when every sampler logprob is exactly 0.0 (p = 1: a greedy sampler's truncated logprobs,
+                        or logprobs never filled in), else 0
 ``is_ratio_mean``       mean e^d: the trainer's mass on the sampler's support (1 for full support)
 ``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
 ``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
@@ -76,7 +78,7 @@ from loops_callbacks.divergence.states import PROBABILITY_STRATA, context_total
 from loops_callbacks.divergence.statistics import HostDivergence
 
 SIGNATURES = (
-    "frac_d_zero", "frac_d_pos", "both_16_bit_share", "is_ratio_mean", "is_ratio_se", "pearson", "temperature",
+    "frac_d_zero", "frac_d_pos", "both_16_bit_share", "sampler_all_zero", "is_ratio_mean", "is_ratio_se", "pearson", "temperature",
     "temperature_se", "relative_gap", "relative_gap_se", "sign_split", "temperature_sign", "shift_ratio",
     "shift_direction", "token_eta2", "low_high_abs_ratio", "rms_d", "kl_sample_train_k3", "sd_ratio", "context_fade",
     "context_fade_z", "offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share",
@@ -113,6 +115,7 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         "frac_d_zero": 1.0 - (t["n_d_neg"] + t["n_d_pos"]) / n,
         "frac_d_pos": t["n_d_pos"] / n,
         "both_16_bit_share": t["n_both_16_bit"] / n,
+        "sampler_all_zero": float(t["sum_sampler2"] == 0.0),  # a sum of squares is 0 only where each is
         "is_ratio_mean": mean_is_ratio,
         "is_ratio_se": math.sqrt(max(t["sum_is_ratio2"] / n - mean_is_ratio**2, 0.0) / n),
         "pearson": cov / math.sqrt(var_s * var_t) if var_s > 0 and var_t > 0 else math.nan,

@@ -212,3 +212,15 @@ def test_fewer_tokens_than_the_rules_need_are_none_when_every_logprob_is_equal_a
     facts = SamplerFacts(engine="vllm", dtype="float32", logprobs_mode="raw_logprobs", temperature=0.7)
     found = diagnose(signature_numbers(host), n_tokens=48, facts=facts)
     assert found.cause == "sampling" and found.observed, found.message
+
+
+def test_sampler_logprobs_all_zero_are_named_as_such_not_only_as_truncation() -> None:
+    """A sampler whose logprobs were never filled in (a zeros_like) reads as truncation to p = 1, as a greedy sampler's
+    processed logprobs do: the message says every one is 0.0, so either is found at once."""
+    trainer = torch.linspace(-3.0, -0.1, 256)[None]
+    host = host_of({"sampler_logprobs": torch.zeros_like(trainer), "training_logprobs": trainer,
+                    "mask": torch.ones_like(trainer)})
+    found = diagnose(signature_numbers(host), n_tokens=host.totals["n_action_tokens"])
+    assert found.cause == "truncation" and "every sampler logprob is exactly 0.0" in found.message, found.message
+    top_k = diagnose(signature_numbers(host_of(case("truncation"))), n_tokens=1024)
+    assert top_k.cause == "truncation" and "exactly 0.0" not in top_k.message, top_k.message
