@@ -70,7 +70,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return "tests/integrations" if file.startswith("tests/integrations/") else file
 
         def _assign_work_unit(self, node: Any) -> None:
-            for file in reversed(SLOWEST_FILES):  # xdist orders the files by their count of tests
+            slowest = SLOWEST_FILES if self.config.option.loadscopereorder else ()  # --no-loadscope-reorder: as given
+            for file in reversed(slowest):  # xdist orders the files by their count of tests
                 if file in self.workqueue:
                     self.workqueue.move_to_end(file, last=False)
             super()._assign_work_unit(node)
