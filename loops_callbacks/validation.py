@@ -1,8 +1,8 @@
 """The one rule for arguments: a value of the wrong type is a ``TypeError``, a value of the right type
 out of range a ``ValueError``, both saying ``"<name> must be <what>, got <value>"``.
 
-``check`` is the rule; ``check_int``, ``check_real``, ``check_bool``, ``check_choice`` and
-``check_dtype`` are its common cases. ``bool`` is never accepted as a number.
+``check`` is the rule; ``check_int``, ``check_real``, ``check_bool``, ``check_choice``, ``check_dtype`` and
+``check_logprobs_dtype`` are its common cases. ``bool`` is never accepted as a number.
 
 Examples:
     >>> check_int("top_n", 3, least=0)
@@ -118,3 +118,17 @@ def check_dtype(name: str, value: Any, allowed: tuple[str, ...] = tuple(FLOAT_DT
     if key not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
     return FLOAT_DTYPES[key]
+
+
+def check_logprobs_dtype(name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` (or ``None``), a ``TypeError`` unless it holds floats: logprobs in an integer dtype never were.
+
+    Examples:
+        >>> check_logprobs_dtype("'logprobs'", torch.zeros(2, dtype=torch.long))
+        Traceback (most recent call last):
+        ...
+        TypeError: 'logprobs' must hold floating-point logprobs (float32, bfloat16, ...), got dtype torch.int64
+    """
+    if tensor is not None and not tensor.is_floating_point():
+        raise TypeError(f"{name} must hold floating-point logprobs (float32, bfloat16, ...), got dtype {tensor.dtype}")
+    return tensor

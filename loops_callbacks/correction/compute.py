@@ -52,7 +52,7 @@ from typing import NamedTuple
 import torch
 
 from loops_callbacks.correction.spec import Correction, parse_correction
-from loops_callbacks.validation import check
+from loops_callbacks.validation import check, check_logprobs_dtype
 
 
 VERL_SAFETY_BOUND = 20.0
@@ -281,8 +281,8 @@ def apply_correction(
         if tensor.shape != trainer_logprobs.shape:
             raise ValueError(f"{key!r} has shape {tuple(tensor.shape)} but 'trainer_logprobs' has "
                              f"{tuple(trainer_logprobs.shape)}; the fields must be aligned position by position")
-        if key != "mask" and not tensor.is_floating_point():
-            raise TypeError(f"{key!r} must hold floating-point logprobs, got dtype {tensor.dtype}")
+        if key != "mask":
+            check_logprobs_dtype(repr(key), tensor)
     batch, width = trainer_logprobs.shape
     device = trainer_logprobs.device
     shapes = f"({batch},) or ({batch}, 1)"

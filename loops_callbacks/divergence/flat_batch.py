@@ -42,6 +42,7 @@ from loops_callbacks.fields import (
     model_input_length,
     model_input_tokens,
 )
+from loops_callbacks.validation import check_logprobs_dtype
 
 LOGPROB_CEILING = 1e-4
 """A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
@@ -146,7 +147,7 @@ def flatten_datums(
             f"training_logprobs as one tensor must be padded [B, T], got shape {tuple(training_logprobs.shape)}; "
             "or pass a list with one 1-D row per datum"
         )
-    _check_floating(training_logprobs if padded else None, "training_logprobs")
+    check_logprobs_dtype("training_logprobs", training_logprobs if padded else None)
     n_rows = training_logprobs.shape[0] if padded else len(training_logprobs)
     if len(data) != n_rows:
         raise ValueError(
@@ -160,13 +161,13 @@ def flatten_datums(
                          ("mask", "add a per-position mask with 1.0 on action tokens")):
             if key not in inputs:
                 raise ValueError(f"datum {i}: loss_fn_inputs has no {key!r} (keys: {sorted(inputs)}); {fix}")
-        sampler = _check_floating(field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'"),
-                                  f"datum {i}: loss_fn_inputs['logprobs']")
+        sampler = check_logprobs_dtype(f"datum {i}: loss_fn_inputs['logprobs']",
+                                       field_to_tensor(inputs["logprobs"], where=f"datum {i}, key 'logprobs'"))
         mask = field_to_tensor(inputs["mask"], where=f"datum {i}, key 'mask'")
         length = sampler.shape[0]
         if not padded:
             trainer = field_to_tensor(training_logprobs[i], where=f"datum {i}, training logprobs")
-            trainers.append(_check_floating(trainer, f"training_logprobs[{i}]"))
+            trainers.append(check_logprobs_dtype(f"training_logprobs[{i}]", trainer))
         model_input, target = datum_model_input(datum), inputs.get("target_tokens")
         trainer_length = min(length, training_logprobs.shape[1]) if padded else trainers[-1].shape[0]
         input_length = length if model_input is None else model_input_length(model_input)
@@ -210,13 +211,6 @@ def flatten_datums(
     )
 
 
-def _check_floating(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
-    """``tensor``, refused (``TypeError``) unless it holds floats: logprobs in an integer dtype were never logprobs."""
-    if tensor is not None and not tensor.is_floating_point():
-        raise TypeError(f"{name} must hold floating-point logprobs (float32, bfloat16, ...), got dtype {tensor.dtype}")
-    return tensor
-
-
 @torch.no_grad()
 def flatten_padded(
     *,
@@ -247,7 +241,7 @@ def flatten_padded(
             raise ValueError(f"{name!r} must be a [B, T] tensor, got shape {tuple(tensor.shape)}")
     shape = training_logprobs.shape
     for name in ("logprobs", "training_logprobs", "training_entropy", "training_varentropy"):
-        _check_floating(fields[name], repr(name))
+        check_logprobs_dtype(repr(name), fields[name])
     for name, tensor in fields.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(
