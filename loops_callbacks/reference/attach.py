@@ -33,7 +33,7 @@ from loops_callbacks.conventions import (
     tinker_convention_message,
     weighted_last_positions,
 )
-from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, model_input_length
+from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_length, model_input_length
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
 from loops_callbacks.validation import check_int
@@ -46,15 +46,6 @@ Progress = Callable[[int, int], None]
 
 _PER_POSITION = frozenset({"target_tokens", "weights", "mask", "logprobs"})
 """The SDK's per-position ``loss_fn_inputs`` fields: each has one value per position of ``model_input``."""
-
-
-def _positions(field: Any) -> int | None:
-    """The length of a 1-D field (a list, tuple, array, tensor or ``TensorData``); ``None`` for anything else
-    (``None``, a number, a field of other dimensions), which this check leaves to the loss that reads it."""
-    if isinstance(field, (list, tuple)):
-        return len(field)
-    shape = getattr(field, "shape", None)
-    return int(shape[0]) if shape is not None and len(shape) == 1 else None
 
 
 def attach_reference_logprobs(
@@ -126,8 +117,11 @@ def attach_reference_logprobs(
         if length < 1:
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
         for key in _PER_POSITION.intersection(inputs):
-            n = _positions(inputs[key])
-            if n not in (None, 1, length):  # one value (for the datum) or one per position
+            try:
+                n = field_length(inputs[key], where=f"datum {index}, key {key!r}")
+            except (TypeError, ValueError):  # None, a number, another dimension: left to the loss that reads it
+                continue
+            if n not in (1, length):  # one value (for the datum) or one per position
                 raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] has {n} positions but model_input has "
                                  f"{length}; every per-position field has one value per position of model_input "
                                  "(ref_logprobs gets one too)")
