@@ -342,8 +342,13 @@ class KLSampleTrainMonitor(Callback):
         patience, on_exceed = self.guard_rail.patience, self.guard_rail.on_exceed
         if self.exceeded_steps < patience:
             return
+        if report.untrusted is not None and not report.problems:  # no reading of a step its numbers cannot judge
+            reading = ("a step whose numbers cannot be trusted counts as exceeding the bound; fix what makes the "
+                       "logprobs unreadable (named above) first.")
+        else:
+            reading = f"the sampler's logprobs no longer match the trainer's — {_advice(report)}"
         message = (f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience "
-                   f"{patience}): {_advice(report)}")
+                   f"{patience}): {reading}")
         self.history.acted({"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[on_exceed],
                            step, message)
         if on_exceed == "stop":
@@ -357,18 +362,14 @@ class KLSampleTrainMonitor(Callback):
 
 
 def _advice(report: StepReport) -> str:
-    """What the guard rail's message says after why it acted: what to check, the likely cause when there is one."""
-    mismatch = "the sampler's logprobs no longer match the trainer's — "
+    """What the guard rail's message says to check: the likely cause when there is one."""
     if report.problems:  # a fact about the inputs, not a hint: the diagnosis names it too (diagnose=False: none)
-        return f"{mismatch}{Diagnosis.impossible_inputs(report.problems.values()).message}."
-    if report.untrusted is not None:  # what the rest of the numbers suggest is no reading of a step they cannot judge
-        return ("a step whose numbers cannot be trusted counts as exceeding the bound; fix what makes the logprobs "
-                "unreadable (named above) first.")
+        return f"{Diagnosis.impossible_inputs(report.problems.values()).message}."
     cause = report.diagnosis
     if cause is None or cause.cause in ("unclear", "none"):
         return (
-            f"{mismatch}check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+            "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
             "precision and sampling settings."
         )
     # seen directly, not inferred: no confidence to weigh
-    return f"{mismatch}{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."
+    return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."
