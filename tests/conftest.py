@@ -1,6 +1,9 @@
 """Test-wide settings: nothing touches the network, nothing is written outside pytest's tmp dirs, and under
 ``pytest -n`` each worker (and each process it starts) uses its share of the cores for torch's threads.
 
+Every test starts from the same random state (``seed_each_test``), so what it draws does not depend on
+which tests its worker ran before it.
+
 W&B is offline and every directory it writes (runs, service logs, cache, settings) lies in one
 session tmp dir; so does Hypothesis's cache, and it keeps no example database. ``.ci/run`` checks that
 the suite leaves the checkout as it found it.
@@ -9,11 +12,13 @@ the suite leaves the checkout as it found it.
 from __future__ import annotations
 
 import os
+import random
 import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from hypothesis import settings
@@ -94,6 +99,16 @@ def caches_in_a_tmp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
         yield
         if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
             sys.modules["wandb"].run.finish()  # a run a failed test left open writes nothing later
+
+
+@pytest.fixture(autouse=True)
+def seed_each_test() -> None:
+    """torch's, numpy's and Python's global generators seeded with 0: the schedule of ``pytest -n`` changes
+    which tests a worker ran first, and with it what an unseeded ``nn.Linear`` or ``torch.randn`` draws.
+    (Not Lightning's ``seed_everything``: it would set ``PL_GLOBAL_SEED`` for the processes a test starts.)"""
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture
