@@ -188,14 +188,10 @@ def _statistical_cause(
         return stale
     if behind:  # every datum equally behind the trainer, and a gap beyond noise
         return Diagnosis("stale", _confidence(math.log10(gap / noise_bound) / 2), {"lag": float(behind)} | noise)
-    # weights a few steps old look like a mild temperature, far out of date like unrelated distributions
-    growing = _growing(sig, by_lag, lags, trend, noise_bound)
-    if growing is not None:
-        return growing
-    if get("pearson") < UNRELATED_PEARSON:
-        return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
     slope, slope_se = get("temperature"), get("temperature_se")
     slope_se = slope_se if math.isfinite(slope_se) else 0.0
+    # d of one sign (the sampler's logprobs renormalized over fewer tokens) outranks a gap growing over the
+    # steps: truncation's relative gap grows too as training sharpens the policy, stale weights move d both ways
     if (
         get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE
         and get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se")
@@ -205,6 +201,12 @@ def _statistical_cause(
         if get("sampler_all_zero") == 1.0:  # top-1 (greedy) logprobs, or none filled in: the text says which to check
             return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "sampler_all_zero")
         return found("truncation", margin, "frac_d_pos", "is_ratio_mean", "is_ratio_se", "temperature")
+    # weights a few steps old look like a mild temperature, far out of date like unrelated distributions
+    growing = _growing(sig, by_lag, lags, trend, noise_bound)
+    if growing is not None:
+        return growing
+    if get("pearson") < UNRELATED_PEARSON:
+        return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     significant = off_one >= SLOPE_SE * slope_se  # a slope within its error of 1 is not a temperature
     # the margin kept against weights a few steps old (a sharpening policy moves the slope too) is not needed

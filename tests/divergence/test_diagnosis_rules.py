@@ -94,6 +94,18 @@ def test_a_gap_that_grows_step_after_step_since_the_last_sync_is_stale() -> None
     assert diagnose(sig, n_tokens=1024, trend=(0.1 * gap, 0.3 * gap, 0.6 * gap)).cause == "unclear"  # never in sync
 
 
+def test_a_truncating_sampler_whose_gap_grows_as_the_policy_sharpens_is_truncation_not_stale() -> None:
+    """Top-p late in a run (``configs/rl_faults.yaml``, ``sampler_top_p=0.9``, steps 144 and 149): the
+    renormalized logprobs keep d of one sign while the relative gap grows as the policy sharpens. The
+    trend alone would say stale; stale weights move d both ways."""
+    sig = signature_numbers(host_of(case("truncation")))
+    gap = sig["relative_gap"]
+    growing = (1e-6, 0.1 * gap, 0.3 * gap, 0.6 * gap)
+    assert diagnose(sig, n_tokens=1024, trend=growing).cause == "truncation"
+    both_ways = sig | {"frac_d_pos": 0.4, "token_eta2": 0.0}  # the same numbers with d of both signs
+    assert diagnose(both_ways, n_tokens=1024, trend=growing).cause == "stale"
+
+
 def test_versions_outrank_the_history_a_growing_gap_at_lag_zero_is_not_stale() -> None:
     """With per-datum versions the lag is known: a gap that grows while every datum is current
     (a sharpening policy, MoE routing drift) is not staleness, whatever the trend says."""
