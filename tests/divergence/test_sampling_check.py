@@ -144,9 +144,7 @@ class DrawingPolicy(pl.LightningModule):
 
     def __init__(self, temperature: float, facts: SamplerFacts | None = None) -> None:
         super().__init__()
-        with torch.random.fork_rng():  # the same head whatever ran before in this worker
-            torch.manual_seed(0)
-            self.head = torch.nn.Linear(8, V)
+        self.head = torch.nn.Linear(8, V)
         self.temperature, self.facts = temperature, facts
 
     def train_dataloader(self) -> DataLoader:
