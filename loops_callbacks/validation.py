@@ -27,6 +27,7 @@ import reprlib
 from collections.abc import Callable, Collection
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__: list[str] = []  # the package's own checks: nothing here is for users to import
@@ -132,3 +133,39 @@ def check_logprobs_dtype(name: str, tensor: torch.Tensor | None) -> torch.Tensor
     if tensor is not None and not tensor.is_floating_point():
         raise TypeError(f"{name} must hold floating-point logprobs (float32, bfloat16, ...), got dtype {tensor.dtype}")
     return tensor
+
+
+LOGPROB_ROUNDING = 1e-3
+"""How far above 0 a logprob may read and still be rounding (bf16 ``log_softmax`` of a near-certain token)."""
+
+
+def check_reference_logprobs(values: Any, *, where: str, lengths: Any = None) -> None:
+    """A ``ValueError`` unless every value is a finite logprob, ``<= LOGPROB_ROUNDING``: a reference logprob
+    (or a token's logprob an engine reports) is never NaN, infinite or a probability above 1.
+
+    ``values`` is a tensor, array or list; ``lengths`` (one per datum, summing to ``values``' length) makes the
+    message name the datum and its position, else the position alone. One vectorized pass, on the values' device.
+
+    Examples:
+        >>> check_reference_logprobs([-0.5, -1.0], where="the reference's answer")
+        >>> check_reference_logprobs([-0.5, 0.0, -1.0, 0.3], where="reference logprobs", lengths=[2, 2])
+        Traceback (most recent call last):
+        ...
+        ValueError: reference logprobs: datum 1, position 1 is 0.3, not a logprob (finite and <= 0); 1 such value in all
+    """
+    flat = torch.as_tensor(values if not isinstance(values, list) else [float("nan") if v is None else v
+                                                                         for v in values]).reshape(-1)
+    if not flat.is_floating_point():
+        flat = flat.double()
+    bad = ~(torch.isfinite(flat) & (flat <= LOGPROB_ROUNDING))
+    if not bool(bad.any()):
+        return
+    first = int(bad.nonzero()[0, 0])
+    place = f"position {first}"
+    if lengths is not None:
+        ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+        datum = int(np.searchsorted(ends, first, side="right"))
+        place = f"datum {datum}, position {first - (int(ends[datum - 1]) if datum else 0)}"
+    count = int(bad.sum())
+    raise ValueError(f"{where}: {place} is {flat[first].item():g}, not a logprob (finite and <= 0); "
+                     f"{count} such value{'s' if count != 1 else ''} in all")
