@@ -285,6 +285,93 @@ def test_post_completions_to_nothing_listening_names_the_address() -> None:
         post_completions(f"http://127.0.0.1:{port}", {}, timeout=5)
 
 
+
+class RawServer:
+    """A socket server that answers each connection with ``head`` at once, then ``body`` one byte every ``every``
+    seconds (``trickle_head``: the head trickles too), then closes: what urllib's per-read timeout let run on."""
+
+    def __init__(self, head: bytes, body: bytes, *, every: float = 0.0, trickle_head: bool = False) -> None:
+        self.head, self.body, self.every, self.trickle_head = head, body, every, trickle_head
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        try:
+            connection, _ = self.listener.accept()
+        except OSError:
+            return
+        with connection:
+            try:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += connection.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                while len(body) < length:
+                    body += connection.recv(65536)
+                slow = self.body if not self.trickle_head else self.head + self.body
+                if not self.trickle_head:
+                    connection.sendall(self.head)
+                for k in range(len(slow)):
+                    if self.stop.wait(self.every):
+                        return
+                    connection.sendall(slow[k : k + 1])
+            except OSError:  # the client gave up
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+        self.thread.join(timeout=5)
+
+
+def http_head(length: int, content_type: str = "application/json") -> bytes:
+    return (f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n"
+            "Connection: close\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize("trickle_head", [False, True], ids=["body", "head"])
+def test_post_completions_timeout_is_a_deadline_for_the_whole_answer(trickle_head: bool) -> None:
+    body = json.dumps({"choices": [choice(0, [7], [-1.0])]}).encode()[:60].ljust(60)
+    server = RawServer(http_head(len(body)), body, every=0.25, trickle_head=trickle_head)  # 4 bytes a second
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"the vLLM server at {server.url}/v1/completions did not answer "
+                                               r"within 2 s"):
+            post_completions(server.url, completions_request([[1]], max_tokens=1), timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 0.75  # every read waits at most until the deadline
+    finally:
+        server.close()
+
+
+def test_post_completions_names_an_answer_that_is_not_json_or_is_cut_short() -> None:
+    html = b"<html><body>502 Bad Gateway</body></html>"
+    server = RawServer(http_head(len(html), "text/html"), html)
+    try:
+        with pytest.raises(ValueError, match=rf"the vLLM server at {server.url}/v1/completions answered 200 with a "
+                                             r"body that is not JSON \(text/html, 41 bytes\): '<html><body>502 Bad"):
+            post_completions(server.url, {}, timeout=5)
+    finally:
+        server.close()
+    server = RawServer(http_head(60), b'{"choices": []')
+    try:
+        with pytest.raises(ConnectionError, match=rf"the vLLM server at {server.url}/v1/completions closed the "
+                                                  r"connection after 14 of the 60 bytes its Content-Length announced"):
+            post_completions(server.url, {}, timeout=5)
+    finally:
+        server.close()
+    listed = b"[1, 2]"
+    server = RawServer(http_head(len(listed)), listed)
+    try:
+        with pytest.raises(ValueError, match=r"answered 200 with JSON that is not an object: \[1, 2\]"):
+            post_completions(server.url, {}, timeout=5)
+    finally:
+        server.close()
+
 # ---- the weight sync, against an engine double ------------------------------------------------
 
 

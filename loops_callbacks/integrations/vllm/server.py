@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import http.client as http_client
+import io
 import json
 import math
 import numbers
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -57,10 +60,11 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
     """POST ``request`` (``completions_request``) to the vLLM server at ``url`` (``http://host:port``, or its
     ``/v1/completions``) and return its JSON answer.
 
-    Bounded: no socket operation waits longer than ``timeout`` seconds, and the whole answer must
-    have arrived within ``timeout`` of the request (a ``TimeoutError`` otherwise). A server that
-    answers with an error status is a ``RuntimeError`` with its message; one that cannot be reached
-    a ``ConnectionError`` naming the address.
+    Bounded: ``timeout`` seconds is a deadline for the whole call (connecting, sending the request,
+    every read of the answer), a ``TimeoutError`` past it, however slowly the server trickles bytes.
+    A server that answers with an error status is a ``RuntimeError`` with its message; one that cannot
+    be reached, or closes the connection before the whole answer, a ``ConnectionError`` naming the
+    address; an answer that is not a JSON object a ``ValueError`` showing its start.
     """
     positive = "a positive, finite number of seconds"
     timeout = float(check("timeout", timeout, numbers.Real, positive, lambda seconds: 0 < seconds < math.inf))
@@ -68,23 +72,120 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
     http = urllib.request.Request(
         endpoint, data=json.dumps(request).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
-    deadline = time.monotonic() + timeout
+    deadline = _Deadline(timeout)
+    opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
     try:
-        with urllib.request.urlopen(http, timeout=timeout) as answer:
-            chunks = []
-            while chunk := answer.read(1 << 16):
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    raise TimeoutError
+        with opener.open(http, timeout=deadline.left()) as answer:
+            kind = answer.headers.get_content_type()
+            data = answer.read()
     except urllib.error.HTTPError as error:
-        detail = error.read(2000).decode(errors="replace")
+        try:
+            detail = error.read(2000).decode(errors="replace")
+        except (OSError, http_client.HTTPException):
+            detail = "(its message did not arrive)"
         raise RuntimeError(f"the vLLM server at {endpoint} answered {error.code} {error.reason}: {detail}") from None
+    except http_client.IncompleteRead as error:
+        got, expected = len(error.partial), len(error.partial) + (error.expected or 0)
+        raise ConnectionError(f"the vLLM server at {endpoint} closed the connection after {got} of the {expected} "
+                              "bytes its Content-Length announced") from None
+    except http_client.HTTPException as error:
+        raise ConnectionError(f"the vLLM server at {endpoint} did not answer in HTTP: {error!r}") from None
     except (TimeoutError, urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
         if isinstance(error, TimeoutError) or isinstance(reason, TimeoutError):
             raise TimeoutError(f"the vLLM server at {endpoint} did not answer within {timeout:g} s") from None
         raise ConnectionError(f"cannot reach the vLLM server at {endpoint}: {reason}") from None
-    return json.loads(b"".join(chunks))
+    try:
+        answer = json.loads(data)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"the vLLM server at {endpoint} answered 200 with a body that is not JSON ({kind}, "
+                         f"{len(data)} bytes): {data[:300].decode(errors='replace')!r}") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"the vLLM server at {endpoint} answered 200 with JSON that is not an object: "
+                         f"{json.dumps(answer)[:300]}")
+    return answer
+
+
+class _Deadline:
+    """The end of a call: ``left()`` is the time that remains, a ``TimeoutError`` once there is none."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        remaining = self.end - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the deadline passed")
+        return remaining
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each waiting at most until the deadline (a buffered ``readline`` or ``read(n)`` reads
+    many times: a per-read timeout alone lets a server that trickles bytes hold the call for ever)."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock, self._raw, self._deadline = sock, sock.makefile("rb", buffering=0), deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        self._sock.settimeout(self._deadline.left())
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """A connected socket whose sends and reads (through ``makefile``, as ``http.client`` reads) end by the
+    deadline; anything else goes to the socket."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def sendall(self, data: Any) -> None:
+        self._sock.settimeout(self._deadline.left())  # sendall's timeout bounds the whole send
+        self._sock.sendall(data)
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _deadline_connection(base: type[http_client.HTTPConnection], deadline: _Deadline) -> Any:
+    """A ``base`` connection class whose socket, once connected, ends every send and read by ``deadline``."""
+
+    class Connection(base):  # type: ignore[misc, valid-type]
+        def connect(self) -> None:
+            self.timeout = deadline.left()
+            super().connect()
+            self.sock = _DeadlineSocket(self.sock, deadline)
+
+    return Connection
+
+
+class _DeadlineHandler(urllib.request.AbstractHTTPHandler):
+    """urllib's HTTP(S) handler with connections bounded by a deadline (proxies and redirects as urllib does)."""
+
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
+        return super().do_open(_deadline_connection(http_class, self._deadline), req, **kwargs)
+
+
+class _DeadlineHTTPHandler(_DeadlineHandler, urllib.request.HTTPHandler):
+    pass
+
+
+class _DeadlineHTTPSHandler(_DeadlineHandler, urllib.request.HTTPSHandler):
+    pass
 
 
 def completions_batch(
