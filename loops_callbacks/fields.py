@@ -108,8 +108,23 @@ def model_input_tokens(model_input: Any) -> list[int]:
     to_ints = getattr(model_input, "to_ints", None)
     if callable(to_ints):
         return list(to_ints())
-    if isinstance(model_input, torch.Tensor):
-        return [int(t) for t in model_input.tolist()]
-    if isinstance(model_input, (list, tuple, np.ndarray)):
-        return [int(t) for t in model_input]
-    raise TypeError(f"expected a ModelInput or a list of token ids, got {type(model_input).__name__}")
+    if isinstance(model_input, (torch.Tensor, np.ndarray)) and model_input.ndim != 1:
+        raise ValueError(f"expected a 1-D sequence of token ids, got a {type(model_input).__name__} of shape "
+                         f"{tuple(model_input.shape)}")
+    if not isinstance(model_input, (list, tuple, np.ndarray, torch.Tensor)):
+        raise TypeError(f"expected a ModelInput or a list of token ids, got {type(model_input).__name__}")
+    values = model_input.tolist() if isinstance(model_input, torch.Tensor) else model_input
+    try:
+        return [int(t) for t in values]
+    except (TypeError, ValueError):
+        bad = next(t for t in values if not _is_int(t))
+        raise TypeError(f"expected token ids (ints), got {bad!r} (a {type(bad).__name__})") from None
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``int(value)`` works."""
+    try:
+        int(value)
+    except (TypeError, ValueError):
+        return False
+    return True
