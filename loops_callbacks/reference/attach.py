@@ -20,6 +20,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import functools
+import itertools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -36,7 +37,7 @@ from loops_callbacks.conventions import (
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_length, model_input_length
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.types import TensorData
-from loops_callbacks.validation import check_int
+from loops_callbacks.validation import check_int, check_reference_logprobs
 
 __all__ = ["attach_reference_logprobs", "reference_field", "score_prompts", "with_ref_logprobs"]
 
@@ -87,11 +88,14 @@ def attach_reference_logprobs(
         progress: ``True`` for a tqdm bar, or a callable ``progress(done, total)``.
 
     Raises:
-        TypeError: ``data`` is not a sequence of datums (one datum, say).
-        ValueError: bad ``batch_size`` / ``max_concurrency``; a datum with an empty or missing
-            ``model_input``, or a 1-D per-position field (``target_tokens``, ``weights``, ``mask``,
+        TypeError: ``data`` is not a sequence of datums (one datum, say); a reference answer that is
+            not a list (a str, ``None``) or holds something other than numbers and ``None``.
+        ValueError: bad ``batch_size`` / ``max_concurrency``; a datum with an empty, missing or
+            not 1-D ``model_input``, or a 1-D per-position field (``target_tokens``, ``weights``, ``mask``,
             ``logprobs``) of neither one value nor model_input's length; a reference answer whose
-            length differs from the datum's.
+            length differs from the datum's; a reference value that is not a logprob (NaN, infinite
+            or above 0 beyond rounding: ``validation.check_reference_logprobs``), named by datum and
+            position. Nothing is attached then.
 
     Examples:
         >>> from loops_callbacks.reference.clients import TorchSamplingClient
@@ -113,7 +117,7 @@ def attach_reference_logprobs(
         if model_input is None:
             raise ValueError(f"datum {index}: has no model_input ({type(datum).__name__})")
         inputs = datum_loss_fn_inputs(datum, index=index)  # fail before any scoring if it has none
-        length = model_input_length(model_input)
+        length = _prompt_length(model_input, index)
         if length < 1:
             raise ValueError(f"datum {index}: model_input is empty; there is nothing to score")
         for key in _PER_POSITION.intersection(inputs):
@@ -155,6 +159,7 @@ def score_prompts(model_inputs: Sequence[Any], reference: Any, *, batch_size: in
         raise TypeError(f"reference must have compute_logprobs (or compute_logprobs_async / compute_logprobs_batch), "
                         f"got {type(reference).__name__}")
     model_inputs = list(model_inputs)
+    lengths = [_prompt_length(prompt, index) for index, prompt in enumerate(model_inputs)]  # before any call
     with ProgressBar(progress, len(model_inputs), desc="reference logprobs", unit="datum") as bar:
         if callable(batch):
             logprobs = _score_batched(batch, model_inputs, batch_size, bar.reach)
@@ -162,21 +167,49 @@ def score_prompts(model_inputs: Sequence[Any], reference: Any, *, batch_size: in
             logprobs = _score_in_order(sync_fn, model_inputs, max_concurrency, bar.reach)
         else:  # an async method (a deprecated one only when there is nothing else)
             logprobs = _run_coroutine(_score_async(async_fn, model_inputs, max_concurrency, bar.reach))
-    return [_shift(lp, model_input_length(prompt), index)
-            for index, (prompt, lp) in enumerate(zip(model_inputs, logprobs))]
+    values = [_shift(lp, length, index) for index, (length, lp) in enumerate(zip(lengths, logprobs))]
+    sizes = [len(v) for v in values]
+    check_reference_logprobs(np.fromiter(itertools.chain.from_iterable(values), np.float64, count=sum(sizes)),
+                             where="the reference's ref_logprobs (position k: the logprob of token k + 1)",
+                             lengths=sizes)
+    return values
+
+
+def _prompt_length(model_input: Any, index: int) -> int:
+    """``model_input_length``, its error naming the datum."""
+    try:
+        return model_input_length(model_input)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"datum {index}: model_input: {error}") from None
 
 
 def _shift(logprobs: Any, length: int, index: int) -> list[float]:
     """The SDK's rule: drop element 0, ``None`` -> 0.0, append 0.0 for the last position."""
     if hasattr(logprobs, "tolist"):  # a tensor or numpy array
         logprobs = logprobs.tolist()
-    values = list(logprobs)
-    if len(values) != length:
+    if not isinstance(logprobs, (list, tuple)):  # a str, a mapping, None, a number: never read as its parts
+        raise TypeError(f"datum {index}: the reference returned a {type(logprobs).__name__}, not a list of logprobs "
+                        "(one per token, element 0 None)")
+    if len(logprobs) != length:
         raise ValueError(
-            f"datum {index}: the reference returned {len(values)} logprobs for a model_input of "
+            f"datum {index}: the reference returned {len(logprobs)} logprobs for a model_input of "
             f"length {length}; expected one per token (element 0 None)"
         )
-    return [0.0 if v is None else float(v) for v in values[1:]] + [0.0]
+    try:
+        return [0.0 if v is None else float(v) for v in logprobs[1:]] + [0.0]
+    except (TypeError, ValueError):
+        element = next(k for k, v in enumerate(logprobs) if k and v is not None and not _is_number(v))
+        raise TypeError(f"datum {index}: element {element} of the reference's answer is {logprobs[element]!r} (a "
+                        f"{type(logprobs[element]).__name__}), not a number or None") from None
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``float(value)`` works."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _score_batched(batch: Callable[..., Any], model_inputs: list[Any], batch_size: int | None, report: Progress) -> list[Any]:
@@ -184,7 +217,11 @@ def _score_batched(batch: Callable[..., Any], model_inputs: list[Any], batch_siz
     results: list[Any] = []
     for start in range(0, len(model_inputs), step):
         chunk = model_inputs[start : start + step]
-        answer = list(batch(chunk))
+        answer = batch(chunk)
+        if isinstance(answer, (str, bytes, Mapping)) or not hasattr(answer, "__len__"):
+            raise TypeError(f"compute_logprobs_batch returned a {type(answer).__name__} for datums {start}.."
+                            f"{start + len(chunk) - 1}, not a list with one answer per prompt")
+        answer = list(answer)
         if len(answer) != len(chunk):
             raise ValueError(
                 f"compute_logprobs_batch returned {len(answer)} results for {len(chunk)} prompts "
