@@ -42,6 +42,7 @@ from loops_callbacks.logprobs import token_logprobs
 from loops_callbacks.reference.collectives import Group, StallGuard
 from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
 from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, check_token_ids, plan_batches
+from loops_callbacks.validation import check_reference_logprobs
 
 __all__ = ["OutputHeadWarning", "ScorerClient", "TokenScorer", "default_head_rows", "default_tokens_per_batch"]
 
@@ -139,7 +140,7 @@ class ScorerClient:
             try:
                 sequences.append(model_input_tokens(prompt))
             except (TypeError, ValueError) as error:
-                raise TypeError(f"prompt {index}: {error}") from None
+                raise type(error)(f"prompt {index}: {error}") from None
         packed = PackedTokens.from_sequences(sequences)
         values = self.score_packed(packed).cpu().numpy()
         bounds = zip(packed.offsets[:-1].tolist(), packed.offsets[1:].tolist())
@@ -211,7 +212,8 @@ class TokenScorer(ScorerClient):
 
         The ids are checked against ``vocab_size`` first (``check_token_ids``). ``progress(n)`` is
         told each batch's number of real tokens. With ``lockstep``, call it on every rank of the
-        group at the same time.
+        group at the same time. A value that is not a logprob (NaN, infinite, above 0 beyond rounding:
+        a NaN weight) is a ``ValueError`` naming the datum (sequence of ``packed``) and position.
 
         Examples:
             >>> scorer = TokenScorer(torch.nn.Sequential(torch.nn.Embedding(5, 5)), module=None, device="cpu")
@@ -248,7 +250,13 @@ class TokenScorer(ScorerClient):
             for index in range(len(plan), forwards):
                 guard.before_forward(index, forwards)
                 self._batch_logprobs(padding)
-            return batches.result()
+            values = batches.result()
+        try:  # after every lock-step forward: a rank that refuses has not left the others waiting in one
+            check_reference_logprobs(values, where=f"{type(self).__name__}'s reference logprobs", lengths=packed.lengths)
+        except ValueError as error:
+            raise ValueError(f"{error}. The model's forward gave them: a NaN or infinite weight, or an overflow in "
+                             "its dtype, makes such values") from None
+        return values
 
     def _batch_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B, T - 1]`` float32: log p(token k + 1 | tokens up to k) of each row."""
