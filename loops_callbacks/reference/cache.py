@@ -48,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 
 from loops_callbacks.reference.packing import PackedTokens
+from loops_callbacks.validation import check_reference_logprobs
 
 __all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "MAX_HEADER_BYTES", "CacheKey", "CacheLookup", "cache_file", "checksum",
            "data_fingerprint", "open_regular", "orphaned_temporaries", "read_cache", "read_header", "write_cache"]
@@ -97,7 +98,8 @@ class CacheLookup:
 
     ``status`` is ``"hit"``, ``"missing"`` (no file, and no other cache beside it), ``"stale"``
     (files made for other keys only: ``reason`` names them and what differs), ``"corrupt"`` (a
-    damaged file, one of an earlier version, or one whose lengths do not fit the data) or ``"off"``
+    damaged file, one of an earlier version, one whose lengths do not fit the data, or one holding values that are
+    not logprobs) or ``"off"``
     (a run without a cache). ``path`` is the file the values were read from, or the file this key's
     values belong in; ``digest`` the checksum of what was read.
     """
@@ -149,7 +151,9 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
                 lengths: Sequence[int] | np.ndarray | None = None) -> None:
     """Write ``values`` for ``key`` to ``path``: a temporary file made exclusively, then ``os.replace``.
 
-    ``values`` is one 1-D array per datum, or one flat float32 array with the datums' ``lengths``.
+    ``values`` is one 1-D array per datum, or one flat float32 array with the datums' ``lengths``; a value that is
+    not a logprob (NaN, infinite, above 0 beyond rounding) is a ``ValueError`` naming the datum and position, and
+    nothing is written.
     A reader sees the old file or the new one, never a partial one. The temporary file
     ``<path>.tmp.<host>.<pid>`` is created with ``O_EXCL | O_NOFOLLOW``: a file or link already
     there is never written through (a ``FileExistsError``). Creates the directory, and removes the
@@ -166,6 +170,7 @@ def write_cache(path: str | os.PathLike[str], key: CacheKey, values: Sequence[np
     sizes, flat = np.asarray(lengths, dtype="<i8"), np.ascontiguousarray(values, dtype="<f4").reshape(-1)
     if int(sizes.sum()) != flat.size:
         raise ValueError(f"write_cache: the lengths add up to {int(sizes.sum())} values, the array holds {flat.size}")
+    check_reference_logprobs(flat, where="write_cache: the values to cache", lengths=sizes)  # nothing written
     metadata = {"format": _FORMAT, **dataclasses.asdict(key), "sha256": checksum(sizes, flat)}
     blob = save({"values": flat, "lengths": sizes}, metadata=metadata)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -321,6 +326,10 @@ def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest
         return CacheLookup("corrupt", reason="its datum lengths do not match the data")
     if int(stored_lengths.sum()) != len(flat):
         return CacheLookup("corrupt", reason="its lengths do not add up to its number of values")
+    try:  # written unchecked (by an earlier version): never handed out
+        check_reference_logprobs(flat, where="its values", lengths=stored_lengths)
+    except ValueError as error:
+        return CacheLookup("corrupt", reason=f"it holds values that are not logprobs ({error})")
     return CacheLookup("hit", flat=flat, digest=digest, key=header.key)
 
 
