@@ -55,7 +55,7 @@ if _WORKERS > 1:  # the cores shared out: a worker's torch threads (and its proc
 SLOWEST_FILES = (
     "tests/benchmarks/test_benchmarks_run.py", "tests/cli/test_exit_statuses.py",
     "tests/reference/test_reference_cache_safety.py", "tests/benchmarks/test_heldout_faults.py",
-    "tests/models/test_dpo_hf.py", "tests/cli/test_cli.py",
+    "tests/models/test_dpo_hf.py", "tests/cli/test_cli.py", "tests/test_real_model.py",
 )
 """The files whose tests take longest together (15-70 s each on 2 cores), sent to the workers first so that
 none is left for last."""

