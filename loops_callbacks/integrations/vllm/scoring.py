@@ -13,6 +13,7 @@ from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config,
 from loops_callbacks.integrations.vllm.rollouts import _sampled_logprobs
 from loops_callbacks.reference.clients import ScorerClient
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
+from loops_callbacks.validation import check_reference_logprobs
 
 
 class VLLMSamplingClient(ScorerClient):
@@ -25,7 +26,9 @@ class VLLMSamplingClient(ScorerClient):
     are cached like a local reference's. The requests skip the prefix cache
     (``skip_reading_prefix_cache=True``): prompt logprobs served with prefix caching came back
     stale (vLLM #42019), so an engine built with prefix caching on is told, once, that its scoring
-    requests do not use it. An engine that reports logits (``logprobs_mode="*_logits"``) is refused.
+    requests do not use it. An engine that reports logits (``logprobs_mode="*_logits"``) is refused, and so is an
+    answer that is not every prompt's logprobs: fewer outputs than prompts, or a value that is not a logprob (NaN,
+    infinite, above 0 beyond rounding), a ``ValueError`` naming the datum and position.
 
     Args:
         llm: the ``vllm.LLM`` holding the reference weights.
@@ -67,7 +70,10 @@ class VLLMSamplingClient(ScorerClient):
         scored = np.flatnonzero(packed.lengths >= 2)  # a one-token sequence has nothing to score
         offsets = packed.offsets
         requests = [{"prompt_token_ids": packed.ids[offsets[i] : offsets[i + 1]].tolist()} for i in scored]
-        outputs = self.llm.generate(requests, self._params, use_tqdm=False) if requests else []
+        outputs = list(self.llm.generate(requests, self._params, use_tqdm=False)) if requests else []
+        if len(outputs) != len(requests):  # zipped, the sequences without one would read 0.0: certain tokens
+            raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts (the sequences of "
+                             "two or more tokens); every prompt needs its prompt logprobs")
         values = np.zeros(packed.num_tokens, dtype=np.float32)
         base = int(offsets[0])
         for index, output in zip(scored.tolist(), outputs):
@@ -78,6 +84,7 @@ class VLLMSamplingClient(ScorerClient):
                 raise ValueError(f"vLLM gave {where} {0 if logprobs is None else len(logprobs)} prompt logprobs for "
                                  f"{stop - start} tokens")
             values[start - base : stop - base - 1] = _sampled_logprobs(logprobs[1:], targets, where)  # [0] is None
+        check_reference_logprobs(values, where="vLLM's prompt logprobs", lengths=packed.lengths)
         if progress is not None:
             progress(packed.num_tokens)
         return torch.from_numpy(values)
