@@ -98,10 +98,9 @@ class CacheLookup:
 
     ``status`` is ``"hit"``, ``"missing"`` (no file, and no other cache beside it), ``"stale"``
     (files made for other keys only: ``reason`` names them and what differs), ``"corrupt"`` (a
-    damaged file, one of an earlier version, one whose lengths do not fit the data, or one holding values that are
-    not logprobs) or ``"off"``
-    (a run without a cache). ``path`` is the file the values were read from, or the file this key's
-    values belong in; ``digest`` the checksum of what was read.
+    damaged file, one of an earlier version, one whose lengths do not fit the data, or one holding
+    values that are not logprobs) or ``"off"`` (a run without a cache). ``path`` is the file the
+    values were read from, or the file this key's values belong in; ``digest`` the checksum of what was read.
     """
 
     status: Literal["hit", "missing", "stale", "corrupt", "off"]
