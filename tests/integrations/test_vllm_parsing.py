@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from loops_callbacks.integrations.vllm import (
     checkpoint_weights,
     completions_batch,
     completions_request,
+    generate_rollouts,
     post_completions,
     prompt_token_ids,
     rollout_batch,
@@ -185,6 +187,71 @@ def test_prompts_may_be_token_ids_or_chat_messages_through_the_chat_template() -
         prompt_token_ids([[]])
 
 
+
+def test_token_ids_are_ints_in_range_never_rounded_or_read_from_bools() -> None:
+    import numpy as np
+
+    ids = prompt_token_ids([np.array([1, 2], dtype=np.int32), torch.tensor([3], dtype=torch.int16), [np.int64(4), 5],
+                            (np.uint8(6),)])
+    assert ids == [[1, 2], [3], [4, 5], [6]] and all(type(t) is int for row in ids for t in row)
+    with pytest.raises(TypeError, match=r"prompt 0: position 0 is 1.7 \(float\), not a token id \(an int >= 0\)"):
+        completions_request([[1.7, 5.2]], max_tokens=1)
+    with pytest.raises(TypeError, match=r"prompt 1: position 0 is True \(bool\), not a token id"):
+        prompt_token_ids([[3], [True, False]])
+    with pytest.raises(TypeError, match=r"prompt 0 holds float64 values \(position 0 is 1.9\); token ids are "
+                                        r"integers \(an integer dtype\)"):
+        prompt_token_ids([np.array([1.9, 2.5])])
+    with pytest.raises(TypeError, match=r"prompt 0 holds torch.float32 values \(position 0 is 1.0\)"):
+        prompt_token_ids([torch.tensor([1.0, 2.0])])
+    with pytest.raises(TypeError, match=r"prompt 0 holds bool values"):
+        prompt_token_ids([np.array([True, False])])
+    with pytest.raises(TypeError, match=r"prompt 0 is a 2-D array; token ids are 1-D"):
+        prompt_token_ids([np.array([[1, 2]])])
+    with pytest.raises(TypeError, match=r"prompt 0: position 1 is \[2\] \(list\), not a token id"):
+        prompt_token_ids([[1, [2]]])
+    with pytest.raises(ValueError, match=r"prompt 0 has token id -5 at position 1; a token id is an int >= 0"):
+        completions_request([[1, -5]], max_tokens=1)
+    with pytest.raises(ValueError, match=r"prompt 0 has token id -3 at position 0"):
+        prompt_token_ids([torch.tensor([-3])])
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 1180591620717411303424 at position 2; a token id is "
+                                         r"an int >= 0 .* int64"):
+        prompt_token_ids([[1, 2, 2**70]])
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 18446744073709551615 at position 0"):
+        prompt_token_ids([np.array([2**64 - 1], dtype=np.uint64)])
+    with pytest.raises(ValueError, match=r"prompt 1 has token id 16 at position 1, outside the vocabulary \[0, 16\)"):
+        prompt_token_ids([[1], [3, 16]], vocab_size=16)
+
+
+def test_generate_rollouts_checks_prompts_against_the_engines_vocabulary(vllm_stub: Any) -> None:
+    llm = FakeLLM()  # a vocabulary of 16
+    llm.generate = lambda requests, params, use_tqdm: [  # type: ignore[attr-defined]
+        request_output(r["prompt_token_ids"], completion([3], [-1.0])) for r in requests]
+    params = Fake(temperature=1.0, top_p=1.0, top_k=0)
+    assert generate_rollouts(llm, [[1, 15]], params)["target_tokens"].tolist() == [[15, 3]]
+    with pytest.raises(ValueError, match=r"prompt 0 has token id 16 at position 1, outside the vocabulary \[0, 16\)"):
+        generate_rollouts(llm, [[1, 16]], params)
+
+
+def test_request_outputs_with_ids_that_are_no_token_ids_are_named() -> None:
+    with pytest.raises(ValueError, match=r"outputs\[0\]\.prompt_token_ids has token id -5 at position 1"):
+        rollout_batch([request_output([1, -5], completion([3], [-1.0]))])
+    with pytest.raises(ValueError, match=r"outputs\[1\]\.outputs\[0\]\.token_ids has token id -2 at position 1"):
+        rollout_batch([request_output([1], completion([3], [-1.0])), request_output([1], completion([3, -2], [-1.0, -1.0]))])
+    floats = Fake(token_ids=[7.0], logprobs=[{7: Fake(logprob=-1.0)}])
+    with pytest.raises(TypeError, match=r"outputs\[0\]\.outputs\[0\]\.token_ids: position 0 is 7.0 \(float\), not a "
+                                        r"token id"):
+        rollout_batch([request_output([1], floats)])
+
+
+def test_a_request_body_with_ids_that_are_no_token_ids_is_refused_before_its_answer_is_read() -> None:
+    request, answer = completions_request([[1, 5]], max_tokens=1), {"choices": [choice(0, [7], [-1.0])]}
+    with pytest.raises(ValueError, match=r"the request's prompt 0 has token id -5 at position 1"):
+        completions_batch({**request, "prompt": [[1, -5]]}, answer)
+    with pytest.raises(TypeError, match=r"the request's prompt 0: position 0 is 1.5 \(float\), not a token id"):
+        completions_batch({**request, "prompt": [[1.5]]}, answer)
+    with pytest.raises(ValueError, match=r"the request's prompt 0 is empty"):
+        completions_batch({**request, "prompt": [[]]}, answer)
+
 # ---- a server's answer -----------------------------------------------------------------------
 
 
@@ -226,6 +293,97 @@ def test_a_server_answer_that_cannot_be_read_says_what_to_request() -> None:
     with pytest.raises(ValueError, match="must ask for \"logprobs\": 0"):
         completions_batch({**request, "logprobs": None}, {"choices": [choice(0, [7], [-1.0])]})
 
+
+
+@pytest.mark.parametrize("option, value, why", [
+    ("echo", True, "the answer's tokens would begin with the prompt's"),
+    ("best_of", 4, "the n most likely of best_of completions"),
+    ("use_beam_search", True, "beams are not samples"),
+    ("stream", True, "server-sent events"),
+    ("truncate_prompt_tokens", 1, "the server would cut the prompt"),
+    ("prompt_embeds", "AAAA", "the prompt would be embeddings"),
+    ("return_tokens_as_token_ids", False, "tokens as 'token_id:N'"),
+])
+def test_options_that_change_what_the_answer_means_are_refused_by_name(option: str, value: Any, why: str) -> None:
+    with pytest.raises(ValueError, match=rf"completions_request: {option}={value!r} .*{re.escape(why)}"):
+        completions_request([[1, 5]], max_tokens=2, **{option: value})
+    request = {**completions_request([[1, 5]], max_tokens=2), option: value}  # a body built otherwise
+    with pytest.raises(ValueError, match=rf"the request's {option}={value!r} .*{re.escape(why)}"):
+        completions_batch(request, {"choices": [choice(0, [7], [-1.0])]})
+
+
+def test_options_that_leave_the_answer_readable_are_sent_as_they_are() -> None:
+    request = completions_request([[1, 5]], max_tokens=2, n=2, best_of=2, echo=False, stream=False, seed=3,
+                                  logprobs=2)  # the sampled token's logprob is token_logprobs whatever logprobs is
+    assert (request["best_of"], request["echo"], request["seed"], request["logprobs"]) == (2, False, 3, 2)
+    extra = [{"index": i, "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5],
+                                       "top_logprobs": [{"token_id:3": -0.25, "token_id:7": -0.5}]}} for i in (0, 1)]
+    batch = completions_batch(request, {"choices": extra})
+    assert batch["logprobs"].tolist() == [[0.0, -0.5]] * 2 and batch["target_tokens"].tolist() == [[5, 7]] * 2
+    with pytest.raises(TypeError, match=r"the request's n must be an int >= 1, got '2' \(str\)"):
+        completions_batch({**request, "n": "2"}, {"choices": extra})
+    with pytest.raises(TypeError, match=r"the request's temperature must be a number >= 0 or None, got '1' \(str\)"):
+        completions_batch({**request, "temperature": "1"}, {"choices": extra})
+    for logprobs, error in ((None, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match=rf"logprobs must be an int >= 0 \(the sampled token's logprob is read from "
+                                        rf"token_logprobs\), got {logprobs}"):
+            completions_request([[1, 5]], max_tokens=2, logprobs=logprobs)
+        if logprobs is not None:  # None: 'the request must ask for "logprobs": 0', as before
+            with pytest.raises(error, match=rf"the request's logprobs must be an int >= 0 .*, got {logprobs}"):
+                completions_batch({**request, "logprobs": logprobs}, {"choices": extra})
+    without = {key: value for key, value in request.items() if key != "return_tokens_as_token_ids"}
+    with pytest.raises(ValueError, match=r"the request's return_tokens_as_token_ids left out changes what the answer "):
+        completions_batch(without, {"choices": extra})
+    with pytest.raises(ValueError, match=r"completions_request: prompt=\[\[9\]\] in options; pass the prompts as the "
+                                         r"first argument"):
+        completions_request([[1, 5]], max_tokens=2, prompt=[[9]])
+
+
+@pytest.mark.parametrize("token", ["token_id:abc", "token_id:7.0", "token_id:", "token_id:-5", "token_id: 7",
+                                   "token_id:1_0", "token_id:\u0663"])
+def test_a_token_that_is_not_token_id_digits_is_named_with_its_choice_and_position(token: str) -> None:
+    request = completions_request([[1, 5]], max_tokens=2)
+    bad = {"index": 0, "logprobs": {"tokens": ["token_id:7", token], "token_logprobs": [-1.0, -1.0]}}
+    with pytest.raises(ValueError, match=rf"choice 0: position 1 has the token {re.escape(repr(token))}, not "
+                                         r"'token_id:N' with N a token id \(decimal digits\)"):
+        completions_batch(request, {"choices": [bad]})
+
+
+def test_a_server_answer_with_values_that_are_no_ids_logprobs_or_indices_is_named() -> None:
+    request = completions_request([[1, 5]], max_tokens=3, n=2)
+
+    def refused(choices: list[Any], error: type[Exception], pattern: str) -> None:
+        with pytest.raises(error, match=pattern):
+            completions_batch(request, {"choices": choices})
+
+    for digits in ("9" * 19, "9" * 30):
+        huge = {"index": 1, "logprobs": {"tokens": ["token_id:" + digits], "token_logprobs": [-1.0]}}
+        refused([choice(0, [7], [-1.0]), huge], ValueError,
+                rf"choice 1 has token id {digits} at position 0; a token id is an int >= 0 \(within int64\)")
+    for value, shown in (("-0.5", "'-0.5' \\(str\\)"), (True, "True \\(bool\\)"), ([0.5], "\\[0.5\\] \\(list\\)")):
+        refused([choice(0, [7, 8], [-1.0, value]), choice(1, [7], [-1.0])], ValueError,
+                rf"choice 0: token_logprobs position 1 is {shown}, not a logprob \(a number, or null when the server "
+                r"gave none\)")
+    for value, shown in ((float("nan"), "nan"), (float("inf"), "inf"), (0.5, "0.5")):
+        refused([choice(0, [7], [-1.0]), choice(1, [7, 8, 9], [-1.0, -2.0, value])], ValueError,
+                rf"choice 1's token_logprobs: position 2 is {shown}, not a logprob \(finite and <= 0\)")
+    refused([choice(0, [7], [-(10**400)]), choice(1, [7], [-1.0])], ValueError,
+            r"choice 0's token_logprobs: position 0 is -1000.*, not a logprob")
+    batch = completions_batch(request, {"choices": [choice(0, [7], [1e-4]), choice(1, [7], [None])]})
+    assert batch["logprobs"][0, 1].item() == pytest.approx(1e-4) and batch["logprobs"][1, 1].isnan()  # rounding; none
+    refused([choice(0, [7], [-1.0]), {**choice(1, [7], [-1.0]), "index": "1"}], ValueError,
+            r"the answer's choices\[1\] has index '1' \(str\); each choice's index is an int in \[0, 2\)")
+    refused([choice(0, [7], [-1.0]), choice(0, [8], [-1.0])], ValueError,
+            r"the answer's choices\[0\] and choices\[1\] both have index 0")
+    refused([choice(0, [7], [-1.0]), choice(2, [8], [-1.0])], ValueError,
+            r"the answer's choices\[1\] has index 2; each choice's index is an int in \[0, 2\)")
+    refused([choice(0, [7], [-1.0]), {k: v for k, v in choice(1, [7], [-1.0]).items() if k != "index"}], ValueError,
+            r"the answer's choices\[1\] has no index")
+    refused([choice(0, [7], [-1.0]), "text"], ValueError, r"the answer's choices\[1\] is 'text' \(str\), not a choice")
+    refused([choice(0, [7], [-1.0]), {"index": 1, "logprobs": {"tokens": None, "token_logprobs": None}}], ValueError,
+            r"choice 1's logprobs has tokens=None and token_logprobs=None; lists \(one per sampled token\) are needed")
+    refused([choice(0, [7], [-1.0]), choice(1, [], [])], ValueError,
+            r"choice 1 has no tokens: a completion has at least one \(max_tokens >= 1\)")
 
 # ---- the server client, against a local HTTP server ------------------------------------------
 

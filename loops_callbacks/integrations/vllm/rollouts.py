@@ -10,17 +10,18 @@ import torch
 
 from loops_callbacks import run_warnings
 from loops_callbacks.divergence.evidence import SamplerFacts
-from loops_callbacks.fields import model_input_tokens
-from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_facts, refuse_logits
+from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, engine_facts, refuse_logits
 from loops_callbacks.validation import check, check_int
 
 _SAID = run_warnings.RunWarnings()
 """The sampling-settings warning, once per process and settings."""
 
 
-def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list[int]]:
-    """Each prompt's token ids: ids as given (a list, a 1-D tensor, a ``ModelInput``), or chat messages (a
-    list of ``{"role": ..., "content": ...}``) through ``tokenizer``'s chat template with the generation prompt.
+def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None, *, vocab_size: int | None = None) -> list[list[int]]:
+    """Each prompt's token ids: ids as given (a list, a 1-D integer array or tensor, a ``ModelInput``), or chat
+    messages (a list of ``{"role": ..., "content": ...}``) through ``tokenizer``'s chat template with the
+    generation prompt. Ids are ints in ``[0, vocab_size)`` (``>= 0`` when ``vocab_size`` is not given): a
+    float, a bool or an id out of range is refused (``token_id_array``), never rounded.
 
     Examples:
         >>> import torch
@@ -32,6 +33,7 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
         ValueError: prompt 0 is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)
     """
     check("prompts", prompts, (list, tuple), "a list of prompts")
+    check_int("vocab_size", vocab_size, least=1, optional=True)
     result = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -44,16 +46,76 @@ def prompt_token_ids(prompts: Sequence[Any], tokenizer: Any = None) -> list[list
                 raise ValueError(
                     f"prompt {index} is chat messages: pass tokenizer= (a Hugging Face tokenizer with a chat template)"
                 )
-            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
-        else:
-            try:
-                ids = model_input_tokens(prompt)
-            except TypeError as error:
-                raise TypeError(f"prompt {index}: {error} or chat messages") from None
-        if not len(ids):
+            prompt = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, return_dict=False)
+        ids = token_id_array(prompt, f"prompt {index}", vocab_size, what="a list, a 1-D array or tensor, a "
+                             "ModelInput, or chat messages")
+        if not ids.size:
             raise ValueError(f"prompt {index} is empty; vLLM needs at least one prompt token")
-        result.append([int(token) for token in ids])
+        result.append(ids.tolist())
     return result
+
+
+def token_id_array(ids: Any, where: str, vocab_size: int | None = None, *, what: str = "") -> np.ndarray:
+    """``ids`` as an int64 array: a list or tuple of ints (NumPy integers too), a 1-D array or tensor of an
+    integer dtype, or a ``ModelInput``; each in ``[0, vocab_size)``, or in int64 and ``>= 0`` when the
+    vocabulary is not known. A float, a bool or anything else is a ``TypeError``, an id out of range a
+    ``ValueError``, both naming ``where`` and the position: ids are never rounded or wrapped. Arrays and
+    tensors are checked whole; a list is read once.
+
+    Examples:
+        >>> token_id_array([3, 1.5], "prompt 0")
+        Traceback (most recent call last):
+        ...
+        TypeError: prompt 0: position 1 is 1.5 (float), not a token id (an int >= 0)
+    """
+    to_ints = getattr(ids, "to_ints", None)
+    if callable(to_ints):  # a ModelInput
+        ids = to_ints()
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(ids, torch.Tensor) else "array"
+        if ids.ndim != 1:
+            raise TypeError(f"{where} is a {ids.ndim}-D {kind}; token ids are 1-D")
+        integer = ids.dtype.kind in "iuO" if kind == "array" else not (
+            ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+        if not integer:
+            readable = len(ids) and (kind == "array" or ids.device.type != "meta")
+            first = f" (position 0 is {ids[0].item()!r})" if readable else ""
+            raise TypeError(f"{where} holds {ids.dtype} values{first}; token ids are integers (an integer dtype)")
+        if kind == "tensor" and ids.device.type == "meta":
+            raise TypeError(f"{where} is a tensor on the meta device: it holds no token ids")
+        ids = ids.detach().cpu().numpy() if kind == "tensor" else ids
+        ids = ids.tolist() if ids.dtype.kind == "O" else ids
+    if isinstance(ids, np.ndarray):
+        array = ids
+    elif isinstance(ids, (list, tuple)):
+        kinds = set(map(type, ids))
+        if not all(issubclass(kind, (int, np.integer)) and not issubclass(kind, bool) for kind in kinds):
+            position, value = next((k, v) for k, v in enumerate(ids)
+                                   if not isinstance(v, (int, np.integer)) or isinstance(v, bool))
+            raise TypeError(f"{where}: position {position} is {value!r} ({type(value).__name__}), not a token id "
+                            "(an int >= 0)")
+        values = ids if kinds <= {int} else list(map(int, ids))  # NumPy integers as ints: exact, never via floats
+        try:
+            array = np.array(values, dtype=np.int64)
+        except OverflowError:
+            position = next(k for k, v in enumerate(values) if not -(2**63) <= v < 2**63)
+            raise ValueError(f"{where} has token id {values[position]} at position {position}; a token id is an int "
+                             ">= 0 (within int64)") from None
+    else:
+        raise TypeError(f"{where} must be token ids ({what or 'a list, a 1-D array or tensor, a ModelInput'}), got "
+                        f"{type(ids).__name__}")
+    bad = array < 0 if array.dtype.kind == "i" else np.zeros(array.shape, dtype=bool)
+    if vocab_size is not None:
+        bad |= array >= vocab_size
+    elif array.dtype == np.uint64:
+        bad |= array >= np.uint64(2**63)
+    if bad.any():
+        position = int(np.argmax(bad))
+        token = int(array[position])
+        within = f", outside the vocabulary [0, {vocab_size})" if vocab_size is not None and token >= 0 else \
+            "; a token id is an int >= 0 (within int64)"
+        raise ValueError(f"{where} has token id {token} at position {position}{within}")
+    return array.astype(np.int64, copy=False)
 
 
 def generate_rollouts(
@@ -65,7 +127,8 @@ def generate_rollouts(
     ``weight_sync`` (the engine's ``VLLMWeightSync``) gives the weights' version and whether the prefix
     cache is stale; without it both are unknown. See ``rollout_batch`` for the rest.
     """
-    ids = prompt_token_ids(prompts, tokenizer)
+    vocab_size = getattr(engine_config(llm).model_config, "get_vocab_size", None)
+    ids = prompt_token_ids(prompts, tokenizer, vocab_size=int(vocab_size()) if callable(vocab_size) else None)
     if weight_sync is not None and weight_sync.llm is not llm:
         raise ValueError("weight_sync belongs to another engine than llm; pass the VLLMWeightSync of this engine")
     facts = weight_sync.facts(sampling_params) if weight_sync is not None else engine_facts(llm, sampling_params)
@@ -100,9 +163,10 @@ def rollout_batch(
         if prompt is None or samples is None:
             raise TypeError(f"outputs[{i}] is not a vLLM RequestOutput (it needs prompt_token_ids and outputs), got "
                             f"{type(output).__name__}")
+        prompt = token_id_array(prompt, f"outputs[{i}].prompt_token_ids")
         counts.append(len(samples))
         for j, sample in enumerate(samples):
-            tokens = np.asarray(sample.token_ids, dtype=np.int64)
+            tokens = token_id_array(sample.token_ids, f"outputs[{i}].outputs[{j}].token_ids")
             prompts.append(prompt)
             completions.append(tokens)
             logprobs.append(_sampled_logprobs(sample.logprobs, tokens, f"outputs[{i}].outputs[{j}]"))

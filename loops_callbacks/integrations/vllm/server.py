@@ -11,15 +11,15 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from loops_callbacks.divergence.evidence import SamplerFacts
-from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids
-from loops_callbacks.validation import check, check_int, check_real
+from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids, token_id_array
+from loops_callbacks.validation import check, check_int, check_real, check_reference_logprobs
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -31,8 +31,11 @@ def completions_request(
     """The JSON body of a ``/v1/completions`` request for ``prompts`` (token ids) whose answer ``completions_batch``
     reads: ``"logprobs": 0`` and ``"return_tokens_as_token_ids": true`` (tokens come back as ``"token_id:N"``).
 
-    ``options`` go into the body as they are (``seed``, ``min_tokens``, ...); ``model`` may be left
-    out when the server serves one model.
+    ``options`` go into the body as they are (``seed``, ``min_tokens``, ``logprobs`` above 0 for top
+    logprobs, ...), except those that change what the answer means: ``echo``, ``best_of`` other than
+    ``n``, ``use_beam_search``, ``stream``, ``truncate_prompt_tokens``, ``prompt_embeds`` and
+    ``return_tokens_as_token_ids`` other than true are a ``ValueError`` naming the option.
+    ``model`` may be left out when the server serves one model.
 
     Examples:
         >>> body = completions_request([[1, 2, 3]], max_tokens=8, n=4, stop_token_ids=[2])
@@ -53,7 +56,43 @@ def completions_request(
         body["stop_token_ids"] = [check_int(f"stop_token_ids[{i}]", t, least=0) for i, t in enumerate(stop_token_ids)]
     if model is not None:
         body["model"] = model
-    return {**body, **options}
+    if "prompt" in options:
+        raise ValueError(f"completions_request: prompt={options['prompt']!r:.200} in options; pass the prompts as the "
+                         "first argument (their token ids are checked)")
+    body = {**body, **options}
+    _check_readable(body, "completions_request: ", "")
+    return body
+
+
+_CHANGES_THE_ANSWER: dict[str, tuple[Callable[[Any, int], bool], str]] = {
+    # option: (whether its value (and n) changes what the answer means, what it would do)
+    "echo": (lambda value, n: bool(value), "the answer's tokens would begin with the prompt's (its first without a "
+                                           "logprob), read as sampled"),
+    "best_of": (lambda value, n: value is not None and value != n,
+                "the server would return the n most likely of best_of completions: not samples of the policy"),
+    "use_beam_search": (lambda value, n: bool(value), "beams are not samples of the policy"),
+    "stream": (lambda value, n: bool(value), "the answer would be server-sent events, not one JSON body"),
+    "truncate_prompt_tokens": (lambda value, n: value is not None,
+                               "the server would cut the prompt, and the rows would hold tokens it did not sample from"),
+    "prompt_embeds": (lambda value, n: value is not None,
+                      "the prompt would be embeddings, not the token ids the rows hold"),
+    "return_tokens_as_token_ids": (lambda value, n: value is not True,
+                                   "completions_batch reads the tokens as 'token_id:N' (true)"),
+}
+
+
+def _check_readable(body: Mapping[str, Any], prefix: str, name: str) -> int:
+    """The body's ``n``, after a ``ValueError`` for an option that changes what the answer means (the
+    ``_CHANGES_THE_ANSWER`` table, ``prefix`` before its name) and the checks of ``logprobs`` and ``n``
+    (``name`` before theirs)."""
+    n = check_int(f"{name}n", body.get("n", 1), least=1)
+    check_int(f"{name}logprobs", body.get("logprobs"), least=0,
+              what=" (the sampled token's logprob is read from token_logprobs)")
+    for option, (changes, why) in _CHANGES_THE_ANSWER.items():
+        if changes(body.get(option), n):
+            shown = f"={body[option]!r:.200}" if option in body else " left out"
+            raise ValueError(f"{prefix}{option}{shown} changes what the answer means: {why}")
+    return n
 
 
 def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 60.0) -> dict[str, Any]:
@@ -210,42 +249,99 @@ def completions_batch(
     prompts = request.get("prompt") if isinstance(request, Mapping) else None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) for p in prompts):
         raise ValueError("request must be a completions_request body: its 'prompt' is a list of token-id lists")
-    if request.get("logprobs") is None or request.get("return_tokens_as_token_ids") is not True:
+    if request.get("logprobs") is None:
         raise ValueError(
             "the request must ask for \"logprobs\": 0 and \"return_tokens_as_token_ids\": true (completions_request "
             "does), or the tokens and their logprobs cannot be read"
         )
-    n = request.get("n", 1)
+    n = _check_readable(request, "the request's ", "the request's ")
+    rows = [token_id_array(prompt, f"the request's prompt {i}") for i, prompt in enumerate(prompts)]
+    empty = next((i for i, row in enumerate(rows) if not row.size), None)
+    if empty is not None:
+        raise ValueError(f"the request's prompt {empty} is empty; vLLM needs at least one prompt token")
     choices = response.get("choices") if isinstance(response, Mapping) else None
     if not isinstance(choices, list):
         said = response.get("message") or response.get("error") if isinstance(response, Mapping) else response
         raise ValueError(f"the server's answer has no list of choices: {str(said)[:500]}")
     if len(choices) != len(prompts) * n:
         raise ValueError(f"the answer has {len(choices)} choices for {len(prompts)} prompts x n={n}")
-    ordered = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, Mapping) else 0)
-    completions, logprobs = zip(*map(_choice_tokens, ordered)) if ordered else ((), ())
-    facts = SamplerFacts(
-        engine="vllm", dtype=dtype, logprobs_mode=logprobs_mode, temperature=request.get("temperature"),
-        top_p=request.get("top_p"), top_k=request.get("top_k"), weight_version=weight_version,
+    ordered = _by_index(choices)
+    completions, logprobs = zip(*(_choice_tokens(choice, index) for index, choice in enumerate(ordered)))
+    facts = SamplerFacts(  # the settings the request gave (None: the server's default, not known here)
+        engine="vllm", dtype=dtype, logprobs_mode=logprobs_mode, weight_version=weight_version,
+        temperature=check_real("the request's temperature", request.get("temperature"), least=0.0,
+                               what="a number >= 0", optional=True),
+        top_p=check_real("the request's top_p", request.get("top_p"), least=0.0, most=1.0, what="a number in [0, 1]",
+                         optional=True),
+        top_k=check_int("the request's top_k", request.get("top_k"), least=-1, what=" (-1 or 0: off)", optional=True),
     )
-    rows = [prompt for prompt in prompts for _ in range(n)]
     counts = [n] * len(prompts)
+    rows = [row for row in rows for _ in range(n)]
     return _padded_batch(rows, list(completions), list(logprobs), counts, facts, None, groups, pad_id, device)
 
 
-def _choice_tokens(choice: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A choice's sampled token ids (from ``"token_id:N"``) and their logprobs (``None`` read as NaN)."""
-    where = f"choice {choice.get('index') if isinstance(choice, Mapping) else None}"
-    logprobs = choice.get("logprobs") if isinstance(choice, Mapping) else None
+def _by_index(choices: list[Any]) -> list[Mapping[str, Any]]:
+    """The answer's choices in the order of their ``index``: each an int in ``[0, len(choices))``, each once."""
+    ordered: list[Any] = [None] * len(choices)
+    given_at = [-1] * len(choices)
+    expected = f"each choice's index is an int in [0, {len(choices)})"
+    for position, choice in enumerate(choices):
+        where = f"the answer's choices[{position}]"
+        if not isinstance(choice, Mapping):
+            raise ValueError(f"{where} is {choice!r:.100} ({type(choice).__name__}), not a choice (an object with index "
+                             "and logprobs)")
+        if "index" not in choice:
+            raise ValueError(f"{where} has no index; {expected}")
+        index = choice["index"]
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(f"{where} has index {index!r:.100} ({type(index).__name__}); {expected}")
+        if not 0 <= index < len(choices):
+            raise ValueError(f"{where} has index {index}; {expected}")
+        if given_at[index] >= 0:
+            raise ValueError(f"the answer's choices[{given_at[index]}] and choices[{position}] both have index {index}")
+        ordered[index], given_at[index] = choice, position
+    return ordered
+
+
+def _choice_tokens(choice: Mapping[str, Any], index: int) -> tuple[np.ndarray, np.ndarray]:
+    """A choice's sampled token ids (from ``"token_id:N"``) and their logprobs (``None``, a token the server
+    gave no logprob, read as NaN), each checked: ids are decimal digits within int64, logprobs numbers that
+    are finite and ``<= 0`` (up to rounding)."""
+    where = f"choice {index}"
+    logprobs = choice.get("logprobs")
     if not isinstance(logprobs, Mapping):
         raise ValueError(f"{where} has no logprobs: request with \"logprobs\": 0 (completions_request does)")
-    tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+    tokens, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        raise ValueError(f"{where}'s logprobs has tokens={tokens!r:.100} and token_logprobs={values!r:.100}; lists "
+                         "(one per sampled token) are needed")
     if len(tokens) != len(values):
         raise ValueError(f"{where} has {len(values)} logprobs for {len(tokens)} tokens; one per token is needed")
-    bad = next((t for t in tokens if not (isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX))), None)
+    if not tokens:
+        raise ValueError(f"{where} has no tokens: a completion has at least one (max_tokens >= 1)")
+    cut = len(_TOKEN_ID_PREFIX)
+    digits = [t[cut:] if isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) else None for t in tokens]
+    bad = next((k for k, d in enumerate(digits) if d is None or not (d.isascii() and d.isdigit())), None)
     if bad is not None:
-        raise ValueError(
-            f"{where} has the token {bad!r}, not 'token_id:N': request with \"return_tokens_as_token_ids\": true"
-        )
-    ids = np.fromiter((int(t[len(_TOKEN_ID_PREFIX) :]) for t in tokens), dtype=np.int64, count=len(tokens))
-    return ids, np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
+        needed = ": request with \"return_tokens_as_token_ids\": true" if digits[bad] is None else \
+            " with N a token id (decimal digits)"
+        raise ValueError(f"{where}: position {bad} has the token {tokens[bad]!r:.100}, not 'token_id:N'{needed}")
+    long = next((k for k, d in enumerate(digits) if len(d) > 19), None)  # beyond int64, and int() of a million digits
+    if long is not None:
+        raise ValueError(f"{where} has token id {digits[long][:40]}{'...' if len(digits[long]) > 40 else ''} at "
+                         f"position {long}; a token id is an int >= 0 (within int64)")
+    ids = token_id_array(list(map(int, digits)), where)
+    kinds = set(map(type, values))
+    if not kinds <= {float, int, type(None)}:
+        position, value = next((k, v) for k, v in enumerate(values) if type(v) not in (float, int, type(None)))
+        raise ValueError(f"{where}: token_logprobs position {position} is {value!r:.100} ({type(value).__name__}), not a "
+                         "logprob (a number, or null when the server gave none)")
+    missing = np.fromiter((v is None for v in values), dtype=bool, count=len(values))
+    try:
+        read = np.array([math.nan if v is None else v for v in values], dtype=np.float64)
+    except OverflowError:  # an int beyond any float
+        position = next(k for k, v in enumerate(values) if isinstance(v, int) and abs(v) > 1e308)
+        raise ValueError(f"{where}'s token_logprobs: position {position} is {values[position]!r:.40}..., not a logprob "
+                         "(finite and <= 0)") from None
+    check_reference_logprobs(np.where(missing, -1.0, read), where=f"{where}'s token_logprobs")
+    return ids, read
