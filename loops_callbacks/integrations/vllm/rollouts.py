@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from loops_callbacks import run_warnings
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, engine_facts, refuse_logits
-from loops_callbacks.validation import check, check_int
+from loops_callbacks.validation import check, check_int, check_reference_logprobs
 
 _SAID = run_warnings.RunWarnings()
 """The sampling-settings warning, once per process and settings."""
@@ -157,6 +158,8 @@ def rollout_batch(
     ``[B, T]``), ``group`` (and ``policy_version``) int64 ``[B]``, and ``sampler_facts`` when given.
     """
     check("outputs", outputs, (list, tuple), "the list LLM.generate returns")
+    if not outputs:
+        raise ValueError("outputs is empty: LLM.generate answers one RequestOutput per prompt, and a batch needs one")
     prompts, completions, logprobs, counts = [], [], [], []
     for i, output in enumerate(outputs):
         prompt, samples = getattr(output, "prompt_token_ids", None), getattr(output, "outputs", None)
@@ -164,12 +167,24 @@ def rollout_batch(
             raise TypeError(f"outputs[{i}] is not a vLLM RequestOutput (it needs prompt_token_ids and outputs), got "
                             f"{type(output).__name__}")
         prompt = token_id_array(prompt, f"outputs[{i}].prompt_token_ids")
+        if not prompt.size:
+            raise ValueError(f"outputs[{i}].prompt_token_ids is empty; vLLM samples after at least one prompt token")
+        if not len(samples):
+            raise ValueError(f"outputs[{i}] has no completions (its outputs is empty)")
         counts.append(len(samples))
         for j, sample in enumerate(samples):
-            tokens = token_id_array(sample.token_ids, f"outputs[{i}].outputs[{j}].token_ids")
+            where = f"outputs[{i}].outputs[{j}]"
+            if getattr(sample, "token_ids", None) is None or not hasattr(sample, "logprobs"):
+                raise TypeError(f"{where} is not a vLLM CompletionOutput (it needs token_ids and logprobs), got "
+                                f"{type(sample).__name__}")
+            tokens = token_id_array(sample.token_ids, f"{where}.token_ids")
+            if not tokens.size:
+                raise ValueError(f"{where} has no tokens: a completion has at least one (max_tokens >= 1)")
+            values = _sampled_logprobs(sample.logprobs, tokens, where)
+            check_reference_logprobs(values, where=f"{where}.logprobs")  # a sampled token's logprob is one too
             prompts.append(prompt)
             completions.append(tokens)
-            logprobs.append(_sampled_logprobs(sample.logprobs, tokens, f"outputs[{i}].outputs[{j}]"))
+            logprobs.append(values)
     return _padded_batch(prompts, completions, logprobs, counts, facts, policy_version, groups, pad_id, device)
 
 
@@ -187,10 +202,20 @@ def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarr
     if starts is None:  # one {token_id: Logprob} dict per position
         values = []
         for position, (entry, token) in enumerate(zip(logprobs, tokens.tolist())):
+            if entry is not None and not isinstance(entry, Mapping):
+                raise TypeError(f"{where}.logprobs[{position}] is {entry!r:.100} ({type(entry).__name__}), not a dict "
+                                "of token id to Logprob")
             found = entry.get(token) if entry else None
             if found is None:
                 raise ValueError(f"{where}: position {position} has no logprob for its token {token}")
-            values.append(found.logprob)
+            value = getattr(found, "logprob", None)
+            if value is None:
+                raise TypeError(f"{where}.logprobs[{position}][{token}] is {found!r:.100} ({type(found).__name__}), "
+                                "not a vLLM Logprob (with .logprob)")
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"{where}.logprobs[{position}][{token}].logprob is {value!r:.100} "
+                                f"({type(value).__name__}), not a number")
+            values.append(value)
         return np.asarray(values, dtype=np.float64)
     starts = np.asarray(starts, dtype=np.int64)  # FlatLogprobs: the sampled token comes first at each position
     empty = np.flatnonzero(np.asarray(logprobs.end_indices, dtype=np.int64) <= starts)
@@ -201,7 +226,10 @@ def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarr
     if wrong.size:
         k = int(wrong[0])
         raise ValueError(f"{where}: position {k} has a logprob for token {ids[k]}, not for its token {tokens[k]}")
-    return np.asarray(logprobs.logprobs, dtype=np.float64)[starts]
+    try:
+        return np.asarray(logprobs.logprobs, dtype=np.float64)[starts]
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}.logprobs holds values that are not numbers: {logprobs.logprobs!r:.200}") from None
 
 
 def _padded_batch(
@@ -216,6 +244,7 @@ def _padded_batch(
         refuse_logits(facts.logprobs_mode, "it with logprobs_mode='processed_logprobs' (or 'raw_logprobs')")
         _warn_if_other_distribution(facts)
     check_int("pad_id", pad_id, least=0)
+    device = _device(device)
     group_per_prompt = range(len(counts)) if groups is None else [
         check_int(f"groups[{i}]", group, least=0) for i, group in enumerate(groups)]
     if len(group_per_prompt) != len(counts):
@@ -246,6 +275,20 @@ def _padded_batch(
     if facts is not None:
         batch["sampler_facts"] = facts
     return batch
+
+
+def _device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` that holds values (not ``meta``), or ``None``."""
+    check("device", device, (str, torch.device), "a torch device (cpu, cuda, cuda:1, ...)", optional=True)
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if resolved.type == "meta":
+        raise ValueError(f"device={device!r} holds no values: pass where the batch's tensors go (cpu, cuda, ...)")
+    return resolved
 
 
 def _warn_if_other_distribution(facts: SamplerFacts) -> None:
