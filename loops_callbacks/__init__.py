@@ -36,6 +36,7 @@ __all__ = [
     "ModelInput",
     "ReferenceLogprobsMixin",
     "SampleTrainDivergenceError",
+    "SamplerFacts",
     "SamplingClient",
     "TensorData",
     "TorchSamplingClient",
@@ -50,6 +51,7 @@ _LIGHTNING_NAMES = {
     "GuardRail": "loops_callbacks.divergence.monitor",
     "MediaOptions": "loops_callbacks.divergence.monitor",
     "SampleTrainDivergenceError": "loops_callbacks.divergence.monitor",
+    "SamplerFacts": "loops_callbacks.divergence.evidence",
     "DPODataModule": "loops_callbacks.data",
     "ReferenceLogprobsMixin": "loops_callbacks.data",
 }
