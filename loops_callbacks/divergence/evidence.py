@@ -64,7 +64,9 @@ class SamplerFacts(NamedTuple):
     ``top_k`` the sampling settings (``None``: not known; top-k 0 or -1: off); ``weight_version``
     the engine's weight version (the trainer's optimizer steps at its last sync); ``stale_prefix_cache``
     whether the engine's weights were reloaded after its prefix cache was last reset (KV computed
-    with older weights can be served to prompts that share a prefix), ``None`` when not known.
+    with older weights can be served to prompts that share a prefix), ``None`` when not known;
+    ``weights_unknown`` whether a weight push into the engine failed part way, so that it holds neither the old
+    weights nor the new ones (the guard rail cannot trust a step sampled then).
 
     Examples:
         >>> facts = SamplerFacts(engine="vllm", dtype="bfloat16", logprobs_mode="raw_logprobs", temperature=0.7)
@@ -80,6 +82,7 @@ class SamplerFacts(NamedTuple):
     top_k: int | None = None
     weight_version: int | None = None
     stale_prefix_cache: bool | None = None
+    weights_unknown: bool = False
 
     @property
     def sampling_settings(self) -> list[str]:

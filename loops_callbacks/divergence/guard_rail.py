@@ -8,7 +8,9 @@ be trusted — the guard rail treats what it cannot judge as unsafe:
 * the watched metric is NaN or infinite, or negative where it cannot be (every metric but
   ``kl_sample_train_v1_loops``, ``diff_mean``, ``seq_log_ratio_mean`` and ``chi2_token``);
 * a logprob is below ``LOGPROB_FLOOR`` (-1e4): a sentinel such as ``torch.finfo(float32).min``,
-  whose diff overflows every formula.
+  whose diff overflows every formula;
+* the sampling engine says its weights are unknown (``SamplerFacts.weights_unknown``: a weight push
+  into it failed part way).
 
 With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it with
 and without its most extreme token (``metrics.held_sampling_z``), or is not a number: the tokens were drawn from another distribution than the trainer's, which the
@@ -34,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR
 from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
 from loops_callbacks.divergence.statistics import HostDivergence
@@ -106,12 +109,17 @@ class GuardRail:
         """Whether any bound is set (else the guard rail never exceeds)."""
         return self.max_kl is not None or self.max_sampling_z is not None
 
-    def untrusted(self, scalars: Mapping[str, float], host: HostDivergence) -> str | None:
-        """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing)."""
+    def untrusted(self, scalars: Mapping[str, float], host: HostDivergence,
+                  facts: SamplerFacts | None = None) -> str | None:
+        """Why this step's numbers cannot be trusted, or ``None`` when they can (or there is nothing); ``facts``,
+        what the sampling engine says of itself, may say that its weights are unknown."""
         n, skipped = host.totals["n_action_tokens"], host.totals["n_skipped_nonfinite"]
         masked_in = n + skipped
         if masked_in == 0:
             return None
+        if facts is not None and facts.weights_unknown:
+            return ("the sampling engine's weights are unknown (a weight push into it failed part way): its logprobs "
+                    "are of no known policy")
         if skipped / masked_in > self.max_nonfinite_fraction or n == 0:
             return (
                 f"{skipped:.0f} of {masked_in:.0f} action tokens had a non-finite logprob (None, NaN or inf), "
@@ -125,14 +133,15 @@ class GuardRail:
             return f"{self.kl_metric} = {value:.3g}: {why}"
         return sentinel
 
-    def exceeds(self, scalars: Mapping[str, float], host: HostDivergence, *, prefix: str = "") -> str | None:
+    def exceeds(self, scalars: Mapping[str, float], host: HostDivergence, *, prefix: str = "",
+                facts: SamplerFacts | None = None) -> str | None:
         """Why this step exceeds the guard rail, or ``None``; an untrusted step always exceeds.
 
         The message names the metric by its logged key, ``prefix + kl_metric``.
         """
         if not self.judges:
             return None
-        reason = self.untrusted(scalars, host)
+        reason = self.untrusted(scalars, host, facts)
         if reason is not None:
             return f"the step cannot be trusted: {reason}"
         value = scalars.get(self.kl_metric)

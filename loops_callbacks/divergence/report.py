@@ -162,8 +162,8 @@ def step_report(
     return StepReport(
         scalars, diagnosis, breakdown, signatures, histogram, tables,
         problems=problems,
-        exceeds=guard_rail.exceeds(scalars, host, prefix=prefix),
-        untrusted=guard_rail.untrusted(scalars, host),
+        exceeds=guard_rail.exceeds(scalars, host, prefix=prefix, facts=facts),
+        untrusted=guard_rail.untrusted(scalars, host, facts),
     )
 
 
