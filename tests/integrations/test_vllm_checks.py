@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from loops_callbacks.integrations.vllm import VLLMSamplingClient
+from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.integrations.vllm import VLLMSamplingClient, VLLMWeightSync
 from loops_callbacks.reference.packing import PackedTokens
 
 
@@ -82,3 +84,154 @@ def test_an_engine_value_that_is_no_logprob_names_the_datum_and_position(vllm_st
 def test_a_prompt_that_is_not_1d_names_itself(vllm_stub: Any) -> None:
     with pytest.raises(ValueError, match=r"prompt 0: expected a 1-D sequence of token ids, got a Tensor of shape"):
         client(ScoringLLM()).compute_logprobs(torch.tensor([[1, 2, 3]]))
+
+
+# ---- the weight sync -------------------------------------------------------------------------------------
+
+
+class EngineModel(nn.Module):
+    """What a vLLM worker's model offers: named parameters, and load_weights that loads as vLLM's loaders do (the
+    shapes asserted, weight by weight, so a weight after a mis-shaped one is never reached), ``fail_at`` a failure
+    of the engine after some weights were written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.fail_at: str | None = None
+
+    def load_weights(self, weights: Any) -> set[str]:
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            param = params[name]  # a KeyError for a name the engine does not have
+            assert param.size() == tensor.size(), f"Attempted to load weight ({tensor.size()}) into parameter ({param.size()})"
+            param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class Runner:
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+
+    def get_model(self) -> EngineModel:
+        return self.model
+
+    def reload_weights(self, weights_iterator: Any) -> None:
+        def failing(weights: Any) -> Any:
+            for name, tensor in weights:
+                if name == self.model.fail_at:
+                    raise RuntimeError("the device went away")
+                yield name, tensor
+
+        self.model.load_weights(failing(weights_iterator))
+
+
+class SyncLLM:
+    """A vllm.LLM double for the weight sync: collective_rpc into one worker, reset_prefix_cache."""
+
+    def __init__(self) -> None:
+        self.llm_engine = Fake(vllm_config=config())
+        self.llm_engine.vllm_config.cache_config.enable_prefix_caching = True
+        self.worker = Fake(model_runner=Runner(EngineModel()))
+
+    @property
+    def model(self) -> EngineModel:
+        return self.worker.model_runner.model
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> list:
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
+def trained(embed: tuple[int, int] = (16, 4), head: tuple[int, int] = (16, 4), **extra: tuple[int, ...]) -> nn.Module:
+    module = nn.Module()
+    module.embed, module.head = nn.Embedding(*embed), nn.Linear(head[1], head[0], bias=False)
+    for name, shape in extra.items():
+        module.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+    return module
+
+
+def engine_state(llm: SyncLLM) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in llm.model.state_dict().items()}
+
+
+def facts_of(sync: VLLMWeightSync) -> SamplerFacts:
+    return sync.facts(Fake(temperature=1.0, top_p=1.0, top_k=0))
+
+
+def test_a_mis_shaped_weight_is_refused_before_anything_is_written_naming_it_and_both_shapes(vllm_stub: Any) -> None:
+    llm = SyncLLM()
+    sync = VLLMWeightSync(llm)
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"refused before anything was written: 1 of its 2 weights cannot be loaded "
+                                         r"into the engine: 'head.weight' of shape \(12, 4\) \(AssertionError: "
+                                         r"Attempted to load weight \(torch.Size\(\[12, 4\]\)\) into parameter "
+                                         r"\(torch.Size\(\[16, 4\]\)\)\)"):
+        sync.push(trained(head=(12, 4)))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in engine_state(llm).items())  # embed too
+    assert (sync.version, sync.stale_prefix_cache, sync.weights_unknown) == (0, False, False)
+    assert facts_of(sync).weights_unknown is False
+
+
+def test_names_the_engine_does_not_have_are_all_listed_and_nothing_is_written(vllm_stub: Any) -> None:
+    llm = SyncLLM()
+    sync = VLLMWeightSync(llm, prefix="")
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"2 of its 4 weights cannot be loaded into the engine: 'extra_a' of shape "
+                                         r"\(3,\) \(KeyError: 'extra_a'\); 'extra_b' of shape \(2, 2\) \(KeyError"):
+        sync.push(trained(extra_a=(3,), extra_b=(2, 2)))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in engine_state(llm).items())
+    assert (sync.version, sync.weights_unknown) == (0, False)
+
+
+def test_a_push_that_would_leave_engine_parameters_as_they_were_is_refused_before_writing(vllm_stub: Any) -> None:
+    llm = SyncLLM()
+    sync = VLLMWeightSync(llm)
+    before = engine_state(llm)
+    with pytest.raises(ValueError, match=r"would leave 1 of the engine's parameters as they were .*\['head.weight'\]"):
+        sync.push(nn.ModuleDict({"embed": nn.Embedding(16, 4)}))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in engine_state(llm).items())
+    assert (sync.version, sync.stale_prefix_cache, sync.weights_unknown) == (0, False, False)
+
+
+def test_a_module_on_the_meta_device_names_its_parameter(vllm_stub: Any) -> None:
+    with torch.device("meta"):
+        module = trained()
+    sync = VLLMWeightSync(SyncLLM())
+    with pytest.raises(ValueError, match=r"'embed.weight' \(and 1 more\) is on the meta device: it holds no values"):
+        sync.push(module)
+    assert (sync.version, sync.weights_unknown) == (0, False)
+
+
+def test_a_push_that_fails_part_way_leaves_facts_that_say_the_weights_are_unknown(vllm_stub: Any) -> None:
+    llm = SyncLLM()
+    sync = VLLMWeightSync(llm)
+    llm.model.fail_at = "head.weight"  # embed.weight is written first
+    with pytest.raises(RuntimeError, match=r"the push failed part way \(RuntimeError: the device went away\): the "
+                                           r"engine's weights are unknown until a push succeeds"):
+        sync.push(trained())
+    facts = facts_of(sync)
+    assert (sync.version, sync.weights_unknown, facts.weights_unknown, facts.stale_prefix_cache) == (0, True, True, True)
+    llm.model.fail_at = None
+    assert sync.push(trained()) == 1 and facts_of(sync).weights_unknown is False and not sync.stale_prefix_cache
+
+
+def test_the_monitor_treats_a_step_sampled_from_unknown_weights_as_untrusted() -> None:
+    from loops_callbacks import KLSampleTrainMonitor
+    from loops_callbacks.divergence.monitor import GuardRail
+    from tests.helpers import TinyPolicy, quiet_trainer
+
+    class UnknownWeights(TinyPolicy):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+            unknown = self.trainer.global_step >= 2
+            facts = SamplerFacts(engine="vllm", weight_version=0, weights_unknown=unknown)
+            return {**super().training_step(batch, batch_idx), "sampler_facts": facts}
+
+    monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
+    trainer = quiet_trainer(max_steps=6, callbacks=[monitor])
+    trainer.fit(UnknownWeights())
+    assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
+    assert "the step cannot be trusted: the sampling engine's weights are unknown" in monitor.stop_reason

@@ -84,6 +84,47 @@ def _reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> li
     return sorted(expected - set(loaded[0])) if loaded and loaded[0] is not None else []
 
 
+def _check_push(worker: Any, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[list[str], list[str]]:
+    """On each vLLM worker, before anything is written: each pushed name and shape loaded by the engine's own
+    loaders into meta copies of its parameters (the same class and loader, no storage: nothing is written).
+    Returns what cannot be loaded (name, shape, the engine's error) and the parameters no pushed weight reaches."""
+    model = worker.model_runner.get_model()
+    expected = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
+    kept = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()
+            if param is not None]
+    try:
+        for module, key, param in kept:
+            module._parameters[key] = _meta_copy(param)
+        refused, loaded = [], set()
+        for name, shape, dtype in specs:
+            try:
+                reached = model.load_weights(iter([(name, torch.empty(shape, dtype=dtype, device="meta"))]))
+            except Exception as error:  # noqa: BLE001 - whatever the engine's loader says, with the weight's name
+                said = str(error).partition("\n")[0]  # the message, without an assertion's rewritten details
+                refused.append(f"{name!r} of shape {shape} ({type(error).__name__}: {said})")
+                continue
+            loaded = None if reached is None or loaded is None else loaded | set(reached)
+    finally:
+        for module, key, param in kept:
+            module._parameters[key] = param
+    return refused, sorted(expected - loaded) if loaded is not None and not refused else []
+
+
+def _meta_copy(param: torch.Tensor) -> torch.Tensor:
+    """``param`` on the meta device, of its class and with its attributes (its weight loader): what vLLM's own
+    reload loads into; a loader wrapped by an unfinished reload is unwrapped, so that nothing is queued for it."""
+    meta = param.data.to("meta")
+    meta.__class__ = param.__class__
+    meta.__dict__ = dict(param.__dict__)
+    for key in ("weight_loader", "_weight_loader"):
+        loader = meta.__dict__.get(key)
+        while getattr(loader, "__name__", "") == "online_process_loader":
+            loader = loader.__wrapped__
+        if key in meta.__dict__:
+            meta.__dict__[key] = loader
+    return meta
+
+
 def _not_the_rotary_false_alarm(record: logging.LogRecord) -> bool:
     """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged at every in-place reload: the layer has no
     weights in a checkpoint and its cos/sin cache is put back as it was (the push checks every parameter)."""
@@ -103,17 +144,25 @@ class VLLMWeightSync:
 
     ``push(module)`` sends ``checkpoint_weights(module)`` cast to the engine's dtype (the
     module's own tensors are never changed) through ``llm.collective_rpc`` into each worker's
-    ``model_runner.reload_weights``. An engine parameter the pushed weights do not reach is a
-    ``ValueError`` naming it (a partial load). Attributes:
+    ``model_runner.reload_weights``. Before anything is written, each worker loads the pushed names
+    and shapes into meta copies of its parameters with its own loaders: a weight it cannot load
+    (another shape, a name it does not have) and an engine parameter no pushed weight reaches (a
+    partial load) are a ``ValueError`` naming them, as is a module on the meta device; the engine
+    then holds the weights it held. (A quantized engine's parameters are in its kernel format, not
+    the checkpoint's: there vLLM's load itself checks them.) A push that fails after that, part
+    way, is a ``RuntimeError``, and until a push succeeds ``weights_unknown`` says that the engine
+    holds neither the old weights nor the new ones. Attributes:
 
     * ``version``: the version of the engine's weights: the ``version`` given to ``push``, else the
       trainer's ``global_step`` of a LightningModule attached to one, else one more than before
       (0 before any push: the engine's own checkpoint);
     * ``stale_prefix_cache``: whether weights were loaded since the prefix cache was last reset,
       with prefix caching on;
-    * ``last_push_seconds``: the last push's time, cast, load and reset.
+    * ``weights_unknown``: whether a push failed part way (since the last push that succeeded);
+    * ``last_push_seconds``: the last push's time, cast, check, load and reset.
 
-    ``facts(sampling_params)`` is the engine's ``SamplerFacts`` with both. The engine call::
+    ``facts(sampling_params)`` is the engine's ``SamplerFacts`` with these three (the monitor's guard
+    rail treats a step sampled from unknown weights as one it cannot trust). The engine call::
 
         sync = VLLMWeightSync(llm)
         sync.push(pl_module)  # e.g. in on_train_batch_start
@@ -129,6 +178,8 @@ class VLLMWeightSync:
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
         self.version = 0
         self.stale_prefix_cache = False
+        self.weights_unknown = False
+        self.quantized = getattr(config.model_config, "quantization", None) is not None
         self.last_push_seconds: float | None = None
         logging.getLogger(_RELOAD_LOGGER).addFilter(_not_the_rotary_false_alarm)  # once: addFilter skips a known one
 
@@ -140,15 +191,29 @@ class VLLMWeightSync:
             (name, tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
             for name, tensor in checkpoint_weights(module, prefix=self.prefix).items()
         ]
-        left = self.llm.collective_rpc(_reload_in_place, args=(weights,))  # per worker, what the load did not reach
+        meta = [name for name, tensor in weights if tensor.is_meta]
+        if meta:
+            more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+            raise ValueError(f"{meta[0]!r}{more} is on the meta device: it holds no values to push; materialize the "
+                             "module's weights first (to_empty() and load them, or build it on a real device)")
+        if not self.quantized:
+            self._check(weights)
+        self.weights_unknown, self.stale_prefix_cache = True, self.prefix_caching  # from here on they change
+        try:
+            left = self.llm.collective_rpc(_reload_in_place, args=(weights,))  # per worker, what it did not reach
+        except Exception as error:
+            raise RuntimeError(
+                f"the push failed part way ({type(error).__name__}: {error}): the engine's weights are unknown until "
+                "a push succeeds (weights_unknown, and facts().weights_unknown for the monitor)"
+            ) from error
         missing = sorted({name for names in left for name in names})
-        self.stale_prefix_cache = self.prefix_caching
         if missing:
             raise ValueError(
                 f"the push left {len(missing)} of the engine's parameters as they were (no pushed weight reached "
                 f"them): {missing[:5]}{' ...' if len(missing) > 5 else ''}; the pushed names must be the checkpoint's "
                 f"(checkpoint_weights(module) gave {sorted(name for name, _ in weights)[:3]} ...; pass prefix=)"
             )
+        self.weights_unknown = False
         if self.reset_prefix_cache:
             self.clear_prefix_cache()
         trainer = getattr(module, "_trainer", None)
@@ -157,6 +222,26 @@ class VLLMWeightSync:
         self.version = version
         self.last_push_seconds = time.perf_counter() - start
         return self.version
+
+    def _check(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """A ``ValueError`` naming what the engine cannot load (each worker's loaders on meta copies), before
+        anything is written."""
+        specs = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in weights]
+        answers = self.llm.collective_rpc(_check_push, args=(specs,))  # per worker: (refused, not reached)
+        refused = list(dict.fromkeys(text for cannot, _ in answers for text in cannot))
+        missing = sorted({name for _, names in answers for name in names})
+        if refused:
+            raise ValueError(
+                f"the push was refused before anything was written: {len(refused)} of its {len(weights)} weights "
+                f"cannot be loaded into the engine: {'; '.join(refused[:8])}{' ...' if len(refused) > 8 else ''}"
+            )
+        if missing:
+            raise ValueError(
+                f"the push was refused before anything was written: it would leave {len(missing)} of the engine's "
+                f"parameters as they were (no pushed weight reaches them): {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; the pushed names must be the checkpoint's "
+                f"(checkpoint_weights(module) gave {sorted(name for name, _ in weights)[:3]} ...; pass prefix=)"
+            )
 
     def clear_prefix_cache(self) -> bool:
         """Reset the engine's prefix cache (``llm.reset_prefix_cache()``); whether it was reset (a warning if not)."""
@@ -175,4 +260,4 @@ class VLLMWeightSync:
         """The engine's ``SamplerFacts`` sampling with ``sampling_params``, with this sync's version and cache state."""
         return engine_facts(
             self.llm, sampling_params, weight_version=self.version, stale_prefix_cache=self.stale_prefix_cache
-        )
+        )._replace(weights_unknown=self.weights_unknown)
