@@ -61,6 +61,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "ref_logprobs.cache")
         values = np.random.default_rng(0).standard_normal(datums * args.tokens_per_datum, dtype=np.float32)
+        values = np.negative(np.abs(values, out=values), out=values)  # logprobs: write_cache refuses others
         write_cache(path, CacheKey("r", "d", "float32"), values, np.full(datums, args.tokens_per_datum))
         del values
         size = os.path.getsize(path) / (1 << 20)
