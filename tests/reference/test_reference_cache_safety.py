@@ -147,7 +147,7 @@ def test_a_rank_that_reads_other_bytes_than_rank_0_checked_gets_no_values(tmp_pa
     write_cache(path, key, [np.zeros(len(ids)) for ids in TOKENS])
     checked = read_cache(path, key, [4, 3, 2])
     assert checked.status == "hit" and checked.digest is not None
-    write_cache(path, key, [np.ones(len(ids)) for ids in TOKENS])  # replaced between the two reads
+    write_cache(path, key, [np.full(len(ids), -1.0) for ids in TOKENS])  # replaced between the two reads
     later = read_cache(path, key, [4, 3, 2], digest=checked.digest)
     assert later.status == "corrupt" and "another checksum" in later.reason and later.flat is None
     assert checked.flat.tolist() == [0.0] * 9  # what was read stays what was read
