@@ -303,6 +303,27 @@ def test_engine_facts_name_a_sampling_setting_they_cannot_read() -> None:
     facts = engine_facts(llm, Fake(temperature=1, top_p=0.9, top_k=-1))
     assert (facts.temperature, facts.top_p, facts.top_k) == (1.0, 0.9, -1)
 
+
+def test_generate_rollouts_refuses_outputs_that_do_not_answer_its_prompts(vllm_stub: Any) -> None:
+    llm, params = FakeLLM(), Fake(temperature=1.0, top_p=1.0, top_k=0)
+    llm.generate = lambda requests, params, use_tqdm: [  # type: ignore[attr-defined]
+        request_output(r["prompt_token_ids"], completion([3], [-1.0])) for r in requests[:1]]
+    with pytest.raises(ValueError, match=r"llm.generate answered 1 RequestOutputs for 2 prompts"):
+        generate_rollouts(llm, [[1, 2], [3]], params)
+    llm.generate = lambda requests, params, use_tqdm: [  # type: ignore[attr-defined]
+        request_output(r["prompt_token_ids"], completion([3], [-1.0])) for r in requests[::-1]]
+    with pytest.raises(ValueError, match=r"llm.generate's outputs\[0\] answers the prompt \[3\], not prompt 0 "
+                                         r"\(\[1, 2\]\)"):
+        generate_rollouts(llm, [[1, 2], [3]], params)
+
+
+def test_flat_logprobs_whose_indices_do_not_fit_are_named() -> None:
+    flat = FlatLogprobs([7, 2], [-1.0, -1.0])
+    flat.start_indices = [0, 5]
+    with pytest.raises(ValueError, match=r"outputs\[0\]\.outputs\[0\]: FlatLogprobs' start_indices \[0, 5\] do not "
+                                         r"index its 2 token_ids"):
+        rollout_batch([request_output([1], Fake(token_ids=[7, 2], logprobs=flat))])
+
 # ---- a server's answer -----------------------------------------------------------------------
 
 
@@ -437,6 +458,26 @@ def test_a_server_answer_with_values_that_are_no_ids_logprobs_or_indices_is_name
             r"choice 1's logprobs has tokens=None and token_logprobs=None; lists \(one per sampled token\) are needed")
     refused([choice(0, [7], [-1.0]), choice(1, [], [])], ValueError,
             r"choice 1 has no tokens: a completion has at least one \(max_tokens >= 1\)")
+
+
+def test_the_facts_a_caller_gives_for_a_server_are_checked_and_named_as_the_diagnosis_reads_them() -> None:
+    request = completions_request([[1, 5]], max_tokens=2)
+    answer = {"choices": [choice(0, [7], [-1.0])]}
+    assert completions_batch(request, answer, dtype="torch.bfloat16")["sampler_facts"].dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"logprobs_mode must be one of \['raw_logprobs', 'processed_logprobs', "
+                                         r"'raw_logits', 'processed_logits'\], got 'processed'"):
+        completions_batch(request, answer, logprobs_mode="processed")
+    with pytest.raises(ValueError, match=r"dtype='bf16' is not one of"):
+        completions_batch(request, answer, dtype="bf16")
+    with pytest.raises(TypeError, match=r"model must be the served model's name \(a str\) or None, got 3 \(int\)"):
+        completions_request([[1]], max_tokens=1, model=3)
+
+
+def test_post_completions_names_a_url_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match=r"url must be the server's http://host:port .*, got 'localhost:8000'"):
+        post_completions("localhost:8000", {}, timeout=1)
+    with pytest.raises(TypeError, match=r"url must be the server's http://host:port .*, got None"):
+        post_completions(None, {}, timeout=1)  # type: ignore[arg-type]
 
 # ---- the server client, against a local HTTP server ------------------------------------------
 

@@ -134,6 +134,13 @@ def generate_rollouts(
         raise ValueError("weight_sync belongs to another engine than llm; pass the VLLMWeightSync of this engine")
     facts = weight_sync.facts(sampling_params) if weight_sync is not None else engine_facts(llm, sampling_params)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in ids], sampling_params, use_tqdm=False)
+    if len(outputs) != len(ids):
+        raise ValueError(f"llm.generate answered {len(outputs)} RequestOutputs for {len(ids)} prompts")
+    for index, (output, prompt) in enumerate(zip(outputs, ids)):
+        answered = list(getattr(output, "prompt_token_ids", None) or ())
+        if answered != prompt:
+            raise ValueError(f"llm.generate's outputs[{index}] answers the prompt {answered!r:.200}, not prompt {index} "
+                             f"({prompt!r:.200})")
     return rollout_batch(outputs, facts=facts, pad_id=pad_id, groups=groups, device=device)
 
 
@@ -218,7 +225,13 @@ def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarr
             values.append(value)
         return np.asarray(values, dtype=np.float64)
     starts = np.asarray(starts, dtype=np.int64)  # FlatLogprobs: the sampled token comes first at each position
-    empty = np.flatnonzero(np.asarray(logprobs.end_indices, dtype=np.int64) <= starts)
+    ends, count = np.asarray(logprobs.end_indices, dtype=np.int64), len(logprobs.token_ids)
+    if starts.shape != tokens.shape or ends.shape != tokens.shape or (starts < 0).any() or (starts > ends).any() \
+            or (ends > count).any() or len(logprobs.logprobs) != count:
+        raise ValueError(f"{where}: FlatLogprobs' start_indices {starts.tolist()!r:.200} do not index its {count} "
+                         f"token_ids ({len(logprobs.logprobs)} logprobs, end_indices {ends.tolist()!r:.200}, "
+                         f"{len(tokens)} tokens)")
+    empty = np.flatnonzero(ends <= starts)
     if empty.size:
         raise ValueError(f"{where}: position {int(empty[0])} has no logprob for its token")
     ids = np.asarray(logprobs.token_ids, dtype=np.int64)[starts]

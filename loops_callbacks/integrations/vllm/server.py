@@ -19,7 +19,14 @@ import torch
 
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids, token_id_array
-from loops_callbacks.validation import check, check_int, check_real, check_reference_logprobs
+from loops_callbacks.validation import (
+    check,
+    check_choice,
+    check_dtype,
+    check_int,
+    check_real,
+    check_reference_logprobs,
+)
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -54,7 +61,7 @@ def completions_request(
     }
     if stop_token_ids is not None:
         body["stop_token_ids"] = [check_int(f"stop_token_ids[{i}]", t, least=0) for i, t in enumerate(stop_token_ids)]
-    if model is not None:
+    if check("model", model, str, "the served model's name (a str)", optional=True) is not None:
         body["model"] = model
     if "prompt" in options:
         raise ValueError(f"completions_request: prompt={options['prompt']!r:.200} in options; pass the prompts as the "
@@ -107,6 +114,8 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
     """
     positive = "a positive, finite number of seconds"
     timeout = float(check("timeout", timeout, numbers.Real, positive, lambda seconds: 0 < seconds < math.inf))
+    check("url", url, str, "the server's http://host:port (or https://, or its /v1/completions)",
+          lambda text: text.startswith(("http://", "https://")))
     endpoint = url.rstrip("/").removesuffix("/v1/completions") + "/v1/completions"
     http = urllib.request.Request(
         endpoint, data=json.dumps(request).encode(), headers={"Content-Type": "application/json"}, method="POST"
@@ -254,6 +263,9 @@ def completions_batch(
             "the request must ask for \"logprobs\": 0 and \"return_tokens_as_token_ids\": true (completions_request "
             "does), or the tokens and their logprobs cannot be read"
         )
+    modes = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # vLLM's --logprobs-mode
+    logprobs_mode = check_choice("logprobs_mode", logprobs_mode, modes)
+    dtype = None if dtype is None else str(check_dtype("dtype", dtype)).removeprefix("torch.")
     n = _check_readable(request, "the request's ", "the request's ")
     rows = [token_id_array(prompt, f"the request's prompt {i}") for i, prompt in enumerate(prompts)]
     empty = next((i for i, row in enumerate(rows) if not row.size), None)
