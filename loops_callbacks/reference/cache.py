@@ -51,7 +51,8 @@ from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.validation import check_reference_logprobs
 
 __all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "MAX_HEADER_BYTES", "CacheKey", "CacheLookup", "cache_file", "checksum",
-           "data_fingerprint", "open_regular", "orphaned_temporaries", "read_cache", "read_header", "write_cache"]
+           "data_fingerprint", "open_regular", "orphaned_temporaries", "read_cache", "read_header", "write_cache",
+           "written_by_this_package"]
 
 CACHE_FILE_NAME = "ref_logprobs.cache"
 """The cache's base name in its directory; each key's file is ``cache_file(base, key)`` beside it."""
@@ -60,6 +61,7 @@ CACHE_TOOL = "loops-callbacks cache"
 _FORMAT = "loops-callbacks reference logprobs 3"
 _EARLIER_FORMAT = b"LOOPSREF"  # the first bytes of the files of earlier versions
 MAX_HEADER_BYTES = 1 << 20  # a real header is a few hundred bytes
+_FORMAT_MARK = json.dumps(_FORMAT).encode()  # in the header of every file of this format, as the format's value
 _KEY_NAMES = {"reference": "the reference weights", "data": "the data", "dtype": "the scoring dtype"}
 _HOST = socket.gethostname().replace(os.sep, "_") or "host"  # in temporary file names: pids are per host
 
@@ -273,15 +275,32 @@ class _Header:
 _TENSORS = {"values": ("F32", np.dtype("<f4")), "lengths": ("I64", np.dtype("<i8"))}
 
 
+def written_by_this_package(head: bytes) -> bool:
+    """Whether a file whose first bytes are ``head`` was written by this package, whole or not: a safetensors header
+    that names this package's format (even cut short after it), or a cache of an earlier version (``LOOPSREF``).
+
+    No other program's file is: a file without such a header is never taken for a cache, whatever its name.
+
+    Examples:
+        >>> written_by_this_package(b"LOOPSREF" + bytes(8)), written_by_this_package(b"some notes")
+        (True, False)
+    """
+    if head.startswith(_EARLIER_FORMAT):
+        return True
+    size = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    return size > 0 and head[8:9] == b"{" and _FORMAT_MARK in head[8 : 8 + min(size, MAX_HEADER_BYTES)]
+
+
 def read_header(head: bytes, file_size: int) -> _Header | str:
     """The header of a file whose first bytes are ``head`` (and whose size is ``file_size``), or why it is no cache."""
     if head.startswith(_EARLIER_FORMAT):
         return ("it is a cache of an earlier version of loops-callbacks (the LOOPSREF format), which this version "
                 "does not read; it is scored again into a safetensors file")
-    size = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
-    if not 0 < size <= min(MAX_HEADER_BYTES, file_size - 8) or len(head) < 8 + size:
-        return (f"it is not a reference-logprob cache, or it is truncated: a header of {size} bytes does not fit "
-                f"in its {file_size} bytes")
+    if not written_by_this_package(head):
+        return "it is not a reference-logprob cache (no header of this package's format)"
+    size = int.from_bytes(head[:8], "little")
+    if not size <= min(MAX_HEADER_BYTES, file_size - 8) or len(head) < 8 + size:
+        return f"its header is cut short or damaged: a header of {size} bytes does not fit in its {file_size} bytes"
     try:
         fields = json.loads(bytes(head[8 : 8 + size]))
         metadata = fields.pop("__metadata__", None) or {}

@@ -12,6 +12,11 @@ digits of each fingerprint); ``prune`` removes the files it selects, and says wh
 holds its values in memory, so pruning its file does not change or stop it (a run resumed later
 needs its file: prune what no run will resume).
 
+A cache is told by its header, never by its name: ``prune`` selects only files this package wrote
+(``CacheInfo.ours``). Every other entry named ``*.cache`` (another program's file, a directory, a
+symbolic link, a file that cannot be read) is listed as not ours and left as it is, and so is a file
+that is no longer the one listed when its turn comes (a run wrote its cache anew meanwhile).
+
 Examples:
     >>> import os, tempfile
     >>> import numpy as np
@@ -50,6 +55,7 @@ from loops_callbacks.reference.cache import (
     orphaned_temporaries,
     read_cache,
     read_header,
+    written_by_this_package,
 )
 
 __all__ = ["CacheInfo", "find_cache", "list_caches", "main", "select_for_pruning"]
@@ -59,8 +65,14 @@ _LISTED = 8  # caches named in a message about a miss (the rest are counted)
 
 @dataclass(frozen=True)
 class CacheInfo:
-    """One file of a cache directory, from its header only (``list_caches``); ``key`` is ``None`` (and
-    ``problem`` says why) for a file whose header cannot be read."""
+    """One entry of a cache directory, from its header only (``list_caches``); ``key`` is ``None`` (and
+    ``problem`` says why) for a file whose header cannot be read.
+
+    ``ours``: a file this package wrote (a header of its format, whole or not), not reached through a
+    link; ``prune`` selects nothing else. ``link``: where a symbolic link leads (it is read through,
+    never removed). ``identity``: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file read; one that
+    no longer has it when its turn comes is not removed.
+    """
 
     path: str
     size: int
@@ -69,6 +81,9 @@ class CacheInfo:
     n_datums: int | None = None
     n_values: int | None = None
     problem: str = ""
+    ours: bool = False
+    link: str | None = None
+    identity: tuple[int, int, int, int] | None = None
 
     def describe(self) -> str:
         """``name (size, date)``, as messages and ``cache_tool list`` show it.
@@ -99,8 +114,8 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
                                  path=path)
         if lookup.status != "missing":
             return lookup
-    try:
-        others = [info for info in list_caches(directory) if info.path != path]
+    try:  # caches only: whatever else is in the directory is no reason to miss, and not named
+        others = [info for info in list_caches(directory) if info.path != path and (info.ours or info.key)]
     except OSError as error:
         return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
     candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
@@ -124,11 +139,13 @@ def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
 
 
 def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
-    """Every cache file in ``directory`` (told by its header), newest first, from its header only.
+    """Every cache file in ``directory`` (told by its header, whatever its name) and every other entry named
+    ``*.cache``, newest first, from their headers only.
 
-    Temporary files of writers (``*.tmp.*``) are not caches. An entry named ``*.cache`` that cannot
-    be read as a file (a broken link, a directory, a FIFO, no permission) is listed as damaged. A
-    directory that does not exist holds none; one that cannot be read is an ``OSError``.
+    An entry is ``ours`` only when it is a file (not a link) whose header is of this package's format;
+    another program's file, a directory, a link, a FIFO or a file that cannot be read is not, and
+    ``problem`` says what it is. Temporary files of writers (``*.tmp.*``) are not caches. A directory
+    that does not exist holds none; one that cannot be read is an ``OSError``.
     """
     try:
         entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
@@ -155,26 +172,36 @@ def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str
 
 
 def _info(path: str) -> CacheInfo | None:
-    """What ``path``'s header says (``None``: not a cache file at all)."""
+    """What ``path``'s header says (``None``: neither a cache nor named ``*.cache``, or gone meanwhile)."""
     name = os.path.basename(path)
     named = name.endswith(".cache") and not name.startswith(".")  # not hidden: ~/.cache in a cache_dir set to ~
     try:
-        descriptor, size = open_regular(path)
+        entry = os.lstat(path)
+        link = os.readlink(path) if stat.S_ISLNK(entry.st_mode) else None
+        descriptor, size = open_regular(path)  # through a link: a run may read a linked cache
         with os.fdopen(descriptor, "rb", buffering=0) as file:
+            opened = os.fstat(file.fileno())
             head = file.read(8 + MAX_HEADER_BYTES)
-            modified = os.fstat(file.fileno()).st_mtime
+    except FileNotFoundError as error:
+        return _unreadable(path, error) if named and os.path.lexists(path) else None  # a broken link, or gone
     except OSError as error:
         return _unreadable(path, error) if named else None
+    identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
+    ours = link is None and written_by_this_package(head)
     header = read_header(head, size)
     if isinstance(header, str):
-        return CacheInfo(path, size, modified, None, problem=header) if named else None
+        if not (named or ours):
+            return None
+        return CacheInfo(path, size, opened.st_mtime, None, problem=header, ours=ours, link=link, identity=identity)
     problem = "" if header.file_size == size else f"truncated or damaged: {size} bytes, its header promises more"
     counts = (header.tensors["lengths"][0], header.tensors["values"][0])
-    return CacheInfo(path, size, modified, header.key, *counts, problem=problem)
+    return CacheInfo(path, size, opened.st_mtime, header.key, *counts, problem=problem, ours=ours, link=link,
+                     identity=identity)
 
 
 def _unreadable(path: str, error: OSError) -> CacheInfo | None:
-    """A damaged ``CacheInfo`` for an entry that cannot be opened as a file, saying what it is (never following a link).
+    """A ``CacheInfo`` (not ours) for an entry that cannot be opened as a file, saying what it is (never following a
+    link).
 
     Examples:
         >>> import tempfile
@@ -187,15 +214,16 @@ def _unreadable(path: str, error: OSError) -> CacheInfo | None:
     """
     try:
         status = os.lstat(path)
+        link = os.readlink(path) if stat.S_ISLNK(status.st_mode) else None
     except OSError:
         return None  # gone meanwhile
-    if stat.S_ISLNK(status.st_mode) and not os.path.exists(path):
-        problem = f"it is a broken symbolic link (to {os.readlink(path)!r})"
+    if link is not None and not os.path.exists(path):
+        problem, link = f"it is a broken symbolic link (to {link!r})", None
     elif error.errno == errno.EINVAL:  # open_regular: it is no regular file, and says what it is
         problem = f"it is {error.strerror}"
     else:
-        problem = f"it cannot be read ({error.strerror or error})"
-    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem)
+        problem = f"it cannot be read ({error.strerror or error}), so it cannot be told to be a cache"
+    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem, link=link)
 
 
 def select_for_pruning(
@@ -206,17 +234,20 @@ def select_for_pruning(
     damaged: bool = False,
     now: float | None = None,
 ) -> list[CacheInfo]:
-    """The caches a ``prune`` with these options removes: any file that one of the given options selects.
+    """The caches a ``prune`` with these options removes: any of ours (``CacheInfo.ours``) that one of the given
+    options selects; ``keep_newest`` counts ours only. Nothing else is ever selected.
 
     Examples:
-        >>> old, new = CacheInfo("a", 1, 0.0, None), CacheInfo("b", 1, 86400.0 * 40, None)
+        >>> old, new = CacheInfo("a", 1, 0.0, None, ours=True), CacheInfo("b", 1, 86400.0 * 40, None, ours=True)
         >>> [c.path for c in select_for_pruning([new, old], older_than_days=30, now=86400.0 * 41)]
         ['a']
         >>> [c.path for c in select_for_pruning([new, old], keep_newest=1)]
         ['a']
+        >>> select_for_pruning([CacheInfo("notes.cache", 1, 0.0, None)], keep_newest=0, damaged=True)
+        []
     """
     now = time.time() if now is None else now
-    newest_first = sorted(caches, key=lambda info: -info.modified)
+    newest_first = sorted((info for info in caches if info.ours), key=lambda info: -info.modified)
     chosen: list[CacheInfo] = []
     for rank, info in enumerate(newest_first):
         too_old = older_than_days is not None and now - info.modified > older_than_days * 86400
@@ -227,12 +258,26 @@ def select_for_pruning(
 
 
 def _line(info: CacheInfo) -> str:
+    """``list``'s line of an entry: its name, size and date, then its key (or why there is none)."""
+    if not info.ours:
+        fields = f"  {_key_fields(info)}" if info.key is not None else ""
+        return f"{info.describe()}{fields}  not ours, left alone: {_not_ours(info)}"
     if info.key is None:
         return f"{info.describe()}  unreadable: {info.problem}"
+    return f"{info.describe()}  {_key_fields(info)}{'  DAMAGED: ' + info.problem if info.problem else ''}"
+
+
+def _key_fields(info: CacheInfo) -> str:
+    assert info.key is not None
     reference = (info.key.reference or "?")[:12]
-    fields = f"reference {reference}  data {info.key.data[:12]}  dtype {info.key.dtype}"
-    counts = f"{info.n_datums:,} datums, {info.n_values:,} tokens"
-    return f"{info.describe()}  {fields}  {counts}{'  DAMAGED: ' + info.problem if info.problem else ''}"
+    return (f"reference {reference}  data {info.key.data[:12]}  dtype {info.key.dtype}  "
+            f"{info.n_datums:,} datums, {info.n_values:,} tokens")
+
+
+def _not_ours(info: CacheInfo) -> str:
+    """Why an entry is not a cache of ours: what it is."""
+    link = f"it is a symbolic link (to {info.link!r})" if info.link is not None else ""
+    return "; ".join(part for part in (link, info.problem) if part) or "it was not written by this package"
 
 
 def _at_least_zero(cast: type, what: str) -> Callable[[str], float]:
@@ -286,64 +331,95 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
-    caches = list_caches(args.directory)
-    orphans = {path: _size(path) for path in orphaned_temporaries(args.directory)}  # sizes before any removal
+    entries = list_caches(args.directory)
+    temporaries = _temporaries(args.directory)
+    caches, others = [info for info in entries if info.ours], [info for info in entries if not info.ours]
     if args.command == "list":
-        if not caches:
+        if not any(info.ours or info.key for info in entries):
             print(f"no reference-logprob caches in {args.directory}")
-        for info in caches:
+        for info in entries:
             print(_line(info))
-        if orphans:
-            print(f"{_killed_writers(list(orphans.values()))}: prune --damaged removes them")
+        if temporaries:
+            print(f"{_killed_writers(temporaries)}: prune --damaged removes them")
         return 0
     if args.older_than is None and args.keep_newest is None and not args.damaged:
         parser.error("prune needs --older-than DAYS, --keep-newest N or --damaged (nothing is removed by default)")
     chosen = select_for_pruning(caches, older_than_days=args.older_than, keep_newest=args.keep_newest,
                                 damaged=args.damaged)
     verb = "would remove" if args.dry_run else "removed"
-    targets = [info.path for info in chosen] + (list(orphans) if args.damaged else [])
-    left = {} if args.dry_run else {path: why for path in targets if (why := _remove(path))}  # not removed, and why
-    removed = [info for info in chosen if info.path not in left]
+    targets = chosen + (temporaries if args.damaged else [])
+    outcome = {info.path: "" if args.dry_run else _remove(info) for info in targets}  # "": removed
+    left = {path: why for path, why in outcome.items() if why and why != _GONE}
+    removed = [info for info in chosen if not outcome[info.path]]
     for info in removed:
         print(f"{verb} {_line(info)}")
     freed = sum(info.size for info in removed) / (1 << 20)
     print(f"{len(removed)} of {len(caches)} caches {'selected' if args.dry_run else 'removed'} ({freed:.1f} MB)")
-    if args.damaged and orphans:
-        print(f"{verb} {_killed_writers([size for path, size in orphans.items() if path not in left])}")
+    if args.damaged and temporaries:
+        print(f"{verb} {_killed_writers([info for info in temporaries if not outcome[info.path]])}")
+    for path, why in outcome.items():
+        if why == _GONE:
+            print(f"{os.path.basename(path)} was gone already (removed meanwhile by something else)")
+    for info in others:
+        print(f"not ours, left alone: {info.describe()}: {_not_ours(info)}")
     for path, why in left.items():
         print(f"left {os.path.basename(path)}: {why}")
     return 1 if left else 0
 
 
-def _killed_writers(sizes: list[int]) -> str:
-    """``N temporary file(s) of killed writers (X MB)``, of files of these sizes."""
-    return f"{len(sizes)} temporary file(s) of killed writers ({sum(sizes) / (1 << 20):.1f} MB)"
+def _temporaries(directory: str) -> list[CacheInfo]:
+    """The temporary files of killed writers of this host (``orphaned_temporaries``) that this package wrote: a file
+    (not a link, not a directory) that begins with a header of its format. Anything else of such a name is another
+    program's and is left alone.
+    """
+    found = []
+    for path in orphaned_temporaries(directory):
+        try:
+            entry = os.lstat(path)
+            if not stat.S_ISREG(entry.st_mode):
+                continue
+            descriptor, _ = open_regular(path)
+            with os.fdopen(descriptor, "rb", buffering=0) as file:
+                opened = os.fstat(file.fileno())
+                head = file.read(8 + MAX_HEADER_BYTES)
+        except OSError:
+            continue  # gone meanwhile, or cannot be read: it cannot be told to be ours
+        if (opened.st_dev, opened.st_ino) == (entry.st_dev, entry.st_ino) and written_by_this_package(head):
+            identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
+            found.append(CacheInfo(path, opened.st_size, opened.st_mtime, None, problem="the temporary file of a "
+                                   "killed writer", ours=True, identity=identity))
+    return found
 
 
-def _size(path: str) -> int:
-    """The bytes a directory entry holds: a regular file's size, 0 for a link (never followed) or a directory."""
-    try:
-        status = os.lstat(path)
-    except OSError:
-        return 0
-    return status.st_size if stat.S_ISREG(status.st_mode) else 0
+def _killed_writers(temporaries: list[CacheInfo]) -> str:
+    """``N temporary file(s) of killed writers (X MB)``."""
+    return (f"{len(temporaries)} temporary file(s) of killed writers "
+            f"({sum(info.size for info in temporaries) / (1 << 20):.1f} MB)")
 
 
-def _remove(path: str) -> str:
-    """Remove a directory entry without following a link (a link goes, not its target); why not, if it stays.
+_GONE = "gone"  # _remove's answer for a file that was removed meanwhile (told apart by identity)
 
-    A directory is removed only when empty: one that holds files was not made by a cache writer.
+
+def _remove(info: CacheInfo) -> str:
+    """Remove the file ``info`` lists when it is still that file (never a link, never a directory): ``""`` when
+    removed, ``_GONE`` when it was gone already, else why it stays.
+
+    A file is the one listed while its device, inode, size and modification time are those read; a
+    writer's ``os.replace`` since (a run that wrote its cache anew) makes another file, which stays.
     """
     try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            os.rmdir(path)
-        else:
-            os.remove(path)
+        status = os.lstat(info.path)
     except FileNotFoundError:
-        return ""  # gone meanwhile
+        return _GONE
     except OSError as error:
-        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            return "a directory that is not empty (not made by a cache writer): remove it yourself if it is not needed"
+        return f"it cannot be checked ({error.strerror or error})"
+    now = (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+    if not stat.S_ISREG(status.st_mode) or info.identity is None or now != info.identity:
+        return "it changed since it was listed (another file is under its name now): not removed"
+    try:
+        os.remove(info.path)
+    except FileNotFoundError:
+        return _GONE
+    except OSError as error:
         return f"it cannot be removed ({error.strerror or error})"
     return ""
-
