@@ -187,12 +187,23 @@ def rollout_batch(
             tokens = token_id_array(sample.token_ids, f"{where}.token_ids")
             if not tokens.size:
                 raise ValueError(f"{where} has no tokens: a completion has at least one (max_tokens >= 1)")
-            values = _sampled_logprobs(sample.logprobs, tokens, where)
-            check_reference_logprobs(values, where=f"{where}.logprobs")  # a sampled token's logprob is one too
             prompts.append(prompt)
             completions.append(tokens)
-            logprobs.append(values)
+            logprobs.append(_sampled_logprobs(sample.logprobs, tokens, where))
+    _check_sampled_logprobs(logprobs, counts)
     return _padded_batch(prompts, completions, logprobs, counts, facts, policy_version, groups, pad_id, device)
+
+
+def _check_sampled_logprobs(logprobs: list[np.ndarray], counts: list[int]) -> None:
+    """A ``ValueError`` naming ``outputs[i].outputs[j]`` and the position unless every sampled token's logprob is
+    one (``check_reference_logprobs``): one pass over them all, and over each completion only to name a bad one."""
+    try:
+        check_reference_logprobs(np.concatenate(logprobs), where="the sampled tokens' logprobs")
+    except ValueError:
+        owners = [(i, j) for i, count in enumerate(counts) for j in range(count)]
+        for (i, j), values in zip(owners, logprobs):
+            check_reference_logprobs(values, where=f"outputs[{i}].outputs[{j}].logprobs")
+        raise
 
 
 def _sampled_logprobs(logprobs: Any, tokens: np.ndarray, where: str) -> np.ndarray:
