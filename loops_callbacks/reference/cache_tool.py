@@ -331,7 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.path.isdir(args.directory):
         parser.error(f"{args.directory} {'is not a directory' if os.path.exists(args.directory) else 'does not exist'}")
-    entries = list_caches(args.directory)
+    try:
+        entries = list_caches(args.directory)
+    except OSError as error:
+        parser.error(f"{args.directory} cannot be read ({error.strerror or error})")
     temporaries = _temporaries(args.directory)
     caches, others = [info for info in entries if info.ours], [info for info in entries if not info.ours]
     if args.command == "list":

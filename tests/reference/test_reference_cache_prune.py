@@ -252,3 +252,18 @@ def test_the_temporary_file_of_a_killed_writer_replaced_after_it_was_listed_is_l
     out = capsys.readouterr().out
     assert temporary.read_text() == "another program's file, under that name since\n", out
     assert f"left {temporary.name}: it changed since it was listed" in out, out
+
+
+def test_a_directory_that_cannot_be_read_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(path: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(cache_tool_module.os, "scandir", refused)
+    for command in (["list", str(tmp_path)], ["prune", str(tmp_path), "--damaged"]):
+        with pytest.raises(SystemExit) as exit_:
+            cache_tool(command)
+        (error,) = capsys.readouterr().err.splitlines()
+        assert exit_.value.code == 2 and error == f"loops-callbacks cache: error: {tmp_path} cannot be read " \
+                                                  "(Permission denied)", error
