@@ -78,6 +78,11 @@ def token_logprobs(
         ``TokenLogprobs`` of three ``[B, T]`` tensors). The values do not depend on
         ``rows_per_chunk`` (each row's log-softmax is computed alone).
 
+    An id outside ``[0, V)`` (-100, Hugging Face's ignore index, too: a position to leave out belongs in
+    the mask) is a ``ValueError`` naming the id, how many positions hold it and the first. The ids are read
+    only when gathering them fails, so the healthy path never waits for the device; on an accelerator, where
+    a failed gather leaves nothing to read, the error is the device's own.
+
     Examples:
         >>> import torch
         >>> torch.manual_seed(0) and None
@@ -103,7 +108,16 @@ def token_logprobs(
     check_bool("token_logprobs with_entropy", with_entropy)
     if dtype is None:
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    targets = target_tokens.long().unsqueeze(-1)
+    try:
+        return _token_logprobs(logits, target_tokens.long().unsqueeze(-1), dtype, rows_per_chunk, with_entropy)
+    except (IndexError, RuntimeError):  # the ids are read only when gathering failed: the healthy path never waits
+        _refuse_targets(target_tokens, logits.shape[-1])
+        raise
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, rows_per_chunk: int | None,
+                    with_entropy: bool) -> torch.Tensor | TokenLogprobs:
+    """``token_logprobs`` of checked arguments, ``targets`` ``[..., 1]`` int64."""
     rows = logits.shape[0]
     if torch.is_grad_enabled() and logits.requires_grad:
         rows_per_chunk = rows  # every chunk's log-softmax would be kept for the backward pass anyway
@@ -118,12 +132,35 @@ def token_logprobs(
             return logprobs
         return TokenLogprobs(logprobs, *_entropy_and_varentropy(logits.detach().to(dtype) - normalizer))
     parts = [
-        token_logprobs(chunk, chunk_targets.squeeze(-1), dtype=dtype, rows_per_chunk=rows, with_entropy=with_entropy)
+        _token_logprobs(chunk, chunk_targets, dtype, rows, with_entropy)
         for chunk, chunk_targets in zip(logits.split(rows_per_chunk), targets.split(rows_per_chunk))
     ]
     if with_entropy:
         return TokenLogprobs(*(torch.cat(column) for column in zip(*parts)))
     return torch.cat(parts)
+
+
+def _refuse_targets(target_tokens: torch.Tensor, vocabulary: int) -> None:
+    """A ``ValueError`` naming an id of ``target_tokens`` outside ``[0, vocabulary)``: how many positions hold it,
+    the first, and (for -100) where ignored positions belong. Read on the CPU only: elsewhere a failed gather leaves
+    the device unable to say more (an out-of-range id is then the device's own error)."""
+    if target_tokens.device.type != "cpu":
+        return
+    outside = (target_tokens < 0) | (target_tokens >= vocabulary)
+    if not bool(outside.any()):
+        return
+    first = [int(i) for i in outside.nonzero()[0]]
+    value = int(target_tokens[tuple(first)])
+    same, count = int((target_tokens == value).sum()), int(outside.sum())
+    others = f" (and {count - same} more positions outside [0, {vocabulary}))" if count > same else ""
+    ignored = value == -100
+    fix = (": a position to leave out belongs in the mask (0 there), with any id in range (target_tokens.clamp(min=0))"
+           if ignored else f" for logits of {vocabulary} classes (ids and logits of one tokenizer, logits not cut)")
+    named = " (Hugging Face's ignore index)" if ignored else ""
+    raise ValueError(
+        f"token_logprobs: target_tokens holds {value}{named} at {same} position{'s' if same != 1 else ''}, first "
+        f"{first}{others}; token ids are in [0, {vocabulary}){fix}"
+    )
 
 
 @torch.no_grad()

@@ -84,6 +84,26 @@ def test_bad_arguments_are_named() -> None:
     assert logits.dtype == torch.float32 and targets.dtype == torch.int64  # the caller's tensors are untouched
 
 
+@pytest.mark.parametrize(("value", "said"), [
+    (-100, r"target_tokens holds -100 \(Hugging Face's ignore index\) at 2 positions, first \[0, 1\]; .*mask"),
+    (-1, r"target_tokens holds -1 at 2 positions, first \[0, 1\]; token ids are in \[0, 5\)"),
+    (5, r"target_tokens holds 5 at 2 positions, first \[0, 1\]; token ids are in \[0, 5\)"),
+])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("rows_per_chunk", [None, 1])
+def test_a_target_outside_the_vocabulary_is_named(value: int, said: str, with_entropy: bool,
+                                                  rows_per_chunk: int | None) -> None:
+    logits, targets = _logits((2, 3, 5), torch.float32)
+    targets[0, 1] = targets[1, 2] = value
+    given = targets.clone()
+    with pytest.raises(ValueError, match=said):
+        token_logprobs(logits, targets, with_entropy=with_entropy, rows_per_chunk=rows_per_chunk)
+    assert torch.equal(targets, given)  # the caller's ids are not modified
+    logits.requires_grad_(True)
+    with pytest.raises(ValueError, match=said):  # under autograd too
+        token_logprobs(logits, targets)
+
+
 # ---------------------------------------------------------------- each old path's numbers, closer to float64
 
 ROUNDING = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 1e-4, torch.float16: 1e-4}
