@@ -41,9 +41,10 @@ def loops_compute_kl_sample_train(
     ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask`` (optional
     ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per datum (or one
     right-padded ``[B, T]`` tensor). The keys and their formulas are listed in
-    ``loops_callbacks.divergence.metrics``. Impossible inputs (trainer logprobs all exactly 0.0,
-    logprobs above 0 or below -1e4) are logged as warnings on the ``loops_callbacks`` logger; the
-    numbers are returned anyway.
+    ``loops_callbacks.divergence.metrics``. Impossible inputs (a logprob of -inf or +inf on an action
+    token, above 0 beyond rounding or below -1e4, trainer logprobs all exactly 0.0) are logged as
+    warnings on the ``loops_callbacks`` logger, naming the side and how many; the numbers are returned
+    anyway. A negative or NaN ``mask`` is a ``ValueError`` naming the datum and position.
     """
     return _report(data, training_logprobs, MediaOptions(log_histogram=False, log_worst_tokens=False), prefix)[0]
 

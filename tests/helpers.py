@@ -222,7 +222,7 @@ def rows(draw: Any, max_datums: int = 6, max_len: int = 12) -> list[dict[str, An
         row: dict[str, Any] = {
             "tokens": draw(st.lists(st.integers(0, 50), min_size=n, max_size=n)),
             "logprobs": [None] + draw(st.lists(logprob, min_size=n, max_size=n))[1:] if n else [],
-            "mask": draw(st.lists(st.sampled_from([0.0, 1.0, 1.0, 1.0, None]), min_size=n, max_size=n)),
+            "mask": draw(st.lists(st.sampled_from([0.0, 1.0, 1.0, 1.0, 0.5]), min_size=n, max_size=n)),
         }
         row["trainer"] = [
             None if s is None else (s + draw(st.floats(-5, 5)) if math.isfinite(s) else s)

@@ -64,6 +64,12 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
                      "rounding grows where the first tokens' logits are larger, so check the prompts and the cache first"),
 }
 
+_SAMPLING_FIELDS = (
+    "; or, where the sampler reports what it draws, that 'training_entropy' and 'training_varentropy' are of the "
+    "distribution 'training_logprobs' come from (token_logprobs(..., with_entropy=True) on the same logits, at "
+    "temperature 1): entropies of other logits read the same"
+)
+
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -132,6 +138,8 @@ class Diagnosis:
             what += f" (drawn {side}{estimate})"
         if self.observed:
             what += f": {self.observed}"
+        elif self.cause == SAMPLING:  # inferred from the trainer's entropies, which no check can tell from the draws
+            check += _SAMPLING_FIELDS
         numbers = f" ({_format(self.numbers)})" if self.numbers else ""
         return f"{what}{numbers}; {check}"
 

@@ -16,6 +16,12 @@ The masks, named once (bool per position):
 ``counted & ~active`` are the tokens skipped for a missing or non-finite logprob
 (``n_skipped_nonfinite``); ``advantage_nan`` marks the masked-in positions whose advantage is NaN.
 
+A mask is 0/1 (or bools, or weights >= 0): a negative or NaN value would drop its token without a
+word, so it is a ``ValueError`` naming the datum (or row), the position and how many there are. A
+mask on the CPU is checked as it is read; one on an accelerator is not read here (that would wait for
+the device): ``mask_refused`` marks its refused positions, counted with the step's statistics and
+refused after the step's one host transfer (``report.step_report``).
+
 Examples:
     >>> from loops_callbacks.types import Datum, ModelInput
     >>> datum = Datum(ModelInput.from_ints([1, 2, 3]), {"logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0]})
@@ -44,8 +50,6 @@ from loops_callbacks.fields import (
 )
 from loops_callbacks.validation import check_logprobs_dtype
 
-LOGPROB_CEILING = 1e-4
-"""A logprob above this is not float rounding of log(1) = 0: the value is not a logprob."""
 LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
 NO_TOKEN = -1
@@ -81,6 +85,7 @@ class FlatBatch:
     lags: torch.Tensor | None = None  # int64 [B]: the trainer's optimizer step minus the datum's policy version
     groups: torch.Tensor | None = None  # int64 [B], >= 0 (max_groups: group_other)
     datum_advantages: torch.Tensor | None = None  # float64 [B]; NaN: unusable
+    mask_refused: torch.Tensor | None = None  # bool [L]: mask < 0 or NaN, where it was not read (an accelerator)
 
     @property
     def n_datums(self) -> int:
@@ -205,8 +210,8 @@ def flatten_datums(
     if any(a is not None for a in advantages):  # a datum without advantages counts all its masked-in tokens
         advantage = _cat([torch.ones(n) if a is None else a for a, n in zip(advantages, lengths)]).to(device)
     return _build(
-        _cat(samplers).to(device), trainer.to(device), _cat(masks).to(device), advantage, row_lengths.to(device),
-        tokens=DatumTokens(data) if with_tokens else None,
+        _cat(samplers).to(device), trainer.to(device), _cat(masks), advantage, row_lengths.to(device),
+        rows="datum", device=device, tokens=DatumTokens(data) if with_tokens else None,
         token_ids=_cat(token_rows).to(device, torch.int64) if diagnose else None,
     )
 
@@ -267,19 +272,21 @@ def flatten_padded(
                            for x in (training_entropy, training_varentropy))
     return _build(
         sampler_logprobs.detach().reshape(-1).to(device), training_logprobs.detach().reshape(-1),
-        mask.detach().reshape(-1).to(device), advantages, torch.full((batch,), width, dtype=torch.int64, device=device),
-        tokens=PaddedTokens(input_ids, target_tokens, device) if with_tokens else None, token_ids=token_ids,
-        entropy=entropy, varentropy=varentropy,
+        mask.detach().reshape(-1), advantages, torch.full((batch,), width, dtype=torch.int64, device=device),
+        rows="row", device=device, tokens=PaddedTokens(input_ids, target_tokens, device) if with_tokens else None,
+        token_ids=token_ids, entropy=entropy, varentropy=varentropy,
     )
 
 
 def _build(
     sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor | None,
-    row_lengths: torch.Tensor, **optional: Any,
+    row_lengths: torch.Tensor, *, rows: str, device: torch.device, **optional: Any,
 ) -> FlatBatch:
     # d = trainer - sampler in float64 (each value widened exactly). A float64 difference of two
     # logprobs is finite exactly when both are (float32 inputs cannot overflow it).
     diff = trainer.to(torch.float64, copy=True).sub_(sampler.to(torch.float64))  # same-dtype sub_ is vectorized
+    refused = _refused_mask(mask, row_lengths, rows)  # None: none, or checked already (the CPU)
+    mask = mask.to(device)
     masked_in = mask > 0
     counted, nan = masked_in, None
     if advantage is not None:
@@ -287,7 +294,32 @@ def _build(
         counted = masked_in & (advantage != 0) & ~nan
         nan &= masked_in
     active = counted & (diff.abs() < float("inf"))  # isfinite, in fewer passes
-    return FlatBatch(sampler, trainer, diff, masked_in, counted, active, row_lengths, nan, **optional)
+    return FlatBatch(sampler, trainer, diff, masked_in, counted, active, row_lengths, nan,
+                     mask_refused=None if refused is None else refused.to(device), **optional)
+
+
+def _refused_mask(mask: torch.Tensor, row_lengths: torch.Tensor, rows: str) -> torch.Tensor | None:
+    """The positions whose mask is negative or NaN: on the CPU a ``ValueError`` naming the first (its ``rows``,
+    "datum" or "row", and position) and how many there are; elsewhere, where reading them would wait for the
+    device, a bool tensor of them for the step's statistics to count. ``None``: nothing to refuse (bools, or
+    checked)."""
+    if mask.dtype == torch.bool:
+        return None
+    refused = ~(mask >= 0) if mask.is_floating_point() or mask.is_complex() else mask < 0
+    if mask.device.type != "cpu":
+        return refused
+    if not bool(refused.any()):
+        return None
+    first, count = int(refused.nonzero()[0, 0]), int(refused.sum())
+    ends = torch.cumsum(row_lengths.cpu(), 0)
+    row = int(torch.searchsorted(ends, first, right=True))
+    position = first - (int(ends[row - 1]) if row else 0)
+    where = f"datum {row}, key 'mask': position" if rows == "datum" else f"'mask': row {row}, position"
+    raise ValueError(
+        f"{where} {position} is {mask[first].item():g}, not a mask value; {count} such value{'s' * (count != 1)} in all. "
+        "A mask is 1.0 on the action tokens and 0.0 elsewhere (or bools, or weights >= 0): a negative or NaN value "
+        "would drop its token without a word"
+    )
 
 
 def _predicted_ids(target: Any, model_input: Any, length: int, *, where: str) -> torch.Tensor:

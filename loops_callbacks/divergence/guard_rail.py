@@ -10,16 +10,20 @@ be trusted — the guard rail treats what it cannot judge as unsafe:
 * a logprob is below ``LOGPROB_FLOOR`` (-1e4): a sentinel such as ``torch.finfo(float32).min``,
   whose diff overflows every formula;
 * the sampling engine says its weights are unknown (``SamplerFacts.weights_unknown``: a weight push
-  into it failed part way).
+  into it failed part way);
+* the inputs are impossible (``impossible_inputs``, each also one warning per run): a logprob of -inf
+  or +inf on an action token (a sampled token of probability 0 or above 1), one above 0 beyond
+  ``LOGPROB_ROUNDING``, trainer logprobs all exactly 0.0, an entropy or varentropy that is NaN,
+  infinite or negative, or that the token's own logprob rules out; or ``sampling_z`` is not a number
+  (no varentropy to scale by where the tokens' logprobs are not -entropy).
 
 With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it with
-and without its most extreme token (``metrics.held_sampling_z``), or is not a number: the tokens were drawn from another distribution than the trainer's, which the
-logprobs alone cannot show (``metrics.sampling_metrics``; needs the trainer's entropies in the batch).
+and without its most extreme token (``metrics.held_sampling_z``): the tokens were drawn from another
+distribution than the trainer's, which the logprobs alone cannot show (``metrics.sampling_metrics``;
+needs the trainer's entropies in the batch).
 
 A step without masked-in action tokens is not judged (nothing to compare); the monitor warns when
-every logged step of a run is like that. Logprobs above ``LOGPROB_CEILING`` (1e-4: probabilities
-passed as logprobs?) are reported by ``impossible_inputs`` as a warning and named in the message
-when the step exceeds.
+every logged step of a run is like that.
 
 Examples:
     >>> totals = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 64.0}
@@ -121,17 +125,20 @@ class GuardRail:
             return ("the sampling engine's weights are unknown (a weight push into it failed part way): its logprobs "
                     "are of no known policy")
         if skipped / masked_in > self.max_nonfinite_fraction or n == 0:
-            return (
+            return "; ".join([
                 f"{skipped:.0f} of {masked_in:.0f} action tokens had a non-finite logprob (None, NaN or inf), "
-                f"more than max_nonfinite_fraction = {self.max_nonfinite_fraction:g}"
-            )
+                f"more than max_nonfinite_fraction = {self.max_nonfinite_fraction:g}",
+                *_infinite_problems(host.totals).values()])
+        problems = impossible_inputs(host)
         sentinel = _sentinel(host)
         value = scalars[self.kl_metric]
         if not math.isfinite(value) or (value < 0 and self.kl_metric not in SIGNED_METRICS):
             impossible = f"{self.kl_metric} cannot be {'negative' if math.isfinite(value) else value}"
             why = sentinel or _positive(host) or impossible
             return f"{self.kl_metric} = {value:.3g}: {why}"
-        return sentinel
+        # what no sampled token's logprobs, entropies or check can be (a sentinel said first, as itself)
+        reasons = [sentinel, *(text for key, text in problems.items() if not key.endswith("_below_floor"))]
+        return "; ".join(reason for reason in reasons if reason) or None
 
     def exceeds(self, scalars: Mapping[str, float], host: HostDivergence, *, prefix: str = "",
                 facts: SamplerFacts | None = None) -> str | None:
@@ -146,10 +153,7 @@ class GuardRail:
             return f"the step cannot be trusted: {reason}"
         value = scalars.get(self.kl_metric)
         if self.max_kl is not None and value is not None and value > self.max_kl:
-            hint = _positive(host)
-            return f"{prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}" + (
-                f" ({hint})" if hint else ""
-            )
+            return f"{prefix}{self.kl_metric} = {value:.6g} exceeded max_kl = {self.max_kl:g}"
         z = scalars.get("sampling_z")
         held = held_sampling_z(scalars) if z is not None else None  # one unlikely token does not stop a run
         if self.max_sampling_z is not None and held is not None and not abs(held) <= self.max_sampling_z:
@@ -192,6 +196,61 @@ def impossible_inputs(host: HostDivergence) -> dict[str, str]:
                 f"{below:.0f} of {n:.0f} {side} logprobs are below {LOGPROB_FLOOR:g} "
                 f"(smallest {-extrema[f'neg_min_{side}']:.3g}): these look like sentinel values, not logprobs"
             )
+    return found | _infinite_problems(totals) | _entropy_problems(totals)
+
+
+def _infinite_problems(totals: Mapping[str, float]) -> dict[str, str]:
+    """The counted tokens with a logprob of -inf or +inf, by side, with what each means."""
+    counted = totals["n_action_tokens"] + totals["n_skipped_nonfinite"]
+    found = {}
+    for side in ("sampler", "trainer"):
+        for sign, what in (("neg", _ZERO_PROBABILITY[side]), ("pos", "a logprob is at most 0")):
+            infinite = totals.get(f"n_{side}_{sign}_inf", 0.0)
+            if infinite:
+                found[f"{side}_{sign}_inf"] = (
+                    f"{infinite:.0f} of {counted:.0f} action tokens have a {side} logprob of "
+                    f"{'-' if sign == 'neg' else '+'}inf: {what}"
+                )
+    return found
+
+
+_ZERO_PROBABILITY = {
+    "trainer": "the trainer gives probability 0 to tokens the sampler drew, the strongest mismatch there is (check "
+               "the tokenizer and vocabulary on both sides, and any logits mask, top-k or top-p in the trainer's "
+               "forward)",
+    "sampler": "the sampler reports probability 0 for tokens it drew (a logprob its top-k / top-p filtering set to "
+               "-inf, or a placeholder: give None where a logprob is missing)",
+}
+
+
+def _entropy_problems(totals: Mapping[str, float]) -> dict[str, str]:
+    """What the trainer's entropies hold that no distribution has, or that the tokens' own logprobs rule out, on
+    the masked-in positions (``sums.sampling_positions``), by a stable key."""
+    given = totals.get("n_sampling_given", 0.0)
+    found = {}
+    for field in ("entropy", "varentropy"):
+        counts = {kind: totals[f"n_{field}_{kind}"] for kind in ("nan", "inf", "negative")}
+        if sum(counts.values()):
+            parts = ", ".join(f"{count:.0f} {'NaN' if kind == 'nan' else kind}" for kind, count in counts.items() if count)
+            found[f"{field}_invalid"] = (
+                f"'training_{field}' is impossible at {sum(counts.values()):.0f} of {given:.0f} masked-in positions "
+                f"({parts}): a{'n' if field == 'entropy' else ''} {field} is a finite number >= 0; such positions are "
+                "left out of the check of what was sampled"
+            )
+    if totals.get("n_sampling_tokens", 0.0) and totals["sum_sampling_varentropy"] == 0 and totals["sum_sampling_gap"]:
+        found["sampling_unscaled"] = (
+            f"'training_varentropy' is 0 at every one of the {totals['n_sampling_tokens']:.0f} positions checked while "
+            f"the sampled tokens' logprobs are not -'training_entropy' (they sum to {totals['sum_sampling_gap']:.3g} "
+            "from it): no distribution has both, so sampling_z is not a number"
+        )
+    ruled_out = totals.get("n_sampling_ruled_out", 0.0)
+    if ruled_out:
+        found["sampling_ruled_out"] = (
+            f"{ruled_out:.0f} of {given:.0f} masked-in positions have a trainer logprob t that their 'training_entropy' "
+            "H and 'training_varentropy' V rule out (a token of probability e^t adds e^t (t + H)² to V, more than V "
+            "there): the three must be of one distribution (token_logprobs(..., with_entropy=True) on the same "
+            "logits, at temperature 1)"
+        )
     return found
 
 

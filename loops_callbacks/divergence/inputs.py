@@ -86,6 +86,13 @@ def read_step(
     """
     step = _Step(outputs, batch, keys, warnings)
     data = step.data
+    if data is None and _is_empty_list(batch) and (step.get("logprobs") is None or step.get("mask") is None):
+        raise ValueError(
+            f"KLSampleTrainMonitor: the batch is an empty {type(batch).__name__}: it holds no datums, and "
+            f"training_step's output (keys: {_keys(outputs)}) has no {keys['logprobs']!r} and {keys['mask']!r} "
+            "either. Give a list of Datum (with the sampler's 'logprobs' and a 'mask' in each loss_fn_inputs) as the "
+            "batch or under 'data', or [B, T] tensors of logprobs and mask"
+        )
     if data is not None:
         entropies = [keys[name] for name in ("training_entropy", "training_varentropy") if step.get(name) is not None]
         if entropies:
@@ -214,6 +221,10 @@ def _is_datum_list(batch: Any) -> bool:
         isinstance(batch, Sequence) and not isinstance(batch, (str, bytes, torch.Tensor)) and len(batch) > 0
         and (hasattr(batch[0], "loss_fn_inputs") or (isinstance(batch[0], Mapping) and "loss_fn_inputs" in batch[0]))
     )
+
+
+def _is_empty_list(batch: Any) -> bool:
+    return isinstance(batch, Sequence) and not isinstance(batch, (str, bytes, torch.Tensor)) and len(batch) == 0
 
 
 def _keys(value: Any) -> list[str] | str:

@@ -49,6 +49,8 @@ whatever their advantage, the check of what was sampled adds (``SAMPLING_METRICS
                                 (first order in T − 1; about 1 for an honest sampler)
 ==============================  ====================================================================
 
+Positions whose H or V no distribution has (NaN, ±inf, negative) are left out of the sums, and said
+(``guard_rail.impossible_inputs``); with ΣV = 0 and Σ(t + H) ≠ 0 the three ratios are NaN, never infinite.
 
 Examples:
     >>> import numpy as np
@@ -153,9 +155,10 @@ def sampling_metrics(totals: Mapping[str, float], extrema: Mapping[str, float]) 
     if varentropy > 0:
         z, temperature = gap / math.sqrt(varentropy), 1.0 - gap / varentropy
         trimmed = (gap - extreme) / math.sqrt(varentropy)
-    else:  # every distribution a point mass: only its one token could be drawn
-        z, temperature = (0.0, 1.0) if gap == 0 else (math.copysign(math.inf, gap), math.nan)
-        trimmed = z
+    else:  # no variance to scale by (every distribution uniform on its support, a point mass): drawn as described
+        # only where each token's t is -H; otherwise not a number, never an infinite z (the entropies' check says why)
+        z = trimmed = 0.0 if gap == 0 else math.nan
+        temperature = 1.0 if gap == 0 else math.nan
     return {
         "sampling_z": z,
         "sampling_z_trimmed": trimmed,

@@ -27,7 +27,7 @@ from the headers. Bytes received per rank with W ranks under ring collectives (`
 
 Example (megabytes one rank receives per logged step at 1,024 ranks, with the monitor's defaults):
     >>> round(received_bytes(world=1024, top_n=20, sample_size=100_000) / 1e6, 1)
-    1.9
+    2.0
 """
 
 from __future__ import annotations

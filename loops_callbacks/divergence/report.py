@@ -38,7 +38,7 @@ from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values
 from loops_callbacks.divergence.shadow import shadow_scalars
 from loops_callbacks.divergence.signatures import signature_numbers
 from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.states import ROW
+from loops_callbacks.divergence.states import MASK_ROW, ROW
 from loops_callbacks.validation import check, check_bool, check_int
 
 WORST_TOKEN_COLUMNS = ["rank", "datum", "position", "token", "logp_sampler", "logp_trainer", "diff", "is_weight",
@@ -138,6 +138,7 @@ def step_report(
     (the relative gaps of the run's previous logged steps, oldest first); ``tokenizer`` shows the worst tokens
     as text.
     """
+    refuse_mask(host)
     scalars = scalar_metrics(host, prefix="")
     problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
     diagnosis, signatures, breakdown = None, {}, {}
@@ -164,6 +165,22 @@ def step_report(
         problems=problems,
         exceeds=guard_rail.exceeds(scalars, host, prefix=prefix, facts=facts),
         untrusted=guard_rail.untrusted(scalars, host, facts),
+    )
+
+
+def refuse_mask(host: HostDivergence) -> None:
+    """A ``ValueError`` when the step's mask held negative or NaN values where it was not read per micro-batch (an
+    accelerator: ``flat_batch``), naming how many and the first, as any mask read on the CPU is refused."""
+    refused = host.totals.get("n_mask_refused", 0.0)
+    if not refused:
+        return
+    row, position = divmod(int(-host.extrema["neg_min_mask_refused_at"]), MASK_ROW)
+    raise ValueError(
+        f"'mask' holds {refused:.0f} negative or NaN values on this step (all micro-batches and ranks together), "
+        f"the first at row {row}, position {position} of one of its micro-batches (the row is the datum, for a list "
+        "of Datum). A mask is 1.0 on the action "
+        "tokens and 0.0 elsewhere (or bools, or weights >= 0): a negative or NaN value would drop its token without a "
+        "word (read on the device, it is refused after the step's one host transfer)"
     )
 
 

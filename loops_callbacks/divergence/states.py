@@ -42,6 +42,8 @@ AHEAD_STRATUM = "lag_ahead"
 """The tokens of datums whose policy version is ahead of the trainer (also counted at lag 0)."""
 STRATUM_NAMES = PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + (AHEAD_STRATUM,)
 """The strata of the fixed-shape ``strata`` sums, in order; the groups are a table of their own."""
+MASK_ROW = 2**26
+"""A refused mask position is stored as ``row * MASK_ROW + position`` (exact in float64 below 2**27 rows)."""
 COLUMNS = ("n_tokens", "sum_k3", "sum_abs_d", "sum_is_ratio")
 """What each stratum sums over its tokens (k3 = e^d - 1 - d, e^d = exp(min(d, 80)))."""
 GROUP_ROWS = 1 + len(COLUMNS)
@@ -78,15 +80,24 @@ MAIN = (
     *_sums("n_datums", "n_datums_with_actions", "n_action_tokens", "n_skipped_nonfinite", "n_trainer_zero"),
     *_sums("sum_d", "sum_d2", "sum_is_ratio", "sum_is_ratio2", "sum_k3", "sum_sampler", "sum_seq_mean_d"),
     *_sums("sum_seq_is_ratio", "n_abs_gt_1", "n_abs_gt_2", "n_abs_gt_4", "n_is_ratio_gt_2", "n_is_ratio_lt_half"),
-    # logprobs above LOGPROB_CEILING (probabilities?) and below LOGPROB_FLOOR (sentinels)
+    # logprobs above LOGPROB_ROUNDING (probabilities?) and below LOGPROB_FLOOR (sentinels) on the action tokens;
+    # -inf and +inf on the counted tokens (a sampled token of probability 0, or above 1)
     *_sums("n_sampler_above_zero", "n_trainer_above_zero", "n_sampler_below_floor", "n_trainer_below_floor"),
+    *_sums("n_sampler_neg_inf", "n_trainer_neg_inf", "n_sampler_pos_inf", "n_trainer_pos_inf"),
     # masked-in positions, those with a NaN advantage; what was sampled (t + H, H, V over masked-in positions)
     *_sums("n_masked_in", "n_advantage_nan", "n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy"),
     *_sums("sum_sampling_varentropy"),
+    # the entropies' masked-in positions (0: not given), those no distribution can have, those t rules out
+    *_sums("n_sampling_given", "n_entropy_nan", "n_entropy_inf", "n_entropy_negative", "n_varentropy_nan"),
+    *_sums("n_varentropy_inf", "n_varentropy_negative", "n_sampling_ruled_out"),
+    # mask < 0 or NaN where it was not read per micro-batch (an accelerator)
+    *_sums("n_mask_refused"),
     *(State(name, "max") for name in ("max_d", "neg_min_d", "max_seq_mean_d", "max_sampler", "neg_min_sampler",
                                       "max_trainer", "neg_min_trainer")),
     # the one token's t + H furthest above 0, and (negated) below: sampling_z_trimmed
     State("max_sampling_gap", "max"), State("neg_min_sampling_gap", "max"),
+    # the first refused mask position, negated (row * MASK_ROW + position)
+    State("neg_min_mask_refused_at", "max"),
 )
 """What every step keeps (``metrics.scalar_metrics``' inputs)."""
 SIGNATURES = (

@@ -2,8 +2,9 @@
 
 Everything here is read from the step's report and its reduced statistics (every micro-batch and
 rank together, after the step's one host transfer), so a problem on another rank, or on an
-accelerator where nothing was read per micro-batch, is said too: logprobs that cannot be logprobs
-(with an example position), a ``max_sampling_z`` without the entropies, NaN advantages, a
+accelerator where nothing was read per micro-batch, is said too: logprobs and entropies no sampled
+token can have (``guard_rail.impossible_inputs``, with an example position), a ``max_sampling_z``
+without the entropies, NaN advantages, a
 correction without advantages, versions ahead of the trainer, group ids pooled in ``group_other``,
 a per-datum key usable for only part of the step's tokens, and a run watching nothing.
 
@@ -18,18 +19,21 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR, FlatBatch
+from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, FlatBatch
 from loops_callbacks.divergence.inputs import key_label
 from loops_callbacks.divergence.report import StepReport
 from loops_callbacks.divergence.shadow import no_advantage_message
 from loops_callbacks.divergence.states import AHEAD_STRATUM
 from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.sums import sampling_positions
 from loops_callbacks.run_warnings import RunWarnings
+from loops_callbacks.validation import LOGPROB_ROUNDING
 
 WATCHING_NOTHING_AFTER = 3
 """Logged steps without action tokens, from the start of a run, before the monitor says so."""
@@ -41,7 +45,7 @@ def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, ho
     for problem, message in report.problems.items():
         if not say.said(problem):  # the example costs a search of the micro-batch: once
             say.warn(problem, f"KLSampleTrainMonitor, step {step}: {message} ({_example(problem, keys, flat)})")
-    if max_sampling_z is not None and report.has_action_tokens and "sampling_z" not in report.scalars:
+    if max_sampling_z is not None and report.has_action_tokens and not host.totals["n_sampling_given"]:
         entropies = [keys[name] for name in ("training_entropy", "training_varentropy")]
         say.warn("sampling_z:missing", f"KLSampleTrainMonitor, step {step}: max_sampling_z = {max_sampling_z:g} is "
                  f"set but the step has no {entropies[0]!r} and {entropies[1]!r} (token_logprobs(..., "
@@ -107,17 +111,37 @@ def watching_nothing(say: RunWarnings, keys: Mapping[str, str], logged_steps: in
 
 
 def _example(problem: str, keys: Mapping[str, str], flat: FlatBatch | None) -> str:
-    """Where one offending logprob sits in the step's last micro-batch, and under which key."""
+    """Where one offending value sits in the step's last micro-batch, and under which key."""
     side, _, kind = problem.partition("_")
-    key = keys["logprobs"] if side == "sampler" else keys["training_logprobs"]
-    if kind == "all_zero" or flat is None:
-        return f"key {key!r}"
-    values = flat.sampler if side == "sampler" else flat.trainer
-    found = torch.nonzero(flat.active & (values > LOGPROB_CEILING if kind == "above_zero" else values < LOGPROB_FLOOR))
-    if found.numel() == 0:
-        return f"key {key!r}, in an earlier micro-batch of the step"
-    index = int(found[0, 0])
+    if side in ("sampler", "trainer"):
+        key = keys["logprobs"] if side == "sampler" else keys["training_logprobs"]
+        if kind == "all_zero" or flat is None:
+            return f"key {key!r}"
+        values = flat.sampler if side == "sampler" else flat.trainer
+        found = {"above_zero": flat.active & (values > LOGPROB_ROUNDING), "below_floor": flat.active & (
+            values < LOGPROB_FLOOR), "neg_inf": flat.counted & (values == -math.inf),
+            "pos_inf": flat.counted & (values == math.inf)}[kind]
+        return _place(f"key {key!r}", found, flat, [values])
+    names = ["training_entropy"] if side == "entropy" else ["training_varentropy"] if side == "varentropy" else [
+        "training_logprobs", "training_entropy", "training_varentropy"]
+    label = f"key {keys[names[0]]!r}" if len(names) == 1 else "keys " + ", ".join(repr(keys[n]) for n in names)
+    positions = None if flat is None else sampling_positions(flat)
+    if positions is None or problem == "sampling_unscaled":
+        return label
+    found = positions["sampling_ruled_out"] if side == "sampling" else (
+        positions[f"{side}_nan"] | positions[f"{side}_inf"] | positions[f"{side}_negative"])
+    fields = {"training_logprobs": flat.trainer, "training_entropy": flat.entropy, "training_varentropy": flat.varentropy}
+    return _place(label, found, flat, [fields[name] for name in names])
+
+
+def _place(label: str, found: torch.Tensor, flat: FlatBatch, values: list[torch.Tensor]) -> str:
+    """``label``, with the first ``found`` position's ``values``, datum and position in the last micro-batch."""
+    hits = torch.nonzero(found)
+    if hits.numel() == 0:
+        return f"{label}, in an earlier micro-batch of the step"
+    index = int(hits[0, 0])
     ends = torch.cumsum(flat.row_lengths, 0).cpu()
     datum = int(torch.searchsorted(ends, index, right=True))
     position = index - (int(ends[datum - 1]) if datum else 0)
-    return f"key {key!r}, e.g. {float(values[index]):.3g} at datum {datum}, position {position} of the last micro-batch"
+    shown = ", ".join(f"{float(x[index]):.3g}" for x in values)
+    return f"{label}, e.g. {shown} at datum {datum}, position {position} of the last micro-batch"

@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from loops_callbacks.divergence.alignment import offset_sums
-from loops_callbacks.divergence.flat_batch import LOGPROB_CEILING, LOGPROB_FLOOR, NO_TOKEN, FlatBatch
+from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, NO_TOKEN, FlatBatch
 from loops_callbacks.divergence.states import (
-    GROUP_ROWS, LAG_STRATA, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
+    GROUP_ROWS, LAG_STRATA, MASK_ROW, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
     STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
 )
+from loops_callbacks.validation import LOGPROB_ROUNDING
 
 IS_RATIO_CLAMP = 80.0
 """The importance ratio e^d is exp(min(d, 80)): finite for any diff, as in the Loops SDK."""
@@ -42,6 +43,9 @@ FIRST_ACTIONS = 4
 LATER_ACTIONS_FROM = 8
 """A datum's action tokens from this one on (0-based) are its "later" ones: the gap between the two
 sets keeps a fade that lasts a few tokens out of both means."""
+RULED_OUT_SLACK = {32: (1e-2, 1e-5), 16: (0.1, 1e-2)}
+"""By the narrowest width of t, H and V: (ρ, α) of the rounding allowed the bound |t + H| e^(t/2) <= √V (a token of
+probability p = e^t adds p (t + H)² to V): flagged beyond (1 + ρ) √V + ρ H + α."""
 _16_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -77,8 +81,10 @@ def of_chunk(
         "n_abs_gt_1": count(abs_d > 1.0), "n_abs_gt_2": count(abs_d > 2.0), "n_abs_gt_4": count(abs_d > 4.0),
         "n_is_ratio_gt_2": count(is_ratio > 2.0),
         "n_is_ratio_lt_half": count(is_ratio < 0.5 if active is None else (is_ratio < 0.5) & active),
-        "n_sampler_above_zero": count(sampler > LOGPROB_CEILING), "n_trainer_above_zero": count(trainer > LOGPROB_CEILING),
+        "n_sampler_above_zero": count(sampler > LOGPROB_ROUNDING), "n_trainer_above_zero": count(trainer > LOGPROB_ROUNDING),
         "n_sampler_below_floor": count(sampler < LOGPROB_FLOOR), "n_trainer_below_floor": count(trainer < LOGPROB_FLOOR),
+        **_infinite_counts(flat, compact),
+        **_mask_refused(flat),
         "n_masked_in": count(flat.masked_in),
         "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
         "max_seq_mean_d": max_and_negated_min(seq_mean, with_actions)[0],
@@ -157,19 +163,87 @@ def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampl
     }
 
 
+def _infinite_counts(flat: FlatBatch, compact: bool) -> dict[str, torch.Tensor]:
+    """The counted tokens whose sampler or trainer logprob is -inf (a sampled token of probability 0) or +inf; read
+    on the skipped tokens alone on the CPU (usually none), on every position elsewhere (no shape follows the data)."""
+    skipped = flat.counted & ~flat.active
+    values = {"sampler": flat.sampler, "trainer": flat.trainer}
+    if compact:
+        values = {side: _select(x, skipped) for side, x in values.items()}
+    counts = {}
+    for side, x in values.items():
+        for name, sign in (("neg_inf", -math.inf), ("pos_inf", math.inf)):
+            found = x == sign
+            counts[f"n_{side}_{name}"] = torch.count_nonzero(found if compact else found & skipped)
+    return counts
+
+
+def _mask_refused(flat: FlatBatch) -> dict[str, torch.Tensor]:
+    """How many positions ``flat.mask_refused`` marks, and the first (``row * MASK_ROW + position``, negated)."""
+    refused = flat.mask_refused
+    if refused is None or refused.numel() == 0:
+        zero, none = (torch.full((), value, dtype=torch.float64, device=flat.device) for value in (0.0, -math.inf))
+        return {"n_mask_refused": zero, "neg_min_mask_refused_at": none}
+    ends = torch.cumsum(flat.row_lengths, 0)
+    first = torch.where(refused, torch.arange(refused.numel(), device=refused.device), refused.numel()).amin()
+    row = torch.searchsorted(ends, first, right=True).clamp(max=max(flat.n_datums - 1, 0))
+    start = (ends - flat.row_lengths).index_select(0, row.reshape(1))[0] if flat.n_datums else first
+    at = (row * MASK_ROW + first - start).to(torch.float64)
+    return {"n_mask_refused": torch.count_nonzero(refused),
+            "neg_min_mask_refused_at": torch.where(refused.any(), -at, -math.inf)}
+
+
 def _sampling_sums(flat: FlatBatch) -> dict[str, torch.Tensor]:
-    """Over masked-in positions with a finite trainer logprob t, entropy H and varentropy V (whatever their
-    advantage: a selection by reward would bias the check), the count and the sums of t + H, H and V; and the
-    largest t + H and the smallest (negated), -inf without such positions."""
+    """Over masked-in positions with a finite trainer logprob t and an entropy H and varentropy V a distribution
+    can have (whatever their advantage: a selection by reward would bias the check), the count and the sums of
+    t + H, H and V; the largest t + H and the smallest (negated), -inf without such positions. Beside them
+    (``sampling_positions``): how many masked-in positions had the entropies, how many hold an H or V no
+    distribution has, and how many an H and V that the token's own t rules out."""
     names = ("n_sampling_tokens", "sum_sampling_gap", "sum_sampling_entropy", "sum_sampling_varentropy")
     extrema = ("max_sampling_gap", "neg_min_sampling_gap")
-    if flat.entropy is None or flat.varentropy is None:
+    positions = sampling_positions(flat)
+    if positions is None:
         zero, none = (torch.full((), value, dtype=torch.float64, device=flat.device) for value in (0.0, -math.inf))
-        return dict.fromkeys(names, zero) | dict.fromkeys(extrema, none)
+        counted = [f"n_{name}" for name in SAMPLING_CHECKS] + ["n_sampling_given"]
+        return dict.fromkeys((*names, *counted), zero) | dict.fromkeys(extrema, none)
     t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
-    drawn = flat.masked_in & torch.isfinite(t) & torch.isfinite(h) & torch.isfinite(v)
-    sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), t + h, h, v))}
-    return sums | dict(zip(extrema, max_and_negated_min(t + h, drawn)))
+    drawn, gap = positions.pop("drawn"), t + h
+    sums = {name: torch.where(drawn, part, 0.0).sum() for name, part in zip(names, (drawn.double(), gap, h, v))}
+    counts = {f"n_{name}": torch.count_nonzero(found) for name, found in positions.items()}
+    return sums | counts | dict(zip(extrema, max_and_negated_min(gap, drawn))) | {
+        "n_sampling_given": torch.count_nonzero(flat.masked_in)}
+
+
+SAMPLING_CHECKS = ("entropy_nan", "entropy_inf", "entropy_negative", "varentropy_nan", "varentropy_inf",
+                   "varentropy_negative", "sampling_ruled_out")
+"""What ``sampling_positions`` marks beside the positions the check reads (``n_<name>`` is each one's count)."""
+
+
+def sampling_positions(flat: FlatBatch) -> dict[str, torch.Tensor] | None:
+    """Bool ``[L]`` masks of the masked-in positions, by ``SAMPLING_CHECKS``' names, and ``drawn``: the positions the
+    check of what was sampled reads; ``None`` without the entropies.
+
+    An entropy H or varentropy V is impossible when NaN, ±inf (said once, as inf) or negative beyond rounding
+    (H < -``LOGPROB_ROUNDING``, V < -``LOGPROB_ROUNDING`` (1 + H²)). Of the rest, a token of probability p = e^t
+    adds p (t + H)² to V, so |t + H| e^(t/2) <= √V for any distribution: beyond (1 + ρ) √V + ρ H + α
+    (``RULED_OUT_SLACK``, by the narrowest width of the three) the token's own logprob rules its H and V out.
+    """
+    if flat.entropy is None or flat.varentropy is None:
+        return None
+    masked_in = flat.masked_in
+    t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
+    found = {}
+    for name, x, floor in (("entropy", h, -LOGPROB_ROUNDING), ("varentropy", v, -LOGPROB_ROUNDING * (1.0 + h * h))):
+        inf = masked_in & torch.isinf(x)
+        found |= {f"{name}_nan": masked_in & torch.isnan(x), f"{name}_inf": inf,
+                  f"{name}_negative": masked_in & (x < floor) & ~inf}  # -inf is said once, as inf
+    valid = torch.isfinite(h) & torch.isfinite(v) & (h >= -LOGPROB_ROUNDING) & (v >= -LOGPROB_ROUNDING * (1.0 + h * h))
+    drawn = masked_in & torch.isfinite(t) & valid
+    rho, alpha = RULED_OUT_SLACK[min(16 if x.dtype in _16_BIT else 32 for x in (flat.trainer, flat.entropy,
+                                                                                   flat.varentropy))]
+    bound = v.clamp(min=0.0).sqrt_().mul_(1.0 + rho).add_(h.abs(), alpha=rho).add_(alpha)
+    found["sampling_ruled_out"] = drawn & ((t + h).abs_().mul_(torch.exp(t.clamp(max=0.0) / 2)) > bound)
+    return found | {"drawn": drawn}
 
 
 def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, active: torch.Tensor | None

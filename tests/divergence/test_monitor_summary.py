@@ -170,7 +170,7 @@ def test_a_run_shorter_than_the_logging_interval_judges_its_last_step() -> None:
     recording, monitor = RecordingLogger(), KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="warn"))
     trainer = quiet_trainer(max_steps=3, log_every_n_steps=50, logger=recording, callbacks=[monitor])
     with pytest.warns(UserWarning, match="exceeded max_kl = 0.05"):
-        trainer.fit(TinyPolicy(offset=5.0))  # the sampler 5 nats off
+        trainer.fit(TinyPolicy(offset=-5.0))  # the sampler 5 nats off
     assert [step for step, metrics in recording.calls if PREFIX + "kl_sample_train_k3" in metrics] == [2]
     assert monitor.verdict is Verdict.WARNED and monitor.verdict_step == 2
     assert "1 logged steps" in monitor.summary_lines()[0]
