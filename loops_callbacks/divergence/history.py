@@ -129,7 +129,8 @@ class RunHistory:
         return {name: value for name, value in dataclasses.asdict(self).items() if name in _RUN_FIELDS}
 
     def restore(self, saved: Mapping[str, Any]) -> None:
-        """Continue the run ``saved`` describes; what an older checkpoint lacks keeps its value."""
+        """Continue the run ``saved`` describes (``read_state``'s ``history``); what an older checkpoint lacks keeps
+        its value."""
         for name in saved.keys() & set(_RUN_FIELDS):
             setattr(self, name, _diagnosis(saved[name]) if name == "last_diagnosis" else saved[name])
 
@@ -238,13 +239,123 @@ class Calibration:
 
 
 def _diagnosis(saved: Mapping[str, Any] | None) -> Diagnosis | None:
-    """A ``Diagnosis`` from its ``dataclasses.asdict`` data."""
+    """A ``Diagnosis`` from its ``dataclasses.asdict`` data (checked by ``read_state``)."""
     if saved is None:
         return None
     fields = {**saved, "problems": tuple(saved.get("problems", ())), "beyond": _diagnosis(saved.get("beyond"))}
     if "evidence" in fields:  # the name of ``numbers`` in older checkpoints
         fields["numbers"] = fields.pop("evidence")
     return Diagnosis(**fields)
+
+
+_OLDER_FIELDS = {"": {"stop_reason"}, "history": {"max_sampling_z"}, "diagnosis": {"evidence"}}
+"""Fields older versions saved that this one reads no more (or under another name): known, not a newer version's."""
+
+
+class _State:
+    """``read_state``'s walk: each refused value a ``ValueError`` naming its field, each unknown field noted."""
+
+    def __init__(self) -> None:
+        self.unknown: list[str] = []
+
+    def refuse(self, path: str, what: str, value: Any) -> None:
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+        raise ValueError(f"KLSampleTrainMonitor.load_state_dict: {path!r} must be {what}, got {shown} "
+                         "(the checkpoint is damaged: its monitor state cannot be read)")
+
+    def mapping(self, value: Any, path: str, known: Any = None, older: Any = frozenset()) -> Mapping[str, Any]:
+        """``value`` if it is a mapping; its fields not in ``known`` or ``older`` are noted (``None``: any name)."""
+        if not isinstance(value, Mapping):
+            self.refuse(path, "a mapping", value)
+        for name in value if known is not None else ():
+            if name not in known and name not in older:
+                where = f" of {path!r}" if path else ""
+                self.unknown.append(f"field {name!r}{where}")
+        return value
+
+    def count(self, value: Any, path: str, *, optional: bool = False) -> int | None:
+        if optional and value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            self.refuse(path, "an int >= 0" + (" or None" if optional else ""), value)
+        return value
+
+    def number(self, value: Any, path: str, least: float = -math.inf, most: float = math.inf) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+                math.isnan(value) and least == -math.inf or least <= value <= most):
+            bound = f" in [{least:g}, {most:g}]" if most < math.inf else f" >= {least:g}" if least > -math.inf else ""
+            self.refuse(path, f"a number{bound}", value)
+        return float(value)
+
+    def numbers(self, value: Any, path: str, least: float = -math.inf) -> list[float]:
+        if not isinstance(value, (list, tuple)):
+            self.refuse(path, "a list of numbers", value)
+        return [self.number(item, f"{path}[{i}]", least) for i, item in enumerate(value)]
+
+    def text(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            self.refuse(path, "a str", value)
+        return value
+
+    def diagnosis(self, value: Any, path: str) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        fields = self.mapping(value, path, {f.name for f in dataclasses.fields(Diagnosis)}, _OLDER_FIELDS["diagnosis"])
+        numbers_key = "numbers" if "numbers" in fields or "evidence" not in fields else "evidence"
+        numbers = self.mapping(fields.get(numbers_key, {}), f"{path}.{numbers_key}")
+        problems = fields.get("problems", ())
+        if not isinstance(problems, (list, tuple)):
+            self.refuse(f"{path}.problems", "a list of str", problems)
+        return {
+            "cause": self.text(fields.get("cause"), f"{path}.cause"),
+            "confidence": self.number(fields.get("confidence"), f"{path}.confidence", 0.0, 1.0),
+            "numbers": {self.text(k, f"{path}.{numbers_key}"): self.number(v, f"{path}.{numbers_key}.{k}")
+                        for k, v in numbers.items()},
+            "problems": tuple(self.text(item, f"{path}.problems[{i}]") for i, item in enumerate(problems)),
+            "observed": self.text(fields.get("observed", ""), f"{path}.observed"),
+            "beyond": self.diagnosis(fields.get("beyond"), f"{path}.beyond"),
+        }
+
+    def cause_count(self, value: Any, path: str) -> list[int]:
+        if isinstance(value, Mapping) and set(value) == {"steps", "first_step"}:  # an older checkpoint's form
+            value = [value["steps"], value["first_step"]]
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            self.refuse(path, "[steps, first step]", value)
+        return [self.count(value[0], f"{path}[0]"), self.count(value[1], f"{path}[1]")]
+
+
+def read_state(state: Any) -> tuple[dict[str, Any], list[str]]:
+    """The monitor's checkpoint ``state`` (``KLSampleTrainMonitor.state_dict``) checked field by field: the patience
+    counter, the calibration's fields and the history's (``_RUN_FIELDS``), each as the monitor keeps it, and the
+    fields this version does not know (a newer version's). A value that cannot be is a ``ValueError`` naming its
+    field; a field an older checkpoint lacks is left out (the monitor keeps its own value)."""
+    walk = _State()
+    if not isinstance(state, Mapping):
+        raise ValueError(f"KLSampleTrainMonitor.load_state_dict: the state must be a mapping, got "
+                         f"{type(state).__name__}")
+    walk.mapping(state, "", ("exceeded_steps", "calibration", "history"), _OLDER_FIELDS[""])
+    found: dict[str, Any] = {"exceeded_steps": walk.count(state.get("exceeded_steps", 0), "exceeded_steps"),
+                             "calibration": {}, "history": {}}
+    calibration = walk.mapping(state.get("calibration", {}), "calibration", ("healthy_gaps", "recent_gaps"))
+    for name in ("healthy_gaps", "recent_gaps"):
+        if name in calibration:
+            found["calibration"][name] = walk.numbers(calibration[name], f"calibration.{name}", least=0.0)
+    history = walk.mapping(state.get("history", {}), "history", _RUN_FIELDS, _OLDER_FIELDS["history"])
+    read = {
+        "logged_steps": lambda v, p: walk.count(v, p),
+        "last_step": lambda v, p: walk.count(v, p, optional=True),
+        "causes": lambda v, p: {walk.text(k, p): walk.cause_count(c, f"{p}.{k}")
+                                for k, c in walk.mapping(v, p).items()},
+        "last_step_with_action_tokens": lambda v, p: walk.count(v, p, optional=True),
+        "metrics_with_action_tokens": lambda v, p: {walk.text(k, p): walk.number(m, f"{p}.{k}")
+                                                    for k, m in walk.mapping(v, p).items()},
+        "last_diagnosis": walk.diagnosis,
+        "last_diagnosis_step": lambda v, p: walk.count(v, p, optional=True),
+    }
+    for name in _RUN_FIELDS:
+        if name in history:
+            found["history"][name] = read[name](history[name], f"history.{name}")
+    return found, walk.unknown
 
 
 def check_loop_internals(trainer: pl.Trainer) -> None:

@@ -34,6 +34,7 @@ from loops_callbacks.divergence.evidence import observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
     Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
+    read_state,
 )
 from loops_callbacks.divergence.inputs import data_keys, read_sampler_facts, read_step
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
@@ -44,7 +45,7 @@ from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
-from loops_callbacks.run_warnings import RunWarnings
+from loops_callbacks.run_warnings import RunWarnings, warn
 from loops_callbacks.validation import check, check_bool, check_choice, check_int
 
 __all__ = ["GuardRail", "KLSampleTrainMonitor", "MediaOptions", "SampleTrainDivergenceError", "Verdict"]
@@ -89,12 +90,13 @@ class KLSampleTrainMonitor(Callback):
 
     Guard rail (on logged steps): a step exceeds when ``kl_metric`` is above ``max_kl``, and also when
     its numbers cannot be trusted: more than ``max_nonfinite_fraction`` non-finite logprobs, the metric
-    NaN, infinite or impossibly negative, or a logprob below -1e4 (a sentinel); the message says which.
-    A step without masked-in action tokens is not judged (a run of them gets one warning). Logprobs
-    above 1e-4 (probabilities?) and sentinels get one warning per run naming the key and an example
-    position, and are the step's likely cause (``impossible_inputs``). Checkpoints hold what the
-    monitor learned and saw (the patience counter, the calibration, the run's history); not the
-    verdict (it belongs to the fit that reached it).
+    NaN, infinite or impossibly negative, or inputs no sampled token can have (a logprob of -inf or +inf,
+    above 0 beyond rounding or below -1e4, an entropy or varentropy that is NaN, infinite, negative or
+    ruled out by the token's own logprob); the message says which. A step without masked-in action
+    tokens is not judged (a run of them gets one warning). Impossible inputs get one warning per run
+    naming the key and an example position, and are the step's likely cause (``impossible_inputs``).
+    Checkpoints hold what the monitor learned and saw (the patience counter, the calibration, the run's
+    history); not the verdict (it belongs to the fit that reached it).
 
     After a fit (kept by a later ``validate`` / ``test``): ``verdict`` (:class:`Verdict`),
     ``verdict_step``, ``stop_reason``, ``last_metrics``, ``last_diagnosis`` and ``summary_lines()``,
@@ -280,11 +282,17 @@ class KLSampleTrainMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict``; older checkpoints lack some of it (a ``stop_reason`` they saved belongs to
-        the run that stopped)."""
-        self.exceeded_steps = state_dict.get("exceeded_steps", 0)
-        for name, value in state_dict.get("calibration", {}).items():
-            setattr(self.calibration, name, list(value))
-        self.history.restore(state_dict.get("history", {}))
+        the run that stopped). A damaged state is a ``ValueError`` naming the field, and nothing of it is kept; a
+        field this version does not know (a newer version's) is a warning, and ignored."""
+        found, unknown = read_state(state_dict)
+        if unknown:
+            warn(f"KLSampleTrainMonitor.load_state_dict: the checkpoint's {', '.join(unknown)} "
+                 f"{'is' if len(unknown) == 1 else 'are'} not known to this version (written by a newer one?); "
+                 "ignored")
+        self.exceeded_steps = found["exceeded_steps"]
+        for name, value in found["calibration"].items():
+            setattr(self.calibration, name, value)
+        self.history.restore(found["history"])
 
     @staticmethod
     def logs_this_step(trainer: pl.Trainer) -> bool:
