@@ -127,11 +127,16 @@ def test_a_push_logs_no_false_alarm_about_the_rotary_cache(engine_back: Any, hf_
     assert not [r.getMessage() for r in records if "Failed to load weights" in r.getMessage()]
 
 
-def test_a_partial_push_names_the_parameters_it_left_behind(engine_back: Any, hf_model: Any) -> None:
+def test_a_partial_push_names_the_parameters_it_would_leave_behind_and_writes_nothing(
+    engine_back: Any, hf_model: Any, updated_model: Any
+) -> None:
     headless = torch.nn.Module()
-    headless.model = copy.deepcopy(hf_model.model)  # names model.*, no lm_head
-    with pytest.raises(ValueError, match=r"left 1 of the engine's parameters as they were .*\['lm_head.weight'\]"):
+    headless.model = copy.deepcopy(updated_model.model)  # names model.*, no lm_head
+    before = engine_weights(engine_back)
+    with pytest.raises(ValueError, match=r"refused before anything was written: it would leave 1 of the engine's "
+                                         r"parameters as they were .*\['lm_head.weight'\]"):
         VLLMWeightSync(engine_back, prefix="").push(headless)
+    assert engine_weights(engine_back) == before
 
 
 def test_without_the_reset_a_shared_prefix_is_served_kv_of_the_older_weights(
@@ -209,3 +214,82 @@ def test_the_dpo_scoring_path_caches_the_engine_values_under_its_fingerprint(
     assert torch.equal(torch.as_tensor(values), torch.as_tensor(again))
     VLLMWeightSync(engine_back).push(Policy(updated_model))
     assert client.fingerprint() != fingerprint  # other weights, another cache key
+
+
+def engine_weights(engine: Any) -> str:
+    """A sha256 of every weight the engine holds."""
+    from loops_callbacks.integrations.vllm.scoring import _weights_fingerprint
+
+    return engine.collective_rpc(_weights_fingerprint, args=("now",))[0]
+
+
+def with_a_short_head(model: Any) -> Any:
+    """``model`` whose output head has 12 rows too few: the last weight of its checkpoint, after every other."""
+    short = copy.deepcopy(model)
+    short.lm_head.weight = torch.nn.Parameter(torch.zeros(VOCAB - 12, short.lm_head.weight.shape[1]))
+    return short
+
+
+def test_a_mis_shaped_push_is_refused_by_name_before_the_engine_changes(
+    engine_back: Any, hf_model: Any, updated_model: Any
+) -> None:
+    sync = VLLMWeightSync(engine_back)
+    sync.push(hf_model, version=3)
+    before = engine_weights(engine_back)
+    with pytest.raises(ValueError, match=r"refused before anything was written: 1 of its 21 weights cannot be loaded "
+                                         r"into the engine: 'lm_head.weight' of shape \(500, 128\) into the engine's "
+                                         r"'lm_head.weight' of shape \(512, 128\) \(AssertionError"):
+        sync.push(with_a_short_head(updated_model))
+    assert engine_weights(engine_back) == before  # the embedding and every layer too
+    facts = sync.facts(vllm.SamplingParams())
+    assert (facts.weight_version, facts.stale_prefix_cache, facts.weights_unknown) == (3, False, False)
+
+
+def test_a_module_on_the_meta_device_is_refused_by_name(engine_back: Any, hf_model: Any) -> None:
+    with torch.device("meta"):
+        empty = type(hf_model)(hf_model.config)
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' \(and 20 more\) is on the meta device: it holds "
+                                         r"no values to push"):
+        VLLMWeightSync(engine_back).push(empty)
+
+
+def test_a_push_that_fails_part_way_leaves_an_engine_that_runs_with_weights_it_calls_unknown(
+    engine_back: Any, hf_model: Any, updated_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = random_prompts(3, torch.Generator().manual_seed(7))
+    params = vllm.SamplingParams(max_tokens=4, logprobs=0, flat_logprobs=True)
+    sync = VLLMWeightSync(engine_back)
+    monkeypatch.setattr(VLLMWeightSync, "_check", lambda self, weights: None)  # as if a check had missed it
+    with pytest.raises(RuntimeError, match=r"the push failed part way \(AssertionError \(the last weight it was given: "
+                                           r"'lm_head.weight' of shape \(500, 128\)\)\): the engine's weights are "
+                                           r"unknown until a push succeeds"):
+        sync.push(with_a_short_head(updated_model))  # the embedding and the layers are loaded before the head
+    unknown = generate_rollouts(engine_back, prompts, params, weight_sync=sync)  # it still runs
+    assert unknown["sampler_facts"].weights_unknown is True and sync.version == 0
+    monkeypatch.undo()
+    sync.push(hf_model)
+    known = generate_rollouts(engine_back, prompts, params, weight_sync=sync)
+    assert known["sampler_facts"].weights_unknown is False
+    assert trainer_gap(hf_model, known).abs().max().item() <= FP32_BOUND
+
+
+def test_the_reference_client_refuses_the_nan_of_an_engine_with_a_nan_weight(engine_back: Any, hf_model: Any) -> None:
+    broken = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        broken.lm_head.weight[7, 3] = float("nan")
+    VLLMWeightSync(engine_back).push(broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", VLLMWarning)
+        client = VLLMSamplingClient(engine_back)
+    with pytest.raises(ValueError, match=r"vLLM's prompt logprobs: datum 0, position 0 is nan, not a logprob"):
+        client.score_packed(PackedTokens.from_sequences([[5, 6, 7], [8, 9]]))
+
+
+def test_the_reference_client_refuses_an_answer_short_of_a_prompt(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", VLLMWarning)
+        client = VLLMSamplingClient(engine)
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: generate(*args, **kwargs)[:-1])
+    with pytest.raises(ValueError, match=r"vLLM returned 1 outputs for 2 prompts"):
+        client.score_packed(PackedTokens.from_sequences([[5, 6, 7], [8, 9]]))

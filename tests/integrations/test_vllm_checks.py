@@ -210,7 +210,8 @@ def test_a_push_that_fails_part_way_leaves_facts_that_say_the_weights_are_unknow
     llm = SyncLLM()
     sync = VLLMWeightSync(llm)
     llm.model.fail_at = "head.weight"  # embed.weight is written first
-    with pytest.raises(RuntimeError, match=r"the push failed part way \(RuntimeError: the device went away\): the "
+    with pytest.raises(RuntimeError, match=r"the push failed part way \(RuntimeError: the device went away \(the "
+                                           r"last weight it was given: 'head.weight' of shape \(16, 4\)\)\): the "
                                            r"engine's weights are unknown until a push succeeds"):
         sync.push(trained())
     facts = facts_of(sync)
@@ -232,6 +233,7 @@ def test_the_monitor_treats_a_step_sampled_from_unknown_weights_as_untrusted() -
 
     monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=6, callbacks=[monitor])
-    trainer.fit(UnknownWeights())
+    with pytest.warns(UserWarning, match="cannot be trusted: the sampling engine's weights are unknown"):
+        trainer.fit(UnknownWeights())
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
     assert "the step cannot be trusted: the sampling engine's weights are unknown" in monitor.stop_reason

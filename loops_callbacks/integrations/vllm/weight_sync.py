@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -76,43 +77,118 @@ def _reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> li
         loaded.append(load_weights(items))
         return loaded[-1]
 
+    given: list[tuple[str, torch.Tensor]] = []  # the weight the engine was last given
+
+    def giving() -> Any:
+        for weight in weights:
+            given[:] = [weight]
+            yield weight
+
     model.load_weights = recording  # reload_weights calls it; its answer is the set of loaded names
     try:
-        worker.model_runner.reload_weights(weights_iterator=iter(weights))
+        worker.model_runner.reload_weights(weights_iterator=giving())
+    except Exception as error:
+        _abandon_reload(worker, model)
+        last = f" (the last weight it was given: {given[0][0]!r} of shape {tuple(given[0][1].shape)})" if given else ""
+        raise _LoadFailed(f"{_described(error)}{last}") from error
     finally:
         del model.load_weights
     return sorted(expected - set(loaded[0])) if loaded and loaded[0] is not None else []
 
 
+class _LoadFailed(RuntimeError):
+    """A worker's reload failed part way; the message says how, and the last weight it was given."""
+
+
+def _described(error: BaseException) -> str:
+    """``AssertionError: the message``, or the type alone when the message is empty; the first line of it (a
+    worker's ``_LoadFailed``: its message)."""
+    if isinstance(error, _LoadFailed):
+        return str(error)
+    said = str(error).partition("\n")[0]  # without an assertion's rewritten details
+    return f"{type(error).__name__}: {said}" if said else type(error).__name__
+
+
+def _abandon_reload(worker: Any, model: nn.Module) -> None:
+    """After a reload that failed part way: vLLM's layers still waiting for weights are put back as they were (the
+    layers it finished hold the new ones), so that the engine runs, and a later push can load, again."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+    except ImportError:  # a vLLM without the layerwise reload leaves no such state
+        return
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():  # what it buffered is dropped: it then restores the layer's tensors
+            info.loaded_weights.clear()
+            info.load_numel = 0
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    logger.addFilter(_not_failed_to_load)  # each restored layer says so: the push's error says it once
+    try:
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    finally:
+        logger.removeFilter(_not_failed_to_load)
+
+
+def _not_failed_to_load(record: logging.LogRecord) -> bool:
+    return not record.getMessage().endswith(": Failed to load weights")
+
+
 def _check_push(worker: Any, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[list[str], list[str]]:
     """On each vLLM worker, before anything is written: each pushed name and shape loaded by the engine's own
-    loaders into meta copies of its parameters (the same class and loader, no storage: nothing is written).
-    Returns what cannot be loaded (name, shape, the engine's error) and the parameters no pushed weight reaches."""
+    loaders into meta tensors of its parameters in checkpoint format, as its in-place reload loads them (no
+    storage: nothing is written). Returns what cannot be loaded (name, shapes, the engine's error) and the
+    parameters no pushed weight reaches."""
     model = worker.model_runner.get_model()
     expected = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters()}
-    kept = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()
-            if param is not None]
+    target: list[tuple[str, tuple[int, ...]]] = []  # the engine parameter the last loader was called on
+    kept = [(module, module._parameters) for module in model.modules()]
     try:
-        for module, key, param in kept:
-            module._parameters[key] = _meta_copy(param)
-        refused, loaded = [], set()
+        for (prefix, module), (_, parameters) in zip(model.named_modules(), kept):
+            module._parameters = _loadable(module, parameters, prefix, target)
+        refused: list[str] = []
+        loaded: set[str] | None = set()
         for name, shape, dtype in specs:
+            target.clear()
             try:
                 reached = model.load_weights(iter([(name, torch.empty(shape, dtype=dtype, device="meta"))]))
             except Exception as error:  # noqa: BLE001 - whatever the engine's loader says, with the weight's name
-                said = str(error).partition("\n")[0]  # the message, without an assertion's rewritten details
-                refused.append(f"{name!r} of shape {shape} ({type(error).__name__}: {said})")
+                into = f" into the engine's {target[0][0]!r} of shape {target[0][1]}" if target else ""
+                refused.append(f"{name!r} of shape {shape}{into} ({_described(error)})")
                 continue
             loaded = None if reached is None or loaded is None else loaded | set(reached)
     finally:
-        for module, key, param in kept:
-            module._parameters[key] = param
+        for module, parameters in kept:
+            module._parameters = parameters
     return refused, sorted(expected - loaded) if loaded is not None and not refused else []
 
 
+def _loadable(module: nn.Module, parameters: dict[str, Any], prefix: str,
+              target: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """``module``'s parameters as meta tensors of their class, with their attributes (their weight loaders, which
+    tell ``target`` the parameter they load into): those vLLM recorded in checkpoint format when it built the model
+    (what its in-place reload loads into; a kernel may have replaced a parameter since), else the module's own."""
+    loadable = {name: _meta_copy(param) for name, param in parameters.items() if param is not None}
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    except ImportError:  # a vLLM without the layerwise reload: the parameters as they are
+        recorded = {}
+    else:
+        info = LAYERWISE_INFO.get(module)
+        recorded = {name: restore_layer_refs(_meta_copy(param), module)
+                    for name, param in (info.restore_metadata[0] if info is not None else {}).items()}
+    loadable |= recorded
+    for name, meta in loadable.items():
+        for key in ("weight_loader", "_weight_loader"):  # a plain parameter's, or the property's of vLLM's own
+            loader = meta.__dict__.get(key)
+            if callable(loader):
+                meta.__dict__[key] = _telling(loader, f"{prefix}.{name}".lstrip("."), meta, target)
+    return loadable
+
+
 def _meta_copy(param: torch.Tensor) -> torch.Tensor:
-    """``param`` on the meta device, of its class and with its attributes (its weight loader): what vLLM's own
-    reload loads into; a loader wrapped by an unfinished reload is unwrapped, so that nothing is queued for it."""
+    """``param`` on the meta device, of its class and with its attributes (its weight loader); a loader wrapped by
+    an unfinished reload is unwrapped, so that nothing is queued for it."""
     meta = param.data.to("meta")
     meta.__class__ = param.__class__
     meta.__dict__ = dict(param.__dict__)
@@ -123,6 +199,17 @@ def _meta_copy(param: torch.Tensor) -> torch.Tensor:
         if key in meta.__dict__:
             meta.__dict__[key] = loader
     return meta
+
+
+def _telling(loader: Any, name: str, param: torch.Tensor, target: list[tuple[str, tuple[int, ...]]]) -> Any:
+    """``loader``, telling ``target`` the name and shape of the parameter it loads into (its error may not)."""
+
+    @functools.wraps(loader)
+    def telling(*args: Any, **kwargs: Any) -> Any:
+        target[:] = [(name, tuple(param.shape))]
+        return loader(*args, **kwargs)
+
+    return telling
 
 
 def _not_the_rotary_false_alarm(record: logging.LogRecord) -> bool:
@@ -145,13 +232,12 @@ class VLLMWeightSync:
     ``push(module)`` sends ``checkpoint_weights(module)`` cast to the engine's dtype (the
     module's own tensors are never changed) through ``llm.collective_rpc`` into each worker's
     ``model_runner.reload_weights``. Before anything is written, each worker loads the pushed names
-    and shapes into meta copies of its parameters with its own loaders: a weight it cannot load
+    and shapes into meta tensors of its parameters with its own loaders: a weight it cannot load
     (another shape, a name it does not have) and an engine parameter no pushed weight reaches (a
     partial load) are a ``ValueError`` naming them, as is a module on the meta device; the engine
-    then holds the weights it held. (A quantized engine's parameters are in its kernel format, not
-    the checkpoint's: there vLLM's load itself checks them.) A push that fails after that, part
-    way, is a ``RuntimeError``, and until a push succeeds ``weights_unknown`` says that the engine
-    holds neither the old weights nor the new ones. Attributes:
+    then holds the weights it held. A push that fails after that, part way, is a ``RuntimeError``,
+    and until a push succeeds ``weights_unknown`` says that the engine holds neither the old weights
+    nor the new ones. Attributes:
 
     * ``version``: the version of the engine's weights: the ``version`` given to ``push``, else the
       trainer's ``global_step`` of a LightningModule attached to one, else one more than before
@@ -179,7 +265,6 @@ class VLLMWeightSync:
         self.version = 0
         self.stale_prefix_cache = False
         self.weights_unknown = False
-        self.quantized = getattr(config.model_config, "quantization", None) is not None
         self.last_push_seconds: float | None = None
         logging.getLogger(_RELOAD_LOGGER).addFilter(_not_the_rotary_false_alarm)  # once: addFilter skips a known one
 
@@ -196,15 +281,14 @@ class VLLMWeightSync:
             more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
             raise ValueError(f"{meta[0]!r}{more} is on the meta device: it holds no values to push; materialize the "
                              "module's weights first (to_empty() and load them, or build it on a real device)")
-        if not self.quantized:
-            self._check(weights)
+        self._check(weights)
         self.weights_unknown, self.stale_prefix_cache = True, self.prefix_caching  # from here on they change
         try:
             left = self.llm.collective_rpc(_reload_in_place, args=(weights,))  # per worker, what it did not reach
         except Exception as error:
             raise RuntimeError(
-                f"the push failed part way ({type(error).__name__}: {error}): the engine's weights are unknown until "
-                "a push succeeds (weights_unknown, and facts().weights_unknown for the monitor)"
+                f"the push failed part way ({_described(error)}): the engine's weights are unknown until a push "
+                "succeeds (weights_unknown, and facts().weights_unknown for the monitor)"
             ) from error
         missing = sorted({name for names in left for name in names})
         if missing:
@@ -224,7 +308,7 @@ class VLLMWeightSync:
         return self.version
 
     def _check(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """A ``ValueError`` naming what the engine cannot load (each worker's loaders on meta copies), before
+        """A ``ValueError`` naming what the engine cannot load (each worker's loaders on meta tensors), before
         anything is written."""
         specs = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in weights]
         answers = self.llm.collective_rpc(_check_push, args=(specs,))  # per worker: (refused, not reached)
