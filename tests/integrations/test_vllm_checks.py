@@ -36,9 +36,9 @@ class ScoringLLM:
     """A vllm.LLM double answering prompt logprobs: -0.5 per token, ``bad`` at position 2 of a 4-token prompt,
     ``drop`` outputs left out."""
 
-    def __init__(self, bad: float | None = None, drop: int = 0) -> None:
+    def __init__(self, bad: float | None = None, drop: int = 0, reverse: bool = False) -> None:
         self.llm_engine = Fake(vllm_config=config())
-        self.bad, self.drop = bad, drop
+        self.bad, self.drop, self.reverse = bad, drop, reverse
 
     def generate(self, requests: list[dict[str, Any]], params: Any, use_tqdm: bool = False) -> list[Fake]:
         outputs = []
@@ -47,8 +47,9 @@ class ScoringLLM:
             values = [-0.5] * len(ids)
             if self.bad is not None and len(ids) == 4:
                 values[2] = self.bad
-            outputs.append(Fake(prompt_logprobs=[None] + [{t: Fake(logprob=v)} for t, v in zip(ids[1:], values[1:])]))
-        return outputs[: len(outputs) - self.drop]
+            logprobs = [None] + [{t: Fake(logprob=v)} for t, v in zip(ids[1:], values[1:])]
+            outputs.append(Fake(prompt_token_ids=ids, prompt_logprobs=logprobs))
+        return (outputs[::-1] if self.reverse else outputs)[: len(outputs) - self.drop]
 
 
 SEQUENCES = [[1, 2, 3], [4, 5, 6, 7], [9], [2, 3]]
@@ -79,6 +80,11 @@ def test_an_engine_value_that_is_no_logprob_names_the_datum_and_position(vllm_st
         reference.score_packed(PackedTokens.from_sequences(SEQUENCES))
     with pytest.raises(ValueError, match=rf"datum 1, position 1 is {bad:g}"):
         reference.compute_logprobs_batch(SEQUENCES)
+
+
+def test_outputs_in_another_order_than_the_prompts_are_refused_not_read_for_another_prompt(vllm_stub: Any) -> None:
+    with pytest.raises(ValueError, match=r"vLLM's output 0 answers the prompt \[2, 3\], not datum 0's \[1, 2, 3\]"):
+        client(ScoringLLM(reverse=True)).score_packed(PackedTokens.from_sequences(SEQUENCES))
 
 
 def test_a_prompt_that_is_not_1d_names_itself(vllm_stub: Any) -> None:

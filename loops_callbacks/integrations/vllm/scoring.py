@@ -27,8 +27,9 @@ class VLLMSamplingClient(ScorerClient):
     (``skip_reading_prefix_cache=True``): prompt logprobs served with prefix caching came back
     stale (vLLM #42019), so an engine built with prefix caching on is told, once, that its scoring
     requests do not use it. An engine that reports logits (``logprobs_mode="*_logits"``) is refused, and so is an
-    answer that is not every prompt's logprobs: fewer outputs than prompts, or a value that is not a logprob (NaN,
-    infinite, above 0 beyond rounding), a ``ValueError`` naming the datum and position.
+    answer that is not every prompt's logprobs: fewer outputs than prompts, one that answers another prompt, or a
+    value that is not a logprob (NaN, infinite, above 0 beyond rounding), a ``ValueError`` naming the datum and
+    position.
 
     Args:
         llm: the ``vllm.LLM`` holding the reference weights.
@@ -76,9 +77,13 @@ class VLLMSamplingClient(ScorerClient):
                              "two or more tokens); every prompt needs its prompt logprobs")
         values = np.zeros(packed.num_tokens, dtype=np.float32)
         base = int(offsets[0])
-        for index, output in zip(scored.tolist(), outputs):
+        for number, (index, output) in enumerate(zip(scored.tolist(), outputs)):
             start, stop = int(offsets[index]), int(offsets[index + 1])
             targets, where = packed.ids[start + 1 : stop], f"sequence {index}"
+            answered = getattr(output, "prompt_token_ids", None)
+            if answered is not None and list(answered) != requests[number]["prompt_token_ids"]:
+                raise ValueError(f"vLLM's output {number} answers the prompt {_short(answered)}, not datum {index}'s "
+                                 f"{_short(requests[number]['prompt_token_ids'])}")
             logprobs = output.prompt_logprobs
             if logprobs is None or len(logprobs) != stop - start:
                 raise ValueError(f"vLLM gave {where} {0 if logprobs is None else len(logprobs)} prompt logprobs for "
@@ -95,6 +100,12 @@ class VLLMSamplingClient(ScorerClient):
 
     def __repr__(self) -> str:
         return f"VLLMSamplingClient(dtype={self.dtype!r}, vocab_size={self.vocab_size})"
+
+
+def _short(ids: Any) -> str:
+    """Token ids for a message: all of them up to 8, else the first 8 and how many."""
+    ids = list(ids)
+    return str(ids) if len(ids) <= 8 else f"{str(ids[:8])[:-1]}, ... ({len(ids)} tokens)]"
 
 
 def _weights_fingerprint(worker: Any, tag: str) -> str:
