@@ -229,7 +229,7 @@ def _entropy_problems(totals: Mapping[str, float]) -> dict[str, str]:
     given = totals.get("n_sampling_given", 0.0)
     found = {}
     for field in ("entropy", "varentropy"):
-        counts = {kind: totals[f"n_{field}_{kind}"] for kind in ("nan", "inf", "negative")}
+        counts = {kind: totals.get(f"n_{field}_{kind}", 0.0) for kind in ("nan", "inf", "negative")}
         if sum(counts.values()):
             parts = ", ".join(f"{count:.0f} {'NaN' if kind == 'nan' else kind}" for kind, count in counts.items() if count)
             found[f"{field}_invalid"] = (
@@ -237,7 +237,7 @@ def _entropy_problems(totals: Mapping[str, float]) -> dict[str, str]:
                 f"({parts}): a{'n' if field == 'entropy' else ''} {field} is a finite number >= 0; such positions are "
                 "left out of the check of what was sampled"
             )
-    if totals.get("n_sampling_tokens", 0.0) and totals["sum_sampling_varentropy"] == 0 and totals["sum_sampling_gap"]:
+    if totals.get("n_sampling_tokens") and totals["sum_sampling_varentropy"] == 0 and totals["sum_sampling_gap"]:
         found["sampling_unscaled"] = (
             f"'training_varentropy' is 0 at every one of the {totals['n_sampling_tokens']:.0f} positions checked while "
             f"the sampled tokens' logprobs are not -'training_entropy' (they sum to {totals['sum_sampling_gap']:.3g} "

@@ -230,19 +230,20 @@ def sampling_positions(flat: FlatBatch) -> dict[str, torch.Tensor] | None:
     """
     if flat.entropy is None or flat.varentropy is None:
         return None
-    masked_in = flat.masked_in
-    t, h, v = (x.to(torch.float64) for x in (flat.trainer, flat.entropy, flat.varentropy))
+    masked_in, fields = flat.masked_in, (flat.trainer, flat.entropy, flat.varentropy)
+    wide = torch.float64 if any(x.dtype == torch.float64 for x in fields) else torch.float32  # a check, not a sum
+    t, h, v = (x.to(wide) for x in fields)
+    floors = {"entropy": -LOGPROB_ROUNDING, "varentropy": h.square().add_(1.0).mul_(-LOGPROB_ROUNDING)}
     found = {}
-    for name, x, floor in (("entropy", h, -LOGPROB_ROUNDING), ("varentropy", v, -LOGPROB_ROUNDING * (1.0 + h * h))):
+    for name, x in (("entropy", h), ("varentropy", v)):
         inf = masked_in & torch.isinf(x)
         found |= {f"{name}_nan": masked_in & torch.isnan(x), f"{name}_inf": inf,
-                  f"{name}_negative": masked_in & (x < floor) & ~inf}  # -inf is said once, as inf
-    valid = torch.isfinite(h) & torch.isfinite(v) & (h >= -LOGPROB_ROUNDING) & (v >= -LOGPROB_ROUNDING * (1.0 + h * h))
-    drawn = masked_in & torch.isfinite(t) & valid
-    rho, alpha = RULED_OUT_SLACK[min(16 if x.dtype in _16_BIT else 32 for x in (flat.trainer, flat.entropy,
-                                                                                   flat.varentropy))]
+                  f"{name}_negative": masked_in & (x < floors[name]) & ~inf}  # -inf is said once, as inf
+    drawn = masked_in & torch.isfinite(t) & torch.isfinite(h) & torch.isfinite(v) & (h >= floors["entropy"]) & (
+        v >= floors["varentropy"])
+    rho, alpha = RULED_OUT_SLACK[min(16 if x.dtype in _16_BIT else 32 for x in fields)]
     bound = v.clamp(min=0.0).sqrt_().mul_(1.0 + rho).add_(h.abs(), alpha=rho).add_(alpha)
-    found["sampling_ruled_out"] = drawn & ((t + h).abs_().mul_(torch.exp(t.clamp(max=0.0) / 2)) > bound)
+    found["sampling_ruled_out"] = drawn & ((t + h).abs_().mul_(t.clamp(max=0.0).mul_(0.5).exp_()) > bound)
     return found | {"drawn": drawn}
 
 

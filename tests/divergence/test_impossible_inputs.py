@@ -122,6 +122,11 @@ def test_a_point_mass_with_a_drawn_token_of_logprob_minus_7_is_ruled_out_and_z_i
     batch["sampler_logprobs"] = batch["training_logprobs"].clone()
     report = report_of(batch)
     assert_untrusted_not_sampling(report, "1 of 1024 masked-in positions", "rule out")
+    # a token too unlikely for the rounding allowed to register (e^-30) still leaves no varentropy to scale by
+    batch["training_logprobs"][3, 4] = batch["sampler_logprobs"][3, 4] = -30.0
+    report = report_of(batch)
+    assert_untrusted_not_sampling(report, "'training_varentropy' is 0 at every one of the 1024 positions checked")
+    assert math.isnan(report.scalars["sampling_z"]) and "rule out" not in report.untrusted
     # and the check's own numbers: no variance to scale by is no number, not an infinite one
     found = sampling_metrics({"n_sampling_tokens": 2.0, "sum_sampling_gap": -14.0, "sum_sampling_entropy": 0.0,
                               "sum_sampling_varentropy": 0.0}, {"max_sampling_gap": -0.0, "neg_min_sampling_gap": 7.0})
@@ -138,6 +143,24 @@ def test_fields_of_another_temperature_are_not_blamed_on_the_sampler_alone() -> 
     assert not report.problems
     assert report.diagnosis.cause == "sampling" and math.isfinite(report.scalars["sampling_z"])
     assert "'training_entropy' and 'training_varentropy'" in report.diagnosis.message, report.diagnosis.message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("cast", [None, torch.bfloat16])
+def test_no_token_of_any_distribution_rules_its_own_fields_out(dtype: torch.dtype, cast: torch.dtype | None) -> None:
+    """The bound holds for every token a distribution has, not only for likely draws: uniform, uniform on a few,
+    near a point mass, flat to very peaked; the logits in any dtype, the fields kept in bf16 or not."""
+    vocabulary, positions = 96, 8
+    logits = torch.randn(positions, vocabulary, generator=torch.Generator().manual_seed(2))
+    logits *= torch.tensor([0.0, 0.01, 1.0, 5.0, 20.0, 100.0, 1.0, 1.0])[:, None]
+    logits[6] = torch.where(torch.arange(vocabulary) < 7, 0.0, -1e9)  # uniform on 7 tokens
+    logits[7, 0] = 1e3  # a point mass but for rounding
+    every = logits.to(dtype)[:, None, :].expand(positions, vocabulary, vocabulary).reshape(1, -1, vocabulary)
+    out = token_logprobs(every, torch.arange(vocabulary).repeat(positions)[None], with_entropy=True)
+    t, h, v = (x if cast is None else x.to(cast) for x in out)
+    drawable = (t > -1e3).float()  # the tokens outside the 7 have logprobs of about -1e9: never drawn
+    assert not report_of({"sampler_logprobs": t, "training_logprobs": t, "training_entropy": h,
+                          "training_varentropy": v, "mask": drawable}, GuardRail()).problems
 
 
 def test_honest_fields_have_no_problem() -> None:
