@@ -33,6 +33,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -315,8 +316,10 @@ def _refused_mask(mask: torch.Tensor, row_lengths: torch.Tensor, rows: str) -> t
     row = int(torch.searchsorted(ends, first, right=True))
     position = first - (int(ends[row - 1]) if row else 0)
     where = f"datum {row}, key 'mask': position" if rows == "datum" else f"'mask': row {row}, position"
+    value = mask[first].item()
+    shown = f"{value:g}" + (" (None in a list reads as NaN)" if rows == "datum" and math.isnan(value) else "")
     raise ValueError(
-        f"{where} {position} is {mask[first].item():g}, not a mask value; {count} such value{'s' * (count != 1)} in all. "
+        f"{where} {position} is {shown}, not a mask value; {count} such value{'s' * (count != 1)} in all. "
         "A mask is 1.0 on the action tokens and 0.0 elsewhere (or bools, or weights >= 0): a negative or NaN value "
         "would drop its token without a word"
     )

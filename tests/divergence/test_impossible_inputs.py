@@ -278,6 +278,9 @@ def test_a_negative_or_nan_datum_mask_is_refused_naming_the_datum() -> None:
             for mask in ([1.0, 1.0, 0.0], [1.0, -1.0, None])]
     with pytest.raises(ValueError, match=r"datum 1, key 'mask': position 1 is -1.*2 such values"):
         flatten_datums(data, [[-1.0] * 3] * 2)
+    data[1].loss_fn_inputs["mask"] = [1.0, None, 1.0]
+    with pytest.raises(ValueError, match=r"datum 1, key 'mask': position 1 is nan \(None in a list reads as NaN\)"):
+        flatten_datums(data, [[-1.0] * 3] * 2)
 
 
 def test_a_mask_of_weights_and_bools_is_accepted() -> None:
