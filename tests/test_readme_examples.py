@@ -60,7 +60,8 @@ def test_the_rl_example_trains_monitors_and_names_the_bf16_sampler_precision(
 
 
 def test_the_rl_example_without_its_sync_is_stopped_and_named_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's claim: stop the sampler's sync and the run stops within a few steps, named stale."""
+    """The README's claim: stop the sampler's sync and the versions say so from the first logged step behind
+    (step 4: lag 4), and the guard rail stops the run, named stale."""
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     block = python_block("class GRPO(LightningModule):").replace(
@@ -68,7 +69,9 @@ def test_the_rl_example_without_its_sync_is_stopped_and_named_stale(tmp_path: Pa
     ).replace("self.version = self.trainer.global_step", "pass")
     namespace, printed = run(block)
     monitor = namespace["monitor"]
-    assert monitor.stop_reason is not None and "the sampler's weights are out of date (lag" in monitor.stop_reason, printed
+    assert monitor.history.causes["stale"][1] == 4, printed
+    assert monitor.stop_reason is not None and "the sampler's weights are out of date: every datum sampled with " \
+        "weights" in monitor.stop_reason, printed
 
 
 def test_the_rl_example_whose_sync_fails_while_its_version_counts_is_stopped_with_a_hint_to_check_the_weights(

@@ -13,6 +13,10 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
 * **Direct evidence** (``evidence``): what the monitor sees for certain about the trainer (live
   dropout, its precision); live dropout is named as an observation (confidence 1), before any
   statistical cause but ``none``.
+* **What the run states of itself**, named as observed from the first step it holds, before any
+  statistical rule: datums whose ``policy_version`` is more than ``max_policy_lag`` steps behind the
+  trainer (stale, with the lag, whatever the size of the gap); an engine that reports processed
+  logprobs after a temperature or truncation (``SamplerFacts``) when the gap agrees with its settings.
 * **Trend**: the relative gaps of the run's previous logged steps (``history.Calibration.recent_gaps``),
   read for a gap that grows step after step (stale weights).
 
@@ -66,6 +70,10 @@ TREND_GROWTH = 2.0
 TREND_STEPS = 32
 STALE_ETA2 = 0.1
 SAMPLING_Z = 5.0  # |sampling_z| from which the tokens are taken as drawn from another distribution
+CREEP_STEPS = 8  # a gap that grew over at least this many logged steps,
+CREEP_GROWTH = 3.0  # this many times over (the mean of the latest third against the first's),
+CREEP_Z = 3.0  # its rank correlation with time this many standard errors above 0 (rho sqrt(n - 1); p ~ 0.001),
+# is not rounding noise: rounding stays level (10 steps of steady growth at least; 16 at rho 0.8)
 # the noise gate
 NOISE_PRIOR = 1e-3  # the largest relative gap taken as rounding noise before the run is calibrated
 NOISE_PRIOR_FULL_PRECISION = 1e-8  # the same for a float32 / float64 engine and a full-precision trainer
@@ -76,6 +84,8 @@ NOISE_CEILING = 1e-2  # no step with a larger relative gap is taken as rounding 
 NOISE_SLOPE = 0.05  # a step taken as noise has its slope of t on s this close to 1
 CALIBRATION_SPREAD = 10.0  # the steps of a first calibration agree within this factor
 HEALTHY_STEPS = 16  # the latest healthy steps whose median is the floor (it follows a floor that drifts)
+FLOOR_FOLLOW = 3.0  # once calibrated, a healthy step's gap joins the floor only within this factor of it:
+# a floor follows slow drift, never a fault that lifts the gap under a bound 20x the floor
 _PREFIX_CACHE_SEEN = "its weights were reloaded after its prefix cache was last reset (the engine's own account)"
 
 
@@ -107,6 +117,7 @@ def diagnose(
     facts: SamplerFacts | None = None,
     by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
+    max_policy_lag: int = 0,
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
@@ -117,7 +128,8 @@ def diagnose(
     the steps. ``facts`` is what the sampling engine says about itself (``evidence.SamplerFacts``).
     ``by_lag`` is the step's divergence by policy lag (``HostDivergence.by_lag``: label -> sums with
     ``n_tokens`` and ``abs_d_mean``); ``trend`` the relative gaps of the run's previous logged steps,
-    oldest first.
+    oldest first. ``max_policy_lag`` is the policy lag the run intends (1 for one-step-off-policy training):
+    datums further behind (the signature numbers ``lag_min`` / ``lag_max``) are stale, observed.
     """
     full_precision = (
         facts is not None and facts.dtype in ("float32", "float64")
@@ -125,9 +137,14 @@ def diagnose(
     )
     bound = noise_bound(noise_floor, NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR)
     lag_bound = bound if noise_floor is None else max(LAG_NOISE_FACTOR * noise_floor, NOISE_MIN)
-    statistical = _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts, by_lag, trend)
+    behind = _observed_lag(signatures, max_policy_lag, bound)
+    statistical = behind or _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts,
+                                               by_lag, trend)
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
         return statistical  # no mismatch: live dropout does not reach these logprobs
+    if behind is not None:
+        numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p}
+        return Diagnosis(DROPOUT, 1.0, numbers, observed=evidence.facts, beyond=behind)
     numbers = {"dropout_modules": float(evidence.dropout_modules), "dropout_p": evidence.max_dropout_p,
                "k3": signatures.get("kl_sample_train_k3", math.nan)}
     beyond = None  # what live dropout cannot explain: an offset, a gap growing with the policy lag or over the steps
@@ -156,6 +173,9 @@ def _statistical_cause(
         return Diagnosis("unclear", 0.0, {"n_action_tokens": float(n_tokens)})
     # logprobs rounded to 16 bits on both sides match exactly on most tokens even across a real gap
     zero_share, sure_at = (ZERO_SHARE_16_BIT, 1.0) if get("both_16_bit_share") >= 0.5 else (ZERO_SHARE, 0.9)
+    settings = _processed_settings(sig, facts, noise_bound)  # the engine says what it applied to its logprobs
+    if settings is not None:
+        return settings
     sampling = _sampling(sig, facts)  # named only where the logprobs agree: were the tokens drawn from them?
     if sampling is not None and not sampling.observed and facts is not None and facts.stale_prefix_cache:
         # KV from older weights: the draws came from another distribution, as the engine itself says
@@ -177,6 +197,9 @@ def _statistical_cause(
             return Diagnosis("stale", _confidence(math.log10(gap / lag_bound) / 2), {"lag": float(behind)} | noise)
         if sampling is not None:
             return sampling
+        creeping = _creeping(gap, trend, noise)
+        if creeping is not None:
+            return creeping
         if _fades(get):
             return Diagnosis("unclear", 0.0, fade)
         return Diagnosis("precision", _confidence(math.log10(noise_bound / max(gap, 1e-300))), noise)
@@ -207,6 +230,9 @@ def _statistical_cause(
         return growing
     if get("pearson") < UNRELATED_PEARSON:
         return found("unrelated", (UNRELATED_PEARSON - get("pearson")) / UNRELATED_PEARSON, "pearson")
+    creeping = _creeping(gap, trend, noise)  # versions that say current do not stop this one
+    if creeping is not None:
+        return creeping
     pearson, off_one = get("pearson"), abs(slope - 1.0)
     significant = off_one >= SLOPE_SE * slope_se  # a slope within its error of 1 is not a temperature
     # the margin kept against weights a few steps old (a sharpening policy moves the slope too) is not needed
@@ -234,6 +260,71 @@ def _statistical_cause(
         numbers = {"token_eta2": get("token_eta2")} | noise
         return Diagnosis("stale", _confidence((get("token_eta2") - STALE_ETA2) / 0.2), numbers)
     return Diagnosis("unclear", 0.0, unclear)
+
+
+def _observed_lag(sig: Mapping[str, float], max_policy_lag: int, noise_bound: float) -> Diagnosis | None:
+    """``stale``, observed, when the versions put any datum more than ``max_policy_lag`` optimizer steps behind
+    the trainer (``lag_min`` / ``lag_max``: the step's datums with action tokens), whatever the gap; None when
+    they do not, or were not given. The gap's size beside it says how much it matters yet."""
+    low, high = sig.get("lag_min", math.nan), sig.get("lag_max", math.nan)
+    if not high > max_policy_lag:  # NaN: no versions
+        return None
+    low = max(low, 0.0)
+    lag = f"{high:.0f}" if low == high else f"{low:.0f} to {high:.0f}"
+    who = "every datum" if low > max_policy_lag else "some datums"
+    gap, k3 = sig.get("relative_gap", math.nan), sig.get("kl_sample_train_k3", math.nan)
+    size = "beyond rounding noise" if _beyond_noise(sig, noise_bound) else "within rounding noise so far"
+    said = (f"{who} sampled with weights {lag} optimizer step{'s' if high != 1 else ''} behind the trainer's (their "
+            f"policy_version; max_policy_lag {max_policy_lag}); the gap is {size}")
+    return Diagnosis("stale", 1.0, {"lag_min": low, "lag_max": high, "relative_gap": gap, "noise_bound": noise_bound,
+                                    "k3": k3}, observed=said)
+
+
+def _processed_settings(sig: Mapping[str, float], facts: SamplerFacts | None, noise_bound: float) -> Diagnosis | None:
+    """``temperature`` or ``truncation``, observed, when the engine says its logprobs are processed (after its
+    temperature, top-p or top-k) while the trainer's are the model's at temperature 1, and the gap agrees: beyond
+    noise, with the slope of t on s off 1 the way the temperature goes (T < 1: below 1), or d of one sign under
+    truncation. None otherwise (a trainer that applies the same settings leaves no gap)."""
+    if facts is None or facts.logprobs_mode != "processed_logprobs" or not facts.sampling_settings:
+        return None
+    if not _beyond_noise(sig, noise_bound):
+        return None
+    get = _reader(sig)
+    engine = f"the {facts.engine} engine" if facts.engine else "the engine"
+    said = (f"{engine} reports processed_logprobs, after {', '.join(facts.sampling_settings)}, where the trainer's "
+            "are at temperature 1")
+    slope, slope_se = get("temperature"), get("temperature_se")
+    temperature = facts.temperature
+    if temperature not in (None, 1.0) and (slope - 1.0) * (temperature - 1.0) > 0:
+        if abs(slope - 1.0) >= SLOPE_SE * (slope_se if math.isfinite(slope_se) else 0.0):
+            numbers = {name: get(name) for name in ("temperature", "temperature_se", "pearson", "kl_sample_train_k3")}
+            return Diagnosis("temperature", 1.0, numbers,
+                             observed=f"{said}: divide the trainer's logits by {temperature:g}")
+    truncates = (facts.top_p is not None and facts.top_p < 1.0) or (facts.top_k is not None and facts.top_k > 0)
+    if truncates and get("frac_d_pos") < TRUNCATION_POSITIVE_SHARE and (
+            get("is_ratio_mean") < 1.0 - TRUNCATION_SE * get("is_ratio_se")):
+        numbers = {name: get(name) for name in ("frac_d_pos", "is_ratio_mean", "is_ratio_se", "kl_sample_train_k3")}
+        return Diagnosis("truncation", 1.0, numbers, observed=f"{said}: apply the same truncation in the trainer")
+    return None
+
+
+def _creeping(gap: float, trend: Sequence[float], noise: Mapping[str, float]) -> Diagnosis | None:
+    """``stale`` when the gap has grown step after step: ``CREEP_GROWTH``-fold over at least ``CREEP_STEPS`` logged
+    steps (the run's trend and this step), its Spearman correlation with time ``CREEP_Z`` standard errors above 0.
+    Rounding noise stays level (the relative gap is scaled to the logprobs' spread), so no bound learned from it
+    excuses this; a sampler that stopped receiving the weights drifts away a little more every step, whatever its
+    versions say (a load that failed while the version still counted)."""
+    series = [value for value in (*trend, gap) if math.isfinite(value)]
+    if len(series) < CREEP_STEPS:
+        return None
+    third = max(1, len(series) // 3)
+    early, late = statistics.fmean(series[:third]), statistics.fmean(series[-third:])
+    growth = late / early if early > 0 else math.inf
+    rho = _spearman(series)
+    if growth < CREEP_GROWTH or rho * math.sqrt(len(series) - 1) < CREEP_Z:
+        return None
+    numbers = dict(noise) | {"steps_growing": float(len(series)), "gap_growth": growth, "gap_spearman": rho}
+    return Diagnosis("stale", _confidence((growth - CREEP_GROWTH) / CREEP_GROWTH), numbers)
 
 
 def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis | None:

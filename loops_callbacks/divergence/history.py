@@ -45,7 +45,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
-    CALIBRATION_SPREAD, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_shaped,
+    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_shaped,
 )
 from loops_callbacks.divergence.guard_rail import GuardRail
 
@@ -220,7 +220,8 @@ class Calibration:
         A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
         also an ``unclear`` step whose every number is rounding noise's (``noise_shaped``): a bf16
         engine's floor can sit above the prior. The first floor is taken only from steps that agree
-        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not.
+        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not. Once
+        calibrated, a healthy step joins only within ``FLOOR_FOLLOW`` x the floor: the floor never learns a fault.
         """
         gap = signatures.get("relative_gap", math.nan)
         if not math.isfinite(gap):
@@ -229,7 +230,8 @@ class Calibration:
         healthy = diagnosis.cause in ("none", "precision") or (
             not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)
         )
-        if not healthy:
+        floor = self.noise_floor
+        if not healthy or (floor is not None and gap > FLOOR_FOLLOW * max(floor, NOISE_MIN / NOISE_FACTOR)):
             return
         gaps = [*self.healthy_gaps, gap][-HEALTHY_STEPS:]
         if len(self.healthy_gaps) < self.calibration_steps:  # not calibrated: keep the latest steps that agree

@@ -87,6 +87,9 @@ class KLSampleTrainMonitor(Callback):
             logs what each would do, applying nothing (``shadow``). ``off_policy_mask`` reads one
             advantage per datum (``per_datum.advantages``); a sequence whose advantages cannot be read
             is not kept, and rank 0 says how many and on which ranks.
+        max_policy_lag: the policy lag the run intends (``policy_version`` behind the trainer's optimizer
+            steps; 1 for one-step-off-policy training): a datum further behind is stale, named as observed
+            from the first step it is seen, whatever the size of the gap.
 
     Guard rail (on logged steps): a step exceeds when ``kl_metric`` is above ``max_kl``, and also when
     its numbers cannot be trusted: more than ``max_nonfinite_fraction`` non-finite logprobs, the metric
@@ -122,6 +125,7 @@ class KLSampleTrainMonitor(Callback):
         diagnose: bool = True,
         calibration_steps: int = 5,
         corrections: Sequence[str | Correction] = (),
+        max_policy_lag: int = 0,
     ) -> None:
         super().__init__()
         self.interval = check_choice("interval", interval, ("optimizer_step", "forward_backward"))
@@ -135,6 +139,7 @@ class KLSampleTrainMonitor(Callback):
         self.sample_size = check_int("sample_size", sample_size, least=1)
         self.diagnose = check_bool("diagnose", diagnose)
         self.calibration_steps = check_int("calibration_steps", calibration_steps, least=0)
+        self.max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
         self.keys = data_keys(keys)
         self.exceeded_steps = 0
@@ -165,7 +170,7 @@ class KLSampleTrainMonitor(Callback):
         shared = {
             "interval": self.interval, "log_every_n_steps": self._every(trainer), "prefix": self.prefix,
             "top_n": media.rows, "sample_size": self.sample_size, "diagnose": self.diagnose,
-            "calibration_steps": self.calibration_steps, "log_strata": media.log_strata, "max_groups": media.max_groups,
+            "calibration_steps": self.calibration_steps, "max_policy_lag": self.max_policy_lag, "log_strata": media.log_strata, "max_groups": media.max_groups,
             "corrections": [c.name for c in self.corrections], "keys": self.keys, **dataclasses.asdict(self.guard_rail),
         }
         listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
@@ -228,6 +233,7 @@ class KLSampleTrainMonitor(Callback):
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
             evidence=observe_training(trainer, pl_module) if self.diagnose else None, facts=facts,
             trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
+            max_policy_lag=self.max_policy_lag,
         )
         self._deliver(trainer, report, step)
         self.last_metrics = {self.prefix + name: value for name, value in report.scalars.items()}

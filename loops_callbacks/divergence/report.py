@@ -129,14 +129,15 @@ def step_report(
     evidence: DirectEvidence | None = None,
     facts: SamplerFacts | None = None,
     trend: Sequence[float] = (),
+    max_policy_lag: int = 0,
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
     ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
     as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
     seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
-    (the relative gaps of the run's previous logged steps, oldest first); ``tokenizer`` shows the worst tokens
-    as text.
+    (the relative gaps of the run's previous logged steps, oldest first), and ``max_policy_lag`` (the lag the run
+    intends); ``tokenizer`` shows the worst tokens as text.
     """
     refuse_mask(host)
     scalars = scalar_metrics(host, prefix="")
@@ -146,7 +147,7 @@ def step_report(
         signatures = signature_numbers(host)
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
             signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
-            trend=trend,
+            trend=trend, max_policy_lag=max_policy_lag,
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
     strata = host.strata if host.strata is not None and n > 0 else {}

@@ -81,7 +81,7 @@ SIGNATURES = (
     "frac_d_zero", "frac_d_pos", "both_16_bit_share", "sampler_all_zero", "is_ratio_mean", "is_ratio_se", "pearson", "temperature",
     "temperature_se", "relative_gap", "relative_gap_se", "sign_split", "temperature_sign", "shift_ratio",
     "shift_direction", "token_eta2", "low_high_abs_ratio", "rms_d", "kl_sample_train_k3", "sd_ratio", "context_fade",
-    "context_fade_z", "offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share",
+    "context_fade_z", "offset", "offset_share", "offset_ratio", "left_aligned_ratio", "left_aligned_share", "lag_min", "lag_max",
 )
 
 CONTEXT_MIN_TOKENS = 64
@@ -134,13 +134,20 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         "sd_ratio": math.sqrt(var_t / var_s) if var_s > 0 and var_t >= 0 else math.nan,
         **dict(zip(("context_fade", "context_fade_z"), _context_fade(t))),
         **_offset_numbers(host.offset_sums),
+        **_lag_numbers(host.extrema),
         **sampling_metrics(t, host.extrema),  # the check of what was sampled, when the trainer's entropies were given
     }
 
 
+def _lag_numbers(extrema: dict[str, float]) -> dict[str, float]:
+    """The smallest and largest policy lag of the step's datums with action tokens (NaN without versions)."""
+    high, low = extrema.get("max_lag", -math.inf), -extrema.get("neg_min_lag", -math.inf)
+    return {"lag_min": low, "lag_max": high} if high > -math.inf else {"lag_min": math.nan, "lag_max": math.nan}
+
+
 def _offset_numbers(offsets: np.ndarray | None) -> dict[str, float]:
     if offsets is None:
-        return dict.fromkeys(SIGNATURES[SIGNATURES.index("offset") :], math.nan)
+        return dict.fromkeys(SIGNATURES[SIGNATURES.index("offset") : SIGNATURES.index("lag_min")], math.nan)
     found = read_offsets(offsets)
     return {"offset": found.offset, "offset_share": found.share, "offset_ratio": found.ratio,
             "left_aligned_ratio": found.left_ratio, "left_aligned_share": found.left_share}

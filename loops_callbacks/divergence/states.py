@@ -96,6 +96,8 @@ MAIN = (
                                       "max_trainer", "neg_min_trainer")),
     # the one token's t + H furthest above 0, and (negated) below: sampling_z_trimmed
     State("max_sampling_gap", "max"), State("neg_min_sampling_gap", "max"),
+    # the policy lags of the datums with action tokens (-inf without versions): the lag, as the versions state it
+    State("max_lag", "max"), State("neg_min_lag", "max"),
     # the first refused mask position, negated (row * MASK_ROW + position)
     State("neg_min_mask_refused_at", "max"),
 )

@@ -88,6 +88,8 @@ def of_chunk(
         "n_masked_in": count(flat.masked_in),
         "n_advantage_nan": count(flat.advantage_nan) if flat.advantage_nan is not None else torch.zeros((), device=d.device),
         "max_seq_mean_d": max_and_negated_min(seq_mean, with_actions)[0],
+        **dict(zip(("max_lag", "neg_min_lag"), max_and_negated_min(
+            flat.lags.to(torch.float64) if flat.lags is not None else seq_mean[:0], with_actions))),
         **_sampling_sums(flat),
     }
     for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
