@@ -243,3 +243,21 @@ def test_the_monitor_treats_a_step_sampled_from_unknown_weights_as_untrusted() -
         trainer.fit(UnknownWeights())
     assert trainer.global_step == 3 and "at step 2" in monitor.stop_reason
     assert "the step cannot be trusted: the sampling engine's weights are unknown" in monitor.stop_reason
+
+
+def test_a_failed_clean_up_after_a_failed_push_is_said_with_the_push_s_own_error(
+    vllm_stub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loops_callbacks.integrations.vllm import weight_sync
+
+    def cannot(worker: Any, model: Any) -> None:
+        raise AttributeError("no model_config")
+
+    monkeypatch.setattr(weight_sync, "_abandon_reload", cannot)
+    llm = SyncLLM()
+    llm.model.fail_at = "head.weight"
+    sync = VLLMWeightSync(llm)
+    with pytest.raises(RuntimeError, match=r"the device went away \(the last weight .*\); putting vLLM's waiting layers "
+                                           r"back failed too \(AttributeError: no model_config\): rebuild the engine"):
+        sync.push(trained())
+    assert sync.weights_unknown

@@ -88,8 +88,11 @@ def _reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> li
     try:
         worker.model_runner.reload_weights(weights_iterator=giving())
     except Exception as error:
-        _abandon_reload(worker, model)
         last = f" (the last weight it was given: {given[0][0]!r} of shape {tuple(given[0][1].shape)})" if given else ""
+        try:
+            _abandon_reload(worker, model)
+        except Exception as cleanup:  # noqa: BLE001 - the push's own error is the one to raise
+            last += f"; putting vLLM's waiting layers back failed too ({_described(cleanup)}): rebuild the engine"
         raise _LoadFailed(f"{_described(error)}{last}") from error
     finally:
         del model.load_weights
@@ -116,11 +119,12 @@ def _abandon_reload(worker: Any, model: nn.Module) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
     except ImportError:  # a vLLM without the layerwise reload leaves no such state
         return
-    for layer in model.modules():
-        info = LAYERWISE_INFO.get(layer)
-        if info is not None and info.can_load():  # what it buffered is dropped: it then restores the layer's tensors
-            info.loaded_weights.clear()
-            info.load_numel = 0
+    waiting = [info for info in map(LAYERWISE_INFO.get, model.modules()) if info is not None and info.can_load()]
+    if not waiting:
+        return
+    for info in waiting:  # what it buffered is dropped: finalizing then puts the layer's own tensors back
+        info.loaded_weights.clear()
+        info.load_numel = 0
     logger = logging.getLogger(_RELOAD_LOGGER)
     logger.addFilter(_not_failed_to_load)  # each restored layer says so: the push's error says it once
     try:
