@@ -283,9 +283,11 @@ class _State:
         return value
 
     def number(self, value: Any, path: str, least: float = -math.inf, most: float = math.inf) -> float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                math.isnan(value) and least == -math.inf or least <= value <= most):
-            bound = f" in [{least:g}, {most:g}]" if most < math.inf else f" >= {least:g}" if least > -math.inf else ""
+        """``value`` as a float: a real number in ``[least, most]``; NaN only where nothing bounds it (a metric)."""
+        bounded = least > -math.inf or most < math.inf
+        real = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not real or not (least <= value <= most or math.isnan(value) and not bounded):
+            bound = f" in [{least:g}, {most:g}]" if most < math.inf else f" >= {least:g}" if bounded else ""
             self.refuse(path, f"a number{bound}", value)
         return float(value)
 
