@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
 from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -45,8 +45,8 @@ from typing_extensions import override
 
 import loops_callbacks.data  # noqa: F401  (registers the DataModules for short class names)
 import loops_callbacks.models  # noqa: F401  (registers DPOModule and HFDPOModule for short class names)
-from loops_callbacks.cli.refusals import Constructors, missing_package, parse_error_line, refusal_line
-from loops_callbacks.cli.refusals import unparsable_config_line
+from loops_callbacks.cli.refusals import Constructors, group_value_refusal, init_args_refusal, missing_package
+from loops_callbacks.cli.refusals import parse_error_line, refusal_line, unloadable_group, unparsable_config_line
 from loops_callbacks.cli.summary import EXIT_ERROR, EXIT_GUARD_RAIL_RAISED, EXIT_INTERRUPTED, EXIT_STATUSES, EXIT_USAGE
 from loops_callbacks.cli.summary import exit_status, killed_line, killed_rank, monitors_of, rank_deaths_reported
 from loops_callbacks.cli.summary import run_summary, shown, wandb_run_directory
@@ -72,18 +72,41 @@ MAIN_COMMANDS = (
 
 class _Parser(LightningArgumentParser):
     """Lightning's parser, whose refusal of a config is one line on stderr (exit 2) instead of the usage and a
-    many-line error."""
+    many-line error, and which refuses a single value where a group of options goes (it is also the parser of
+    every class a config names: jsonargparse makes those of the parser's own type).
+
+    jsonargparse took ``guard_rail: 0.05`` or ``--...guard_rail=[0.05]`` unchecked, and failed on it only when
+    making the class (a traceback: "argument after ** must be a mapping"); ``trainer: 5`` was dropped for the
+    default Trainer, ``init_args: 5`` read "'int' object has no attribute 'keys'".
+    """
 
     @override
     def parse_args(self, args: Any = None, *rest: Any, **kwargs: Any) -> Any:
         self._given = list(sys.argv[1:] if args is None else args)  # a config YAML cannot read is named from these
         return super().parse_args(args, *rest, **kwargs)
 
+    def _check_value_key(self, action: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        """jsonargparse's check of a value a config or an override gives a key; for an options group it checks a
+        string only (a file or YAML text of the group), so anything else that is no group is refused here."""
+        refused = group_value_refusal(action, value)
+        if refused is not None:
+            raise TypeError(refused)
+        return super()._check_value_key(action, value, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def parse_object(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        """A class's ``init_args`` are parsed here, by the class's parser: they must be a group of its options."""
+        if not isinstance(obj, (dict, Namespace)):  # refused as parse_object refuses what it cannot parse
+            options = [name.lstrip("\u200b") for name in vars(self.get_defaults())]  # (jsonargparse marks "keys")
+            self.error(init_args_refusal(options, obj))
+        return super().parse_object(obj, *args, **kwargs)
+
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debug_mode_active():
             super().error(message, ex)
-        line = unparsable_config_line(ex, getattr(self, "_given", ())) or parse_error_line(message)
+        given = getattr(self, "_given", ())
+        line = unparsable_config_line(ex, given) or parse_error_line(message, problem=unloadable_group(ex))
         _exit_with(f"loops-callbacks: error: {line}", EXIT_USAGE)
 
 

@@ -266,6 +266,16 @@ def test_a_logger_that_cannot_take_text_is_a_warning(tmp_path: Path) -> None:
         deliver_text([FullDisk(str(tmp_path))], "stop", "why", step=3)
 
 
+LOGGERS = """  # two loggers, the CSV one given init_args
+trainer:
+  logger:
+    - class_path: lightning.pytorch.loggers.TensorBoardLogger
+      init_args: {{save_dir: .}}
+    - class_path: lightning.pytorch.loggers.CSVLogger
+      init_args: {init_args}
+"""
+
+
 FLAT_MAX_KL = """
 trainer:
   callbacks:
@@ -294,17 +304,20 @@ trainer:
         (["--trainer", "unclosed_group.yaml"],  # a group's own file
          "unclosed_group.yaml, line 2, column 1: while parsing a flow node"),
         (["--config={a: [}"], "a config file, line 1, column 6: while parsing a flow node"),  # a YAML string given
+        (["--config", "logger_field.yaml"],  # in a list of loggers: the logger and its key, not "not a Logger"
+         "trainer.logger (CSVLogger): flush_logs_every_n_steps: Expected a <class 'int'>. Got value: abc"),
         (["--config", "one_correction.yaml"],  # a string where a list goes: not "Expected a path"
          "trainer.callbacks (KLSampleTrainMonitor): corrections: Expected a <class 'collections.abc.Sequence'>. Got "
          "value: sequence_mask:3.0, nor the path of a file holding one"),
     ],
     ids=["restriction", "type", "unknown option", "datamodule", "trainer", "unknown flag", "flat group key",
-         "not YAML", "-c", "a group's file", "a string that is not YAML", "a string for a list"],
+         "not YAML", "-c", "a group's file", "a string that is not YAML", "a logger's key", "a string for a list"],
 )
 def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
     override: list[str], line: str, capsys: Any
 ) -> None:
     Path("flat_max_kl.yaml").write_text(FLAT_MAX_KL)
+    Path("logger_field.yaml").write_text(LOGGERS.format(init_args="{save_dir: ., flush_logs_every_n_steps: abc}"))
     Path("unclosed.yaml").write_text("trainer:\n  max_steps: [\n")
     Path("unclosed_group.yaml").write_text("max_steps: [\n")
     Path("one_correction.yaml").write_text(
@@ -315,6 +328,91 @@ def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
     assert exit_.value.code == 2
     (error,) = capsys.readouterr().err.splitlines()
     assert error.startswith(f"loops-callbacks: error: {line}"), error
+
+
+GUARD_RAIL = "GuardRail's (max_kl, kl_metric, patience, on_exceed, max_nonfinite_fraction, max_sampling_z)"
+MEDIA = "MediaOptions's (log_histogram, max_histogram_tokens, log_worst_tokens, top_n, log_strata, max_groups)"
+SCORING = "Scoring's (scoring_dtype, max_tokens_per_batch, reference_fingerprint, scoring_timeout)"
+OR_A_FILE = "(or the path of a YAML file holding one)"
+RL = ["--config", str(CONFIGS / "rl_tiny.yaml")]
+
+
+def monitor_config(**init_args: Any) -> str:
+    """A config whose KLSampleTrainMonitor has these ``init_args`` (given after rl_tiny.yaml, it replaces its list)."""
+    config = {"trainer": {"callbacks": [{"class_path": "KLSampleTrainMonitor", "init_args": init_args}]}}
+    Path("monitor.yaml").write_text(yaml.safe_dump(config))
+    return "monitor.yaml"
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (lambda: [*RL, "--config", monitor_config(guard_rail=0.05)],
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got 0.05"),
+        (lambda: [*RL, "--config", monitor_config(guard_rail=[0.05])],
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got [0.05]"),
+        (lambda: [*RL, "--config", monitor_config(guard_rail=None)],
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got null"),
+        (lambda: [*RL, "--config", monitor_config(guard_rail="strict")],  # a string is read as a file, then as YAML
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got 'strict'"),
+        (lambda: [*RL, "--config", monitor_config(media=5)],
+         f"trainer.callbacks (KLSampleTrainMonitor): media: takes a group of options, {MEDIA}, as in "
+         f"media: {{log_histogram: ...}} {OR_A_FILE}; got 5"),
+        (lambda: [*RL, "--trainer.callbacks.init_args.guard_rail", "0.05"],
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got '0.05'"),
+        (lambda: [*RL, "--trainer.callbacks.init_args.guard_rail=[0.05]"],
+         f"trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a group of options, {GUARD_RAIL}, as in "
+         f"guard_rail: {{max_kl: ...}} {OR_A_FILE}; got [0.05]"),
+        (lambda: [*RL, "--trainer.callbacks.init_args.media=null"],
+         f"trainer.callbacks (KLSampleTrainMonitor): media: takes a group of options, {MEDIA}, as in "
+         f"media: {{log_histogram: ...}} {OR_A_FILE}; got null"),
+        (lambda: ["--config", dpo_config("pairs.jsonl", scoring=5)],
+         f"data (DPODataModule): scoring: takes a group of options, {SCORING}, as in scoring: {{scoring_dtype: ...}} "
+         f"{OR_A_FILE}; got 5"),
+        (lambda: ["--config", dpo_config("pairs.jsonl"), "--data.init_args.scoring=[bfloat16]"],
+         f"data (DPODataModule): scoring: takes a group of options, {SCORING}, as in scoring: {{scoring_dtype: ...}} "
+         f"{OR_A_FILE}; got ['bfloat16']"),
+        (lambda: [*RL, "--config", "trainer_5.yaml"],  # was silently dropped: the run went on with the default Trainer
+         "trainer: takes a group of options, Trainer's (accelerator, strategy, devices, num_nodes, precision, "
+         "logger, ...), as in trainer: {accelerator: ...} (or the path of a YAML file holding one); got 5"),
+        (lambda: [*RL, "--trainer", "0.05"],
+         "trainer: takes a group of options, Trainer's (accelerator, strategy, devices, num_nodes, precision, "
+         "logger, ...), as in trainer: {accelerator: ...} (or the path of a YAML file holding one); got '0.05'"),
+        (lambda: [*RL, "--model.init_args", "5"],
+         "model (RLPolicyModule): init_args: takes a group of options (num_digits, num_symbols, group_size, d_model, "
+         "n_layers, n_heads, ...), as in init_args: {num_digits: ...}; got '5'"),
+        (lambda: [*RL, "--config", "logger_init_args.yaml"],  # in a list of loggers (a union of one and a list)
+         "trainer.logger (CSVLogger): init_args: takes a group of options (save_dir, name, version, prefix, "
+         "flush_logs_every_n_steps), as in init_args: {save_dir: ...}; got 5"),
+        (lambda: [*RL, "--config", "init_args_list.yaml"],
+         "trainer.callbacks (KLSampleTrainMonitor): init_args: takes a group of options (interval, log_every_n_steps, "
+         "prefix, guard_rail, media, tokenizer, ...), as in init_args: {interval: ...}; got [0.05]"),
+    ],
+    ids=["yaml scalar", "yaml list", "yaml null", "yaml string", "media", "override", "override list",
+         "override null", "data scoring", "data scoring override", "trainer", "trainer override", "init_args",
+         "logger init_args", "init_args list"],
+)
+def test_a_value_where_a_group_of_options_goes_exits_2_with_one_line_naming_the_key_and_what_it_takes(
+    override: Any, line: str, capsys: Any
+) -> None:
+    """``guard_rail: 0.05`` was a traceback ("argument after ** must be a mapping, not float", exit 1), ``trainer: 5``
+    ran with the default Trainer (exit 0), an override read "Unable to load config '0.05'"."""
+    Path("trainer_5.yaml").write_text("trainer: 5\n")
+    Path("logger_init_args.yaml").write_text(LOGGERS.format(init_args="5"))
+    Path("init_args_list.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: KLSampleTrainMonitor\n      init_args: [0.05]\n")
+    with pytest.raises(SystemExit) as exit_, seed_messages() as said:
+        run_cli(["fit", *override(), "--trainer.logger", "false"])
+    assert exit_.value.code == 2
+    (error,) = capsys.readouterr().err.splitlines()
+    assert said == []  # nothing was made
+    assert error.startswith(f"loops-callbacks: error: {line}"), error
+    assert not os.path.exists("runs")  # nothing ran
 
 
 CORRECTION_CLIP_MAX = """

@@ -228,6 +228,21 @@ def test_the_hf_config_run_outside_the_checkout_names_the_tokenizer_key_and_the_
     ), error
 
 
+def test_a_value_where_a_group_of_options_goes_exits_2_in_one_line_from_the_console_script(tmp_path: Path) -> None:
+    """``guard_rail: 0.05`` exited 1 with jsonargparse's traceback ("argument after ** must be a mapping, not float");
+    tests/cli/test_cli.py has every shape of it in this process."""
+    (tmp_path / "monitor.yaml").write_text(
+        "trainer:\n  callbacks:\n    - class_path: KLSampleTrainMonitor\n      init_args:\n        guard_rail: 0.05\n")
+    runs = [("--config", "monitor.yaml"), ("--trainer.callbacks.init_args.guard_rail=[0.05]",)]
+    for given, value in zip(runs, ("0.05", "[0.05]")):
+        status, output = run_command("fit", "--config", str(CONFIGS / "rl_tiny.yaml"), *given, cwd=tmp_path)
+        assert status == EXIT_USAGE, output[-3000:]
+        (line,) = output.splitlines()
+        assert line.startswith("loops-callbacks: error: trainer.callbacks (KLSampleTrainMonitor): guard_rail: takes a "
+                               "group of options, GuardRail's (max_kl, ") and line.endswith(f"; got {value}"), line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["monitor.yaml"]  # nothing ran
+
+
 def test_a_missing_extra_is_one_line_the_last_printed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
