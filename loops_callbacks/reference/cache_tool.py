@@ -315,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "data and scoring dtype; a DPO run's cache_dir, by default <default_root_dir>/reference_logprobs).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="every cache in DIR: size, date, key").add_argument("directory", metavar="DIR")
-    prune = commands.add_parser("prune", help="remove the caches of DIR that the options select")
+    commands.add_parser("list", help="every cache in DIR: size, date, key (and what else is named *.cache)").add_argument("directory", metavar="DIR")
+    prune = commands.add_parser("prune", help="remove the caches of DIR that the options select (files this package "
+                                "wrote, told by their header: nothing else is ever removed)")
     prune.add_argument("directory", metavar="DIR")
     prune.add_argument("--older-than", type=_at_least_zero(float, "a number of days"), metavar="DAYS",
                        help="remove those not modified for DAYS days")
@@ -325,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prune.add_argument(
         "--damaged",
         action="store_true",
-        help="remove files with an unreadable header or a wrong size, and temporary files of killed writers",
+        help="remove caches whose header is cut short or of an earlier version, or whose size is wrong, and "
+        "temporary files of killed writers",
     )
     prune.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     args = parser.parse_args(argv)
