@@ -22,6 +22,7 @@ IMPOSSIBLE_INPUTS = "impossible_inputs"  # the inputs are not logprobs at all: n
 DROPOUT = "dropout"  # dropout seen live in the trainer: an observation, not a guess
 SAMPLING = "sampling"  # the tokens were drawn from another distribution than the logprobs describe
 PREFIX_CACHE = "prefix_cache"  # the engine says its prefix cache outlived a weight reload (``SamplerFacts``)
+PRECISION_BITS = "precision_bits"  # a precision diagnosis' number, not shown: 16 (a side known 16-bit), 32 (neither)
 CAUSES = (
     IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", SAMPLING, PREFIX_CACHE, "unrelated", "truncation", "temperature",
     "precision", "stale", "unclear",
@@ -47,8 +48,12 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
                     "temperature 1, or divide the trainer's logits by the same temperature"),
     "stale": ("the sampler's weights are out of date", "check that the sampler receives the trainer's weights every "
               "step (sync frequency, failed or partial weight loads)"),
-    "precision": ("numerical precision (e.g. bf16 kernels)", "check the sampler's dtype and kernels; a gap at this "
-                  "level is usually harmless"),
+    "precision": ("numerical precision (the engines' dtypes, kernels or reduction order differ)", "check the "
+                  "sampler's dtype and kernels; a gap at this level is usually harmless"),
+    "precision_16": ("numerical precision (16-bit rounding, e.g. bf16 kernels)", "check the sampler's dtype and "
+                     "kernels; a gap at this level is usually harmless"),
+    "precision_32": ("numerical precision (kernels and reduction order differ between the engines)", "check the "
+                     "sampler's kernels; a gap at this level is usually harmless"),
     SAMPLING: ("the tokens were not drawn from the distribution the sampler's logprobs describe", "check the "
                "sampler's logprobs mode (vLLM: logprobs_mode='processed_logprobs') or the sampling settings: the "
                "importance ratio of every correction is not the behaviour policy's"),
@@ -128,6 +133,8 @@ class Diagnosis:
             key = "context_fade" if "context_fade" in self.numbers else "too_few"
         if key == "truncation" and self.numbers.get("sampler_all_zero") == 1.0:
             key = "all_zero"
+        if key == "precision" and self.numbers.get(PRECISION_BITS) in (16.0, 32.0):  # a side known 16-bit, or none
+            key = f"precision_{int(self.numbers[PRECISION_BITS])}"
         what, check = _shift_texts(self.numbers) if key == "shift" else _TEXTS[key]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.numbers['temperature']:.2f})"
@@ -186,5 +193,5 @@ def _shift_texts(numbers: Mapping[str, float]) -> tuple[str, str]:
 
 
 def _format(numbers: Mapping[str, float]) -> str:
-    shown = {name: value for name, value in numbers.items() if name not in ("shift_direction", "offset")}
+    shown = {name: value for name, value in numbers.items() if name not in ("shift_direction", "offset", PRECISION_BITS)}
     return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in shown.items())

@@ -39,7 +39,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from loops_callbacks.divergence.causes import DROPOUT, PREFIX_CACHE, SAMPLING, Diagnosis
+from loops_callbacks.divergence.causes import DROPOUT, PRECISION_BITS, PREFIX_CACHE, SAMPLING, Diagnosis
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import held_sampling_z
 
@@ -140,6 +140,13 @@ def diagnose(
     behind = _observed_lag(signatures, max_policy_lag, bound)
     statistical = behind or _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts,
                                                by_lag, trend)
+    if statistical.cause == "precision":  # its text names bf16 only where a side is known 16-bit
+        sixteen = (signatures.get("both_16_bit_share", math.nan) >= 0.5
+                   or (evidence is not None and evidence.reduced_precision)
+                   or (facts is not None and "16" in (facts.dtype or "")))
+        bits = 16.0 if sixteen else 32.0 if full_precision else None
+        if bits is not None:
+            statistical = Diagnosis("precision", statistical.confidence, statistical.numbers | {PRECISION_BITS: bits})
     if evidence is None or not evidence.dropout_active or statistical.cause == "none":
         return statistical  # no mismatch: live dropout does not reach these logprobs
     if behind is not None:
