@@ -233,6 +233,20 @@ def test_demo_learning_prints_rl_dpo_and_the_variants(benchmark_run: BenchmarkRu
     assert len(lines_starting(out, "RL   ")) == 4, out
 
 
+@pytest.mark.benchmark_run(
+    "real_model_power.py", *"--settings top_p0.9 --tokens 8 16 --draws 2 --max-new-tokens 8 --batch 4".split(),
+    "--cache-dir", os.environ.get("LOOPS_CALLBACKS_CACHE") or "cache",  # else built in the run's folder (about 30 s)
+)
+def test_real_model_power_prints_a_cell_per_setting_and_step_size(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
+    assert out.startswith("CPU: "), out[:300]
+    assert re.search(r"^\| top-p 0\.9, raw logprobs \| \d+\.\d \([0-2]/2\) \| \d+\.\d \([0-2]/2\) \|$", out, re.MULTILINE), out
+    assert lines_starting(out, "| top-p 0.9, raw logprobs | "), out  # the pool's row
+    check = re.search(r"logprob (\S+), entropy (\S+), varentropy (\S+)$", out, re.MULTILINE)
+    assert check and all(float(value) < 1e-3 for value in check.groups()), out  # the generate logits are the trainer's
+
+
 @pytest.mark.benchmark_run("tune_diagnosis.py", "--base-steps", "2", "--steps", "2", "--skip", "0", "--seeds", "0")
 def test_tune_diagnosis_prints_each_variant(benchmark_run: BenchmarkRun) -> None:
     out = benchmark_run.out
