@@ -23,8 +23,9 @@ DROPOUT = "dropout"  # dropout seen live in the trainer: an observation, not a g
 SAMPLING = "sampling"  # the tokens were drawn from another distribution than the logprobs describe
 PREFIX_CACHE = "prefix_cache"  # the engine says its prefix cache outlived a weight reload (``SamplerFacts``)
 PRECISION_BITS = "precision_bits"  # a precision diagnosis' number, not shown: 16 (a side known 16-bit), 32 (neither)
+PROMPT = "prompt"  # the sampler's prompt ids (``sampler_prompt_ids``) differ from the trainer's: an observation
 CAUSES = (
-    IMPOSSIBLE_INPUTS, "none", DROPOUT, "shift", SAMPLING, PREFIX_CACHE, "unrelated", "truncation", "temperature",
+    IMPOSSIBLE_INPUTS, "none", DROPOUT, PROMPT, "shift", SAMPLING, PREFIX_CACHE, "unrelated", "truncation", "temperature",
     "precision", "stale", "unclear",
 )
 """Every cause a step can be given, in the order they are checked (``unclear`` last)."""
@@ -36,6 +37,9 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
     DROPOUT: ("observed: the trainer's logprobs include dropout noise", "compute the trainer's logprobs without dropout "
               "(model.eval() for the scoring forward, or dropout 0 in the model's config, as TRL does for RL); the "
               "sampler never applies dropout"),
+    PROMPT: ("the sampler's prompt differs from the trainer's", "render the prompt once and give both sides the "
+             "same ids: check the chat template, the system prompt, BOS and special tokens (added twice, or dropped) "
+             "and the tokenizer on each side; every completion is scored in another context than it was sampled in"),
     "unrelated": ("sampler and trainer score unrelated distributions", "check the chat template, BOS and special "
                   "tokens and the tokenizer on both sides, and that the sampler loaded the trainer's weights at all"),
     "truncation": ("the sampler truncates (top-k / top-p) and reports renormalized logprobs", "check that the "
@@ -59,7 +63,8 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
                "importance ratio of every correction is not the behaviour policy's"),
     PREFIX_CACHE: ("the sampler's prefix cache holds KV computed with older weights", "reset the prefix cache after "
                    "every weight update (vLLM: llm.reset_prefix_cache()) or salt it per weight version"),
-    "unclear": ("unclear", "no single cause's signature fits; look at the worst-tokens table"),
+    "unclear": ("unclear", "no single cause's signature fits; look at the worst tokens (the worst_tokens table in W&B "
+                "or TensorBoard; with any logger, KLSampleTrainMonitor.last_worst_tokens)"),
     "too_few": ("unclear: too few action tokens on this step to judge", "a logged step is judged on its own "
                 "micro-batches: a larger batch or gradient accumulation gives it more; a token whose advantage is 0 "
                 "is not trained on, so a group whose rewards are all equal adds none"),

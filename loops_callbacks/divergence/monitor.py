@@ -39,7 +39,9 @@ from loops_callbacks.divergence.history import (
 from loops_callbacks.divergence.inputs import data_keys, read_sampler_facts, read_step
 from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
 from loops_callbacks.divergence.reduction import reduce_across_ranks
-from loops_callbacks.divergence.report import MediaOptions, StepReport, Tokenizer, checked_tokenizer, step_report
+from loops_callbacks.divergence.report import (
+    TABLE_KEY, MediaOptions, StepReport, Tokenizer, checked_tokenizer, step_report,
+)
 from loops_callbacks.divergence.shadow import parse_corrections
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import DivergenceStats
@@ -102,8 +104,11 @@ class KLSampleTrainMonitor(Callback):
     history); not the verdict (it belongs to the fit that reached it).
 
     After a fit (kept by a later ``validate`` / ``test``): ``verdict`` (:class:`Verdict`),
-    ``verdict_step``, ``stop_reason``, ``last_metrics``, ``last_diagnosis`` and ``summary_lines()``,
-    the run's summary, also logged as the text ``run_summary`` when fit ends or fails.
+    ``verdict_step``, ``stop_reason``, ``last_metrics`` (every number the loggers got at the last logged
+    step, the diagnosis' and signature numbers too, under the same keys), ``last_worst_tokens`` (that
+    step's worst-tokens table, one dict per row, whatever the logger: a CSV file holds only numbers),
+    ``last_diagnosis`` and ``summary_lines()``, the run's summary, also logged as the text ``run_summary``
+    when fit ends or fails.
 
     Example::
 
@@ -184,6 +189,7 @@ class KLSampleTrainMonitor(Callback):
     def _start_run(self) -> None:
         """The state of one run (set again when a fit starts; the checkpointed state is not)."""
         self.last_metrics: dict[str, float] = {}
+        self.last_worst_tokens: list[dict[str, Any]] = []
         self.last_diagnosis: Diagnosis | None = None
         self.history = RunHistory(self.guard_rail)
         self.calibration = Calibration(self.calibration_steps)
@@ -236,7 +242,9 @@ class KLSampleTrainMonitor(Callback):
             max_policy_lag=self.max_policy_lag,
         )
         self._deliver(trainer, report, step)
-        self.last_metrics = {self.prefix + name: value for name, value in report.scalars.items()}
+        self.last_metrics = {self.prefix + name: value for name, value in {**report.scalars, **report.breakdown}.items()}
+        columns, rows = report.tables.get(TABLE_KEY, ((), []))
+        self.last_worst_tokens = [dict(zip(columns, row, strict=True)) for row in rows]
         self.last_diagnosis = report.diagnosis
         self.history.observe(step, report.scalars, report.diagnosis)
         if report.diagnosis is not None:
