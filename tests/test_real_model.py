@@ -84,3 +84,57 @@ def test_token_logprobs_is_as_close_to_float64_as_trls_route(smollm2: tuple[Any,
     assert error(ours.entropy, exact_entropy) <= 2 * error(trl_entropy, exact_entropy)
     fused = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]  # the route it replaced
     assert error(ours.logprobs, exact_logprobs) < error(fused, exact_logprobs) / 2
+
+
+def monitored_run(model_dir: Any, steps: int, **options: Any) -> list[Any]:
+    """The diagnosis of each step of ``benchmarks/real_model.py``'s GRPO loop on SmolLM2 (logged every step)."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from loops_callbacks import KLSampleTrainMonitor
+    from real_model import real_grpo
+
+    seed_everything(0, verbose=False)
+    found: list[Any] = []
+
+    class Recording(KLSampleTrainMonitor):
+        def on_train_batch_end(self, *args: Any) -> None:
+            super().on_train_batch_end(*args)
+            found.append(self.last_diagnosis)
+
+    Trainer(max_steps=steps, callbacks=[Recording(log_every_n_steps=1)], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False).fit(real_grpo(model_dir, **options))
+    return found
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2: tuple[Any, Any]) -> Path:
+    return Path(smollm2[0].name_or_path)
+
+
+def test_a_sampler_never_synced_is_stale_from_its_first_lagged_step_by_its_versions(smollm2_dir: Path) -> None:
+    """Lag 1 and 2 read "precision ... usually harmless" before: the gap of a step-old SmolLM2 at lr 5e-6 is
+    within rounding noise; the versions say what it is."""
+    found = monitored_run(smollm2_dir, 3, fault="stale")
+    assert found[0].cause != "stale"  # lag 0: the sampler has the trainer's weights
+    for lag, diagnosis in enumerate(found[1:], start=1):
+        assert diagnosis.cause == "stale" and diagnosis.is_observation and diagnosis.numbers["lag_max"] == lag
+        assert f"every datum sampled with weights {lag} optimizer step" in diagnosis.message
+
+
+def test_processed_logprobs_at_a_temperature_are_named_from_the_engines_settings_at_the_first_step(
+    smollm2_dir: Path,
+) -> None:
+    """A sampler drawing at 0.7 and reporting its processed logprobs, the trainer at temperature 1: named
+    temperature from the first step, from what the engine says it applied (a fitted slope read 'unclear' on 4 of 12
+    steps: a real model's logprobs under a temperature are not one line)."""
+    [first] = monitored_run(smollm2_dir, 1, temperature=0.7, logprobs_mode="processed_logprobs")
+    assert first.cause == "temperature" and first.is_observation, first.message
+    assert "divide the trainer's logits by 0.7" in first.message
+
+
+def test_a_healthy_float32_sampler_names_no_cause(smollm2_dir: Path) -> None:
+    """No cause, or an honest "too few action tokens" where the answers ended early (the mask ends at <|im_end|>)."""
+    found = monitored_run(smollm2_dir, 3)
+    too_few = [d for d in found if d.cause == "unclear" and "n_action_tokens" in d.numbers]
+    assert all(d.cause in ("none", "precision") for d in found if d not in too_few), [d.message for d in found]
+    assert len(too_few) < len(found)
