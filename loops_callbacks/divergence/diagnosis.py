@@ -15,8 +15,10 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
   statistical cause but ``none``.
 * **What the run states of itself**, named as observed from the first step it holds, before any
   statistical rule: datums whose ``policy_version`` is more than ``max_policy_lag`` steps behind the
-  trainer (stale, with the lag, whatever the size of the gap); an engine that reports processed
-  logprobs after a temperature or truncation (``SamplerFacts``) when the gap agrees with its settings.
+  trainer (stale, with the lag, whatever the size of the gap); sampler prompt ids (``sampler_prompt_ids``) that
+  differ from the tokens the trainer scored before each completion (``prompt``, with the first difference); an
+  engine that reports processed logprobs after a temperature or truncation (``SamplerFacts``) when the gap agrees
+  with its settings.
 * **Trend**: the relative gaps of the run's previous logged steps (``history.Calibration.recent_gaps``),
   read for a gap that grows step after step (stale weights).
 
@@ -39,7 +41,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from loops_callbacks.divergence.causes import DROPOUT, PRECISION_BITS, PREFIX_CACHE, SAMPLING, Diagnosis
+from loops_callbacks.divergence.causes import DROPOUT, PRECISION_BITS, PREFIX_CACHE, PROMPT, SAMPLING, Diagnosis
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import held_sampling_z
 
@@ -118,6 +120,7 @@ def diagnose(
     by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
     max_policy_lag: int = 0,
+    prompt: tuple[str, Mapping[str, float]] | None = None,
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
@@ -129,7 +132,9 @@ def diagnose(
     ``by_lag`` is the step's divergence by policy lag (``HostDivergence.by_lag``: label -> sums with
     ``n_tokens`` and ``abs_d_mean``); ``trend`` the relative gaps of the run's previous logged steps,
     oldest first. ``max_policy_lag`` is the policy lag the run intends (1 for one-step-off-policy training):
-    datums further behind (the signature numbers ``lag_min`` / ``lag_max``) are stale, observed.
+    datums further behind (the signature numbers ``lag_min`` / ``lag_max``) are stale, observed. ``prompt`` is
+    what the run's ``sampler_prompt_ids`` say where they differ from the trainer's prompts (``prompts.prompt_finding``:
+    the sentence and its numbers): ``prompt``, observed, after the lag.
     """
     full_precision = (
         facts is not None and facts.dtype in ("float32", "float64")
@@ -138,6 +143,8 @@ def diagnose(
     bound = noise_bound(noise_floor, NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR)
     lag_bound = bound if noise_floor is None else max(LAG_NOISE_FACTOR * noise_floor, NOISE_MIN)
     behind = _observed_lag(signatures, max_policy_lag, bound)
+    if behind is None and prompt is not None:  # the run's own prompts differ: named before any statistical rule
+        behind = Diagnosis(PROMPT, 1.0, dict(prompt[1]), observed=prompt[0])
     statistical = behind or _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts,
                                                by_lag, trend)
     if statistical.cause == "precision":  # its text names bf16 only where a side is known 16-bit

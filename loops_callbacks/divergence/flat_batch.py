@@ -58,7 +58,7 @@ CONTEXT_BEFORE = 40
 """Ids shown before a worst token's ``model_input[k + 1]``, as the Loops SDK shows them."""
 CONTEXT_AFTER = 1 + 20
 """``model_input[k + 1]`` (the context's centre), then the SDK's 20 ids after it."""
-_PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "datum_advantages")
+_PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "datum_advantages", "sampler_prompts", "first_tokens")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,12 @@ class FlatBatch:
     groups: torch.Tensor | None = None  # int64 [B], >= 0 (max_groups: group_other)
     datum_advantages: torch.Tensor | None = None  # float64 [B]; NaN: unusable
     mask_refused: torch.Tensor | None = None  # bool [L]: mask < 0 or NaN, where it was not read (an accelerator)
+    # the prompts' comparison (``prompts``): the sampler's prompts, the trainer's id predicted at each position and
+    # at each datum's position 0 (< 0: unknown), and whether the rows hold no padding (a list of Datum)
+    sampler_prompts: torch.Tensor | None = None  # int64 [B, P], left-padded with -1
+    prompt_tokens: torch.Tensor | None = None  # int64 [L]
+    first_tokens: torch.Tensor | None = None  # int64 [B]
+    prompt_rows_exact: bool = False
 
     @property
     def n_datums(self) -> int:
@@ -125,8 +131,8 @@ class FlatBatch:
 
 
 def _cut(value: Any, bounds: tuple[int, int]) -> Any:
-    if value is None:
-        return None
+    if value is None or isinstance(value, bool):
+        return value
     return value.rows(*bounds) if isinstance(value, (PaddedTokens, DatumTokens)) else value[bounds[0] : bounds[1]]
 
 

@@ -25,12 +25,14 @@ import torch
 from loops_callbacks.divergence import per_datum
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_datums, flatten_padded
+from loops_callbacks.divergence.prompts import read_sampler_prompts, trainer_tokens
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check
 
 DATA_KEYS = (
     "data", "training_logprobs", "forward_backward_output", "logprobs", "mask", "advantages", "target_tokens",
     "input_ids", "policy_version", "group", "training_entropy", "training_varentropy", "sampler_facts",
+    "sampler_prompt_ids",
 )
 """The names ``keys=`` may remap; by default each is read under its own name."""
 
@@ -119,6 +121,18 @@ def read_step(
             training_varentropy=step.get("training_varentropy"),
         )
     found: dict[str, Any] = {}
+    prompts = step.get("sampler_prompt_ids") if diagnose else None
+    if prompts is not None:  # the prompt the sampler saw, against the trainer's (``prompts``)
+        found["sampler_prompts"] = read_sampler_prompts(prompts, flat.n_datums, device=flat.device,
+                                                        key=step.label("sampler_prompt_ids"))
+        found["prompt_tokens"], found["first_tokens"] = trainer_tokens(
+            data, None if data is not None else step.get("input_ids"),
+            None if data is not None else step.get("target_tokens"), flat)
+        found["prompt_rows_exact"] = data is not None
+        if found["prompt_tokens"] is None and warnings is not None:
+            warnings.warn("sampler_prompt_ids:no_tokens", f"KLSampleTrainMonitor: {step.label('sampler_prompt_ids')} "
+                          "is given, but the batch has neither 'input_ids' nor 'target_tokens': the prompts are not "
+                          "compared")
     if datum_advantages:
         found["datum_advantages"] = per_datum.advantages(step, flat)
     if optimizer_step is not None:

@@ -27,7 +27,7 @@ from the headers. Bytes received per rank with W ranks under ring collectives (`
 
 Example (megabytes one rank receives per logged step at 1,024 ranks, with the monitor's defaults):
     >>> round(received_bytes(world=1024, top_n=20, sample_size=100_000) / 1e6, 1)
-    2.0
+    2.1
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def reduce_across_ranks(
         indices[0] = layout.max_groups
         groups = torch.cat([indices[None], groups.reshape(GROUP_ROWS - 1, width)])
     return dataclasses.replace(
-        stats, sums=sums, maxima=maxima.amax(0), worst=rows.reshape(top_n, ROW.WIDTH), sample=sample[:capacity],
+        stats, sums=sums, maxima=layout.renumbered(maxima, datum_offsets).amax(0),  # the earliest datum's record
+        worst=rows.reshape(top_n, ROW.WIDTH), sample=sample[:capacity],
         sample_keys=sample_keys, groups=groups if width else None,
     )
 

@@ -34,6 +34,7 @@ from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.flat_batch import NO_TOKEN
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
+from loops_callbacks.divergence.prompts import prompt_finding
 from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values, is_ratio, scalar_metrics, stratum_scalars
 from loops_callbacks.divergence.shadow import shadow_scalars
 from loops_callbacks.divergence.signatures import signature_numbers
@@ -137,7 +138,7 @@ def step_report(
     as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
     seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
     (the relative gaps of the run's previous logged steps, oldest first), and ``max_policy_lag`` (the lag the run
-    intends); ``tokenizer`` shows the worst tokens as text.
+    intends); ``tokenizer`` shows the worst tokens and a differing prompt as text.
     """
     refuse_mask(host)
     scalars = scalar_metrics(host, prefix="")
@@ -148,6 +149,7 @@ def step_report(
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
             signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
             trend=trend, max_policy_lag=max_policy_lag,
+            prompt=prompt_finding(host.totals, host.arrays, lambda ids: escape(_decoded(ids, tokenizer))),
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
     strata = host.strata if host.strata is not None and n > 0 else {}

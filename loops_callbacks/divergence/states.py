@@ -28,6 +28,7 @@ import torch
 from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.alignment import OFFSET_SIZE
 from loops_callbacks.divergence.flat_batch import CONTEXT_AFTER, CONTEXT_BEFORE
+from loops_callbacks.divergence.prompts import PROMPT_RECORD, renumber
 
 TOKEN_BUCKETS = 1024
 """Token ids are hashed (id mod 1024) into this many buckets of (count, sum d, sum d²): a fixed,
@@ -112,6 +113,9 @@ SIGNATURES = (
     *_sums(*(context_total(kind, bucket) for kind in CONTEXT_KINDS for bucket in range(len(PROBABILITY_STRATA)))),
     State("token_sums", "sum", (3, TOKEN_BUCKETS)),  # per hashed token id: count, sum d, sum d²
     State("offset_sums", "sum", (OFFSET_SIZE,)),  # the rows' votes for an offset (``alignment``)
+    # the sampler's prompts against the trainer's (``prompts``): datums compared, those that differ, and the first
+    # differing datum's record, keyed by its datum (``Layout.renumbered``)
+    *_sums("n_prompt_datums_compared", "n_prompt_datums_differ"), State("prompt_first", "max", (PROMPT_RECORD,)),
 )
 """The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnose``."""
 STRATA = (State("strata", "sum", (len(COLUMNS), len(STRATUM_NAMES))),)
@@ -175,6 +179,16 @@ class Layout:
                            "formula")
         return tuple(torch.cat([values[name].reshape(-1).to(torch.float64) for name in self.names[kind]])
                      if self.names[kind] else torch.zeros(0, dtype=torch.float64) for kind in ("sum", "max"))
+
+    def renumbered(self, maxima: torch.Tensor, datum_offset: torch.Tensor | float) -> torch.Tensor:
+        """``maxima`` (``[..., sizes["max"]]``) of a batch whose datums come ``datum_offset`` later: the maxima keyed
+        by their datum (``prompt_first``) shifted, so that the elementwise maximum keeps the earliest datum's."""
+        if "prompt_first" not in self.slots:
+            return maxima
+        start, size, _ = self.slots["prompt_first"]
+        shifted = maxima.clone()
+        shifted[..., start : start + size] = renumber(maxima[..., start : start + size], datum_offset)
+        return shifted
 
     def read(self, vector: np.ndarray, kind: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """A host vector back by name: the numbers, and the arrays in their shapes."""

@@ -110,10 +110,11 @@ class DivergenceStats:
             return parts[0].capped()  # one chunk's diffs beyond sample_size are cut as merged ones are
         first = parts[0]
         n_datums = first.layout.index("n_datums")
-        worst, datums = [], 0.0
+        worst, maxima, datums = [], [], 0.0
         for part in parts:
             worst.append(part.worst.clone())
             worst[-1][:, ROW.DATUM] += datums
+            maxima.append(part.layout.renumbered(part.maxima, datums))
             datums = datums + part.sums[n_datums]
         sample_keys = None
         if any(part.sample_keys is not None for part in parts):
@@ -123,7 +124,7 @@ class DivergenceStats:
         return dataclasses.replace(
             first,
             sums=functools.reduce(torch.add, [part.sums for part in parts]),
-            maxima=functools.reduce(torch.maximum, [part.maxima for part in parts]),
+            maxima=functools.reduce(torch.maximum, maxima),
             worst=ranked_rows(torch.cat(worst), max(part.worst.shape[0] for part in parts)),
             sample=torch.cat([part.sample for part in parts]),
             sample_keys=sample_keys,
@@ -146,7 +147,8 @@ class DivergenceStats:
         host = torch.cat(parts).cpu().numpy()
         sums, maxima, worst, sample, keys_, groups_ = np.split(host, np.cumsum([part.numel() for part in parts])[:-1])
         totals, arrays = self.layout.read(sums, "sum")
-        extrema, _ = self.layout.read(maxima, "max")
+        extrema, max_arrays = self.layout.read(maxima, "max")
+        arrays |= max_arrays
         worst = worst.reshape(-1, ROW.WIDTH)
         strata = None
         if self.layout.max_groups is not None:
@@ -197,7 +199,7 @@ class HostDivergence:
     extrema: dict[str, float]
     worst: np.ndarray = field(default_factory=lambda: np.zeros((0, ROW.WIDTH)))  # most divergent first
     diffs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # float64, the sampled diffs in batch order
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # token_sums, offset_sums, strata
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # token_sums, offset_sums, strata, prompt_first
     strata: dict[str, StratumSums] | None = None
 
     @property

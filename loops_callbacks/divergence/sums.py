@@ -26,6 +26,7 @@ import torch
 
 from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, NO_TOKEN, FlatBatch
+from loops_callbacks.divergence.prompts import prompt_values
 from loops_callbacks.divergence.states import (
     GROUP_ROWS, LAG_STRATA, MASK_ROW, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
     STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
@@ -104,6 +105,7 @@ def of_chunk(
         values["token_sums"] = _token_sums(flat, d, active, compact)
         chunks = flat.datum_chunks(OFFSET_CHUNK_POSITIONS) if compact else [flat]
         values["offset_sums"] = functools.reduce(operator.add, [offset_sums(chunk) for chunk in chunks])
+        values.update(prompt_values(flat))
     # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
     k3 = is_ratio.sub_(1.0).sub_(d) if not strata else (is_ratio - 1.0).sub_(d)
     if active is not None:

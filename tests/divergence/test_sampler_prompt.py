@@ -1,0 +1,172 @@
+"""The prompt the sampler saw (``sampler_prompt_ids``) against the trainer's: named ``prompt``, observed, with the
+first difference; merged over micro-batches and ranks through the states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from loops_callbacks.divergence.guard_rail import GuardRail
+from loops_callbacks.divergence.inputs import data_keys, read_step
+from loops_callbacks.divergence.prompts import decode_record
+from loops_callbacks.divergence.report import MediaOptions, step_report
+from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.types import Datum, ModelInput
+from tests.helpers import reduce_in_threads
+
+B, PROMPT, T = 8, 30, 60
+
+
+class Words:
+    """A tokenizer whose id i reads 'w<i> '."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"w{i} " for i in ids)
+
+
+def padded(seed: int = 0, *, batch: int = B) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A right-padded batch whose completions start at position PROMPT - 1 (the first action token is input id
+    PROMPT), the trainer's logprobs close to the sampler's, and the sampler's prompts equal to the trainer's."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 1000, (batch, T), generator=generator)
+    mask = torch.zeros(batch, T)
+    mask[:, PROMPT - 1 : T - 1] = 1.0
+    sampler = -torch.rand(batch, T, generator=generator) * 3
+    trainer = sampler + 1e-4 * torch.randn(batch, T, generator=generator)
+    batch_ = {"input_ids": ids, "target_tokens": torch.cat([ids[:, 1:], torch.zeros(batch, 1, dtype=torch.long)], 1),
+              "logprobs": sampler, "mask": mask}
+    return {"training_logprobs": trainer, "sampler_prompt_ids": ids[:, :PROMPT].clone()}, batch_
+
+
+def stats(outputs: dict[str, Any], batch: dict[str, Any]) -> DivergenceStats:
+    return DivergenceStats.from_batch(read_step(outputs, batch, data_keys(None)))
+
+
+def diagnosis(host: Any, tokenizer: Any = None) -> Any:
+    return step_report(host, prefix="", media=MediaOptions(), guard_rail=GuardRail(), diagnose=True,
+                       tokenizer=tokenizer).diagnosis
+
+
+def test_identical_prompts_name_nothing() -> None:
+    host = stats(*padded()).to_host()
+    assert host.totals["n_prompt_datums_compared"] == B and host.totals["n_prompt_datums_differ"] == 0
+    assert diagnosis(host).cause != "prompt"
+
+
+def test_a_system_prompt_changed_at_token_12_is_named_with_its_position_and_text() -> None:
+    outputs, batch = padded()
+    outputs["sampler_prompt_ids"][:, 12] = 7  # another system prompt's token
+    found = diagnosis(stats(outputs, batch).to_host(), Words())
+    assert found.cause == "prompt" and found.confidence == 1.0 and found.is_observation
+    assert found.numbers["prompt_position"] == 12 and found.numbers["prompt_datum"] == 0
+    ids = batch["input_ids"][0].tolist()
+    message = found.message
+    assert "in 8 of 8 compared datums; datum 0 at prompt token 12:" in message
+    assert f"sampler '…{''.join(f'w{i} ' for i in ids[8:12])}⟦w7 w{ids[13]} " in message
+    assert f"vs trainer '…{''.join(f'w{i} ' for i in ids[8:12])}⟦w{ids[12]} w{ids[13]} " in message
+    assert "chat template" in message and "system prompt" in message
+
+
+def test_a_dropped_first_token_is_named_at_token_0_with_both_lengths() -> None:
+    outputs, batch = padded()
+    outputs["sampler_prompt_ids"] = torch.cat([torch.full((B, 1), 1), outputs["sampler_prompt_ids"]], 1)  # a BOS
+    found = diagnosis(stats(outputs, batch).to_host())
+    assert found.cause == "prompt" and found.numbers["prompt_position"] == 0
+    assert "the sampler's prompt has 31 tokens, the trainer's 30" in found.message
+
+
+def test_without_input_ids_position_0_is_not_compared_but_a_shorter_prompt_still_is() -> None:
+    outputs, batch = padded()
+    del batch["input_ids"]
+    outputs["sampler_prompt_ids"][:, 0] = 3  # position 0: unknown to the trainer here
+    host = stats(outputs, batch).to_host()
+    assert host.totals["n_prompt_datums_compared"] == B and host.totals["n_prompt_datums_differ"] == 0
+    outputs["sampler_prompt_ids"] = torch.cat([torch.full((B, 1), 1), outputs["sampler_prompt_ids"]], 1)
+    assert diagnosis(stats(outputs, batch).to_host()).numbers["prompt_position"] == 0
+
+
+def test_left_padding_in_the_sampler_rows_and_a_longer_padded_trainer_row_are_not_differences() -> None:
+    outputs, batch = padded()
+    prompts = outputs["sampler_prompt_ids"]
+    prompts[1, :5] = -1  # datum 1's sampler prompt is its last 25 ids: the trainer's row may hold left padding
+    host = stats(outputs, batch).to_host()
+    assert host.totals["n_prompt_datums_differ"] == 0
+    prompts[1, 7] = 5
+    found = diagnosis(stats(outputs, batch).to_host())
+    assert (found.numbers["prompt_datum"], found.numbers["prompt_position"]) == (1, 2)  # counted in its prompt
+
+
+def datums(extra: bool = False) -> tuple[list[Datum], list[torch.Tensor], list[list[int]]]:
+    data, trainer, prompts = [], [], []
+    for i in range(3):
+        prompt = [1, 20 + i, 30, 40]
+        ids = ([1] if extra and i == 2 else []) + prompt + [50 + i, 60, 70, 80]
+        n, k0 = len(ids), len(ids) - 5  # position k0 predicts the first of the 4 completion tokens
+        mask = [0.0] * k0 + [1.0] * 4 + [0.0]
+        logprobs = [-1.0] * n
+        data.append(Datum(ModelInput.from_ints(ids), {"logprobs": logprobs, "mask": mask}))
+        trainer.append(torch.full((n,), -1.0))
+        prompts.append(prompt)
+    return data, trainer, prompts
+
+
+def test_a_list_of_datums_compares_model_input_and_names_an_extra_leading_token() -> None:
+    data, trainer, prompts = datums()
+    host = stats({"training_logprobs": trainer, "sampler_prompt_ids": prompts}, data).to_host()
+    assert host.totals["n_prompt_datums_compared"] == 3 and host.totals["n_prompt_datums_differ"] == 0
+    data, trainer, prompts = datums(extra=True)  # datum 2's trainer prompt begins with a second BOS
+    found = decode_record(stats({"training_logprobs": trainer, "sampler_prompt_ids": prompts}, data).to_host()
+                          .arrays["prompt_first"])
+    assert found is not None and (found["datum"], found["position"], found["sampler_length"],
+                                  found["trainer_length"]) == (2, 0, 4, 5)
+
+
+def test_micro_batches_and_ranks_merge_to_the_first_differing_datum_of_the_step() -> None:
+    clean = stats(*padded(1, batch=3))
+    outputs, batch = padded(2, batch=4)
+    outputs["sampler_prompt_ids"][2:, 20] = 9  # datums 2 and 3 of the second micro-batch only
+    changed = stats(outputs, batch)
+    for merged in [clean.merge(changed).to_host(), *(r.to_host() for r in reduce_in_threads([clean, changed]))]:
+        assert merged.totals["n_prompt_datums_compared"] == 7 and merged.totals["n_prompt_datums_differ"] == 2
+        found = decode_record(merged.arrays["prompt_first"])
+        assert (found["datum"], found["position"]) == (5, 20)  # 3 + 2: the step's datum index
+        assert found["sampler"][0] == 9 and found["trainer"][0] == batch["input_ids"][2, 20]
+    earlier = stats(*padded(3, batch=3))
+    outputs, batch = padded(3, batch=3)
+    outputs["sampler_prompt_ids"][1, 4] = 9
+    first = changed.merge(stats(outputs, batch)).to_host()  # both differ: the earlier datum's record, whole
+    found = decode_record(first.arrays["prompt_first"])
+    assert (found["datum"], found["position"], found["sampler"][0]) == (2, 20, 9)
+    assert earlier.to_host().totals["n_prompt_datums_differ"] == 0
+
+
+@pytest.mark.parametrize(("value", "error", "said"), [
+    (torch.zeros(B, PROMPT), TypeError, "torch.float32 tensor"),
+    (torch.zeros(B + 1, PROMPT, dtype=torch.long), ValueError, f"shape ({B + 1}, {PROMPT}); expected [{B}, P]"),
+    (torch.cat([torch.ones(B, 3, dtype=torch.long), torch.full((B, 2), -1)], 1), ValueError,
+     "row 0, position 3 is -1 after the prompt's first id at position 0 (row of 5)"),
+    ([[1, 2]] * (B - 1), ValueError, f"holds {B - 1} prompts for a micro-batch of {B} datums"),
+    ([[1, 2]] * (B - 1) + [[4, -3, 5]], ValueError, f"datum {B - 1}: position 1 of 3 is -3.0"),
+    ([[1, 2]] * (B - 1) + [[4, 1.5]], ValueError, f"datum {B - 1}: position 1 of 2 is 1.5"),
+    ([[1, 2]] * (B - 1) + ["abc"], TypeError, f"datum {B - 1}: expected a 1-D sequence of token ids, got str"),
+    ("abc", TypeError, "is a str; expected one list of ids per datum"),
+])
+def test_sampler_prompt_ids_that_are_not_prompts_are_refused_where_they_are(value: Any, error: type, said: str
+                                                                             ) -> None:
+    outputs, batch = padded()
+    outputs["sampler_prompt_ids"] = value
+    with pytest.raises(error, match="'sampler_prompt_ids'") as raised:
+        read_step(outputs, batch, data_keys(None))
+    assert said in str(raised.value)
+
+
+def test_prompts_without_the_trainer_s_tokens_are_a_warning_and_not_compared() -> None:
+    from loops_callbacks.run_warnings import RunWarnings
+
+    outputs, batch = padded()
+    del batch["input_ids"], batch["target_tokens"]
+    with pytest.warns(UserWarning, match="neither 'input_ids' nor 'target_tokens': the prompts are not compared"):
+        flat = read_step(outputs, batch, data_keys(None), warnings=RunWarnings())
+    assert DivergenceStats.from_batch(flat).to_host().totals["n_prompt_datums_compared"] == 0
