@@ -810,3 +810,20 @@ def test_the_module_imports_and_parses_without_vllm() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[[1.0]]", done.stderr[-2000:]
+
+
+def test_the_batch_carries_the_prompt_each_row_was_sampled_from_left_padded_for_the_monitor() -> None:
+    outputs = [request_output([1, 5, 6], completion([7, 2], [-0.5, -0.25]), completion([8], [-1.0])),
+               request_output([1, 4], completion([2], [-3.0]))]
+    batch = rollout_batch(outputs)
+    assert batch["sampler_prompt_ids"].tolist() == [[1, 5, 6], [1, 5, 6], [-1, 1, 4]]
+    assert batch["sampler_prompt_ids"].dtype == torch.int64
+    request = completions_request([[1, 5], [1, 6, 6]], max_tokens=4, n=1, temperature=1.0, stop_token_ids=[2])
+    served = completions_batch(request, {"choices": [choice(0, [7, 2], [-0.5, -0.25]), choice(1, [3], [-2.0])]})
+    assert served["sampler_prompt_ids"].tolist() == [[-1, 1, 5], [1, 6, 6]]
+    from loops_callbacks.divergence.inputs import data_keys, read_step
+    from loops_callbacks.divergence.statistics import DivergenceStats
+
+    flat = read_step({"training_logprobs": batch["logprobs"]}, batch, data_keys(None))
+    totals = DivergenceStats.from_batch(flat).to_host().totals
+    assert (totals["n_prompt_datums_compared"], totals["n_prompt_datums_differ"]) == (3, 0)  # the rows' own prompts

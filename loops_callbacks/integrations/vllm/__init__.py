@@ -5,8 +5,9 @@ the padded batch ``KLSampleTrainMonitor`` reads (README "Monitor an RL run"): on
 prompt-major (the n completions of prompt i are adjacent rows, all with ``group`` i), each row its
 sequence (prompt + completion) right-padded with ``pad_id``, ``input_ids`` the rows without their last
 column and ``target_tokens`` without their first, the sampler's ``logprobs`` at the completion's
-positions (0 elsewhere), ``mask`` 1.0 there, ``policy_version`` per row and ``sampler_facts`` (a
-``SamplerFacts``). A completion ends where vLLM ended it: a sampled EOS or stop token is its last action
+positions (0 elsewhere), ``mask`` 1.0 there, ``policy_version`` per row, ``sampler_prompt_ids`` (each row's
+``prompt_token_ids``, padded on the left with -1: the monitor names a trainer that scores another prompt) and
+``sampler_facts`` (a ``SamplerFacts``). A completion ends where vLLM ended it: a sampled EOS or stop token is its last action
 token, with its logprob, and nothing follows it. Sample with ``SamplingParams(logprobs=0)``
 (``flat_logprobs=True`` spares a Python object per token); a completion without a logprob for each
 token is a ``ValueError`` that says so. ``generate_rollouts`` does it all from prompts (token ids, or

@@ -162,7 +162,9 @@ def rollout_batch(
         device: where the tensors go (the CPU by default).
 
     Returns ``input_ids``, ``target_tokens`` (int64 ``[B, T]``), ``logprobs``, ``mask`` (float32
-    ``[B, T]``), ``group`` (and ``policy_version``) int64 ``[B]``, and ``sampler_facts`` when given.
+    ``[B, T]``), ``group`` (and ``policy_version``) int64 ``[B]``, ``sampler_prompt_ids`` (int64 ``[B, P]``, each
+    row's ``prompt_token_ids`` padded on the left with -1: the monitor compares them with the prompt the trainer
+    scores), and ``sampler_facts`` when given.
     """
     check("outputs", outputs, (list, tuple), "the list LLM.generate returns")
     if not outputs:
@@ -289,6 +291,7 @@ def _padded_batch(
         "logprobs": torch.from_numpy(sampler),
         "mask": torch.from_numpy(mask.astype(np.float32)),
         "group": torch.from_numpy(np.repeat(np.asarray(group_per_prompt, dtype=np.int64), counts)),
+        "sampler_prompt_ids": torch.from_numpy(_left_padded(prompts)),
     }
     version = policy_version if policy_version is not None else (facts.weight_version if facts else None)
     if version is not None:
@@ -299,6 +302,16 @@ def _padded_batch(
     if facts is not None:
         batch["sampler_facts"] = facts
     return batch
+
+
+def _left_padded(prompts: list[Sequence[int]]) -> np.ndarray:
+    """Int64 ``[B, P]``: each row's prompt, padded on the left with -1 (the monitor's ``sampler_prompt_ids``)."""
+    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    width = int(lengths.max(initial=0))
+    ids = np.full((len(prompts), width), -1, dtype=np.int64)
+    ids[np.arange(width) >= width - lengths[:, None]] = np.concatenate(
+        [np.zeros(0, np.int64), *(np.asarray(p, dtype=np.int64) for p in prompts)])
+    return ids
 
 
 def _device(device: str | torch.device | None) -> torch.device | None:
