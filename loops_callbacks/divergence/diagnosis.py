@@ -16,7 +16,7 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
 * **What the run states of itself**, named as observed from the first step it holds, before any
   statistical rule: datums whose ``policy_version`` is more than ``max_policy_lag`` steps behind the
   trainer (stale, with the lag, whatever the size of the gap); sampler prompt ids (``sampler_prompt_ids``) that
-  differ from the tokens the trainer scored before each completion (``prompt``, with the first difference); an
+  differ from the tokens the trainer scored before each completion (``prompt``, with where they differ); an
   engine that reports processed logprobs after a temperature or truncation (``SamplerFacts``) when the gap agrees
   with its settings.
 * **Trend**: the relative gaps of the run's previous logged steps (``history.Calibration.recent_gaps``),

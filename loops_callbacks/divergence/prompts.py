@@ -20,8 +20,9 @@ sampler's prompt, such as a second BOS, are not seen there). Datums without mask
 sampler prompt is empty, are not compared.
 
 Each micro-batch keeps three states (``states.PROMPTS``): how many datums were compared and how many differ, sums;
-and ``prompt_first``, a maximum: the first differing datum's index, the position of the first difference counted
-in the sampler's prompt, both lengths and ``PROMPT_CONTEXT`` ids of each prompt around it, every entry stored as
+and ``prompt_first``, a maximum: the first differing datum's index, the position of the difference counted
+in the sampler's prompt (the last that differs, right-aligned: the prompts agree after it; where no id differs, the
+last id a shorter trainer prompt lacks), both lengths and ``PROMPT_CONTEXT`` ids of each prompt around it, every entry stored as
 ``-datum * PROMPT_SCALE + value + 1`` so that the elementwise maximum is one record, the earliest datum's, once
 micro-batches and ranks renumber their datums (``Layout.renumbered``). The host decodes it (``prompt_finding``).
 
@@ -44,7 +45,7 @@ from loops_callbacks.divergence.flat_batch import NO_TOKEN, FlatBatch
 from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
 
 PROMPT_CONTEXT = 8
-"""Ids of each prompt kept around the first difference: ``PROMPT_CONTEXT // 2`` before it, the rest from it (a rank's
+"""Ids of each prompt kept around the difference: ``PROMPT_CONTEXT // 2`` before it, the rest from it (a rank's
 header carries the record: 8 bytes an entry per rank)."""
 PROMPT_SCALE = float(2**24)
 """A record entry is ``-datum * PROMPT_SCALE + value + 1``: values (ids, positions, lengths) below 2**24 - 1, datums
@@ -190,15 +191,19 @@ def prompt_values(flat: FlatBatch) -> dict[str, torch.Tensor]:
     both = sampler_known & (trainer >= 0)
     mismatch = both & (prompts != trainer)
     sampler_index = columns - (width - sampler_length)[:, None]
-    first_mismatch = torch.where(mismatch, sampler_index, _NONE).amin(1) if width else torch.full_like(k0, _NONE)
+    # the last id that differs: the prompts agree from after it to the completion (right-aligned, where a prompt's
+    # start may be left padding, this is the one position that does not depend on where each prompt starts)
+    last_mismatch = torch.where(mismatch, sampler_index, -1).amax(1) if width else torch.full_like(k0, -1)
     if flat.prompt_rows_exact:
         length_differs = trainer_length != sampler_length
     else:
         length_differs = trainer_length < sampler_length
     compared = has_completion & (sampler_length > 0) & (both.any(1) | length_differs)
-    differ = compared & (length_differs | (first_mismatch < _NONE))
-    position = torch.where(length_differs, 0, first_mismatch.clamp(max=2**40))
-    # the context: PROMPT_CONTEXT // 2 columns before the first difference, the rest from it
+    differ = compared & (length_differs | (last_mismatch >= 0))
+    # without a differing id: the sampler's last id the trainer's shorter prompt lacks (0 for a dropped BOS), or 0
+    missing = (sampler_length - trainer_length - 1).clamp(min=0)
+    position = torch.where(last_mismatch >= 0, last_mismatch, missing)
+    # the context: PROMPT_CONTEXT // 2 columns before the difference, the rest from it
     centre = position + (width - sampler_length)
     around = centre[:, None] + torch.arange(-(PROMPT_CONTEXT // 2), PROMPT_CONTEXT - PROMPT_CONTEXT // 2,
                                             device=device)
@@ -261,7 +266,7 @@ def prompt_finding(totals: Mapping[str, float], arrays: Mapping[str, np.ndarray]
         >>> values = np.array([0, 1, 2, 2] + [-1, -1, -1, 5, 6, -1, -1, -1] + [-1, -1, -1, 5, 7, -1, -1, -1], dtype=float)
         >>> print(prompt_finding({"n_prompt_datums_differ": 1.0, "n_prompt_datums_compared": 2.0},
         ...                      {"prompt_first": values + 1})[0])
-        in 1 of 2 compared datums; datum 0 at prompt token 1: sampler '…5⟦6…' vs trainer '…5⟦7…'
+        in 1 of 2 compared datums; datum 0 at prompt token 1 (the prompts agree after it): sampler '…5⟦6…' vs trainer '…5⟦7…'
     """
     differ = totals.get("n_prompt_datums_differ", 0.0)
     record = arrays.get("prompt_first")
@@ -278,7 +283,7 @@ def prompt_finding(totals: Mapping[str, float], arrays: Mapping[str, np.ndarray]
         lengths = (f" (the sampler's prompt has {found['sampler_length']} tokens, the trainer's "
                    f"{found['trainer_length']})")
     said = (f"in {differ:.0f} of {compared:.0f} compared datums; datum {found['datum']} at prompt token "
-            f"{found['position']}{lengths}: sampler {text(found['sampler_before'], found['sampler'])} vs trainer "
+            f"{found['position']} (the prompts agree after it){lengths}: sampler {text(found['sampler_before'], found['sampler'])} vs trainer "
             f"{text(found['trainer_before'], found['trainer'])}")
     numbers = {"prompt_datums_differ": float(differ), "prompt_datums_compared": float(compared),
                "prompt_datum": float(found["datum"]), "prompt_position": float(found["position"])}

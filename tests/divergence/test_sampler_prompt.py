@@ -63,7 +63,7 @@ def test_a_system_prompt_changed_at_token_12_is_named_with_its_position_and_text
     assert found.numbers["prompt_position"] == 12 and found.numbers["prompt_datum"] == 0
     ids = batch["input_ids"][0].tolist()
     message = found.message
-    assert "in 8 of 8 compared datums; datum 0 at prompt token 12:" in message
+    assert "in 8 of 8 compared datums; datum 0 at prompt token 12 (the prompts agree after it):" in message
     assert f"sampler '…{''.join(f'w{i} ' for i in ids[8:12])}⟦w7 w{ids[13]} " in message
     assert f"vs trainer '…{''.join(f'w{i} ' for i in ids[8:12])}⟦w{ids[12]} w{ids[13]} " in message
     assert "chat template" in message and "system prompt" in message
@@ -170,3 +170,15 @@ def test_prompts_without_the_trainer_s_tokens_are_a_warning_and_not_compared() -
     with pytest.warns(UserWarning, match="neither 'input_ids' nor 'target_tokens': the prompts are not compared"):
         flat = read_step(outputs, batch, data_keys(None), warnings=RunWarnings())
     assert DivergenceStats.from_batch(flat).to_host().totals["n_prompt_datums_compared"] == 0
+
+
+def test_the_position_is_the_last_that_differs_whatever_the_prompts_lengths() -> None:
+    outputs, batch = padded()
+    prompts = outputs["sampler_prompt_ids"]
+    prompts[:, 5], prompts[:, 12] = 7, 7
+    assert diagnosis(stats(outputs, batch).to_host()).numbers["prompt_position"] == 12
+    longer = torch.cat([torch.full((B, 3), 4), prompts], 1)  # 3 more system tokens: ids 3 further in
+    outputs["sampler_prompt_ids"] = longer
+    found = diagnosis(stats(outputs, batch).to_host())
+    assert found.numbers["prompt_position"] == 15 and "the sampler's prompt has 33 tokens, the trainer's 30" in (
+        found.message)
