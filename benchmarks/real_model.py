@@ -229,7 +229,8 @@ def real_grpo(model_dir: str | os.PathLike[str], **options: Any) -> Any:
                                  top_k=None if self.fault == "top_k_50" else 0, weight_version=self.version)
             return {"loss": loss, "training_logprobs": trainer, "logprobs": logprobs, "mask": mask,
                     "advantages": advantages, "target_tokens": sequences[:, 1:], "sampler_facts": facts,
-                    "policy_version": torch.full((len(rows),), self.version)}
+                    "policy_version": torch.full((len(rows),), self.version),
+                    "sampler_prompt_ids": left_padded([self.sampler_prompts[i] for i in rows], -1)[0]}
 
         def on_train_batch_end(self, *args: Any) -> None:  # the weight sync, after every optimizer step
             if self.fault == "none" or self.fault not in ("stale", "failed_sync"):

@@ -138,3 +138,28 @@ def test_a_healthy_float32_sampler_names_no_cause(smollm2_dir: Path) -> None:
     too_few = [d for d in found if d.cause == "unclear" and "n_action_tokens" in d.numbers]
     assert all(d.cause in ("none", "precision") for d in found if d not in too_few), [d.message for d in found]
     assert len(too_few) < len(found)
+
+
+def test_a_sampler_prompt_with_another_system_prompt_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:
+    """The sampler renders its prompts with another system prompt: named from step 0 by the run's own
+    sampler_prompt_ids, at the last id that differs (the prompts agree after it), with both sides decoded."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from loops_callbacks import KLSampleTrainMonitor
+    from real_model import DRIFTED_SYSTEM, QUESTIONS as TUNED, SYSTEM, chat_prompts, real_grpo
+
+    seed_everything(0, verbose=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    monitor = KLSampleTrainMonitor(log_every_n_steps=1, tokenizer=tokenizer)
+    Trainer(max_steps=1, callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False).fit(real_grpo(smollm2_dir, fault="system_prompt", completion=8))
+    found = monitor.last_diagnosis
+    assert found.cause == "prompt" and found.is_observation and found.confidence == 1.0, found.message
+    [sampler], [trainer] = (chat_prompts(tokenizer, TUNED[:1], system=system) for system in (DRIFTED_SYSTEM, SYSTEM))
+    agree = next(i for i in range(1, len(trainer)) if sampler[-i] != trainer[-i]) - 1  # the ids they end with
+    position = len(sampler) - agree - 1
+    assert found.numbers["prompt_datum"] == 0 and found.numbers["prompt_position"] == position
+    assert found.numbers["prompt_datums_differ"] == found.numbers["prompt_datums_compared"] == 8
+    assert f"datum 0 at prompt token {position} (the prompts agree after it)" in found.message
+    assert f"⟦{tokenizer.decode([sampler[position]])}" in found.message
+    assert f"⟦{tokenizer.decode([trainer[len(trainer) - agree - 1]])}" in found.message
