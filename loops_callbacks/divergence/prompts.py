@@ -42,7 +42,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from loops_callbacks.divergence.flat_batch import NO_TOKEN, FlatBatch
-from loops_callbacks.fields import datum_loss_fn_inputs, datum_model_input, field_to_tensor, model_input_tokens
+from loops_callbacks.fields import (
+    datum_loss_fn_inputs, datum_model_input, field_length, field_to_tensor, model_input_tokens,
+)
 
 PROMPT_CONTEXT = 8
 """Ids of each prompt kept around the difference: ``PROMPT_CONTEXT // 2`` before it, the rest from it (a rank's
@@ -122,20 +124,21 @@ def _check_left_padded(ids: torch.Tensor, key: str) -> None:
 def trainer_tokens(data: Sequence[Any] | None, input_ids: torch.Tensor | None, target_tokens: torch.Tensor | None,
                    flat: FlatBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The trainer's ids for the comparison: int64 ``[L]``, the id predicted at each position (< 0: unknown), and
-    int64 ``[B]``, each datum's id at position 0 (-1: unknown); ``(None, None)`` where neither is known."""
+    int64 ``[B]``, each datum's id at position 0 (-1: unknown); ``(None, None)`` where neither is known. Datums are
+    read on the host (their ids are host lists; their lengths were checked by ``flatten_datums``)."""
     device, batch = flat.device, flat.n_datums
     if data is not None:
         predicted, first = [], []
         for i, datum in enumerate(data):  # one per datum: their ids are host lists
-            model_input = datum_model_input(datum)
+            model_input, inputs = datum_model_input(datum), datum_loss_fn_inputs(datum, index=i)
             ids = torch.tensor(model_input_tokens(model_input) if model_input is not None else [], dtype=torch.int64)
-            length = int(flat.row_lengths[i])
+            length = field_length(inputs["logprobs"], where=f"datum {i}, key 'logprobs'")  # checked: the row's
             row = torch.full((length,), NO_TOKEN, dtype=torch.int64)
             if ids.numel():
                 row[: max(min(ids.numel(), length + 1) - 1, 0)] = ids[1 : length + 1]
                 first.append(int(ids[0]))
             else:
-                target = datum_loss_fn_inputs(datum, index=i).get("target_tokens")
+                target = inputs.get("target_tokens")
                 if target is not None:
                     row = field_to_tensor(target, where=f"datum {i}, key 'target_tokens'").to(torch.int64)
                 first.append(NO_TOKEN)
