@@ -25,7 +25,7 @@ import torch
 from loops_callbacks.divergence import per_datum
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_datums, flatten_padded
-from loops_callbacks.divergence.prompts import read_sampler_prompts, trainer_tokens
+from loops_callbacks.divergence.prompts import datum_prompts, read_sampler_prompts, trainer_tokens
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check
 
@@ -122,6 +122,8 @@ def read_step(
         )
     found: dict[str, Any] = {}
     prompts = step.get("sampler_prompt_ids") if diagnose else None
+    if prompts is None and diagnose and data is not None:
+        prompts = datum_prompts(data, keys["sampler_prompt_ids"])
     if prompts is not None:  # the prompt the sampler saw, against the trainer's (``prompts``)
         found["sampler_prompts"] = read_sampler_prompts(prompts, flat.n_datums, device=flat.device,
                                                         key=step.label("sampler_prompt_ids"))

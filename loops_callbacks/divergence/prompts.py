@@ -2,7 +2,7 @@
 
 A step may carry the sampler's prompt token ids under ``sampler_prompt_ids`` (the output first, then the batch):
 a list of one 1-D sequence of ids per datum (lists, tuples, tensors), or an int ``[B, P]`` tensor padded on the
-LEFT with negative values (-1). A wrong kind is a ``TypeError``; a count that is not the micro-batch's datums, a
+LEFT with negative values (-1); a list of Datum may instead carry each prompt in its ``loss_fn_inputs``. A wrong kind is a ``TypeError``; a count that is not the micro-batch's datums, a
 negative, fractional or non-finite id, or (on the CPU) padding after an id is a ``ValueError`` naming the datum (or
 row), the position and the lengths. An int tensor on an accelerator is used where it is, unread: a negative id
 inside its rows reads as an id no trainer token has.
@@ -83,6 +83,22 @@ def read_sampler_prompts(value: Any, n_datums: int, *, device: torch.device, key
         return torch.zeros(0, 0, dtype=torch.int64, device=device)
     flipped = pad_sequence([row.flip(0) for row in rows], batch_first=True, padding_value=NO_TOKEN)
     return flipped.flip(1).to(device)
+
+
+def datum_prompts(data: Sequence[Any], key: str) -> list[Any] | None:
+    """Each datum's ``loss_fn_inputs[key]`` when the datums carry their prompts there (``None``: none does); a
+    ``ValueError`` naming the datums without one when only some do."""
+    fields = [datum_loss_fn_inputs(datum, index=i).get(key) for i, datum in enumerate(data)]
+    given = [i for i, field in enumerate(fields) if field is not None]
+    if not given:
+        return None
+    if len(given) < len(fields):
+        missing = [i for i, field in enumerate(fields) if field is None]
+        shown = ", ".join(map(str, given[:8])) + (", ..." if len(given) > 8 else "")
+        raise ValueError(
+            f"datum {missing[0]} has no loss_fn_inputs[{key!r}] (datums {shown} have one; {len(missing)} of "
+            f"{len(fields)} have none): give every datum its sampler prompt, or none")
+    return fields
 
 
 def _prompt_row(row: Any, where: str) -> torch.Tensor:

@@ -182,3 +182,15 @@ def test_the_position_is_the_last_that_differs_whatever_the_prompts_lengths() ->
     found = diagnosis(stats(outputs, batch).to_host())
     assert found.numbers["prompt_position"] == 15 and "the sampler's prompt has 33 tokens, the trainer's 30" in (
         found.message)
+
+
+def test_a_list_of_datums_may_carry_each_prompt_in_its_loss_fn_inputs() -> None:
+    data, trainer, prompts = datums(extra=True)
+    for datum, prompt in zip(data, prompts):
+        datum.loss_fn_inputs["sampler_prompt_ids"] = prompt
+    host = stats({"training_logprobs": trainer}, data).to_host()
+    assert (host.totals["n_prompt_datums_compared"], host.totals["n_prompt_datums_differ"]) == (3, 1)
+    del data[1].loss_fn_inputs["sampler_prompt_ids"]
+    with pytest.raises(ValueError, match=r"datum 1 has no loss_fn_inputs\['sampler_prompt_ids'\] \(datums 0, 2 have "
+                                         r"one; 1 of 3 have none\)"):
+        read_step({"training_logprobs": trainer}, data, data_keys(None))
