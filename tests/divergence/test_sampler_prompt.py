@@ -194,3 +194,16 @@ def test_a_list_of_datums_may_carry_each_prompt_in_its_loss_fn_inputs() -> None:
     with pytest.raises(ValueError, match=r"datum 1 has no loss_fn_inputs\['sampler_prompt_ids'\] \(datums 0, 2 have "
                                          r"one; 1 of 3 have none\)"):
         read_step({"training_logprobs": trainer}, data, data_keys(None))
+
+
+def test_a_batch_read_in_chunks_names_the_batch_s_datum(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loops_callbacks.divergence import statistics
+
+    outputs, batch = padded()
+    outputs["sampler_prompt_ids"][5:, 3] = 9
+    whole = stats(outputs, batch).to_host()
+    monkeypatch.setattr(statistics, "CHUNK_POSITIONS", 2 * T)  # datums 0-1, 2-3, ...: each chunk counts from 0
+    chunked = stats(outputs, batch).to_host()
+    for host in (whole, chunked):
+        found = decode_record(host.arrays["prompt_first"])
+        assert (found["datum"], found["position"], host.totals["n_prompt_datums_differ"]) == (5, 3, 3)
