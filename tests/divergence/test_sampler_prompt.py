@@ -207,3 +207,16 @@ def test_a_batch_read_in_chunks_names_the_batch_s_datum(monkeypatch: pytest.Monk
     for host in (whole, chunked):
         found = decode_record(host.arrays["prompt_first"])
         assert (found["datum"], found["position"], host.totals["n_prompt_datums_differ"]) == (5, 3, 3)
+
+
+def test_the_prompt_is_named_before_any_statistical_rule_and_after_the_versions() -> None:
+    from loops_callbacks.divergence.diagnosis import diagnose
+
+    shifted = {"frac_d_zero": 0.0, "shift_ratio": 3e-8, "shift_direction": 1.0, "pearson": 0.1}
+    prompt = ("in 1 of 1 compared datums; ...", {"prompt_position": 3.0})
+    assert diagnose(shifted, n_tokens=900).cause == "shift"
+    found = diagnose(shifted, n_tokens=900, prompt=prompt)
+    assert (found.cause, found.confidence, found.is_observation) == ("prompt", 1.0, True)
+    assert diagnose(shifted, n_tokens=10, prompt=prompt).cause == "prompt"  # too few tokens to weigh: still seen
+    behind = shifted | {"lag_min": 2.0, "lag_max": 2.0}
+    assert diagnose(behind, n_tokens=900, prompt=prompt).cause == "stale"
