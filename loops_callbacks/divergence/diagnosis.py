@@ -331,10 +331,7 @@ def _creeping(gap: float, trend: Sequence[float], noise: Mapping[str, float]) ->
     series = [value for value in (*trend, gap) if math.isfinite(value)]
     if len(series) < CREEP_STEPS:
         return None
-    third = max(1, len(series) // 3)
-    early, late = statistics.fmean(series[:third]), statistics.fmean(series[-third:])
-    growth = late / early if early > 0 else math.inf
-    rho = _spearman(series)
+    growth, rho = _growth(series)
     if growth < CREEP_GROWTH or rho * math.sqrt(len(series) - 1) < CREEP_Z:
         return None
     numbers = dict(noise) | {"steps_growing": float(len(series)), "gap_growth": growth, "gap_spearman": rho}
@@ -426,14 +423,18 @@ def _growing(
     since = series[at_floor[-1] + 1 :] if since_floor else series
     if len(since) < TREND_MIN_STEPS:
         return None
-    third = max(1, len(since) // 3)
-    early, late = statistics.fmean(since[:third]), statistics.fmean(since[-third:])
-    growth = late / early if early > 0 else math.inf
-    rho = _spearman(since)
+    growth, rho = _growth(since)
     if growth < TREND_GROWTH or rho < TREND_SPEARMAN:
         return None
     numbers = {"relative_gap": since[-1], "steps_growing": float(len(since)), "gap_growth": growth, "gap_spearman": rho}
     return Diagnosis("stale", _confidence((growth - TREND_GROWTH) / TREND_GROWTH), numbers)
+
+
+def _growth(series: Sequence[float]) -> tuple[float, float]:
+    """How much a series grew (the mean of its latest third over its first third's) and how steadily (Spearman)."""
+    third = max(1, len(series) // 3)
+    early, late = statistics.fmean(series[:third]), statistics.fmean(series[-third:])
+    return (late / early if early > 0 else math.inf), _spearman(series)
 
 
 def _spearman(values: Sequence[float]) -> float:
