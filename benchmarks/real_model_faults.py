@@ -31,7 +31,7 @@ RUNS: dict[str, tuple[dict[str, Any], str]] = {
     "processed_T0.7": ({"temperature": 0.7, "logprobs_mode": "processed_logprobs"}, "temperature"),
     "raw_T0.7": ({"temperature": 0.7}, "sampling"),
     "processed_top_p0.9": ({"top_p": 0.9, "logprobs_mode": "processed_logprobs"}, "truncation"),
-    "system_prompt": ({"fault": "system_prompt"}, "unrelated|context|prompt"),
+    "system_prompt": ({"fault": "system_prompt"}, "prompt"),
     "shift": ({"fault": "shift"}, "shift"),
     "top_k_50": ({"fault": "top_k_50"}, "sampling"),
 }
