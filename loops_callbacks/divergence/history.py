@@ -45,7 +45,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
-    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, TREND_STEPS, noise_shaped,
+    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, TREND_STEPS, noise_shaped,
 )
 from loops_callbacks.divergence.guard_rail import GuardRail
 
@@ -220,15 +220,18 @@ class Calibration:
         A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
         also an ``unclear`` step whose every number is rounding noise's (``noise_shaped``): a bf16
         engine's floor can sit above the prior. The first floor is taken only from steps that agree
-        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not. Once
+        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not. An
+        ``unclear`` step judged against the full-precision prior (a float32 engine, whose rounding leaves gaps
+        near 1e-12) never calibrates: a gap of 1e-3 there is no engine's rounding. Once
         calibrated, a healthy step joins only within ``FLOOR_FOLLOW`` x the floor: the floor never learns a fault.
         """
         gap = signatures.get("relative_gap", math.nan)
         if not math.isfinite(gap):
             return
         self.recent_gaps = [*self.recent_gaps, gap][-TREND_STEPS:]
-        healthy = diagnosis.cause in ("none", "precision") or (
-            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)
+        healthy = diagnosis.cause in ("none", "precision") or (  # a 16-bit engine's floor above the prior; not
+            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)  # a float32 engine's
+            and diagnosis.numbers.get("noise_bound", NOISE_PRIOR) >= NOISE_PRIOR
         )
         floor = self.noise_floor
         if not healthy or (floor is not None and gap > FLOOR_FOLLOW * max(floor, NOISE_MIN / NOISE_FACTOR)):

@@ -4,6 +4,7 @@ engine applied to the logprobs it reports; and a gap that grows step after step 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -79,3 +80,16 @@ def test_the_floor_never_learns_a_gap_far_above_it() -> None:
     for gap in (5e-5, 1e-4, 1.5e-4, 1.9e-4) * 8:  # each within the bound (20x the floor) but far above the floor
         calibration.observe(diagnose(QUIET | {"relative_gap": gap}, n_tokens=1000, noise_floor=floor), {"relative_gap": gap})
     assert calibration.noise_floor == floor
+
+
+def test_a_float32_engine_s_floor_is_never_learned_from_unclear_steps() -> None:
+    """A failed sync on SmolLM2 with a float32 sampler: step 0 at 2.7e-12, then gaps of 1e-4 to 1e-2 no rule named;
+    five such `unclear` steps calibrated a floor of 1.2e-3 (bound 0.024) and the fault read `precision` from then."""
+    facts = SamplerFacts(engine="hf", dtype="float32", logprobs_mode="raw_logprobs")
+    calibration = Calibration(calibration_steps=5)
+    for gap in (2.7e-12, 6e-5, 3.5e-4, 2.7e-4, 6.6e-4, 1.3e-3, 1.2e-3, 1.2e-3, 1.6e-3):
+        sig = QUIET | {"relative_gap": gap, "token_eta2": 0.8, "lag_min": 0.0, "lag_max": 0.0}
+        found = diagnose(sig, n_tokens=1000, facts=facts, noise_floor=calibration.noise_floor,
+                         trend=calibration.recent_gaps, by_lag={"0": SimpleNamespace(n_tokens=1000, abs_d_mean=0.01)})
+        calibration.observe(found, sig)
+    assert calibration.noise_floor is None and found.cause != "precision"
