@@ -60,7 +60,7 @@ from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 from loops_callbacks.types import ModelInput
-from loops_callbacks.validation import check_int
+from loops_callbacks.validation import check_int, check_reference_logprobs
 
 __all__ = ["ReferenceCacheError", "ReferenceCacheWarning", "ReferenceLogprobsReport", "score_across_ranks"]
 
@@ -172,6 +172,8 @@ def score_across_ranks(
             local = _score_block(reference, tokens.slice(first, last), block_datums, show, guard)
         scored_here = last - first
         values = group.gather_blocks(local, [int(tokens.offsets[b]) for b in bounds]).cpu().numpy()
+        # every rank holds every value: all refuse together what a reference of its own gave (its score_packed)
+        check_reference_logprobs(values, where="the reference's logprobs", lengths=tokens.lengths)
         if group.rank == 0 and key is not None:
             try:
                 write_cache(file, key, values, tokens.lengths)

@@ -151,3 +151,18 @@ def test_checked_tokens_stay_checked_when_sliced_and_only_for_their_vocabulary(s
     with pytest.raises(OutOfVocabularyError, match="prompt 0 has token id 5 at position 2, outside the reference's"):
         check_token_ids(part, 5)  # a smaller vocabulary: checked again
     assert len(scans) == 2
+
+
+class OwnScorer:
+    """A reference of its own with score_packed (the fast path), whose values are not logprobs at one position."""
+
+    def score_packed(self, packed: PackedTokens, **_: Any) -> torch.Tensor:
+        values = torch.full((packed.num_tokens,), -0.5)
+        values[int(packed.offsets[1]) + 1] = float("nan")  # datum 1, position 1
+        return values
+
+
+def test_a_reference_of_its_own_whose_values_are_not_logprobs_is_named_with_the_cache_off() -> None:
+    """With the cache on, write_cache refuses them; with it off, nothing looked before the values were used."""
+    with pytest.raises(ValueError, match=r"datum 1, position 1 is nan, not a logprob"):
+        score_across_ranks(PackedTokens.from_sequences(SEQUENCES), OwnScorer(), QUIET, shard_unit=2)
