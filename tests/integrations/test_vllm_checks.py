@@ -16,6 +16,7 @@ from torch import nn
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.integrations.vllm import VLLMSamplingClient, VLLMWeightSync
 from loops_callbacks.reference.packing import PackedTokens
+from tests.integrations.engine_double import EngineModel, Runner
 
 
 @pytest.fixture
@@ -93,44 +94,6 @@ def test_a_prompt_that_is_not_1d_names_itself(vllm_stub: Any) -> None:
 
 
 # ---- the weight sync -------------------------------------------------------------------------------------
-
-
-class EngineModel(nn.Module):
-    """What a vLLM worker's model offers: named parameters, and load_weights that loads as vLLM's loaders do (the
-    shapes asserted, weight by weight, so a weight after a mis-shaped one is never reached), ``fail_at`` a failure
-    of the engine after some weights were written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 4)
-        self.head = nn.Linear(4, 16, bias=False)
-        self.fail_at: str | None = None
-
-    def load_weights(self, weights: Any) -> set[str]:
-        params, loaded = dict(self.named_parameters()), set()
-        for name, tensor in weights:
-            param = params[name]  # a KeyError for a name the engine does not have
-            assert param.size() == tensor.size(), f"Attempted to load weight ({tensor.size()}) into parameter ({param.size()})"
-            param.data.copy_(tensor)
-            loaded.add(name)
-        return loaded
-
-
-class Runner:
-    def __init__(self, model: EngineModel) -> None:
-        self.model = model
-
-    def get_model(self) -> EngineModel:
-        return self.model
-
-    def reload_weights(self, weights_iterator: Any) -> None:
-        def failing(weights: Any) -> Any:
-            for name, tensor in weights:
-                if name == self.model.fail_at:
-                    raise RuntimeError("the device went away")
-                yield name, tensor
-
-        self.model.load_weights(failing(weights_iterator))
 
 
 class SyncLLM:

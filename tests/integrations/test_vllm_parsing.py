@@ -37,6 +37,7 @@ from loops_callbacks.integrations.vllm import (
     prompt_token_ids,
     rollout_batch,
 )
+from tests.integrations.engine_double import EngineModel, Runner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -625,35 +626,6 @@ def test_post_completions_names_an_answer_that_is_not_json_or_is_cut_short() -> 
         server.close()
 
 # ---- the weight sync, against an engine double ------------------------------------------------
-
-
-class EngineModel(nn.Module):
-    """What a vLLM worker's model offers the reload: named parameters, and load_weights returning the names loaded."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 4)
-        self.head = nn.Linear(4, 16, bias=False)
-        self.received: list[tuple[str, torch.dtype]] = []
-
-    def load_weights(self, weights: Any) -> set[str]:
-        params, loaded = dict(self.named_parameters()), set()
-        for name, tensor in weights:
-            self.received.append((name, tensor.dtype))
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        return loaded
-
-
-class Runner:
-    def __init__(self, model: EngineModel) -> None:
-        self.model = model
-
-    def get_model(self) -> EngineModel:
-        return self.model
-
-    def reload_weights(self, weights_iterator: Any) -> None:
-        self.model.load_weights(weights_iterator)
 
 
 class FakeLLM:
