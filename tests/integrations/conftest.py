@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,3 +109,12 @@ def engine_back(engine: Any, hf_model: Any) -> Iterator[Any]:
     from loops_callbacks.integrations.vllm import VLLMWeightSync
 
     VLLMWeightSync(engine).push(hf_model, version=0)
+
+
+@pytest.fixture
+def vllm_stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in ``vllm`` module, so the engine doubles work whether vLLM is installed or not."""
+    stub = types.ModuleType("vllm")
+    stub.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", stub)
+    return stub

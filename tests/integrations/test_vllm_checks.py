@@ -4,8 +4,6 @@ that are not logprobs or are missing, and pushes that would leave the engine's w
 from __future__ import annotations
 
 import math
-import sys
-import types
 from types import SimpleNamespace as Fake
 from typing import Any
 
@@ -18,14 +16,6 @@ from loops_callbacks.integrations.vllm import VLLMSamplingClient, VLLMWeightSync
 from loops_callbacks.reference.packing import PackedTokens
 from tests.integrations.engine_double import EngineModel, Runner
 
-
-@pytest.fixture
-def vllm_stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """A stand-in ``vllm`` module, so the engine doubles work whether vLLM is installed or not."""
-    stub = types.ModuleType("vllm")
-    stub.SamplingParams = lambda **kwargs: Fake(**kwargs)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", stub)
-    return stub
 
 
 def config(dtype: torch.dtype = torch.float32) -> Fake:

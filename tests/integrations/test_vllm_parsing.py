@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -647,14 +646,6 @@ class FakeLLM:
         self.reset_calls += 1
         return self.resets
 
-
-@pytest.fixture
-def vllm_stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """A stand-in ``vllm`` module, so the engine doubles work whether vLLM is installed or not."""
-    stub = types.ModuleType("vllm")
-    stub.SamplingParams = lambda **kwargs: Fake(**kwargs)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", stub)
-    return stub
 
 
 def trained(seed: int) -> nn.Module:
