@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,18 +114,10 @@ def model_input_tokens(model_input: Any) -> list[int]:
                          f"{tuple(model_input.shape)}")
     if not isinstance(model_input, (list, tuple, np.ndarray, torch.Tensor)):
         raise TypeError(f"expected a ModelInput or a list of token ids, got {type(model_input).__name__}")
-    values = model_input.tolist() if isinstance(model_input, torch.Tensor) else model_input
-    try:
-        return [int(t) for t in values]
-    except (TypeError, ValueError):
-        bad = next(t for t in values if not _is_int(t))
-        raise TypeError(f"expected token ids (ints), got {bad!r} (a {type(bad).__name__})") from None
-
-
-def _is_int(value: Any) -> bool:
-    """Whether ``int(value)`` works."""
-    try:
-        int(value)
-    except (TypeError, ValueError):
-        return False
-    return True
+    values = model_input.tolist() if isinstance(model_input, (torch.Tensor, np.ndarray)) else model_input
+    # an int, never a float rounded or a bool read as 0/1 (numpy's integers are numbers.Integral too)
+    bad = next(((k, t) for k, t in enumerate(values) if isinstance(t, bool) or not isinstance(t, numbers.Integral)),
+               None)
+    if bad is not None:
+        raise TypeError(f"expected token ids (ints), got {bad[1]!r} (a {type(bad[1]).__name__}) at position {bad[0]}")
+    return [int(t) for t in values]

@@ -156,6 +156,13 @@ def test_token_ids_that_are_not_ints_name_the_datum() -> None:
         attach_reference_logprobs(datums, Sync(0.0))
 
 
+@pytest.mark.parametrize("model_input", [[1.7, 5.2], [True, 0], torch.tensor([1.9, 2.5]), np.array([1.5, 2.0])])
+def test_token_ids_are_never_rounded_from_floats_or_read_from_bools(model_input: object) -> None:
+    """[1.7, 5.2] was scored as [1, 5]: a model_input of floats or bools holds no token ids."""
+    with pytest.raises(TypeError, match=r"datum 0: model_input: expected token ids \(ints\), got .* at position 0"):
+        attach_reference_logprobs([{"model_input": model_input, "loss_fn_inputs": {}}], Sync(0.0))
+
+
 def re_escape(shape: tuple[int, ...]) -> str:
     return str(shape).replace("(", r"\(").replace(")", r"\)")
 
