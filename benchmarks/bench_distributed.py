@@ -54,8 +54,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
+from loops_callbacks.distributed import ProcessGroup  # noqa: E402
 from loops_callbacks.divergence.reduction import (  # noqa: E402
-    ProcessGroupCollectives,
     message_sizes,
     received_bytes,
     reduce_across_ranks,
@@ -114,7 +114,7 @@ MODEL = {  # scheme: (collectives per logged step, bytes received per rank as a 
 
 
 class CountingCollectives:
-    """Runs another ``Collectives`` and counts each call and its ring-algorithm traffic."""
+    """Runs another process group's two collectives and counts each call and its ring-algorithm traffic."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -250,7 +250,7 @@ def gloo_worker(rank: int, world: int, init_file: str, out_file: str, repeats: i
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         stats = stats_of(rank_batch(rank, world), SAMPLE_SIZE, seed=rank)
-        plain = ProcessGroupCollectives()
+        plain = ProcessGroup()
         barrier_cost = []
         for _ in range(5):  # the trailing barrier's own traffic, subtracted below
             dist.barrier()

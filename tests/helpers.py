@@ -320,7 +320,7 @@ class ThreadGroup:
 
 
 class ThreadCollectives:
-    """One thread's view of a ``ThreadGroup``: a ``reduction.Collectives``."""
+    """One thread's view of a ``ThreadGroup``: a process group as ``reduce_across_ranks`` uses it."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
 from loops_callbacks.correction import Correction
+from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.divergence import step_warnings
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.evidence import observe_training
@@ -45,7 +46,6 @@ from loops_callbacks.divergence.report import (
 from loops_callbacks.divergence.shadow import parse_corrections
 from loops_callbacks.divergence.sinks import deliver, deliver_text
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.reference.collectives import Group
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings, warn
 from loops_callbacks.validation import check, check_bool, check_choice, check_int
@@ -168,7 +168,7 @@ class KLSampleTrainMonitor(Callback):
     def _check_ranks_agree(self, trainer: pl.Trainer) -> None:
         """``RanksDisagreeError`` on every rank when the ranks' monitors differ in a setting they share (one
         small gather, before any step): which steps log, what the ranks exchange, when the guard rail acts."""
-        group = Group()
+        group = ProcessGroup()
         if trainer.world_size == 1 or group.world_size != trainer.world_size:  # a strategy off torch.distributed
             return
         media = self.media

@@ -1,6 +1,6 @@
 """Divergence statistics of all ranks, in two collectives whose per-rank size does not grow with the ranks.
 
-``reduce_across_ranks(stats, collectives)`` gives every rank the same ``DivergenceStats`` of all
+``reduce_across_ranks(stats, group)`` gives every rank the same ``DivergenceStats`` of all
 ranks' batches, rank 0's first, each collective on one float64 buffer laid out from the states:
 
 1. ``all_gather`` of a small header per rank: its datum and action-token counts, its maxima (every
@@ -34,84 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
 from loops_callbacks.divergence.statistics import DivergenceStats, layout_of
 from loops_callbacks.divergence.states import GROUP_ROWS, ROW, Layout
-
-
-@runtime_checkable
-class Collectives(Protocol):
-    """A process group as the reduction uses it: this rank, the world, and two collectives."""
-
-    rank: int
-    world_size: int
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` (one shape everywhere) stacked in rank order: ``[world_size, ...]``."""
-        ...
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The elementwise sum of every rank's ``tensor``; may reuse ``tensor``'s storage."""
-        ...
-
-
-class ProcessGroupCollectives:
-    """``torch.distributed`` collectives on ``group`` (default: the world), one call each; ``device``: where
-    buffers travel when it is not where the statistics are (NCCL needs the GPU).
-
-    Examples:
-        >>> ProcessGroupCollectives().world_size  # no process group: one rank
-        1
-    """
-
-    def __init__(self, group: Any = None, device: torch.device | None = None) -> None:
-        self.group, self.device = group, device
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if distributed else 0
-        self.world_size = dist.get_world_size(group) if distributed else 1
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        sent = tensor.to(self.device or tensor.device).contiguous()
-        gathered = sent.new_empty((self.world_size, *sent.shape))
-        if dist.get_backend(self.group) == "nccl":
-            dist.all_gather_into_tensor(gathered, sent, group=self.group)
-        else:  # gloo has no all_gather_into_tensor; it fills the rows of ``gathered`` in place
-            dist.all_gather(list(gathered.unbind(0)), sent, group=self.group)
-        return gathered.to(tensor.device)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        buffer = tensor.to(self.device or tensor.device).contiguous()
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
-        return buffer.to(tensor.device)
-
-
-class _StrategyCollectives:
-    """A Lightning strategy's own ``all_gather`` and ``reduce``, for strategies not on ``torch.distributed``."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy, self.rank, self.world_size = strategy, int(strategy.global_rank), int(strategy.world_size)
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.strategy.all_gather(tensor)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.strategy.reduce(tensor, reduce_op="sum")
-
-
-def as_collectives(collectives: Collectives | Any) -> Collectives:
-    """``collectives`` itself, or those of a Lightning strategy (``trainer.strategy``): ``torch.distributed``
-    directly when the strategy runs on it (Lightning's ``reduce`` runs a barrier before each all-reduce: one
-    more collective, and a host synchronization under NCCL), else the strategy's own."""
-    if isinstance(collectives, Collectives):
-        return collectives
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == collectives.world_size:
-        return ProcessGroupCollectives(device=collectives.root_device if dist.get_backend() == "nccl" else None)
-    return _StrategyCollectives(collectives)
 
 
 def message_sizes(layout: Layout, top_n: int, sample_size: int) -> tuple[int, int]:
@@ -136,17 +66,17 @@ def received_bytes(world: int, top_n: int, sample_size: int, layout: Layout | No
 
 @torch.no_grad()
 def reduce_across_ranks(
-    stats: DivergenceStats, collectives: Collectives | Any, *, generator: torch.Generator | None = None
+    stats: DivergenceStats, group: ProcessGroup | Any, *, generator: torch.Generator | None = None
 ) -> DivergenceStats:
     """Statistics of every rank's batches, rank 0's first, the same on every rank (module docstring).
 
     A collective: every rank calls it, with statistics of one layout, ``top_n`` and ``sample_size``.
-    ``collectives`` is a ``Collectives`` or a Lightning strategy; ``generator`` (on the statistics'
+    ``group`` is a ``ProcessGroup`` or a Lightning strategy (``ProcessGroup.of``); ``generator`` (on the statistics'
     device) draws the one random number of the sample's allocation. The result is for reading
     (``to_host``): its sample_keys only mark the filled places, so it is not merged again.
     """
-    collectives = as_collectives(collectives)
-    world, rank = collectives.world_size, collectives.rank
+    group = ProcessGroup.of(group)
+    world, rank = group.world_size, group.rank
     if world == 1:
         return stats
     layout, device, top_n = stats.layout, stats.sums.device, stats.worst.shape[0]
@@ -158,7 +88,7 @@ def reduce_across_ranks(
     counts = torch.stack([stats.sums[layout.index("n_datums")], stats.sums[layout.index("n_action_tokens")]])
     draw = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
     header = [counts, stats.maxima, stats.worst[:, ROW.ABS], draw, needed]
-    gathered = collectives.all_gather(torch.cat(header))
+    gathered = group.all_gather(torch.cat(header))
     counts, maxima, worst_abs, draws, widths = gathered.split([part.numel() for part in header], dim=1)
     datum_offsets = torch.cumsum(counts[:, 0], 0) - counts[:, 0]
     tokens = counts[:, 1].to(torch.int64)
@@ -175,7 +105,7 @@ def reduce_across_ranks(
     sample.index_add_(0, places, stats.sample.to(torch.float64).masked_fill(~chosen, 0.0))
     body = [_chosen_rows(stats.worst, worst_abs, datum_offsets[rank], rank).reshape(-1), stats.sums,
             groups.reshape(-1), sample]
-    rows, sums, groups, sample = collectives.all_reduce_sum(torch.cat(body)).split([p.numel() for p in body])
+    rows, sums, groups, sample = group.all_reduce_sum(torch.cat(body)).split([p.numel() for p in body])
     sample_keys = None
     if stats.sample_size is not None:
         sample_keys = torch.zeros(capacity, dtype=torch.float64, device=device)

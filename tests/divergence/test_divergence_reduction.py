@@ -18,13 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loops_callbacks.divergence.metrics import scalar_metrics
-from loops_callbacks.divergence.reduction import (
-    ProcessGroupCollectives,
-    as_collectives,
-    received_bytes,
-    reduce_across_ranks,
-    stratified_allocation,
-)
+from loops_callbacks.distributed import ProcessGroup
+from loops_callbacks.divergence.reduction import received_bytes, reduce_across_ranks, stratified_allocation
 from loops_callbacks.divergence.states import ROW
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.shadow import parse_corrections
@@ -53,7 +48,7 @@ SCENARIOS = {  # name: (rank 0's datums, rank 1's datums), each (seed, datums, l
 
 
 class CountingCollectives:
-    """Counts the collectives another ``Collectives`` runs, and the elements each carries."""
+    """Counts the collectives another process group runs, and the elements each carries."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.calls = inner, []
@@ -167,7 +162,7 @@ def test_ties_across_ranks_go_to_the_lower_rank_as_in_a_merge() -> None:
 def test_one_rank_gets_its_statistics_back() -> None:
     stats = stats_of(synthetic_rows(6, 2, 5, 1.0), 3, sample_size=4)
     assert not dist.is_initialized()
-    assert reduce_across_ranks(stats, ProcessGroupCollectives()) is stats
+    assert reduce_across_ranks(stats, ProcessGroup()) is stats
 
 
 class FakeStrategy:
@@ -201,7 +196,7 @@ def test_a_strategy_without_torch_distributed_is_served_by_its_own_collectives()
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    assert type(as_collectives(strategies[0])).__name__ == "_StrategyCollectives"
+    assert type(ProcessGroup.of(strategies[0])).__name__ == "_StrategyGroup"
     assert strategies[0].reduce_ops == ["sum"]
     want = parts[0].merge(parts[1]).to_host()
     for result in results:

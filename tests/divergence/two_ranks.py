@@ -19,7 +19,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.reduction import ProcessGroupCollectives, reduce_across_ranks
+from loops_callbacks.distributed import ProcessGroup
+from loops_callbacks.divergence.reduction import reduce_across_ranks
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.divergence import test_callback_ddp, test_correction_shadow, test_divergence_reduction
 from tests.divergence import test_monitor_strata, test_nan_advantages
@@ -64,7 +65,7 @@ def reductions(rank: int, out: Path) -> None:
     for name, specs in test_divergence_reduction.SCENARIOS.items():
         for sample_size in (100_000, 7):
             stats = stats_of(test_divergence_reduction.synthetic_rows(*specs[rank]), top_n=5, sample_size=sample_size)
-            collectives = test_divergence_reduction.CountingCollectives(ProcessGroupCollectives())
+            collectives = test_divergence_reduction.CountingCollectives(ProcessGroup())
             result = reduce_across_ranks(stats, collectives, generator=torch.Generator().manual_seed(rank))
             saved[name, sample_size] = (result, collectives.calls)
     torch.save(saved, out / f"rank{rank}.pt")
