@@ -60,7 +60,7 @@ def _rank(rank: int, port: int, repeats: int) -> None:
     from loops_callbacks.data.tokenization import preference_pairs
     from loops_callbacks.demo.data import ReversePairsDataModule
     from loops_callbacks.reference.cache import data_fingerprint
-    from loops_callbacks.reference.collectives import Group, StallGuard
+    from loops_callbacks.distributed import ProcessGroup, StallGuard
     from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
 
     demo = ReversePairsDataModule(num_pairs=1024, progress=False)
@@ -85,7 +85,7 @@ def _rank(rank: int, port: int, repeats: int) -> None:
         ),
     }
     packed = demo.dpo_data().tokens
-    group = Group()
+    group = ProcessGroup()
     guard = StallGuard(group, 600.0)
 
     def check_tokens() -> None:  # what score_across_ranks runs before scoring

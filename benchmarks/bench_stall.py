@@ -45,10 +45,10 @@ def _free_port() -> int:
 
 def _meet(mechanism: str, timeout: float, timed_group: dist.ProcessGroup) -> None:
     """One meeting of both ranks before ``PHASE`` through ``mechanism`` (``timed_group``: gloo's own timeout)."""
-    from loops_callbacks.reference.collectives import Group, StallGuard
+    from loops_callbacks.distributed import ProcessGroup, StallGuard
 
     if mechanism == "StallGuard":
-        StallGuard(Group(), timeout).arrive(PHASE)
+        StallGuard(ProcessGroup(), timeout).arrive(PHASE)
     elif mechanism == "monitored_barrier":
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
     else:
@@ -80,9 +80,9 @@ def _stall_or_wait(rank: int, port: int, mechanism: str, timeout: float, meeting
     cost = 1e6 * statistics.median(costs) if costs else None
     if rank == 1:
         if mechanism == "StallGuard":
-            from loops_callbacks.reference.collectives import Group, StallGuard
+            from loops_callbacks.distributed import ProcessGroup, StallGuard
 
-            StallGuard(Group(), timeout).note(WHERE)  # what the scoring notes as it goes
+            StallGuard(ProcessGroup(), timeout).note(WHERE)  # what the scoring notes as it goes
         time.sleep(3 * timeout + 2)  # the stall, in PHASE: the other rank gives up first
         return None, "stalled on purpose", cost
     start = time.perf_counter()

@@ -24,7 +24,7 @@ from loops_callbacks.data.reference_mixin import ReferenceLogprobsMixin
 from loops_callbacks.data.tokenization import TokenizationReport, check_limits
 from loops_callbacks.data.tokenizer import check_tokenizer_path
 from loops_callbacks.reference.clients import SamplingClient
-from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.distributed import ProcessGroup, StallGuard, fail_together
 from loops_callbacks.reference.config import DEFAULT_SCORING_TIMEOUT, ScoringDtype
 from loops_callbacks.validation import check, check_bool, check_int, check_real
 
@@ -175,7 +175,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
                                  **asdict(scoring))
         self.data = list(data) if isinstance(data, (list, tuple)) else data
         self.path = os.fspath(file) if file is not None else None
-        if not Group().distributed:  # ranks already in a group meet a missing file together, when they read it
+        if not ProcessGroup().distributed:  # ranks already in a group meet a missing file together, when they read it
             if self.path is not None and not os.path.lexists(self.path):
                 raise ValueError(f"DPODataModule {name}={self.path!r} does not exist{relative_path_note(self.path)}")
             if isinstance(tokenizer, (str, os.PathLike)):
@@ -202,7 +202,7 @@ class DPODataModule(ReferenceLogprobsMixin, LightningDataModule):
             self._read = self._given_datums()
             if self._read is None:
                 source = next(s for s in (self.path, self.dataset, self.data) if s is not None)
-                guard = StallGuard(Group(), self.reference_config.scoring_timeout)
+                guard = StallGuard(ProcessGroup(), self.reference_config.scoring_timeout)
                 with fail_together(guard, "reading the preference records",
                                    then="the end of reading the preference records"):
                     records = read_preference_records(source)

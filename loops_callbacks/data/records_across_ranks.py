@@ -37,7 +37,7 @@ from loops_callbacks.data.preference import parse_preference
 from loops_callbacks.data.sources import LocatedRecord
 from loops_callbacks.data.tokenization import TokenizationReport, kept_pairs, tokenize_records
 from loops_callbacks.data.tokenizer import load_tokenizer, tokenizer_digests
-from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.distributed import ProcessGroup, StallGuard, fail_together
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, combined_digest, item_digests
 
 
@@ -72,7 +72,7 @@ def tokenize_across_ranks(records: Sequence[LocatedRecord], tokenizer: Any, *, m
     rank's tokenizing error (a bad record) on every rank. ``timeout``: seconds a rank waits for
     the others at each step (``StallGuard``).
     """
-    group = Group()
+    group = ProcessGroup()
     if group.world_size == 1:
         return kept_pairs(*tokenize_records(records, tokenizer, max_length=max_length,
                                             max_prompt_length=max_prompt_length, progress=progress))

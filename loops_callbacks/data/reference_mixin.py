@@ -28,7 +28,7 @@ from loops_callbacks import run_warnings
 from loops_callbacks.data.dpo import check_dpo_pairs
 from loops_callbacks.data.packed_pairs import PackedPairs
 from loops_callbacks.reference.across_ranks import ReferenceCacheWarning, ReferenceLogprobsReport, score_across_ranks
-from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.distributed import ProcessGroup, StallGuard, fail_together
 from loops_callbacks.reference.config import ReferenceConfig, resolve_reference
 from loops_callbacks.reference.policy import PolicyReference, policy_tag
 
@@ -179,7 +179,7 @@ class ReferenceLogprobsMixin:
             return
         self._stage, self._pairs, self._report, self._saved = "not set up", None, None, None
         config = self._reference_config
-        with fail_together(StallGuard(Group(), config.scoring_timeout), "checking the DPO pairs",
+        with fail_together(StallGuard(ProcessGroup(), config.scoring_timeout), "checking the DPO pairs",
                            then="the end of checking the DPO pairs"):
             pairs = check_dpo_pairs(self.dpo_data(), check_prompts=config.check_prompts)  # before any reference
         self._pairs, self._stage = pairs, "pending"

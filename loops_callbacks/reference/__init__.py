@@ -27,7 +27,7 @@ from loops_callbacks.reference.across_ranks import (
 )
 from loops_callbacks.reference.attach import attach_reference_logprobs
 from loops_callbacks.reference.clients import SamplingClient, TorchSamplingClient
-from loops_callbacks.reference.collectives import RankStalledError
+from loops_callbacks.distributed import RankStalledError
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.policy import PolicyReference
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError

@@ -55,7 +55,7 @@ from loops_callbacks.reference.cache import (CACHE_FILE_NAME, CACHE_TOOL, CacheK
                                              read_cache, write_cache)
 from loops_callbacks.reference.cache_tool import find_cache
 from loops_callbacks.reference.clients import TorchSamplingClient
-from loops_callbacks.reference.collectives import Group, StallGuard, fail_together
+from loops_callbacks.distributed import ProcessGroup, StallGuard, fail_together
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.packing import PackedTokens, check_token_ids
 from loops_callbacks.reference.rank_agreement import check_ranks_agree, token_digests
@@ -135,7 +135,7 @@ def score_across_ranks(
         raise ValueError(f"score_across_ranks: {count} datums are not a whole number of units of {shard_unit}")
     if datums is not None and len(datums) != count:
         raise ValueError(f"score_across_ranks: {count} token sequences for {len(datums)} datums")
-    group = Group()
+    group = ProcessGroup()
     guard = StallGuard(group, config.scoring_timeout)
     digest = functools.cache(functools.partial(data_fingerprint, tokens))  # compared across ranks, and in the key
     name = datum_name or (lambda index: f"datum {index}")
@@ -241,7 +241,7 @@ def _score_block(reference: Any, tokens: PackedTokens, datums: Sequence[Any] | N
     return torch.from_numpy(np.concatenate(values).astype(np.float32) if values else np.zeros(0, np.float32))
 
 
-def _reference_fingerprint(reference: Any, given: str | None, group: Group) -> str | None:
+def _reference_fingerprint(reference: Any, given: str | None, group: ProcessGroup) -> str | None:
     """The reference's fingerprint, the same on every rank (rank 0's weights win for a torch client)."""
     method = getattr(reference, "fingerprint", None)
     fingerprint = given if given is not None else (method() if callable(method) else None)
@@ -260,7 +260,7 @@ def _reference_fingerprint(reference: Any, given: str | None, group: Group) -> s
                      "with the same one")
 
 
-def _load(path: str | None, key: CacheKey | None, lengths: np.ndarray, group: Group, *, warn: bool) -> CacheLookup:
+def _load(path: str | None, key: CacheKey | None, lengths: np.ndarray, group: ProcessGroup, *, warn: bool) -> CacheLookup:
     """Rank 0 finds the cache and checks it whole; every rank reads it (or receives it); all take the same branch.
 
     Every rank holds the values in its own memory (``flat``), read once and checked against rank

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from loops_callbacks.reference.collectives import Group
+from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.reference.fingerprint import weights_fingerprint
 from loops_callbacks.reference.scorer import ScorerClient, TokenScorer
 from loops_callbacks.types import ModelInput
@@ -183,7 +183,7 @@ class TorchSamplingClient(TokenScorer):
         """
         if not isinstance(self.model, nn.Module):
             return None
-        return weights_fingerprint(self.model, tag=str(self.dtype), group=Group(local=True))
+        return weights_fingerprint(self.model, tag=str(self.dtype), group=ProcessGroup(local=True))
 
 
 def _checked(model: Any, device: Any, dtype: Any, max_tokens_per_batch: Any,

@@ -33,7 +33,7 @@ import re
 import torch
 from torch import nn
 
-from loops_callbacks.reference.collectives import Group
+from loops_callbacks.distributed import ProcessGroup
 
 __all__ = ["clean_name", "fsdp_classes", "weights_fingerprint"]
 
@@ -83,13 +83,13 @@ def fsdp_classes() -> tuple[type | None, type | None]:
     return fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)
 
 
-def weights_fingerprint(module: nn.Module, *, tag: str = "", group: Group | None = None) -> str:
+def weights_fingerprint(module: nn.Module, *, tag: str = "", group: ProcessGroup | None = None) -> str:
     """sha256 hex digest of ``module``'s weights and ``tag``; see the module docstring.
 
     Call it on every rank of the group at once when the weights are distributed (it gathers).
     ``module`` is the outermost module that holds the weights (for FSDP (1), the root wrapper).
     """
-    group = group or Group()
+    group = group or ProcessGroup()
     entries = _entries(module, group)
     if group.world_size > 1:
         merged: dict[str, str] = {}
@@ -111,7 +111,7 @@ def _model_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if fsdp2 is None or not issubclass(c, fsdp2))
 
 
-def _entries(module: nn.Module, group: Group) -> dict[str, str]:
+def _entries(module: nn.Module, group: ProcessGroup) -> dict[str, str]:
     """This rank's share of the ``name -> entry`` lines."""
     fsdp, _ = fsdp_classes()
     if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
@@ -126,7 +126,7 @@ def _entries(module: nn.Module, group: Group) -> dict[str, str]:
     return entries
 
 
-def _fsdp1_entries(module: nn.Module, fsdp: type, group: Group) -> dict[str, str]:
+def _fsdp1_entries(module: nn.Module, fsdp: type, group: ProcessGroup) -> dict[str, str]:
     """FSDP (1): one unit's weights gathered at a time; flat parameters are hashed shard by shard."""
     entries: dict[str, str] = {}
     names = [name for name, _ in module.named_parameters()]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from loops_callbacks.reference.clients import find_vocab_size, module_device
-from loops_callbacks.reference.collectives import Group, StallGuard
+from loops_callbacks.distributed import ProcessGroup, StallGuard
 from loops_callbacks.reference.fingerprint import fsdp_classes, weights_fingerprint
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.reference.scorer import TokenScorer
@@ -109,13 +109,13 @@ class PolicyReference(TokenScorer):
     def fingerprint(self) -> str:
         """The weights' fingerprint (a collective: call it on every rank at once)."""
         with torch.inference_mode(False), torch.no_grad():
-            return weights_fingerprint(self.forward_module, tag=self.tag, group=Group())
+            return weights_fingerprint(self.forward_module, tag=self.tag, group=ProcessGroup())
 
     def score_packed(self, packed: PackedTokens, *, progress: Callable[[int], None] | None = None,
                      lockstep: StallGuard | None = None) -> torch.Tensor:
         """``ref_logprobs``-layout values of ``packed``, in lock-step with the other ranks (call it on all)."""
         try:
-            guard = lockstep if lockstep is not None else StallGuard(Group(), timeout=None)
+            guard = lockstep if lockstep is not None else StallGuard(ProcessGroup(), timeout=None)
             return super().score_packed(packed, progress=progress, lockstep=guard)
         finally:
             # FSDP2 keeps the root's weights gathered after a forward (for the backward that follows one); after

@@ -8,9 +8,9 @@ are the per-item digests gathered, to name the first item that differs and where
 it. The error is raised on every rank alike, before anything is scored or cached.
 
 Examples:
-    >>> from loops_callbacks.reference.collectives import Group
+    >>> from loops_callbacks.distributed import ProcessGroup
     >>> digests = item_digests([b"a", b"b"])
-    >>> check_ranks_agree(Group(), what="datums", count=2, digest=combined_digest(digests),
+    >>> check_ranks_agree(ProcessGroup(), what="datums", count=2, digest=combined_digest(digests),
     ...                   item_digests=lambda: digests, item_name=str)  # one process: always agrees
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from loops_callbacks.reference.collectives import Group, StallGuard
+from loops_callbacks.distributed import ProcessGroup, StallGuard
 from loops_callbacks.reference.packing import PackedTokens
 
 __all__ = [
@@ -72,7 +72,7 @@ def combined_digest(digests: np.ndarray) -> str:
 
 
 def check_ranks_agree(
-    group: Group,
+    group: ProcessGroup,
     *,
     what: str,
     count: int,

@@ -39,7 +39,7 @@ from torch import nn
 from loops_callbacks import run_warnings
 from loops_callbacks.fields import model_input_tokens
 from loops_callbacks.logprobs import token_logprobs
-from loops_callbacks.reference.collectives import Group, StallGuard
+from loops_callbacks.distributed import ProcessGroup, StallGuard
 from loops_callbacks.reference.heads import OutputHead, find_output_head, model_logits
 from loops_callbacks.reference.packing import DeviceBatches, PackedTokens, check_token_ids, plan_batches
 from loops_callbacks.validation import check_reference_logprobs
@@ -233,7 +233,7 @@ class TokenScorer(ScorerClient):
                 )
             self._tell_fallback = False
             order, plan = plan_batches(packed.lengths, self.max_tokens_per_batch)
-            guard = lockstep if lockstep is not None else StallGuard(Group(local=True), timeout=None)
+            guard = lockstep if lockstep is not None else StallGuard(ProcessGroup(local=True), timeout=None)
             # Agreed before the first forward: a rank must not wait in this collective while
             # another is inside a forward's (FSDP's all-gathers).
             guard.arrive("agreeing on the number of lock-step forwards")

@@ -753,7 +753,7 @@ class _TwoRanks:
 def test_a_failure_on_another_rank_fails_this_rank_too(tmp_path: Any, monkeypatch: Any) -> None:
     from loops_callbacks.reference import across_ranks
 
-    monkeypatch.setattr(across_ranks, "Group", _TwoRanks)
+    monkeypatch.setattr(across_ranks, "ProcessGroup", _TwoRanks)
     client = CountingClient()
     data = pair_datums(make_pairs(4))
     config = ReferenceConfig(progress=False, cache_dir=str(tmp_path / "c"))

@@ -110,7 +110,7 @@ def _short(ids: Any) -> str:
 
 def _weights_fingerprint(worker: Any, tag: str) -> str:
     """On a vLLM worker: ``weights_fingerprint`` of its model."""
-    from loops_callbacks.reference.collectives import Group
+    from loops_callbacks.distributed import ProcessGroup
     from loops_callbacks.reference.fingerprint import weights_fingerprint
 
-    return weights_fingerprint(worker.model_runner.get_model(), tag=tag, group=Group(local=True))
+    return weights_fingerprint(worker.model_runner.get_model(), tag=tag, group=ProcessGroup(local=True))
