@@ -1,9 +1,8 @@
 """What reading the reference-logprob cache into memory costs: time and memory per process.
 
-A cache hit reads the file (safetensors) into the process's memory and checksums exactly the bytes
-read (a file changed or truncated under a running job cannot change its values, nor kill it with
-SIGBUS). A memory map (as safetensors' own readers and earlier versions did) needs no private copy,
-but the values are the file's pages. This writes a cache of ``--tokens`` float32 values in a temporary directory and
+A cache hit reads the file into the process's memory (safetensors' ``pread`` backend) and checksums
+exactly the values read (a file changed or truncated under a running job cannot change its values,
+nor kill it with SIGBUS). safetensors' default backend maps the file instead. This writes a cache of ``--tokens`` float32 values in a temporary directory and
 loads it in a fresh process per method, printing the load time and the process's resident
 memory after the load (private ``RssAnon`` and file-backed ``RssFile``, from /proc)::
 
@@ -26,7 +25,8 @@ from loops_callbacks.reference.cache import CacheKey, write_cache
 LOAD = """
     import sys, time
     import numpy as np
-    from loops_callbacks.reference.cache import CacheKey, checksum, read_cache, read_header
+    from safetensors import safe_open
+    from loops_callbacks.reference.cache import CacheKey, checksum, read_cache
 
     def rss():
         fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -38,12 +38,10 @@ LOAD = """
     start = time.perf_counter()
     if method == "read":  # what a cache hit does now
         flat = read_cache(path, CacheKey("r", "d", "float32"), lengths).flat
-    else:  # a memory map (copy-on-write), the same header and checksum read from it
-        blob = np.memmap(path, dtype=np.uint8, mode="c")
-        header = read_header(bytes(blob[: 1 << 20]), len(blob))
-        (_, first, stop), (_, first_lengths, stop_lengths) = header.tensors["values"], header.tensors["lengths"]
-        flat = blob[first:stop].view("<f4")
-        assert checksum(blob[first_lengths:stop_lengths].view("<i8"), flat) == header.checksum
+    else:  # safetensors' default backend, a memory map; the same checksum
+        with safe_open(path, "np") as file:
+            flat, stored = file.get_tensor("values"), file.get_tensor("lengths")
+            assert checksum(stored, flat) == file.metadata()["sha256"]
     total = float(flat.sum(dtype=np.float64))  # every value is touched, as training does over an epoch
     seconds = time.perf_counter() - start
     after = rss()

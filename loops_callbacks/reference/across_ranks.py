@@ -52,8 +52,7 @@ from loops_callbacks.fields import datum_model_input
 from loops_callbacks.progress import ProgressBar
 from loops_callbacks.reference.attach import score_prompts
 from loops_callbacks.reference.cache import (CACHE_FILE_NAME, CACHE_TOOL, CacheKey, CacheLookup, data_fingerprint,
-                                             read_cache, write_cache)
-from loops_callbacks.reference.cache_tool import find_cache
+                                             find_cache, read_cache, write_cache)
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.distributed import ProcessGroup, StallGuard, fail_together
 from loops_callbacks.reference.config import ReferenceConfig

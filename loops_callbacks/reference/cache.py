@@ -8,14 +8,15 @@ format and ``sha256``, the checksum of the two tensors' bytes. Each key has its 
 cache's base path (``cache_file``: ``ref_logprobs.<16 hex digits of the key>.cache``), so runs that
 share a directory never replace each other's values. ``read_cache`` returns the values only when the
 file is whole, its checksum right, its key the one asked for and its lengths the data's; otherwise
-it says why, and the caller scores again (``cache_tool.find_cache`` looks through the directory).
-A file of an earlier version (the ``LOOPSREF`` format) is named as such.
+it says why, and the caller scores again. ``find_cache`` is the run's lookup: this key's file, else
+any whole match in the directory (``list_caches``: every cache there, from its header). A file of an
+earlier version (the ``LOOPSREF`` format) is named as such.
 
-The file is read into this process's memory once and checked there, the values being views of
-those bytes: a file copied over, truncated or removed while a job runs cannot change that job's
-values, nor kill it with ``SIGBUS`` as a memory map of a truncated file does (safetensors' own
-readers map the file; its ``load(bytes)`` copies every tensor once more). ``loops-callbacks cache
-list|prune DIR`` (``loops_callbacks.reference.cache_tool``) shows and removes caches.
+safetensors reads the file (``safe_open`` with its ``pread`` backend) into this process's memory
+once, and it is checked there: a file copied over, truncated or removed while a job runs cannot
+change that job's values, nor kill it with ``SIGBUS`` as a memory map of a truncated file does.
+``loops-callbacks cache list|prune DIR`` (``loops_callbacks.reference.cache_tool``) shows and
+removes caches.
 
 Examples:
     >>> import os, tempfile
@@ -41,18 +42,19 @@ import json
 import os
 import socket
 import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from loops_callbacks.reference.packing import PackedTokens
 from loops_callbacks.validation import check_reference_logprobs
 
-__all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "MAX_HEADER_BYTES", "CacheKey", "CacheLookup", "cache_file", "checksum",
-           "data_fingerprint", "open_regular", "orphaned_temporaries", "read_cache", "read_header", "write_cache",
-           "written_by_this_package"]
+__all__ = ["CACHE_FILE_NAME", "CACHE_TOOL", "MAX_HEADER_BYTES", "CacheInfo", "CacheKey", "CacheLookup", "cache_file",
+           "checksum", "data_fingerprint", "find_cache", "list_caches", "open_regular", "orphaned_temporaries",
+           "read_cache", "read_stored", "write_cache", "written_by_this_package"]
 
 CACHE_FILE_NAME = "ref_logprobs.cache"
 """The cache's base name in its directory; each key's file is ``cache_file(base, key)`` beside it."""
@@ -241,38 +243,64 @@ def read_cache(path: str | os.PathLike[str], key: CacheKey, lengths: Sequence[in
                digest: str | None = None) -> CacheLookup:
     """The cached values for ``key`` when ``path`` holds a whole file for it with these ``lengths``.
 
-    The file is read into memory once and the checksum computed over exactly the bytes read, so the
-    values cannot change afterwards, whatever happens to the file. With ``digest`` (the checksum
-    another rank found), the bytes read here must also have that checksum.
+    safetensors reads the file into memory once (``read_stored``) and the checksum is computed over
+    exactly the arrays read, so the values cannot change afterwards, whatever happens to the file.
+    With ``digest`` (the checksum another rank found), the values read here must also have that checksum.
     """
     path = os.fspath(path)
     try:
-        descriptor, size = open_regular(path)
-        with os.fdopen(descriptor, "rb", buffering=0) as file:
-            blob = np.fromfile(file, dtype=np.uint8, count=size)  # a copy, not a map: no SIGBUS if truncated
-            if len(blob) != size or file.read(1):
-                raise OSError(errno.EIO, f"it changed while being read ({size} bytes when opened, {len(blob)} read)",
-                              path)
+        stored = read_stored(path)
     except FileNotFoundError:
         return CacheLookup("missing", path=path)
     except OSError as error:
         return CacheLookup("corrupt", reason=f"it cannot be read ({error})", path=path)
     except MemoryError:
         return CacheLookup("corrupt", reason="it does not fit in this process's memory", path=path)
-    lookup = _parse(blob, key, np.asarray(lengths, dtype=np.int64), digest)
+    lookup = CacheLookup("corrupt", reason=stored.problem) if stored.problem else _check(stored, key, lengths, digest)
     lookup.path = path
     return lookup
 
 
-@dataclass(frozen=True)
-class _Header:
-    key: CacheKey
-    checksum: Any
-    tensors: dict[str, tuple[int, int, int]]  # name: (count, first byte, last byte + 1), from the file's start
-    file_size: int  # where the last tensor ends
+_TENSORS = {"values": "F32", "lengths": "I64"}  # safetensors' dtype names
 
 
-_TENSORS = {"values": ("F32", np.dtype("<f4")), "lengths": ("I64", np.dtype("<i8"))}
+def read_stored(path: str, *, values: bool = True) -> CacheInfo:
+    """What the file ``path`` holds as safetensors reads it: its key, checksum and sizes (and, with ``values``, its
+    tensors), or why it is no whole cache of this version (``problem``); and whether this package wrote it.
+
+    safetensors reads it with its ``pread`` backend: into this process's memory, not mapped, so a file truncated
+    meanwhile is an error, never a ``SIGBUS``. ``OSError`` when it cannot be opened or is no regular file (never
+    waits on a FIFO).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    descriptor, size = open_regular(path)
+    with os.fdopen(descriptor, "rb", buffering=0) as file:
+        opened = os.fstat(descriptor)
+        head = file.read(8)
+        head += file.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES)) if len(head) == 8 else b""
+    ours = written_by_this_package(head)
+    info = CacheInfo(path, size, opened.st_mtime, None, ours=ours,
+                     identity=(opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns))
+    try:
+        with safe_open(path, "np", backend="pread") as reader:
+            metadata = reader.metadata() or {}
+            if metadata.get("format") != _FORMAT:
+                return dataclasses.replace(info, problem="it is not a reference-logprob cache (no "
+                                           f"{_FORMAT!r} in its metadata)")
+            shapes = {name: (reader.get_slice(name).get_dtype(), reader.get_slice(name).get_shape())
+                      for name in _TENSORS if name in reader.keys()}
+            if any(shapes.get(name, ("", ()))[0] != dtype or len(shapes[name][1]) != 1
+                   for name, dtype in _TENSORS.items()) or not all(name in metadata for name in _KEY_NAMES):
+                return dataclasses.replace(info, damaged=True, problem="its header is damaged (not one-dimensional "
+                                           f"values F32 and lengths I64 with a key: {shapes}, {metadata})")
+            tensors = {name: reader.get_tensor(name) for name in _TENSORS} if values else {}
+    except SafetensorError as error:
+        problem, damaged = _why_unreadable(head, size, error)
+        return dataclasses.replace(info, problem=problem, damaged=damaged)
+    (n_values,), (n_datums,) = shapes["values"][1], shapes["lengths"][1]
+    return dataclasses.replace(info, key=CacheKey(*(metadata[name] for name in _KEY_NAMES)), n_datums=n_datums,
+                               n_values=n_values, checksum=metadata.get("sha256"), **tensors)
 
 
 def written_by_this_package(head: bytes) -> bool:
@@ -291,56 +319,35 @@ def written_by_this_package(head: bytes) -> bool:
     return size > 0 and head[8:9] == b"{" and _FORMAT_MARK in head[8 : 8 + min(size, MAX_HEADER_BYTES)]
 
 
-def read_header(head: bytes, file_size: int) -> _Header | str:
-    """The header of a file whose first bytes are ``head`` (and whose size is ``file_size``), or why it is no cache."""
+def _why_unreadable(head: bytes, file_size: int, error: Exception) -> tuple[str, bool]:
+    """Why safetensors could not read a file whose first bytes are ``head`` (told from them, ``error`` shown), and
+    whether it is a damaged cache of ours: a whole header of this format, contents that do not fit it."""
     if head.startswith(_EARLIER_FORMAT):
         return ("it is a cache of an earlier version of loops-callbacks (the LOOPSREF format), which this version "
-                "does not read; it is scored again into a safetensors file")
+                "does not read; it is scored again into a safetensors file"), False
     if not written_by_this_package(head):
-        return "it is not a reference-logprob cache (no header of this package's format)"
+        return "it is not a reference-logprob cache (no header of this package's format)", False
     size = int.from_bytes(head[:8], "little")
-    if not size <= min(MAX_HEADER_BYTES, file_size - 8) or len(head) < 8 + size:
-        return f"its header is cut short or damaged: a header of {size} bytes does not fit in its {file_size} bytes"
-    try:
-        fields = json.loads(bytes(head[8 : 8 + size]))
-        metadata = fields.pop("__metadata__", None) or {}
-        if metadata.get("format") != _FORMAT:
-            return f"it is not a reference-logprob cache (no {_FORMAT!r} in its metadata)"
-        key = CacheKey(*(metadata[name] for name in _KEY_NAMES))
-        tensors = {}
-        for name, (dtype, numpy_dtype) in _TENSORS.items():
-            entry = fields[name]
-            (count,), (start, stop) = entry["shape"], entry["data_offsets"]
-            counts = all(type(n) is int and n >= 0 for n in (count, start, stop))
-            if entry["dtype"] != dtype or not counts or stop - start != count * numpy_dtype.itemsize:
-                raise ValueError(f"tensor {name!r} is {entry}")
-            tensors[name] = (count, 8 + size + start, 8 + size + stop)
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
-        return f"its header is damaged ({type(error).__name__}: {error})"
-    if not all(isinstance(part, str) for part in (key.reference, key.data, key.dtype)):
-        return f"its header is damaged (its key {dataclasses.asdict(key)} is not three strings)"
-    return _Header(key, metadata.get("sha256"), tensors, max(stop for _, _, stop in tensors.values()))
+    if 8 + size > file_size:
+        return (f"its header is cut short or damaged: a header of {size} bytes does not fit in its {file_size} "
+                "bytes"), False
+    return f"its header is damaged or the file is truncated (safetensors: {error})", True
 
 
-def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest: str | None) -> CacheLookup:
-    header = read_header(bytes(blob[: 8 + MAX_HEADER_BYTES]), len(blob))
-    if isinstance(header, str):
-        return CacheLookup("corrupt", reason=header)
-    if len(blob) != header.file_size:
-        return CacheLookup("corrupt", reason=f"it is truncated or damaged: {len(blob)} bytes where its header "
-                           f"promises {header.file_size}")
-    arrays = {name: np.require(blob[start:stop].view(_TENSORS[name][1]), requirements="A")  # aligned: a view
-              for name, (_, start, stop) in header.tensors.items()}
-    stored_lengths, flat = arrays["lengths"], arrays["values"]
+def _check(stored: CacheInfo, key: CacheKey, lengths: Sequence[int] | np.ndarray,
+           expected_digest: str | None) -> CacheLookup:
+    """``stored`` as the values of ``key`` for data of these ``lengths``, or why it is not."""
+    stored_lengths, flat = stored.lengths, stored.values
+    assert stored_lengths is not None and flat is not None and stored.key is not None  # a whole file, read whole
     digest = checksum(stored_lengths, flat)
-    if digest != header.checksum:
+    if digest != stored.checksum:
         return CacheLookup("corrupt", reason="its checksum does not match its contents")
     if expected_digest is not None and digest != expected_digest:
         return CacheLookup("corrupt", reason="it is not the file the first rank checked (another checksum)")
-    changed = key.differences(header.key)
+    changed = key.differences(stored.key)
     if changed:
-        return CacheLookup("stale", reason=" and ".join(changed) + " changed", key=header.key)
-    if not np.array_equal(stored_lengths, lengths):
+        return CacheLookup("stale", reason=" and ".join(changed) + " changed", key=stored.key)
+    if not np.array_equal(stored_lengths, np.asarray(lengths, dtype=np.int64)):
         return CacheLookup("corrupt", reason="its datum lengths do not match the data")
     if int(stored_lengths.sum()) != len(flat):
         return CacheLookup("corrupt", reason="its lengths do not add up to its number of values")
@@ -348,7 +355,167 @@ def _parse(blob: np.ndarray, key: CacheKey, lengths: np.ndarray, expected_digest
         check_reference_logprobs(flat, where="its values", lengths=stored_lengths)
     except ValueError as error:
         return CacheLookup("corrupt", reason=f"it holds values that are not logprobs ({error})")
-    return CacheLookup("hit", flat=flat, digest=digest, key=header.key)
+    return CacheLookup("hit", flat=flat, digest=digest, key=stored.key)
+
+
+_LISTED = 8  # caches named in a message about a miss (the rest are counted)
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """One entry of a cache directory (``list_caches``: from its header only), or a cache file read whole
+    (``read_stored``: ``lengths`` and ``values`` too); ``key`` is ``None`` (and ``problem`` says why) for a file
+    that is no whole cache of this version.
+
+    ``ours``: a file this package wrote (a header of its format, whole or not), not reached through a
+    link; ``prune`` selects nothing else. ``damaged``: one of ours whose header is whole but whose contents do
+    not fit it. ``link``: where a symbolic link leads (it is read through, never removed). ``identity``:
+    ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file read; one that no longer has it when its turn
+    comes is not removed. ``checksum``: the ``sha256`` its metadata hold.
+    """
+
+    path: str
+    size: int
+    modified: float
+    key: CacheKey | None
+    n_datums: int | None = None
+    n_values: int | None = None
+    problem: str = ""
+    ours: bool = False
+    link: str | None = None
+    identity: tuple[int, int, int, int] | None = None
+    damaged: bool = False
+    checksum: str | None = None
+    lengths: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    values: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        """``name (size, date)``, as messages and ``cache_tool list`` show it.
+
+        Examples:
+            >>> CacheInfo("/c/ref_logprobs.cache", 3 << 20, 0.0, None).describe()
+            'ref_logprobs.cache (3.0 MB, 1970-01-01 00:00 UTC)'
+        """
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.modified))
+        return f"{os.path.basename(self.path)} ({self.size / (1 << 20):.1f} MB, {when})"
+
+
+def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
+    """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
+
+    Any other file of the directory whose metadata hold ``key`` is used when whole. With
+    ``key.reference=None`` a whole file of these data and dtype is used, unless files of them by
+    several references are there (which one is meant cannot be told: a miss). A miss names every
+    cache in the directory and what differs (``reason``); ``path`` is then the file ``key``'s values belong in.
+    """
+    directory = os.path.dirname(os.fspath(base)) or "."
+    path = None
+    if key.reference is not None:
+        path = cache_file(base, key)
+        lookup = read_cache(path, key, lengths)
+        if lookup.status == "stale":  # a whole file, but not the one its name says
+            lookup = CacheLookup("corrupt", f"it is named for this key but was made for another ({lookup.reason})",
+                                 path=path)
+        if lookup.status != "missing":
+            return lookup
+    try:  # caches only: whatever else is in the directory is no reason to miss, and not named
+        others = [info for info in list_caches(directory) if info.path != path and (info.ours or info.key)]
+    except OSError as error:
+        return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
+    candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
+    references = {info.key.reference for info in candidates if info.key is not None}
+    if len(references) > 1:
+        named = "; ".join(f"{info.describe()}: reference {str(info.key and info.key.reference)[:12]}"
+                          for info in candidates)
+        return CacheLookup("stale", f"{len(candidates)} caches in {directory} hold these data and dtype, made by "
+                           f"{len(references)} references ({named}), and which one is meant is not known (no "
+                           f"reference fingerprint was given); remove the ones not wanted (`{CACHE_TOOL} list "
+                           f"{directory}`)")
+    unusable: dict[str, str] = {}
+    for info in candidates:
+        found = read_cache(info.path, key, lengths)
+        if found.status == "hit":
+            return found
+        unusable[info.path] = found.reason
+    if not others:
+        return CacheLookup("missing", path=path)
+    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path)
+
+
+def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
+    """Every cache file in ``directory`` (told by its header, whatever its name) and every other entry named
+    ``*.cache``, newest first, from their headers only.
+
+    An entry is ``ours`` only when it is a file (not a link) whose header is of this package's format;
+    another program's file, a directory, a link, a FIFO or a file that cannot be read is not, and
+    ``problem`` says what it is. Temporary files of writers (``*.tmp.*``) are not caches. A directory
+    that does not exist holds none; one that cannot be read is an ``OSError``.
+    """
+    try:
+        entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
+    except FileNotFoundError:
+        return []
+    infos = [info for info in map(_info, entries) if info is not None]
+    return sorted(infos, key=lambda info: (-info.modified, info.path))
+
+
+def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str, str], directory: str) -> str:
+    """``reason`` of a miss: each cache of the directory (the closest first) and why it is not this run's."""
+
+    def why(info: CacheInfo) -> str:
+        if info.key is None:
+            return f"unreadable: {info.problem}"
+        changed = key.differences(info.key)
+        return " and ".join(changed) + " changed" if changed else f"damaged: {unusable.get(info.path, info.problem)}"
+
+    closest = sorted(others, key=lambda info: (len(key.differences(info.key)) if info.key else 4, -info.modified))
+    named = [f"{info.describe()}: {why(info)}" for info in closest[:_LISTED]]
+    more = f"; and {len(others) - _LISTED} more" if len(others) > _LISTED else ""
+    return (f"none of the {len(others)} cache(s) in {directory} holds these values ({'; '.join(named)}{more}); "
+            f"see or prune them with `{CACHE_TOOL} list {directory}`")
+
+
+def _info(path: str) -> CacheInfo | None:
+    """What ``path``'s header says (``None``: neither a cache nor named ``*.cache``, or gone meanwhile)."""
+    name = os.path.basename(path)
+    named = name.endswith(".cache") and not name.startswith(".")  # not hidden: ~/.cache in a cache_dir set to ~
+    try:
+        entry = os.lstat(path)
+        link = os.readlink(path) if stat.S_ISLNK(entry.st_mode) else None
+        info = read_stored(path, values=False)  # through a link: a run may read a linked cache
+    except FileNotFoundError as error:
+        return _unreadable(path, error) if named and os.path.lexists(path) else None  # a broken link, or gone
+    except OSError as error:
+        return _unreadable(path, error) if named else None
+    ours = info.ours and link is None
+    return None if info.problem and not (named or ours) else dataclasses.replace(info, ours=ours, link=link)
+
+
+def _unreadable(path: str, error: OSError) -> CacheInfo | None:
+    """A ``CacheInfo`` (not ours) for an entry that cannot be opened as a file, saying what it is (never following a
+    link).
+
+    Examples:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> try:
+        ...     open_regular(directory)
+        ... except OSError as error:
+        ...     print(_unreadable(directory, error).problem)
+        it is a directory, not a cache file
+    """
+    try:
+        status = os.lstat(path)
+        link = os.readlink(path) if stat.S_ISLNK(status.st_mode) else None
+    except OSError:
+        return None  # gone meanwhile
+    if link is not None and not os.path.exists(path):
+        problem, link = f"it is a broken symbolic link (to {link!r})", None
+    elif error.errno == errno.EINVAL:  # open_regular: it is no regular file, and says what it is
+        problem = f"it is {error.strerror}"
+    else:
+        problem = f"it cannot be read ({error.strerror or error}), so it cannot be told to be a cache"
+    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem, link=link)
 
 
 def open_regular(path: str) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""The reference-logprob caches of a directory: which one a run reads (``find_cache``), and the command that lists
-and prunes them, ``loops-callbacks cache`` (``python -m loops_callbacks cache`` is the same)::
+"""The command that lists and prunes the reference-logprob caches of a directory, ``loops-callbacks cache``
+(``python -m loops_callbacks cache`` is the same)::
 
     loops-callbacks cache list runs/dpo/reference_logprobs
     loops-callbacks cache prune runs/dpo/reference_logprobs --older-than 30
@@ -20,13 +20,10 @@ that is no longer the one listed when its turn comes (a run wrote its cache anew
 Examples:
     >>> import os, tempfile
     >>> import numpy as np
-    >>> from loops_callbacks.reference.cache import CACHE_FILE_NAME, data_fingerprint, write_cache
+    >>> from loops_callbacks.reference.cache import CACHE_FILE_NAME, CacheKey, cache_file, data_fingerprint, write_cache
     >>> key = CacheKey(reference="r", data=data_fingerprint([[1, 2], [3]]), dtype="float32")
     >>> base = os.path.join(tempfile.mkdtemp(), CACHE_FILE_NAME)
     >>> write_cache(cache_file(base, key), key, [np.array([-0.5, 0.0]), np.array([0.0])])
-    >>> lookup = find_cache(base, key, [2, 1])
-    >>> lookup.status, lookup.flat.tolist(), find_cache(base, CacheKey("other", key.data, "float32"), [2, 1]).status
-    ('hit', [-0.5, 0.0, 0.0], 'stale')
     >>> main(["list", os.path.dirname(base)])  # doctest: +ELLIPSIS
     ref_logprobs....cache (0.0 MB, ...)  reference r  data ...  dtype float32  2 datums, 3 tokens
     0
@@ -35,196 +32,16 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
-import numpy as np
 
-from loops_callbacks.reference.cache import (
-    CACHE_TOOL,
-    MAX_HEADER_BYTES,
-    CacheKey,
-    CacheLookup,
-    cache_file,
-    open_regular,
-    orphaned_temporaries,
-    read_cache,
-    read_header,
-    written_by_this_package,
-)
+from loops_callbacks.reference.cache import CACHE_TOOL, CacheInfo, list_caches, orphaned_temporaries, read_stored
 
-__all__ = ["CacheInfo", "find_cache", "list_caches", "main", "select_for_pruning"]
-
-_LISTED = 8  # caches named in a message about a miss (the rest are counted)
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    """One entry of a cache directory, from its header only (``list_caches``); ``key`` is ``None`` (and
-    ``problem`` says why) for a file whose header cannot be read.
-
-    ``ours``: a file this package wrote (a header of its format, whole or not), not reached through a
-    link; ``prune`` selects nothing else. ``link``: where a symbolic link leads (it is read through,
-    never removed). ``identity``: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of the file read; one that
-    no longer has it when its turn comes is not removed.
-    """
-
-    path: str
-    size: int
-    modified: float
-    key: CacheKey | None
-    n_datums: int | None = None
-    n_values: int | None = None
-    problem: str = ""
-    ours: bool = False
-    link: str | None = None
-    identity: tuple[int, int, int, int] | None = None
-
-    def describe(self) -> str:
-        """``name (size, date)``, as messages and ``cache_tool list`` show it.
-
-        Examples:
-            >>> CacheInfo("/c/ref_logprobs.cache", 3 << 20, 0.0, None).describe()
-            'ref_logprobs.cache (3.0 MB, 1970-01-01 00:00 UTC)'
-        """
-        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.modified))
-        return f"{os.path.basename(self.path)} ({self.size / (1 << 20):.1f} MB, {when})"
-
-
-def find_cache(base: str | os.PathLike[str], key: CacheKey, lengths: Sequence[int] | np.ndarray) -> CacheLookup:
-    """The values for ``key`` from the cache directory of ``base``: its file (``cache_file``), else any whole match.
-
-    Any other file of the directory whose metadata hold ``key`` is used when whole. With
-    ``key.reference=None`` a whole file of these data and dtype is used, unless files of them by
-    several references are there (which one is meant cannot be told: a miss). A miss names every
-    cache in the directory and what differs (``reason``); ``path`` is then the file ``key``'s values belong in.
-    """
-    directory = os.path.dirname(os.fspath(base)) or "."
-    path = None
-    if key.reference is not None:
-        path = cache_file(base, key)
-        lookup = read_cache(path, key, lengths)
-        if lookup.status == "stale":  # a whole file, but not the one its name says
-            lookup = CacheLookup("corrupt", f"it is named for this key but was made for another ({lookup.reason})",
-                                 path=path)
-        if lookup.status != "missing":
-            return lookup
-    try:  # caches only: whatever else is in the directory is no reason to miss, and not named
-        others = [info for info in list_caches(directory) if info.path != path and (info.ours or info.key)]
-    except OSError as error:
-        return CacheLookup("corrupt", f"its directory cannot be listed ({error})", path=path)
-    candidates = [info for info in others if info.key is not None and not key.differences(info.key)]
-    references = {info.key.reference for info in candidates if info.key is not None}
-    if len(references) > 1:
-        named = "; ".join(f"{info.describe()}: reference {str(info.key and info.key.reference)[:12]}"
-                          for info in candidates)
-        return CacheLookup("stale", f"{len(candidates)} caches in {directory} hold these data and dtype, made by "
-                           f"{len(references)} references ({named}), and which one is meant is not known (no "
-                           f"reference fingerprint was given); remove the ones not wanted (`{CACHE_TOOL} list "
-                           f"{directory}`)")
-    unusable: dict[str, str] = {}
-    for info in candidates:
-        found = read_cache(info.path, key, lengths)
-        if found.status == "hit":
-            return found
-        unusable[info.path] = found.reason
-    if not others:
-        return CacheLookup("missing", path=path)
-    return CacheLookup("stale", _why_none_matches(others, key, unusable, directory), path=path)
-
-
-def list_caches(directory: str | os.PathLike[str]) -> list[CacheInfo]:
-    """Every cache file in ``directory`` (told by its header, whatever its name) and every other entry named
-    ``*.cache``, newest first, from their headers only.
-
-    An entry is ``ours`` only when it is a file (not a link) whose header is of this package's format;
-    another program's file, a directory, a link, a FIFO or a file that cannot be read is not, and
-    ``problem`` says what it is. Temporary files of writers (``*.tmp.*``) are not caches. A directory
-    that does not exist holds none; one that cannot be read is an ``OSError``.
-    """
-    try:
-        entries = [entry.path for entry in os.scandir(directory) if ".tmp." not in entry.name]
-    except FileNotFoundError:
-        return []
-    infos = [info for info in map(_info, entries) if info is not None]
-    return sorted(infos, key=lambda info: (-info.modified, info.path))
-
-
-def _why_none_matches(others: list[CacheInfo], key: CacheKey, unusable: dict[str, str], directory: str) -> str:
-    """``reason`` of a miss: each cache of the directory (the closest first) and why it is not this run's."""
-
-    def why(info: CacheInfo) -> str:
-        if info.key is None:
-            return f"unreadable: {info.problem}"
-        changed = key.differences(info.key)
-        return " and ".join(changed) + " changed" if changed else f"damaged: {unusable.get(info.path, info.problem)}"
-
-    closest = sorted(others, key=lambda info: (len(key.differences(info.key)) if info.key else 4, -info.modified))
-    named = [f"{info.describe()}: {why(info)}" for info in closest[:_LISTED]]
-    more = f"; and {len(others) - _LISTED} more" if len(others) > _LISTED else ""
-    return (f"none of the {len(others)} cache(s) in {directory} holds these values ({'; '.join(named)}{more}); "
-            f"see or prune them with `{CACHE_TOOL} list {directory}`")
-
-
-def _info(path: str) -> CacheInfo | None:
-    """What ``path``'s header says (``None``: neither a cache nor named ``*.cache``, or gone meanwhile)."""
-    name = os.path.basename(path)
-    named = name.endswith(".cache") and not name.startswith(".")  # not hidden: ~/.cache in a cache_dir set to ~
-    try:
-        entry = os.lstat(path)
-        link = os.readlink(path) if stat.S_ISLNK(entry.st_mode) else None
-        descriptor, size = open_regular(path)  # through a link: a run may read a linked cache
-        with os.fdopen(descriptor, "rb", buffering=0) as file:
-            opened = os.fstat(file.fileno())
-            head = file.read(8 + MAX_HEADER_BYTES)
-    except FileNotFoundError as error:
-        return _unreadable(path, error) if named and os.path.lexists(path) else None  # a broken link, or gone
-    except OSError as error:
-        return _unreadable(path, error) if named else None
-    identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
-    ours = link is None and written_by_this_package(head)
-    header = read_header(head, size)
-    if isinstance(header, str):
-        if not (named or ours):
-            return None
-        return CacheInfo(path, size, opened.st_mtime, None, problem=header, ours=ours, link=link, identity=identity)
-    problem = "" if header.file_size == size else f"truncated or damaged: {size} bytes, its header promises more"
-    counts = (header.tensors["lengths"][0], header.tensors["values"][0])
-    return CacheInfo(path, size, opened.st_mtime, header.key, *counts, problem=problem, ours=ours, link=link,
-                     identity=identity)
-
-
-def _unreadable(path: str, error: OSError) -> CacheInfo | None:
-    """A ``CacheInfo`` (not ours) for an entry that cannot be opened as a file, saying what it is (never following a
-    link).
-
-    Examples:
-        >>> import tempfile
-        >>> directory = tempfile.mkdtemp()
-        >>> try:
-        ...     open_regular(directory)
-        ... except OSError as error:
-        ...     print(_unreadable(directory, error).problem)
-        it is a directory, not a cache file
-    """
-    try:
-        status = os.lstat(path)
-        link = os.readlink(path) if stat.S_ISLNK(status.st_mode) else None
-    except OSError:
-        return None  # gone meanwhile
-    if link is not None and not os.path.exists(path):
-        problem, link = f"it is a broken symbolic link (to {link!r})", None
-    elif error.errno == errno.EINVAL:  # open_regular: it is no regular file, and says what it is
-        problem = f"it is {error.strerror}"
-    else:
-        problem = f"it cannot be read ({error.strerror or error}), so it cannot be told to be a cache"
-    return CacheInfo(path, status.st_size, status.st_mtime, None, problem=problem, link=link)
-
+__all__ = ["main", "select_for_pruning"]
 
 def select_for_pruning(
     caches: Sequence[CacheInfo],
@@ -262,9 +79,11 @@ def _line(info: CacheInfo) -> str:
     if not info.ours:
         fields = f"  {_key_fields(info)}" if info.key is not None else ""
         return f"{info.describe()}{fields}  not ours, left alone: {_not_ours(info)}"
+    if info.damaged:
+        return f"{info.describe()}  DAMAGED: {info.problem}"
     if info.key is None:
         return f"{info.describe()}  unreadable: {info.problem}"
-    return f"{info.describe()}  {_key_fields(info)}{'  DAMAGED: ' + info.problem if info.problem else ''}"
+    return f"{info.describe()}  {_key_fields(info)}"
 
 
 def _key_fields(info: CacheInfo) -> str:
@@ -383,16 +202,12 @@ def _temporaries(directory: str) -> list[CacheInfo]:
             entry = os.lstat(path)
             if not stat.S_ISREG(entry.st_mode):
                 continue
-            descriptor, _ = open_regular(path)
-            with os.fdopen(descriptor, "rb", buffering=0) as file:
-                opened = os.fstat(file.fileno())
-                head = file.read(8 + MAX_HEADER_BYTES)
+            info = read_stored(path, values=False)
         except OSError:
             continue  # gone meanwhile, or cannot be read: it cannot be told to be ours
-        if (opened.st_dev, opened.st_ino) == (entry.st_dev, entry.st_ino) and written_by_this_package(head):
-            identity = (opened.st_dev, opened.st_ino, opened.st_size, opened.st_mtime_ns)
-            found.append(CacheInfo(path, opened.st_size, opened.st_mtime, None, problem="the temporary file of a "
-                                   "killed writer", ours=True, identity=identity))
+        if info.identity is not None and info.identity[:2] == (entry.st_dev, entry.st_ino) and info.ours:
+            found.append(CacheInfo(path, info.size, info.modified, None, problem="the temporary file of a killed "
+                                   "writer", ours=True, identity=info.identity))
     return found
 
 

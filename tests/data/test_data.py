@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import mmap
 import os
 import re
 import warnings
@@ -39,8 +40,7 @@ from loops_callbacks.data import (
 from loops_callbacks.fields import field_to_tensor, model_input_tokens
 from loops_callbacks.helpers.datum import attach_reference_logprobs
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, score_across_ranks
-from loops_callbacks.reference.cache import CacheKey, data_fingerprint, read_cache, write_cache
-from loops_callbacks.reference.cache_tool import list_caches
+from loops_callbacks.reference.cache import CacheKey, data_fingerprint, list_caches, read_cache, write_cache
 from loops_callbacks.reference.clients import TorchSamplingClient
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.helpers import ToyDPO, free_port, run_two_ranks
@@ -261,9 +261,10 @@ def test_changed_data_or_dtype_invalidate_the_cache(tmp_path: Any) -> None:
                                           progress=False), tmp_path)
 
 
-def _memmap_of(array: np.ndarray) -> np.memmap | None:
-    while array is not None and not isinstance(array, np.memmap):
-        array = array.base
+def _memmap_of(array: Any) -> Any:
+    """The memory map under ``array`` (through its views and the buffers they were made from), if any."""
+    while array is not None and not isinstance(array, (np.memmap, mmap.mmap)):
+        array = array.obj if isinstance(array, memoryview) else getattr(array, "base", None)
     return array
 
 

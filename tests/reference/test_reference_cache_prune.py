@@ -22,8 +22,8 @@ import pytest
 import safetensors.numpy
 
 from loops_callbacks.reference import cache_tool as cache_tool_module
-from loops_callbacks.reference.cache import CACHE_FILE_NAME, CacheKey, cache_file, data_fingerprint, write_cache
-from loops_callbacks.reference.cache_tool import find_cache, list_caches
+from loops_callbacks.reference.cache import (CACHE_FILE_NAME, CacheKey, cache_file, data_fingerprint, find_cache,
+                                             list_caches, write_cache)
 from loops_callbacks.reference.cache_tool import main as cache_tool
 
 TOKENS = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]

@@ -34,8 +34,7 @@ import safetensors.numpy
 from loops_callbacks.reference.across_ranks import ReferenceCacheError, ReferenceCacheWarning, score_across_ranks
 from loops_callbacks.reference.config import ReferenceConfig
 from loops_callbacks.reference.cache import CACHE_FILE_NAME, CACHE_TOOL, CacheKey, cache_file, data_fingerprint
-from loops_callbacks.reference.cache import read_cache, write_cache
-from loops_callbacks.reference.cache_tool import list_caches
+from loops_callbacks.reference.cache import list_caches, read_cache, write_cache
 from loops_callbacks.reference.cache_tool import main as cache_tool
 from loops_callbacks.types import Datum, ModelInput
 from tests.helpers import run_python, start_python
