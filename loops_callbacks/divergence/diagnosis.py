@@ -41,7 +41,9 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from loops_callbacks.divergence.causes import DROPOUT, PRECISION_BITS, PREFIX_CACHE, PROMPT, SAMPLING, Diagnosis
+from loops_callbacks.divergence.causes import (
+    DROPOUT, OTHER_WEIGHTS, PRECISION_BITS, PREFIX_CACHE, PROMPT, SAMPLING, Diagnosis,
+)
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import held_sampling_z
 
@@ -72,6 +74,9 @@ TREND_GROWTH = 2.0
 TREND_STEPS = 32
 STALE_ETA2 = 0.1
 SAMPLING_Z = 5.0  # |sampling_z| from which the tokens are taken as drawn from another distribution
+SAMPLING_STEPS = 8  # the run's latest logged steps whose sampling z are combined (Stouffer: sum z / sqrt n),
+SAMPLING_MIN_STEPS = 3  # at least this many: a bias of one sign too small for any one step (HF's default top-k 50)
+WEIGHTS_GAP = 1e-6  # both sides at full precision: a relative gap this large (100x the prior) is other weights
 CREEP_STEPS = 8  # a gap that grew over at least this many logged steps,
 CREEP_GROWTH = 3.0  # this many times over (the mean of the latest third against the first's),
 CREEP_Z = 3.0  # its rank correlation with time this many standard errors above 0 (rho sqrt(n - 1); p ~ 0.001),
@@ -119,6 +124,7 @@ def diagnose(
     facts: SamplerFacts | None = None,
     by_lag: Mapping[str, Any] | None = None,
     trend: Sequence[float] = (),
+    sampling_trend: Sequence[float] = (),
     max_policy_lag: int = 0,
     prompt: tuple[str, Mapping[str, float]] | None = None,
 ) -> Diagnosis:
@@ -131,7 +137,7 @@ def diagnose(
     the steps. ``facts`` is what the sampling engine says about itself (``evidence.SamplerFacts``).
     ``by_lag`` is the step's divergence by policy lag (``HostDivergence.by_lag``: label -> sums with
     ``n_tokens`` and ``abs_d_mean``); ``trend`` the relative gaps of the run's previous logged steps,
-    oldest first. ``max_policy_lag`` is the policy lag the run intends (1 for one-step-off-policy training):
+    oldest first, ``sampling_trend`` the sampling z (``held_sampling_z``) of those that checked what was sampled. ``max_policy_lag`` is the policy lag the run intends (1 for one-step-off-policy training):
     datums further behind (the signature numbers ``lag_min`` / ``lag_max``) are stale, observed. ``prompt`` is
     what the run's ``sampler_prompt_ids`` say where they differ from the trainer's prompts (``prompts.prompt_finding``:
     the sentence and its numbers): ``prompt``, observed, after the lag.
@@ -146,7 +152,7 @@ def diagnose(
     if behind is None and prompt is not None:  # the run's own prompts differ: named before any statistical rule
         behind = Diagnosis(PROMPT, 1.0, dict(prompt[1]), observed=prompt[0])
     statistical = behind or _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts,
-                                               by_lag, trend)
+                                               by_lag, trend, sampling_trend, full_precision)
     if statistical.cause == "precision":  # its text names bf16 only where a side is known 16-bit
         sixteen = (signatures.get("both_16_bit_share", math.nan) >= 0.5
                    or (evidence is not None and evidence.reduced_precision)
@@ -173,6 +179,7 @@ def diagnose(
 def _statistical_cause(
     sig: Mapping[str, float], n_tokens: float, noise_bound: float, lag_bound: float, calibrated: bool,
     facts: SamplerFacts | None, by_lag: Mapping[str, Any] | None, trend: Sequence[float],
+    sampling_trend: Sequence[float], full_precision: bool,
 ) -> Diagnosis:
     """``diagnose``'s rules in order (the docs' table), on the numbers and the engine's facts."""
     get = _reader(sig)
@@ -190,7 +197,7 @@ def _statistical_cause(
     settings = _processed_settings(sig, facts, noise_bound)  # the engine says what it applied to its logprobs
     if settings is not None:
         return settings
-    sampling = _sampling(sig, facts)  # named only where the logprobs agree: were the tokens drawn from them?
+    sampling = _sampling(sig, facts, sampling_trend)  # named only where the logprobs agree: drawn from them?
     if sampling is not None and not sampling.observed and facts is not None and facts.stale_prefix_cache:
         # KV from older weights: the draws came from another distribution, as the engine itself says
         sampling = Diagnosis(PREFIX_CACHE, 1.0, dict(sampling.numbers), observed=_PREFIX_CACHE_SEEN)
@@ -261,6 +268,11 @@ def _statistical_cause(
         return found("temperature", margin, "sign_split", "temperature", "temperature_se")
     if _fades(get):  # a gap on the first tokens, at any size: not precision or staleness, but not named either
         return Diagnosis("unclear", 0.0, fade)
+    if full_precision and gap >= WEIGHTS_GAP and not (pearson >= 0.95 and off_one >= AMBIGUOUS_SLOPE):
+        # full precision on both sides rounds to relative gaps near 1e-12; this one, with the slope at 1 and no
+        # shift, truncation or fade, is other weights, whatever the versions say (a load that failed or fell short)
+        numbers = noise | {"pearson": pearson, "temperature": slope, OTHER_WEIGHTS: 1.0}
+        return Diagnosis("stale", _confidence(math.log10(gap / WEIGHTS_GAP) / 2), numbers)
     unclear = noise | {"token_eta2": get("token_eta2"), "pearson": pearson, "temperature": slope}
     if lags is not None or behind == 0:  # versions are known and do not show staleness
         return Diagnosis("unclear", 0.0, unclear | (lags or {}))
@@ -338,10 +350,11 @@ def _creeping(gap: float, trend: Sequence[float], noise: Mapping[str, float]) ->
     return Diagnosis("stale", _confidence((growth - CREEP_GROWTH) / CREEP_GROWTH), numbers)
 
 
-def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis | None:
+def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None, trend: Sequence[float] = ()) -> Diagnosis | None:
     """``sampling`` when the tokens were drawn from another distribution than the logprobs describe: |z| of
-    what was sampled at least ``SAMPLING_Z`` with and without its most extreme token (``held_sampling_z``), or
-    the engine says it reports raw logprobs while it samples at another temperature or truncated (then an
+    what was sampled at least ``SAMPLING_Z`` with and without its most extreme token (``held_sampling_z``), on this
+    step or combined over the run's latest ``SAMPLING_STEPS`` (``trend``: their held z, oldest first), or the
+    engine says it reports raw logprobs while it samples at another temperature or truncated (then an
     observation); None otherwise."""
     names = ("sampling_z", "sampling_z_trimmed", "sampling_relative_bias", "sampling_temperature")
     numbers = {name: sig[name] for name in names if not math.isnan(sig.get(name, math.nan))}
@@ -350,6 +363,12 @@ def _sampling(sig: Mapping[str, float], facts: SamplerFacts | None) -> Diagnosis
         said = f"{engine} reports {facts.logprobs_mode} while sampling with {', '.join(facts.sampling_settings)}"
         return Diagnosis(SAMPLING, 1.0, numbers, observed=said)
     z = held_sampling_z(sig)
+    if not math.isnan(z) and not abs(z) >= SAMPLING_Z:  # one step short of it: the run's steps together
+        steps = [value for value in (*trend[-(SAMPLING_STEPS - 1):], z) if math.isfinite(value)]
+        combined = sum(steps) / math.sqrt(len(steps))
+        if len(steps) >= SAMPLING_MIN_STEPS and combined * z > 0:  # this step's bias the same way
+            numbers |= {"sampling_z_steps": combined, "sampling_steps": float(len(steps))}
+            z = combined
     if not abs(z) >= SAMPLING_Z:  # NaN (nothing sampled to check) included
         return None
     return Diagnosis(SAMPLING, _confidence((abs(z) - SAMPLING_Z) / SAMPLING_Z), numbers)

@@ -45,9 +45,11 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
-    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, TREND_STEPS, noise_shaped,
+    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, SAMPLING_STEPS, TREND_STEPS,
+    noise_shaped,
 )
 from loops_callbacks.divergence.guard_rail import GuardRail
+from loops_callbacks.divergence.metrics import held_sampling_z
 
 
 class Verdict(enum.Enum):
@@ -187,7 +189,8 @@ class Calibration:
 
     ``healthy_gaps`` holds the relative gaps of the latest ``HEALTHY_STEPS`` steps taken as healthy;
     the floor is their median once ``calibration_steps`` of them agree. ``recent_gaps`` holds the
-    last ``TREND_STEPS`` relative gaps. Every field is plain data: the monitor's checkpoint state is
+    last ``TREND_STEPS`` relative gaps, ``recent_sampling_z`` the sampling z of the last ``SAMPLING_STEPS`` steps
+    that checked what was sampled. Every field is plain data: the monitor's checkpoint state is
     these fields.
 
     Examples:
@@ -203,6 +206,7 @@ class Calibration:
     calibration_steps: int = 5
     healthy_gaps: list[float] = field(default_factory=list)
     recent_gaps: list[float] = field(default_factory=list)
+    recent_sampling_z: list[float] = field(default_factory=list)
 
     @property
     def calibrated(self) -> bool:
@@ -225,6 +229,9 @@ class Calibration:
         near 1e-12) never calibrates: a gap of 1e-3 there is no engine's rounding. Once
         calibrated, a healthy step joins only within ``FLOOR_FOLLOW`` x the floor: the floor never learns a fault.
         """
+        sampling_z = held_sampling_z(signatures)
+        if math.isfinite(sampling_z):
+            self.recent_sampling_z = [*self.recent_sampling_z, sampling_z][-SAMPLING_STEPS:]
         gap = signatures.get("relative_gap", math.nan)
         if not math.isfinite(gap):
             return
@@ -343,10 +350,14 @@ def read_state(state: Any) -> tuple[dict[str, Any], list[str]]:
     walk.mapping(state, "", ("exceeded_steps", "calibration", "history"), _OLDER_FIELDS[""])
     found: dict[str, Any] = {"exceeded_steps": walk.count(state.get("exceeded_steps", 0), "exceeded_steps"),
                              "calibration": {}, "history": {}}
-    calibration = walk.mapping(state.get("calibration", {}), "calibration", ("healthy_gaps", "recent_gaps"))
+    calibration = walk.mapping(state.get("calibration", {}), "calibration",
+                               ("healthy_gaps", "recent_gaps", "recent_sampling_z"))
     for name in ("healthy_gaps", "recent_gaps"):
         if name in calibration:
             found["calibration"][name] = walk.numbers(calibration[name], f"calibration.{name}", least=0.0)
+    if "recent_sampling_z" in calibration:  # older checkpoints lack it
+        found["calibration"]["recent_sampling_z"] = walk.numbers(calibration["recent_sampling_z"],
+                                                                 "calibration.recent_sampling_z")
     history = walk.mapping(state.get("history", {}), "history", _RUN_FIELDS, _OLDER_FIELDS["history"])
     read = {
         "logged_steps": lambda v, p: walk.count(v, p),

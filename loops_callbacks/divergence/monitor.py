@@ -239,6 +239,7 @@ class KLSampleTrainMonitor(Callback):
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
             evidence=observe_training(trainer, pl_module) if self.diagnose else None, facts=facts,
             trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
+            sampling_trend=self.calibration.recent_sampling_z,  # and their sampling z
             max_policy_lag=self.max_policy_lag,
         )
         self._deliver(trainer, report, step)
@@ -290,7 +291,8 @@ class KLSampleTrainMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """What the run learned and saw, as plain data: the patience counter, the calibration, the history."""
-        calibration = {"healthy_gaps": self.calibration.healthy_gaps, "recent_gaps": self.calibration.recent_gaps}
+        calibration = {"healthy_gaps": self.calibration.healthy_gaps, "recent_gaps": self.calibration.recent_gaps,
+                       "recent_sampling_z": self.calibration.recent_sampling_z}
         return {"exceeded_steps": self.exceeded_steps, "calibration": calibration, "history": self.history.saved()}
 
     @override

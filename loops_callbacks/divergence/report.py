@@ -130,6 +130,7 @@ def step_report(
     evidence: DirectEvidence | None = None,
     facts: SamplerFacts | None = None,
     trend: Sequence[float] = (),
+    sampling_trend: Sequence[float] = (),
     max_policy_lag: int = 0,
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
@@ -137,7 +138,7 @@ def step_report(
     ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
     as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
     seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
-    (the relative gaps of the run's previous logged steps, oldest first), and ``max_policy_lag`` (the lag the run
+    (the relative gaps of the run's previous logged steps, oldest first; ``sampling_trend`` their sampling z), and ``max_policy_lag`` (the lag the run
     intends); ``tokenizer`` shows the worst tokens and a differing prompt as text.
     """
     refuse_mask(host)
@@ -148,7 +149,7 @@ def step_report(
         signatures = signature_numbers(host)
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
             signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
-            trend=trend, max_policy_lag=max_policy_lag,
+            trend=trend, sampling_trend=sampling_trend, max_policy_lag=max_policy_lag,
             prompt=prompt_finding(host.totals, host.arrays, lambda ids: escape(_decoded(ids, tokenizer))),
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")

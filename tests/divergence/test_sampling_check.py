@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs
+from loops_callbacks.divergence.causes import Diagnosis
 from loops_callbacks.divergence.flat_batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.evidence import SamplerFacts
@@ -221,13 +222,16 @@ def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() ->
 
 def test_an_engine_that_says_it_computes_in_float32_has_a_float32_prior() -> None:
     """Before calibration a gap a bf16 engine can leave is precision; from an engine that says it is float32,
-    with a full-precision trainer, it is beyond noise."""
+    with a full-precision trainer, it is far beyond noise, with the slope at 1: other weights (a failed load)."""
     from loops_callbacks.divergence.evidence import DirectEvidence
 
     sig = {"frac_d_zero": 0.0, "relative_gap": 1e-4, "relative_gap_se": 1e-6, "pearson": 0.9999, "temperature": 1.0}
     assert diagnose(sig, n_tokens=1000).cause == "precision"
     fp32 = SamplerFacts(engine="vllm", dtype="float32")
-    assert diagnose(sig, n_tokens=1000, facts=fp32).cause == "unclear"
+    other_weights = diagnose(sig, n_tokens=1000, facts=fp32)
+    assert other_weights.cause == "stale" and "the sampler's weights differ from the trainer's" in other_weights.message
+    near = sig | {"relative_gap": 5e-7, "relative_gap_se": 5e-9}  # beyond noise, but short of other weights
+    assert diagnose(near, n_tokens=1000, facts=fp32).cause == "unclear"
     bf16_trainer = DirectEvidence(precision="bf16-mixed")
     assert diagnose(sig, n_tokens=1000, facts=fp32, evidence=bf16_trainer).cause == "precision"
 
@@ -259,3 +263,33 @@ def test_an_effective_temperature_is_said_only_where_the_first_order_estimate_me
     assert "drawn flatter)" in far and "effective temperature" not in far
     near = Diagnosis("sampling", 0.9, {"sampling_z": 30.0, "sampling_temperature": 0.68}).message
     assert "drawn sharper: effective temperature ≈ 0.7" in near
+
+
+def test_a_bias_of_one_sign_too_small_for_any_step_is_named_over_the_steps() -> None:
+    """HF ``generate``'s default top-k 50 with raw logprobs left z between +1.75 and +4.04 on each of 12 SmolLM2
+    steps: no step reaches 5, their sum over sqrt(n) (Stouffer) does; signs that disagree, or this step's the
+    other way, do not add up."""
+    sig = {"frac_d_zero": 1.0, "relative_gap": 0.0, "pearson": 1.0, "temperature": 1.0,
+           "sampling_z": 2.5, "sampling_z_trimmed": 2.4}
+    assert diagnose(sig, n_tokens=500).cause == "none"
+    found = diagnose(sig, n_tokens=500, sampling_trend=[2.1, 3.0, 2.6])
+    assert found.cause == "sampling" and found.numbers["sampling_steps"] == 4.0, found.message
+    assert found.numbers["sampling_z_steps"] == pytest.approx((2.1 + 3.0 + 2.6 + 2.4) / 2)
+    assert diagnose(sig, n_tokens=500, sampling_trend=[2.1, -3.0, 2.6]).cause == "none"
+    other_way = sig | {"sampling_z": -2.5, "sampling_z_trimmed": -2.4}
+    assert diagnose(other_way, n_tokens=500, sampling_trend=[2.1, 3.0, 2.6]).cause == "none"
+    assert diagnose(sig, n_tokens=500, sampling_trend=[9.0] * 20 + [0.1] * 7).cause == "none"  # the latest 8 only
+
+
+def test_the_sampling_trend_is_kept_in_the_checkpoint_and_skips_unchecked_steps() -> None:
+    from loops_callbacks.divergence.history import Calibration
+
+    calibration = Calibration()
+    for z in (2.0, math.nan, 3.0):
+        calibration.observe(Diagnosis("none", 1.0), {"relative_gap": 0.0, "sampling_z": z, "sampling_z_trimmed": z})
+    assert calibration.recent_sampling_z == [2.0, 3.0]
+    monitor = KLSampleTrainMonitor()
+    monitor.calibration = calibration
+    resumed = KLSampleTrainMonitor()
+    resumed.load_state_dict(monitor.state_dict())
+    assert resumed.calibration.recent_sampling_z == [2.0, 3.0]
