@@ -63,13 +63,26 @@ from loops_callbacks.integrations.vllm.engine import (
     import_vllm,
     shutdown_engine,
 )
+from loops_callbacks.integrations.vllm.fleet import SyncReport, VLLMServerError, VLLMServerFleet
+from loops_callbacks.integrations.vllm.launch import LocalVLLMServers
 from loops_callbacks.integrations.vllm.rollouts import generate_rollouts, prompt_token_ids, rollout_batch
 from loops_callbacks.integrations.vllm.scoring import VLLMSamplingClient
-from loops_callbacks.integrations.vllm.server import completions_batch, completions_request, post_completions
+from loops_callbacks.integrations.vllm.server import (
+    ServerHTTPError,
+    completions_batch,
+    completions_request,
+    post_completions,
+    server_json,
+)
 from loops_callbacks.integrations.vllm.weight_sync import VLLMWeightSync, checkpoint_weights
 
 __all__ = [
     "VLLM_INSTALL_HINT",
+    "LocalVLLMServers",
+    "ServerHTTPError",
+    "SyncReport",
+    "VLLMServerError",
+    "VLLMServerFleet",
     "VLLMSamplingClient",
     "VLLMWarning",
     "VLLMWeightSync",
@@ -82,5 +95,6 @@ __all__ = [
     "post_completions",
     "prompt_token_ids",
     "rollout_batch",
+    "server_json",
     "shutdown_engine",
 ]

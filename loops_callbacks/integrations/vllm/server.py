@@ -108,18 +108,43 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
 
     Bounded: ``timeout`` seconds is a deadline for the whole call (connecting, sending the request,
     every read of the answer), a ``TimeoutError`` past it, however slowly the server trickles bytes.
-    A server that answers with an error status is a ``RuntimeError`` with its message; one that cannot
-    be reached, or closes the connection before the whole answer, a ``ConnectionError`` naming the
-    address; an answer that is not a JSON object a ``ValueError`` showing its start.
+    A server that answers with an error status is a ``RuntimeError`` (a ``ServerHTTPError``) with its
+    message; one that cannot be reached, or closes the connection before the whole answer, a
+    ``ConnectionError`` naming the address; an answer that is not a JSON object a ``ValueError`` showing
+    its start.
+    """
+    check("url", url, str, "the server's http://host:port (or https://, or its /v1/completions)",
+          lambda text: text.startswith(("http://", "https://")))
+    return server_json(url.rstrip("/").removesuffix("/v1/completions"), "/v1/completions", request, timeout=timeout)
+
+
+class ServerHTTPError(RuntimeError):
+    """A vLLM server answered an error status: ``status`` (404, 500, ...), ``endpoint`` and the server's ``detail``."""
+
+    def __init__(self, endpoint: str, status: int, reason: str, detail: str) -> None:
+        super().__init__(f"the vLLM server at {endpoint} answered {status} {reason}: {detail}")
+        self.endpoint, self.status, self.detail = endpoint, status, detail
+
+
+def server_json(
+    url: str, path: str, body: Mapping[str, Any] | None = None, *, method: str = "POST", timeout: float = 60.0,
+) -> dict[str, Any]:
+    """The JSON object a vLLM server at ``url`` (``http://host:port``) answers to ``method path`` with ``body``
+    (JSON; none for a GET). An empty 200 answer is ``{}``. Errors as ``post_completions``'.
+
+    Examples:
+        >>> server_json("localhost:8000", "/weight_info", method="GET")
+        Traceback (most recent call last):
+        ...
+        ValueError: url must be the server's http://host:port (or https://), got 'localhost:8000'
     """
     positive = "a positive, finite number of seconds"
     timeout = float(check("timeout", timeout, numbers.Real, positive, lambda seconds: 0 < seconds < math.inf))
-    check("url", url, str, "the server's http://host:port (or https://, or its /v1/completions)",
-          lambda text: text.startswith(("http://", "https://")))
-    endpoint = url.rstrip("/").removesuffix("/v1/completions") + "/v1/completions"
-    http = urllib.request.Request(
-        endpoint, data=json.dumps(request).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+    check("url", url, str, "the server's http://host:port (or https://)", lambda text: text.startswith(("http://", "https://")))
+    check_choice("method", method, ("GET", "POST"))
+    endpoint = url.rstrip("/") + path
+    data = None if body is None else json.dumps(body).encode()
+    http = urllib.request.Request(endpoint, data=data, headers={"Content-Type": "application/json"}, method=method)
     deadline = _Deadline(timeout)
     opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
     try:
@@ -131,7 +156,7 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
             detail = error.read(2000).decode(errors="replace")
         except (OSError, http_client.HTTPException):
             detail = "(its message did not arrive)"
-        raise RuntimeError(f"the vLLM server at {endpoint} answered {error.code} {error.reason}: {detail}") from None
+        raise ServerHTTPError(endpoint, error.code, error.reason, detail) from None
     except http_client.IncompleteRead as error:
         got, expected = len(error.partial), len(error.partial) + (error.expected or 0)
         raise ConnectionError(f"the vLLM server at {endpoint} closed the connection after {got} of the {expected} "
@@ -143,6 +168,8 @@ def post_completions(url: str, request: Mapping[str, Any], *, timeout: float = 6
         if isinstance(error, TimeoutError) or isinstance(reason, TimeoutError):
             raise TimeoutError(f"the vLLM server at {endpoint} did not answer within {timeout:g} s") from None
         raise ConnectionError(f"cannot reach the vLLM server at {endpoint}: {reason}") from None
+    if not data:
+        return {}
     try:
         answer = json.loads(data)
     except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
@@ -255,6 +282,35 @@ def completions_batch(
         >>> batch["target_tokens"].tolist(), batch["logprobs"].tolist(), batch["sampler_facts"].temperature
         ([[5, 7, 2]], [[0.0, -0.5, -0.25]], 1.0)
     """
+    modes = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # vLLM's --logprobs-mode
+    logprobs_mode = check_choice("logprobs_mode", logprobs_mode, modes)
+    dtype = None if dtype is None else str(check_dtype("dtype", dtype)).removeprefix("torch.")
+    rows, completions, logprobs, counts = completion_rows(request, response)
+    facts = SamplerFacts(  # the settings the request gave (None: the server's default, not known here)
+        engine="vllm", dtype=dtype, logprobs_mode=logprobs_mode, weight_version=weight_version,
+        temperature=check_real("the request's temperature", request.get("temperature"), least=0.0,
+                               what="a number >= 0", optional=True),
+        top_p=check_real("the request's top_p", request.get("top_p"), least=0.0, most=1.0, what="a number in [0, 1]",
+                         optional=True),
+        top_k=check_int("the request's top_k", request.get("top_k"), least=-1, what=" (-1 or 0: off)", optional=True),
+    )
+    return _padded_batch(rows, completions, logprobs, counts, facts, None, groups, pad_id, device)
+
+
+def completion_rows(
+    request: Mapping[str, Any], response: Mapping[str, Any],
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[int]]:
+    """A ``/v1/completions`` ``response`` to ``request`` as rows: each choice's prompt, sampled tokens and their
+    logprobs (prompt-major: the n choices of prompt i adjacent), and the choices per prompt; checked as
+    ``completions_batch`` says.
+
+    Examples:
+        >>> request = completions_request([[1, 5]], max_tokens=1)
+        >>> choice = {"index": 0, "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5]}}
+        >>> prompts, tokens, logprobs, counts = completion_rows(request, {"choices": [choice]})
+        >>> prompts[0].tolist(), tokens[0].tolist(), logprobs[0].tolist(), counts
+        ([1, 5], [7], [-0.5], [1])
+    """
     prompts = request.get("prompt") if isinstance(request, Mapping) else None
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) for p in prompts):
         raise ValueError("request must be a completions_request body: its 'prompt' is a list of token-id lists")
@@ -263,9 +319,6 @@ def completions_batch(
             "the request must ask for \"logprobs\": 0 and \"return_tokens_as_token_ids\": true (completions_request "
             "does), or the tokens and their logprobs cannot be read"
         )
-    modes = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # vLLM's --logprobs-mode
-    logprobs_mode = check_choice("logprobs_mode", logprobs_mode, modes)
-    dtype = None if dtype is None else str(check_dtype("dtype", dtype)).removeprefix("torch.")
     n = _check_readable(request, "the request's ", "the request's ")
     rows = [token_id_array(prompt, f"the request's prompt {i}") for i, prompt in enumerate(prompts)]
     empty = next((i for i, row in enumerate(rows) if not row.size), None)
@@ -279,17 +332,7 @@ def completions_batch(
         raise ValueError(f"the answer has {len(choices)} choices for {len(prompts)} prompts x n={n}")
     ordered = _by_index(choices)
     completions, logprobs = zip(*(_choice_tokens(choice, index) for index, choice in enumerate(ordered)))
-    facts = SamplerFacts(  # the settings the request gave (None: the server's default, not known here)
-        engine="vllm", dtype=dtype, logprobs_mode=logprobs_mode, weight_version=weight_version,
-        temperature=check_real("the request's temperature", request.get("temperature"), least=0.0,
-                               what="a number >= 0", optional=True),
-        top_p=check_real("the request's top_p", request.get("top_p"), least=0.0, most=1.0, what="a number in [0, 1]",
-                         optional=True),
-        top_k=check_int("the request's top_k", request.get("top_k"), least=-1, what=" (-1 or 0: off)", optional=True),
-    )
-    counts = [n] * len(prompts)
-    rows = [row for row in rows for _ in range(n)]
-    return _padded_batch(rows, list(completions), list(logprobs), counts, facts, None, groups, pad_id, device)
+    return [row for row in rows for _ in range(n)], list(completions), list(logprobs), [n] * len(prompts)
 
 
 def _by_index(choices: list[Any]) -> list[Mapping[str, Any]]:
