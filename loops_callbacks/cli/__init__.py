@@ -106,7 +106,7 @@ class _Parser(LightningArgumentParser):
         if not self.exit_on_error or debug_mode_active():
             super().error(message, ex)
         given = getattr(self, "_given", ())
-        line = unparsable_config_line(ex, given) or parse_error_line(message, problem=unloadable_group(ex))
+        line = unparsable_config_line(ex, given) or parse_error_line(message, ex, problem=unloadable_group(ex))
         _exit_with(f"loops-callbacks: error: {line}", EXIT_USAGE)
 
 

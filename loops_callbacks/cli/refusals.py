@@ -1,6 +1,11 @@
 """What the command refuses in one line: a config the parser refused and a value a constructor of this package
 refused (each with its config key, exit 2), and a missing optional package (exit 1).
 
+The parser's refusal is read from jsonargparse's exceptions and the frames that raised them (``_ErrorPath``: which
+action's key, which ``class_path``, which alternative of a union), never by matching its messages' text, so a
+reworded message still gives the keys, the class and the problem; a constructor's from its own ``ValueError`` /
+``TypeError`` (``refusal_line``).
+
 A single value where a group of options goes (``guard_rail: 0.05``, ``trainer: 5``, ``init_args: [1]``) is
 told by what jsonargparse was given for which group, never by its messages: ``group_refusal`` says what the
 group takes, ``_Parser`` (``loops_callbacks.cli``) raises it where jsonargparse takes the value, and
@@ -13,13 +18,13 @@ import dataclasses
 import inspect
 import os
 import pydoc
-import re
 import sys
 import traceback
 import typing
 from collections.abc import Iterator
 from typing import Any
 
+import jsonargparse
 from jsonargparse import Namespace
 from jsonargparse._actions import _ActionConfigLoad  # the action of an options group (a dataclass, the trainer)
 
@@ -57,69 +62,110 @@ def refusal_line(error: BaseException, seen: list[Exception], config: Any) -> st
     return None
 
 
-_KEY, _CLASS = re.compile(r'Parser key "(.+?)":\s*(.*)'), re.compile(r"Problem with given class_path '(.+)':")
-_NOT_ACCEPTED = re.compile(r"Option '(.+)' is not accepted")
-_NOT_A_FILE = "Expected a path but "
-_ONLY_CONTEXT = ("Does not validate against", "Subtypes:", "Errors:", "Given value")
-
-
-def parse_error_line(message: str, problem: tuple[str, str] | None = None) -> str:
-    """jsonargparse's (many-line) parse error as one line: the keys and classes down to the first problem, then
-    the problem, and where a key that is not accepted belongs when it is a field of one of the class's groups.
-    ``problem``: ``(key, what to say)`` instead of the problem, when it is the innermost key's.
+def parse_error_line(message: str, error: BaseException | None = None, problem: tuple[str, str] | None = None) -> str:
+    """jsonargparse's refusal as one line, read from its exceptions, never from its messages' wording: the keys and
+    the classes down to the problem (``_ErrorPath``), then what the type check said of the value (where a union of
+    types was tried, the alternative that reached a class, else the first), the value, and where an option that is
+    not accepted belongs when it is a field of one of the class's groups. ``problem``: ``(key, what to say)``
+    instead of the problem, when it is the innermost key's. Without an exception (argparse's own refusals), the
+    message in one line.
 
     Examples:
-        >>> print(parse_error_line('Parser key "trainer.max_steps":' + chr(10) + "  Expected an int. Got value: abc"))
-        trainer.max_steps: Expected an int. Got value: abc
+        >>> print(parse_error_line("unrecognized arguments:" + chr(10) + "  --no_such_flag 1"))
+        unrecognized arguments: --no_such_flag 1
     """
-    key_said, said = problem or ("", None)
-    innermost = ""  # the innermost key so far
-    lines, path, class_path, key_indent, not_a_file = message.splitlines(), "", None, None, False
-    passed_over: int | None = None  # the indent of an alternative of a union passed over, while in it
-    for index, line in enumerate(lines):
-        text, indent = line.strip().removeprefix("- "), len(line) - len(line.lstrip())
-        if passed_over is not None and indent > passed_over:
-            continue
-        passed_over = None
-        if line.lstrip().startswith("- ") and not _CLASS.fullmatch(text) and _a_later_class(lines[index + 1 :], indent):
-            passed_over = indent  # of a union's alternatives, the one that reached a class says what is wrong
-            continue
-        if text.startswith(_NOT_A_FILE):  # a string is read as a file of the value first: the type's error follows
-            not_a_file = True
-            continue
-        if key := _KEY.fullmatch(text):
-            path, key_indent, text = path + (": " if path else "") + key[1], indent, key[2]
-            innermost = key[1]
-        if key and not text:
-            continue
-        if given := _CLASS.fullmatch(text):
-            class_path, key_indent = given[1], None
-            path += f" ({class_path.rpartition('.')[2]})"
-        elif said is not None and innermost == key_said and text and not text.startswith(_ONLY_CONTEXT):
-            return f"{path}: {said}" if path else said  # (said of another key, it is not this problem)
-        elif text and not text.startswith(_ONLY_CONTEXT):
-            option = _NOT_ACCEPTED.fullmatch(text)
-            group = _group_holding(class_path, option[1]) if option and class_path else None
-            problem = text + (f": it is a field of {group} ({group}: {{{option[1]}: ...}})" if group else "")
-            if key_indent is not None:  # the value the innermost key was given, where jsonargparse shows it
-                shown = " " * (key_indent + 2) + "Given value: "
-                value = next((rest[len(shown):] for rest in lines[index + 1 :] if rest.startswith(shown)), None)
-                problem += "" if value is None or text.endswith(f": {value}") else f", got {value}"
-            problem += ", nor the path of a file holding one" if not_a_file else ""
-            return f"{path}: {problem}" if path else problem
-    return " ".join(message.split())
+    found = _ErrorPath(error) if error is not None else None
+    if found is None or found.leaf is None:
+        return " ".join(message.split())
+    said = problem[1] if problem is not None and found.innermost == problem[0] else None
+    if said is None:
+        said = " ".join(str(found.leaf).split())
+        if found.value is not _NONE:  # a union's alternative: said without the value, as jsonargparse lists them
+            shown = str(found.value)
+            said = said.replace(f". Got value: {shown}", "").replace(f" {shown} ", " ")
+            said += "" if said.endswith(f": {shown}") else f", got {shown}"
+        option = found.not_accepted
+        group = _group_holding(found.class_path, option) if option and found.class_path else None
+        said += f": it is a field of {group} ({group}: {{{option}: ...}})" if group else ""
+        said += ", nor the path of a file holding one" if found.not_a_file else ""
+    return f"{found.path}: {said}" if found.path else said
 
 
-def _a_later_class(lines: list[str], indent: int) -> bool:
-    """Whether a later alternative of the same union (a ``- `` line of this indent, before the union's end) is a
-    problem with a given class: one that went that far, as a list of loggers whose item is wrong does."""
-    for line in lines:
-        depth = len(line) - len(line.lstrip())
-        if depth < indent:
-            return False
-        if depth == indent and line.lstrip().startswith("- ") and _CLASS.fullmatch(line.strip()[2:]):
-            return True
-    return False
+_NONE = object()  # no value shown
+
+
+class _ErrorPath:
+    """What a jsonargparse refusal went through, from its exceptions and the frames they were raised in: each key
+    (an action's ``dest``) and class (``class_path``) on the way, in order (``path``), the innermost key, and the
+    exception that says what is wrong (``leaf``), with the value a union of types refused (``value``), the option
+    that is not accepted (``not_accepted``) and whether a string was first read as the path of a file
+    (``not_a_file``)."""
+
+    _CHECKS = ("_check_type", "_check_value_key", "_load_config")  # jsonargparse's checks of one key's value
+
+    def __init__(self, error: BaseException) -> None:
+        self.path, self.innermost, self.class_path = "", "", None
+        self.leaf: BaseException | None = None
+        self.value: Any = _NONE
+        self.not_accepted: str | None = None
+        self.not_a_file = False
+        seen: set[int] = set()
+        current: BaseException | None = error
+        while current is not None:
+            frames = [frame for frame, _ in traceback.walk_tb(current.__traceback__)]
+            for frame in frames:
+                if id(frame) not in seen:
+                    seen.add(id(frame))
+                    self._read(frame)
+            site = frames[-1] if frames else None
+            alternatives = site.f_locals.get("exceptions") if site is not None else None
+            if isinstance(alternatives, list) and alternatives:  # a union of types: each alternative's refusal
+                self.value = site.f_locals.get("val", _NONE)
+                current = next((one for one in alternatives if _reached_class(one)), alternatives[0])
+            elif current.__cause__ is not None and site is not None and self._wraps(site, current):
+                current = current.__cause__
+            else:
+                self.leaf = current
+                if isinstance(current, KeyError) and site is not None:  # jsonargparse's NSKeyError: the option
+                    self.not_accepted = site.f_locals.get("key")
+                current = None
+
+    def _read(self, frame: Any) -> None:
+        """The key or the class a frame of jsonargparse's checked."""
+        if not frame.f_code.co_filename.startswith(_JSONARGPARSE):
+            return
+        action, local = frame.f_locals.get("self"), frame.f_locals
+        if isinstance(local.get("class_path"), str) and frame.f_code.co_name not in self._CHECKS:
+            self.class_path = local["class_path"]
+            self.path += f" ({self.class_path.rpartition('.')[2]})"
+            self.value = _NONE
+            return
+        if frame.f_code.co_name not in self._CHECKS:
+            return
+        key = getattr(action, "dest", None) if frame.f_code.co_name != "_check_value_key" else local.get("key")
+        if isinstance(key, str) and key != self.innermost:
+            self.path, self.innermost, self.value = self.path + (": " if self.path else "") + key, key, _NONE
+            self.not_a_file = False
+        if local.get("enable_path") and isinstance(local.get("orig_val"), str) and local.get("config_path") is None:
+            self.not_a_file = True  # a string was read as the path of a file of the value first
+
+    @staticmethod
+    def _wraps(site: Any, error: BaseException) -> bool:
+        """Whether ``error`` only wraps its cause with a key, a class or a file that was no file: raised by one of
+        jsonargparse's checks, by its parser's ``error``, or where a class was being read."""
+        return site.f_code.co_filename.startswith(_JSONARGPARSE) and (
+            site.f_code.co_name in (*_ErrorPath._CHECKS, "error")
+            or any(isinstance(frame.f_locals.get("class_path"), str)
+                   for frame, _ in traceback.walk_tb(error.__traceback__)))
+
+
+_JSONARGPARSE = os.path.dirname(os.path.realpath(jsonargparse.__file__))
+
+
+def _reached_class(error: BaseException) -> bool:
+    """Whether a union's alternative went as far as a class (a ``class_path`` read): it says what is wrong."""
+    return any(isinstance(frame.f_locals.get("class_path"), str) for candidate in _causes(error)
+               for frame, _ in traceback.walk_tb(candidate.__traceback__))
 
 
 _SHOWN_OPTIONS = 6  # the options a refusal names (then "...")

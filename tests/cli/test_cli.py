@@ -330,6 +330,49 @@ def test_a_config_the_parser_refuses_exits_2_with_one_line_naming_the_key(
     assert error.startswith(f"loops-callbacks: error: {line}"), error
 
 
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (["--model.init_args.sync_every", "0"],
+         "model (RLPolicyModule): sync_every: Not of type PositiveInt: does not conform to restriction v>0, got 0"),
+        (["--config", "flat_max_kl.yaml"],
+         "trainer.callbacks (KLSampleTrainMonitor): Option 'max_kl' is not accepted: it is a field of guard_rail "
+         "(guard_rail: {max_kl: ...})"),
+        (["--config", "logger_field.yaml"],
+         "trainer.logger (CSVLogger): flush_logs_every_n_steps: Expected a <class 'int'>. Got value: abc"),
+    ],
+    ids=["a key in a class", "a field of a group", "a class in a union"],
+)
+def test_a_refusal_reads_the_same_when_jsonargparse_words_its_errors_otherwise(
+    override: list[str], line: str, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keys, the classes and the alternative of a union that says what is wrong come from jsonargparse's
+    exceptions, not from its wording: reading its text lost the class and the union's choice when it changed."""
+    from jsonargparse import _typehints
+
+    make_class, reworded = _typehints.raise_unexpected_value, set()
+
+    def class_reworded(message: str, *args: Any, **kwargs: Any) -> Any:
+        if message.startswith("Problem with given class_path"):
+            reworded.add("class")
+        return make_class(message.replace("Problem with given class_path", "Could not make the class"), *args, **kwargs)
+
+    def union_reworded(subtypes: Any, val: Any, exceptions: list[Exception]) -> Any:
+        reworded.add("union")
+        listed = "".join(f"\n  * {' / '.join(str(error).split(chr(10)))}" for error in exceptions)
+        raise ValueError(f"None of the {len(exceptions)} types takes {val!r}:{listed}") from exceptions[0]
+
+    monkeypatch.setattr(_typehints, "raise_unexpected_value", class_reworded)
+    monkeypatch.setattr(_typehints, "raise_union_unexpected_value", union_reworded)
+    Path("flat_max_kl.yaml").write_text(FLAT_MAX_KL)
+    Path("logger_field.yaml").write_text(LOGGERS.format(init_args="{save_dir: ., flush_logs_every_n_steps: abc}"))
+    with pytest.raises(SystemExit) as exit_:
+        fit("rl_tiny.yaml", *override)
+    assert exit_.value.code == 2 and reworded == {"class", "union"}
+    (error,) = capsys.readouterr().err.splitlines()
+    assert error == f"loops-callbacks: error: {line}", error
+
+
 GUARD_RAIL = "GuardRail's (max_kl, kl_metric, patience, on_exceed, max_nonfinite_fraction, max_sampling_z)"
 MEDIA = "MediaOptions's (log_histogram, max_histogram_tokens, log_worst_tokens, top_n, log_strata, max_groups)"
 SCORING = "Scoring's (scoring_dtype, max_tokens_per_batch, reference_fingerprint, scoring_timeout)"
