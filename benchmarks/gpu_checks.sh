@@ -2,8 +2,9 @@
 # The checks that need a CUDA device, in one run of a few minutes on one GPU: the CUDA tests
 # (the same numbers as on the CPU, no host synchronization before a logged step or between two
 # reference batches, the output-head path in bfloat16, FSDP / FSDP2 with configure_model scoring
-# the policy itself) and the GPU figures of the benchmarks (reference scoring vs a bare forward,
-# a >= 100M-parameter model in bfloat16; one 128k-vocabulary batch, general vs output-head path).
+# the policy itself, a vLLM server synced over NCCL by VLLMServerFleet) and the GPU figures of the
+# benchmarks (reference scoring vs a bare forward, a >= 100M-parameter model in bfloat16; one
+# 128k-vocabulary batch, general vs output-head path).
 # Logs go to OUT_DIR (default ./gpu_checks_out). Run from the repository root.
 #
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
@@ -27,7 +28,8 @@ mkdir -p "$out"
 failed=0
 export PYTHONPATH=$PWD WANDB_MODE=offline PYTHONUNBUFFERED=1
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.log" || failed=1
-"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tail -15 | tee "$out/test_cuda.log" || failed=1
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "not nccl" 2>&1 | tail -15 | tee "$out/test_cuda.log" || failed=1
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k nccl 2>&1 | tail -15 | tee "$out/test_cuda_fleet_nccl.log" || failed=1  # a vLLM server synced over NCCL (needs vLLM's CUDA build)
 "$python" benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16 --skip-remote --budgets 8192 16384 2>&1 | tee "$out/bench_reference_medium_bf16.log" || failed=1
 "$python" benchmarks/bench_reference.py --device cuda --dtype bfloat16 --head-memory 2>&1 | tee "$out/bench_reference_head_memory.log" || failed=1
 "$python" benchmarks/bench_reference.py --device cuda --budgets 4096 16384 2>&1 | tee "$out/bench_reference.log" || failed=1

@@ -279,3 +279,39 @@ def test_fsdp_with_configure_model_is_its_own_reference_on_one_gpu(tmp_path: Any
     trainer.save_checkpoint(ckpt)
     _, resumed = run(ckpt_path=ckpt, max_steps=3)
     assert resumed.reference_report.source == "cache"
+
+
+def test_a_fleet_server_synced_over_nccl_samples_the_new_weights(tmp_path: Any) -> None:
+    """``VLLMServerFleet(transport="nccl")``: vLLM's own NCCL engine (``WeightTransferTrainerFactory``) from this
+    process to one server on this GPU, started with ``--weight-transfer-config '{"backend": "nccl"}'``; the
+    server's logprobs are then the pushed model's. Needs vLLM's CUDA build; never run on the CPU-only machines."""
+    pytest.importorskip("vllm", reason="needs vLLM's CUDA build")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from loops_callbacks import token_logprobs
+    from loops_callbacks.integrations.vllm import LocalVLLMServers, VLLMServerFleet
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "tiny")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(tmp_path / "tiny")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * parameter.std() * torch.randn_like(parameter))
+    model = model.cuda()
+    with LocalVLLMServers(tmp_path / "tiny", count=1, workdir=tmp_path / "servers",
+                          extra_args=["--weight-transfer-config", '{"backend": "nccl"}']) as servers:
+        fleet = VLLMServerFleet(servers.urls, transport="nccl")
+        fleet.push(model, version=1)
+        assert fleet.last_sync.phases[servers.urls[0]]["transfer"] > 0
+        batch = fleet.rollouts([[5, 6, 7], [8, 9]], max_tokens=4, n=2, device="cuda")
+        with torch.no_grad():
+            trainer = token_logprobs(model(batch["input_ids"]).logits, batch["target_tokens"])
+        mask = batch["mask"] > 0
+        assert batch["policy_version"].tolist() == [1] * 4
+        assert (trainer - batch["logprobs"])[mask].abs().max().item() < 1e-3
+        fleet.close()

@@ -152,16 +152,24 @@ class VLLMRLModule(LightningModule):
         assert self.weight_sync is not None
         self.weight_sync.push(self)  # the Llama under "policy.", version = trainer.global_step
 
+    def sample(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """``group_size`` completions of each prompt (token ids) from the engine, as the monitor's batch."""
+        return generate_rollouts(
+            self.llm, prompts, self.sampling_params, weight_sync=self.weight_sync, pad_id=self.tokenizer.pad_id,
+            device=self.device,
+        )
+
+    def last_sync_seconds(self) -> float:
+        """The last weight sync's time (0 before any)."""
+        return (self.weight_sync.last_push_seconds or 0.0) if self.weight_sync is not None else 0.0
+
     # ---- training --------------------------------------------------------------------------------
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
         prompts = batch["prompt_ids"].tolist()
         seen = [[row[0], *self.system_prompt, *row[1:]] for row in prompts]  # <bos>, the system prompt, the task
-        rollouts = generate_rollouts(
-            self.llm, seen, self.sampling_params, weight_sync=self.weight_sync, pad_id=self.tokenizer.pad_id,
-            device=self.device,
-        )
+        rollouts = self.sample(seen)
         mask, targets = rollouts["mask"], rollouts["target_tokens"]
         completions = [row[keep].tolist() for row, keep in zip(targets.cpu(), mask.cpu() > 0)]
         rewards, advantages = group_advantages(self.task, prompts, completions, self.hparams.group_size, self.device)
@@ -170,7 +178,7 @@ class VLLMRLModule(LightningModule):
         loss = policy_gradient_loss(training_logprobs, rollouts["logprobs"], mask, advantages)
         self.log("train/reward", rewards.mean(), prog_bar=True, batch_size=len(prompts))
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(prompts))
-        self.log("train/weight_sync_ms", 1e3 * (self.weight_sync.last_push_seconds or 0.0), batch_size=len(prompts))
+        self.log("train/weight_sync_ms", 1e3 * self.last_sync_seconds(), batch_size=len(prompts))
         return {**rollouts, "loss": loss, "training_logprobs": training_logprobs, "advantages": advantages}
 
     @override

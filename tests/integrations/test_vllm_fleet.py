@@ -8,9 +8,11 @@ each leaves them synced and resumed; the last two restart one and kill it.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,7 @@ from loops_callbacks.integrations.vllm.fleet import SYNC_PHASES  # noqa: E402
 from tests.integrations.conftest import VLLM_ENVIRONMENT, VOCAB  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +253,27 @@ def test_a_server_without_dev_mode_is_named_with_the_fix() -> None:
         server.shutdown()
         server.server_close()
 
+
+
+def test_the_fleet_benchmark_measures_every_phase_and_both_throughputs(
+    servers: LocalVLLMServers, hf_model: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A smoke run of ``benchmarks/bench_vllm_servers.py``'s measurement on these servers (its own start of two
+    servers is ``LocalVLLMServers.start``, used by the fixture)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_vllm_servers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    figures = bench_vllm_servers.measure(servers.urls, hf_model, syncs=2, prompts=4, n=2, max_tokens=3, repeats=1,
+                                         weights_dir=str(tmp_path / "weights"), vocab=VOCAB)
+    assert list(figures["phases"]) == [*SYNC_PHASES, "write", "whole sync"]
+    assert all(seconds > 0 for seconds in figures["phases"].values())
+    assert sorted(figures["throughput"]) == [1, 2] and all(rate > 0 for rate in figures["throughput"].values())
+    bench_vllm_servers.print_figures(figures, argparse.Namespace(prompts=4, n=2, max_tokens=3, repeats=1))
+    printed = capsys.readouterr().out
+    for line in ("| pause |", "| transfer |", "| cache |", "| version |", "| resume |", "| whole sync |", "| 2 |"):
+        assert line in printed, printed
 
 def test_under_ddp_rank_0_alone_talks_to_the_servers_and_every_rank_learns_the_version(
     servers: LocalVLLMServers, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

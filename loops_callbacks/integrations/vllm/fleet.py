@@ -165,7 +165,8 @@ class VLLMServerFleet:
         transport: ``"path"`` (safetensors written to ``weights_dir``, then each server's
             ``/collective_rpc reload_weights`` loads them in place: any device) or ``"nccl"`` (vLLM's
             ``WeightTransferTrainerFactory`` NCCL engine, servers started with ``--weight-transfer-config
-            '{"backend": "nccl"}'``; CUDA only, ``nccl_init`` gives its rendezvous).
+            '{"backend": "nccl"}'``; CUDA only: its rendezvous is this machine's ``nccl_address`` and a
+            free port per server, or ``nccl_init(url)``'s ``NCCLTrainerInitInfo``; untested here, no GPU).
         prefix_cache: ``"reset"``: each sync resets each server's prefix cache (``/reset_prefix_cache``,
             preempting requests in flight, which then recompute their KV with the new weights); ``"salt"``:
             no reset, every later request carries ``cache_salt`` = the server's version, so no request
@@ -199,7 +200,8 @@ class VLLMServerFleet:
         self, urls: Sequence[str], *, weights_dir: str | os.PathLike[str] | None = None, transport: str = "path",
         prefix_cache: str = "reset", verify: bool = False, on_server_error: str = "raise", timeout: float = 120.0,
         prefix: str | None = None, packed_modules: Mapping[str, Sequence[str]] = PACKED_MODULES,
-        max_in_flight: int = 4, prompts_per_request: int = 8,
+        max_in_flight: int = 4, prompts_per_request: int = 8, nccl_address: str = "127.0.0.1",
+        nccl_init: Callable[[str], Any] | None = None,
     ) -> None:
         check("urls", urls, (list, tuple), "a list of server URLs (http://host:port)")
         if not urls:
@@ -229,7 +231,8 @@ class VLLMServerFleet:
         self.dropped: dict[str, str] = {}
         self.version: int | None = None
         self.last_sync: SyncReport | None = None
-        self.nccl_init: Callable[[str], Any] | None = None
+        self.nccl_address = check("nccl_address", nccl_address, str, "the trainer's address the servers reach")
+        self.nccl_init = nccl_init
         self._nccl_engines: dict[str, Any] = {}
         self._connected = False
         self._written: str | None = None
@@ -485,7 +488,8 @@ class VLLMServerFleet:
     def _nccl_send(self, url: str, sent: Mapping[str, torch.Tensor]) -> None:
         engine = self._nccl_engines.get(url)
         if engine is None:
-            engine = self._nccl_engines[url] = nccl_trainer_engine(url, sent, self.nccl_init, timeout=self.timeout)
+            init = self.nccl_init or (lambda server: nccl_rendezvous(server, self.nccl_address, self.timeout))
+            engine = self._nccl_engines[url] = nccl_trainer_engine(url, sent, init, timeout=self.timeout)
         engine.source.weights = sent
         engine.send_weights()
 
@@ -763,13 +767,22 @@ class _CheckpointSource:
         return iter(self.weights.items())
 
 
-def nccl_trainer_engine(url: str, weights: Mapping[str, torch.Tensor], init: Callable[[str], Any] | None, *,
+def nccl_rendezvous(url: str, address: str, timeout: float) -> Any:
+    """vLLM's ``NCCLTrainerInitInfo`` for the server at ``url``: the trainer (rank 0) at ``address`` on a free port,
+    the group the trainer and the server's workers (its ``/get_world_size``, data parallel aside)."""
+    from loops_callbacks.integrations.vllm.launch import free_port
+
+    nccl = import_optional("vllm.distributed.weight_transfer.nccl_engine", "transport='nccl'")
+    workers = server_json(url, "/get_world_size?include_dp=false", method="GET", timeout=timeout)["world_size"]
+    return nccl.NCCLTrainerInitInfo(master_address=address, master_port=free_port(), world_size=1 + int(workers),
+                                    rank=0)
+
+
+def nccl_trainer_engine(url: str, weights: Mapping[str, torch.Tensor], init: Callable[[str], Any], *,
                         timeout: float) -> Any:
     """vLLM's trainer-side NCCL engine (``WeightTransferTrainerFactory``) for the server at ``url``, its
     rendezvous from ``init(url)`` (an ``NCCLTrainerInitInfo``: ``master_address``, ``master_port``,
     ``world_size`` = 1 + the server's workers, ``rank=0``). CUDA only."""
-    if init is None:
-        raise ValueError("transport='nccl' needs fleet.nccl_init: url -> vllm's NCCLTrainerInitInfo (its rendezvous)")
     if not torch.cuda.is_available():
         raise RuntimeError("transport='nccl' needs CUDA on the trainer; use transport='path' here")
     base = import_optional("vllm.distributed.weight_transfer.base", "transport='nccl'")

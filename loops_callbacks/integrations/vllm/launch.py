@@ -94,6 +94,7 @@ class LocalVLLMServers:
         if self.workdir is None:
             self._own_workdir = tempfile.TemporaryDirectory(prefix="vllm_servers_")
             self.workdir = Path(self._own_workdir.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
         base = {key: value for key, value in os.environ.items()
                 if key not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
         environment = {**{k: v for k, v in SERVER_ENVIRONMENT.items()}, **base, **self.environment}
