@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_vllm_servers_") as work:
         if args.model == "tiny":
             checkpoint = tiny_llama(Path(work) / "tiny_llama")
-            label = "tiny Llama (hidden 128, 2 layers, 0.3M parameters)"
+            label = "tiny Llama (hidden 128, 2 layers)"
         else:
             checkpoint = Path(args.cache_dir) / SMOLLM2
             if not (checkpoint / "config.json").is_file():

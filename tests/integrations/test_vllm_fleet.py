@@ -13,7 +13,6 @@ import copy
 import json
 import socket
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,34 +224,15 @@ def test_a_time_out_and_an_unreachable_server_are_named_or_dropped(
     assert set(fleet.rollouts(prompts(3), max_tokens=2)["sampler_server"]) == {servers.urls[0]}
 
 
-def test_a_server_without_dev_mode_is_named_with_the_fix() -> None:
-    """vLLM without ``VLLM_SERVER_DEV_MODE`` answers 404 on every weight route; a local stand-in does the same."""
-    import http.server
-
-    class NotFound(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"detail":"Not Found"}')
-
-        do_POST = do_GET  # noqa: N815
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        with pytest.raises(VLLMServerError, match=rf"vLLM server {url}, phase 'connect': .*answered 404 Not Found: "
-                                                  r"the server has no weight routes: start it with VLLM_SERVER_DEV_MODE=1"):
-            VLLMServerFleet([url]).connect()
-    finally:
-        server.shutdown()
-        server.server_close()
-
+def test_a_request_the_servers_refuse_is_a_value_error_and_drops_no_server(
+    servers: LocalVLLMServers, hf_model: Any, weights_dir: Path
+) -> None:
+    fleet = VLLMServerFleet(servers.urls, weights_dir=weights_dir, on_server_error="drop")
+    fleet.push(hf_model, version=75)
+    with pytest.raises(ValueError, match=r"vLLM server http://127.0.0.1:\d+ refused the rollouts request: .* answered "
+                                         r"400"):
+        fleet.rollouts(prompts(2), max_tokens=5000)  # beyond --max-model-len 1024
+    assert list(fleet.servers) == servers.urls and not fleet.dropped
 
 
 def test_the_fleet_benchmark_measures_every_phase_and_both_throughputs(

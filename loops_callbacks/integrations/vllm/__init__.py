@@ -27,6 +27,13 @@ them as the checkpoint does), cast to the engine's dtype, then resets the engine
 the reset, prompts sharing a prefix of full KV blocks are served KV computed with older weights. It
 counts versions (the trainer's optimizer steps) for ``policy_version`` and the facts.
 
+**A fleet of servers** (``fleet``, ``launch``). ``VLLMServerFleet(urls)`` is N vLLM servers (started with
+``VLLM_SERVER_DEV_MODE=1``) as one sampler: ``push(module)`` pushes the weights to every server at once (pause,
+transfer, prefix-cache reset or ``cache_salt``, version, resume; rank 0 only under DDP/FSDP), ``rollouts(prompts,
+...)`` spreads the prompts over the servers and tags each row with ``sampler_server`` (its URL) and the version
+that server reported as ``policy_version``; a server that fails or serves another version is named by URL and
+phase. ``LocalVLLMServers`` starts servers on this machine (docs "Many machines").
+
 **Reference** (``scoring``). ``VLLMSamplingClient(llm)`` is a ``SamplingClient`` on vLLM's prompt
 logprobs, for ``attach_reference_logprobs`` and the DPO DataModule.
 

@@ -25,7 +25,6 @@ from loops_callbacks.integrations.vllm.engine import VLLMWarning
 from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids
 from loops_callbacks.integrations.vllm.server import (
     ServerHTTPError,
-    _check_readable,
     completion_rows,
     completions_request,
     server_json,
@@ -395,13 +394,14 @@ class VLLMServerFleet:
             if hasattr(tensor, "full_tensor"):  # a DTensor: a collective every rank joins
                 tensor = tensor.full_tensor()
             if sender:
-                if tensor.is_meta:
-                    raise ValueError(f"{name!r} is on the meta device: it holds no values to push")
                 full[name] = tensor
         return full
 
     def _sync(self, weights: dict[str, torch.Tensor], version: int, subset: Sequence[str] | None) -> SyncReport:
         start = time.perf_counter()
+        meta = [name for name, tensor in weights.items() if tensor.is_meta]
+        if meta:
+            raise ValueError(f"{meta[0]!r} (and {len(meta) - 1} more) is on the meta device: it holds no values to push")
         if not self._connected:
             self.connect()
         urls = list(self.servers) if subset is None else [self._known(url) for url in subset]
@@ -635,7 +635,6 @@ class VLLMServerFleet:
                                        top_k=top_k, stop_token_ids=stop_token_ids, **options)
         if "cache_salt" in options and self.prefix_cache == "salt":
             raise ValueError("cache_salt is set by the fleet (prefix_cache='salt': the server's version)")
-        _check_readable(template, "rollouts: ", "")
         chunks = [list(range(start, min(start + self.prompts_per_request, len(ids))))
                   for start in range(0, len(ids), self.prompts_per_request)]
         done: dict[int, tuple[str, Any]] = {}
@@ -644,6 +643,8 @@ class VLLMServerFleet:
             pending = [index for index in range(len(chunks)) if index not in done]
             answered, failed = self._sample(pending, chunks, ids, template, list(versions))
             for url, (phase, error) in failed.items():
+                if isinstance(error, ServerHTTPError) and error.status in (400, 422):  # the request's fault, not its
+                    raise ValueError(f"vLLM server {url} refused the rollouts request: {error}") from None
                 self._fail(url, phase, error)
             after = self.check_versions(sorted({url for url, _ in answered.values()}))
             for index, (url, result) in answered.items():
