@@ -104,68 +104,57 @@ class _ErrorPath:
     _CHECKS = ("_check_type", "_check_value_key", "_load_config")  # jsonargparse's checks of one key's value
 
     def __init__(self, error: BaseException) -> None:
-        self.path, self.innermost, self.class_path = "", "", None
+        self.path, self.innermost, self.class_path, self.not_accepted = "", "", None, None
         self.leaf: BaseException | None = None
-        self.value: Any = _NONE
-        self.not_accepted: str | None = None
-        self.not_a_file = False
-        seen: set[int] = set()
-        current: BaseException | None = error
-        while current is not None:
-            frames = [frame for frame, _ in traceback.walk_tb(current.__traceback__)]
+        self.value, self.not_a_file, seen, current = _NONE, False, set(), error
+        while self.leaf is None:
+            frames = _frames(current)
             for frame in frames:
                 if id(frame) not in seen:
                     seen.add(id(frame))
                     self._read(frame)
             site = frames[-1] if frames else None
-            alternatives = site.f_locals.get("exceptions") if site is not None else None
+            alternatives = site.f_locals.get("exceptions") if site else None
             if isinstance(alternatives, list) and alternatives:  # a union of types: each alternative's refusal
                 self.value = site.f_locals.get("val", _NONE)
-                current = next((one for one in alternatives if _reached_class(one)), alternatives[0])
-            elif current.__cause__ is not None and site is not None and self._wraps(site, current):
-                current = current.__cause__
+                current = next((one for one in alternatives if _reads_class(*_causes(one))), alternatives[0])
+            elif current.__cause__ is not None and site and site.f_code.co_filename.startswith(_JSONARGPARSE) and (
+                    site.f_code.co_name in (*self._CHECKS, "error") or _reads_class(current)):
+                current = current.__cause__  # it only adds a key, a class or a file that was no file to its cause
             else:
                 self.leaf = current
-                if isinstance(current, KeyError) and site is not None:  # jsonargparse's NSKeyError: the option
+                if isinstance(current, KeyError) and site:  # jsonargparse's NSKeyError: the option not accepted
                     self.not_accepted = site.f_locals.get("key")
-                current = None
 
     def _read(self, frame: Any) -> None:
         """The key or the class a frame of jsonargparse's checked."""
+        name, local = frame.f_code.co_name, frame.f_locals
         if not frame.f_code.co_filename.startswith(_JSONARGPARSE):
             return
-        action, local = frame.f_locals.get("self"), frame.f_locals
-        if isinstance(local.get("class_path"), str) and frame.f_code.co_name not in self._CHECKS:
-            self.class_path = local["class_path"]
+        if isinstance(local.get("class_path"), str) and name not in self._CHECKS:
+            self.class_path, self.value = local["class_path"], _NONE
             self.path += f" ({self.class_path.rpartition('.')[2]})"
-            self.value = _NONE
-            return
-        if frame.f_code.co_name not in self._CHECKS:
-            return
-        key = getattr(action, "dest", None) if frame.f_code.co_name != "_check_value_key" else local.get("key")
-        if isinstance(key, str) and key != self.innermost:
-            self.path, self.innermost, self.value = self.path + (": " if self.path else "") + key, key, _NONE
-            self.not_a_file = False
-        if local.get("enable_path") and isinstance(local.get("orig_val"), str) and local.get("config_path") is None:
-            self.not_a_file = True  # a string was read as the path of a file of the value first
-
-    @staticmethod
-    def _wraps(site: Any, error: BaseException) -> bool:
-        """Whether ``error`` only wraps its cause with a key, a class or a file that was no file: raised by one of
-        jsonargparse's checks, by its parser's ``error``, or where a class was being read."""
-        return site.f_code.co_filename.startswith(_JSONARGPARSE) and (
-            site.f_code.co_name in (*_ErrorPath._CHECKS, "error")
-            or any(isinstance(frame.f_locals.get("class_path"), str)
-                   for frame, _ in traceback.walk_tb(error.__traceback__)))
+        elif name in self._CHECKS:
+            key = local.get("key") if name == "_check_value_key" else getattr(local.get("self"), "dest", None)
+            if isinstance(key, str) and key != self.innermost:
+                self.path, self.innermost = self.path + (": " if self.path else "") + key, key
+                self.value, self.not_a_file = _NONE, False
+            if local.get("enable_path") and isinstance(local.get("orig_val"), str) and local.get("config_path") is None:
+                self.not_a_file = True  # a string was read as the path of a file of the value first
 
 
-_JSONARGPARSE = os.path.dirname(os.path.realpath(jsonargparse.__file__))
+_JSONARGPARSE = os.path.dirname(jsonargparse.__file__)
 
 
-def _reached_class(error: BaseException) -> bool:
-    """Whether a union's alternative went as far as a class (a ``class_path`` read): it says what is wrong."""
-    return any(isinstance(frame.f_locals.get("class_path"), str) for candidate in _causes(error)
-               for frame, _ in traceback.walk_tb(candidate.__traceback__))
+def _frames(error: BaseException) -> list[Any]:
+    """The frames ``error`` went through, the one that raised it last."""
+    return [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+
+
+def _reads_class(*errors: BaseException) -> bool:
+    """Whether any of ``errors`` went through the reading of a class (a ``class_path``): of a union's alternatives,
+    the one that went that far says what is wrong."""
+    return any(isinstance(frame.f_locals.get("class_path"), str) for error in errors for frame in _frames(error))
 
 
 _SHOWN_OPTIONS = 6  # the options a refusal names (then "...")
