@@ -170,6 +170,38 @@ def test_a_fifo_or_a_directory_at_the_cache_path_is_reported_not_waited_on(tmp_p
     assert run.returncode == 0 and "not a regular file" in run.stdout, run.stderr[-2000:]
 
 
+TRUNCATED_WHILE_READ = """
+    import os, sys
+    import numpy as np
+    import safetensors
+    from loops_callbacks.reference.cache import CacheKey, read_cache, write_cache
+
+    path, key = sys.argv[1], CacheKey("r", "d", "float32")
+    write_cache(path, key, [np.full(1 << 20, -0.5)])  # 4 MB of values
+    opened = safetensors.safe_open
+
+    class TruncatedOnceOpened:  # another process truncates the file between its header and its values
+        def __init__(self, *args, **kwargs):
+            self.file = opened(*args, **kwargs)
+        def __enter__(self):
+            reader = self.file.__enter__()
+            os.truncate(path, 4096)
+            return reader
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+    safetensors.safe_open = TruncatedOnceOpened
+    lookup = read_cache(path, key, [1 << 20])
+    print(lookup.status, lookup.reason, flush=True)
+"""
+
+
+def test_a_cache_file_truncated_while_it_is_read_is_a_damaged_file_not_a_signal_death(tmp_path: Path) -> None:
+    run = run_python("-c", textwrap.dedent(TRUNCATED_WHILE_READ), str(tmp_path / "c.cache"), timeout=120)
+    assert run.returncode == 0, f"exit {run.returncode} (-7: SIGBUS, a memory map of the truncated file) {run.stderr}"
+    assert run.stdout.startswith("corrupt "), run.stdout
+
+
 # ----------------------------------------------------------------------------- runs sharing a directory
 
 
