@@ -56,7 +56,8 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
     OTHER_WEIGHTS: ("the sampler's weights differ from the trainer's: both sides compute at full precision, whose "
                     "rounding leaves relative gaps near 1e-12, and the gap is far beyond that with the slope at 1",
                     "check that the sampler's last weight load succeeded and loaded every tensor (a load that failed "
-                    "while policy_version still counted, or a sampler started from another checkpoint)"),
+                    "while policy_version still counted, or a sampler started from another checkpoint); if it did, "
+                    "that both forwards see the same inputs (attention_mask and position_ids on left-padded prompts)"),
     "precision": ("numerical precision (the engines' dtypes, kernels or reduction order differ)", "check the "
                   "sampler's dtype and kernels; a gap at this level is usually harmless"),
     "precision_16": ("numerical precision (16-bit rounding, e.g. bf16 kernels)", "check the sampler's dtype and "

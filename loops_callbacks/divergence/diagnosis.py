@@ -127,6 +127,7 @@ def diagnose(
     sampling_trend: Sequence[float] = (),
     max_policy_lag: int = 0,
     prompt: tuple[str, Mapping[str, float]] | None = None,
+    by_server: Mapping[int, Any] | None = None,
 ) -> Diagnosis:
     """The likely cause of a step with these ``signatures`` (``signatures.signature_numbers``).
 
@@ -140,7 +141,8 @@ def diagnose(
     oldest first, ``sampling_trend`` the sampling z (``held_sampling_z``) of those that checked what was sampled. ``max_policy_lag`` is the policy lag the run intends (1 for one-step-off-policy training):
     datums further behind (the signature numbers ``lag_min`` / ``lag_max``) are stale, observed. ``prompt`` is
     what the run's ``sampler_prompt_ids`` say where they differ from the trainer's prompts (``prompts.prompt_finding``:
-    the sentence and its numbers): ``prompt``, observed, after the lag.
+    the sentence and its numbers): ``prompt``, observed, after the lag. ``by_server`` is the step's divergence by
+    sampling server (``signatures.server_numbers``): a stale lag is said of the servers behind, by URL.
     """
     full_precision = (
         facts is not None and facts.dtype in ("float32", "float64")
@@ -148,7 +150,7 @@ def diagnose(
     )
     bound = noise_bound(noise_floor, NOISE_PRIOR_FULL_PRECISION if full_precision else NOISE_PRIOR)
     lag_bound = bound if noise_floor is None else max(LAG_NOISE_FACTOR * noise_floor, NOISE_MIN)
-    behind = _observed_lag(signatures, max_policy_lag, bound)
+    behind = _observed_lag(signatures, max_policy_lag, bound, by_server or {})
     if behind is None and prompt is not None:  # the run's own prompts differ: named before any statistical rule
         behind = Diagnosis(PROMPT, 1.0, dict(prompt[1]), observed=prompt[0])
     statistical = behind or _statistical_cause(signatures, n_tokens, bound, lag_bound, noise_floor is not None, facts,
@@ -288,10 +290,13 @@ def _statistical_cause(
     return Diagnosis("unclear", 0.0, unclear)
 
 
-def _observed_lag(sig: Mapping[str, float], max_policy_lag: int, noise_bound: float) -> Diagnosis | None:
+def _observed_lag(sig: Mapping[str, float], max_policy_lag: int, noise_bound: float,
+                  by_server: Mapping[int, Any]) -> Diagnosis | None:
     """``stale``, observed, when the versions put any datum more than ``max_policy_lag`` optimizer steps behind
     the trainer (``lag_min`` / ``lag_max``: the step's datums with action tokens), whatever the gap; None when
-    they do not, or were not given. The gap's size beside it says how much it matters yet."""
+    they do not, or were not given. The gap's size beside it says how much it matters yet; where the datums say
+    which server sampled them (``by_server``), the servers behind are named by URL, with k3 on their tokens and on
+    the others'."""
     low, high = sig.get("lag_min", math.nan), sig.get("lag_max", math.nan)
     if not high > max_policy_lag:  # NaN: no versions
         return None
@@ -302,8 +307,31 @@ def _observed_lag(sig: Mapping[str, float], max_policy_lag: int, noise_bound: fl
     size = "beyond rounding noise" if _beyond_noise(sig, noise_bound) else "within rounding noise so far"
     said = (f"{who} sampled with weights {lag} optimizer step{'s' if high != 1 else ''} behind the trainer's (their "
             f"policy_version; max_policy_lag {max_policy_lag}); the gap is {size}")
-    return Diagnosis("stale", 1.0, {"lag_min": low, "lag_max": high, "relative_gap": gap, "noise_bound": noise_bound,
-                                    "k3": k3}, observed=said)
+    numbers = {"lag_min": low, "lag_max": high, "relative_gap": gap, "noise_bound": noise_bound, "k3": k3}
+    stale = [server for server in by_server.values() if server.lag_max > max_policy_lag]
+    if stale:
+        current = [server for server in by_server.values() if not server.lag_max > max_policy_lag]
+        lags = ", ".join(f"{server.url} ({_lag_range(server.lag_min, server.lag_max)} behind)" for server in stale)
+        others = f"; {', '.join(server.url for server in current)} current" if current else ""
+        said = (f"server{'s' if len(stale) > 1 else ''} {lags} sampled with older weights than the trainer's (their "
+                f"policy_version; max_policy_lag {max_policy_lag}){others}; the gap is {size}")
+        numbers |= {"stale_servers": float(len(stale)), "k3_stale_servers": _mean_k3(stale),
+                    "k3_current_servers": _mean_k3(current)}
+    return Diagnosis("stale", 1.0, numbers, observed=said)
+
+
+def _lag_range(low: float, high: float) -> str:
+    """A server's lags by bucket: ``2 steps``, ``1 to 4-7 steps``."""
+    def said(lag: float) -> str:
+        return {4.0: "4-7", 8.0: "8+"}.get(lag, f"{lag:.0f}")
+    lags = said(high) if low == high else f"{said(low)} to {said(high)}"
+    return f"{lags} step{'' if lags == '1' else 's'}"
+
+
+def _mean_k3(servers: Sequence[Any]) -> float:
+    """k3 over the servers' action tokens together (NaN for none)."""
+    n = sum(server.n_action_tokens for server in servers)
+    return sum(server.kl_sample_train_k3 * server.n_action_tokens for server in servers) / n if n else math.nan
 
 
 def _processed_settings(sig: Mapping[str, float], facts: SamplerFacts | None, noise_bound: float) -> Diagnosis | None:

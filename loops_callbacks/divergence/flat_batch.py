@@ -58,7 +58,8 @@ CONTEXT_BEFORE = 40
 """Ids shown before a worst token's ``model_input[k + 1]``, as the Loops SDK shows them."""
 CONTEXT_AFTER = 1 + 20
 """``model_input[k + 1]`` (the context's centre), then the SDK's 20 ids after it."""
-_PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "datum_advantages", "sampler_prompts", "first_tokens")
+_PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "servers", "datum_advantages", "sampler_prompts",
+              "first_tokens")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FlatBatch:
     varentropy: torch.Tensor | None = None  # [L]
     lags: torch.Tensor | None = None  # int64 [B]: the trainer's optimizer step minus the datum's policy version
     groups: torch.Tensor | None = None  # int64 [B], >= 0 (max_groups: group_other)
+    servers: torch.Tensor | None = None  # int64 [B]: the slot of the server that sampled the datum (< 0: unknown)
     datum_advantages: torch.Tensor | None = None  # float64 [B]; NaN: unusable
     mask_refused: torch.Tensor | None = None  # bool [L]: mask < 0 or NaN, where it was not read (an accelerator)
     # the prompts' comparison (``prompts``): the sampler's prompts, the trainer's id predicted at each position and

@@ -32,7 +32,7 @@ from loops_callbacks.validation import check
 DATA_KEYS = (
     "data", "training_logprobs", "forward_backward_output", "logprobs", "mask", "advantages", "target_tokens",
     "input_ids", "policy_version", "group", "training_entropy", "training_varentropy", "sampler_facts",
-    "sampler_prompt_ids",
+    "sampler_prompt_ids", "sampler_server",
 )
 """The names ``keys=`` may remap; by default each is read under its own name."""
 
@@ -76,6 +76,7 @@ def read_step(
     max_groups: int = per_datum.DEFAULT_MAX_GROUPS,
     datum_advantages: bool = False,
     warnings: RunWarnings | None = None,
+    servers: list[str] | None = None,
 ) -> FlatBatch:
     """The step's positions, in either contract form (module docstring).
 
@@ -83,7 +84,8 @@ def read_step(
     worst tokens' look-up, ``diagnose`` what the diagnosis needs (the predicted ids it groups by). With
     ``optimizer_step`` (the caller keeps strata) the policy versions become lags and the groups ids
     (``max_groups``: the index of ``group_other``); ``datum_advantages`` reads one advantage per datum
-    (for a correction that needs them). What these per-datum keys hold that cannot be used is a
+    (for a correction that needs them); ``servers`` the run's sampling servers, in the order first named, to which
+    each datum's ``sampler_server`` is looked up (and appended; ``per_datum.servers``). What these per-datum keys hold that cannot be used is a
     warning through ``warnings`` (once per run and problem).
     """
     step = _Step(outputs, batch, keys, warnings)
@@ -137,6 +139,8 @@ def read_step(
                           "compared")
     if datum_advantages:
         found["datum_advantages"] = per_datum.advantages(step, flat)
+    if diagnose and servers is not None:
+        found["servers"] = per_datum.servers(step, flat, servers)
     if optimizer_step is not None:
         found["groups"] = per_datum.groups(step, flat, max_groups)
         found["lags"] = per_datum.lags(step, flat, optimizer_step)

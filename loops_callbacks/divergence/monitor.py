@@ -198,6 +198,7 @@ class KLSampleTrainMonitor(Callback):
         self._contract_checked = False
         self._generators: dict[torch.device, torch.Generator] = {}
         self._last_step: int | None = None  # the fit's last optimizer step, when Lightning can tell it
+        self.servers: list[str] = []  # the sampling servers (``sampler_server``), in the order first named
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -212,10 +213,16 @@ class KLSampleTrainMonitor(Callback):
         logged = self._logs_at(trainer, step)
         if not logged and self._contract_checked:
             return
+        for source in (outputs, batch):  # a fleet's facts by server, in its order: the same on every rank
+            fleet = source.get("sampler_facts_by_server") if isinstance(source, Mapping) else None
+            for url in fleet if isinstance(fleet, Mapping) else ():
+                if url not in self.servers:
+                    self.servers.append(url)
         flat = read_step(
             outputs, batch, self.keys, with_tokens=self.media.rows > 0, diagnose=self.diagnose,
             optimizer_step=step if self.media.log_strata else None, max_groups=self.media.max_groups,
             datum_advantages=any(c.spec.needs_advantages for c in self.corrections), warnings=self.warnings,
+            servers=self.servers,
         )
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
@@ -240,6 +247,7 @@ class KLSampleTrainMonitor(Callback):
             evidence=observe_training(trainer, pl_module) if self.diagnose else None, facts=facts,
             trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
             sampling_trend=self.calibration.recent_sampling_z,  # and their sampling z
+            servers=self.servers,  # the sampling servers the run has named, in slot order
             max_policy_lag=self.max_policy_lag,
         )
         self._deliver(trainer, report, step)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from loops_callbacks.divergence.flat_batch import FlatBatch
+from loops_callbacks.divergence.states import MAX_SERVERS
 from loops_callbacks.fields import datum_loss_fn_inputs, field_length, field_to_tensor
 from loops_callbacks.run_warnings import RunWarnings
 
@@ -55,6 +56,35 @@ def _unusable_message(text: str, name: str, n_datums: int, *, given: str = "") -
         f"not computed ({f'it was {given}; ' if given else ''}for a micro-batch of {n_datums} datums, give "
         f"{_EXPECTED[name]}: a [{n_datums}] tensor or list, or a one-value field of each datum's loss_fn_inputs)"
     )
+
+
+def servers(step: Any, flat: FlatBatch, registry: list[str]) -> torch.Tensor | None:
+    """Int64 ``[B]`` slots of the server that sampled each datum (``sampler_server``: one URL per datum, a list of
+    str), on the batch's device: a URL's index in ``registry``, the servers in the order the run first named them
+    (appended to here; ``states.MAX_SERVERS`` and more share the last slot). ``None``: absent, or unusable (one
+    warning per run).
+
+    Examples:
+        >>> registry = ["http://a:8000"]
+        >>> class Step: get = staticmethod(lambda name: ["http://b:8000", "http://a:8000"]); label = repr
+        >>> flat = FlatBatch(*[torch.zeros(2)] * 6, row_lengths=torch.ones(2, dtype=torch.int64))
+        >>> servers(Step, flat, registry).tolist(), registry
+        ([1, 0], ['http://a:8000', 'http://b:8000'])
+    """
+    urls = step.get("sampler_server")
+    if urls is None:
+        return None
+    if not isinstance(urls, (list, tuple)) or len(urls) != flat.n_datums or not all(isinstance(u, str) for u in urls):
+        shown = f"a {type(urls).__name__}" + (f" of {len(urls)}" if isinstance(urls, (list, tuple)) else "")
+        step.say.warn("sampler_server:unusable", f"KLSampleTrainMonitor: {step.label('sampler_server')} is {shown}, "
+                      f"not one server URL (str) per datum for a micro-batch of {flat.n_datums} datums; the "
+                      "divergence by server is off for such steps")
+        return None
+    for url in dict.fromkeys(urls):
+        if url not in registry:
+            registry.append(url)
+    slots = [min(registry.index(url), MAX_SERVERS - 1) for url in urls]
+    return torch.tensor(slots, dtype=torch.int64).to(flat.device)
 
 
 def groups(step: Any, flat: FlatBatch, max_groups: int) -> torch.Tensor | None:

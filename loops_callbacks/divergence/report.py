@@ -37,7 +37,7 @@ from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
 from loops_callbacks.divergence.prompts import prompt_finding
 from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values, is_ratio, scalar_metrics, stratum_scalars
 from loops_callbacks.divergence.shadow import shadow_scalars
-from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.signatures import server_numbers, signature_numbers
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.divergence.states import MASK_ROW, ROW
 from loops_callbacks.validation import check, check_bool, check_int
@@ -132,29 +132,34 @@ def step_report(
     trend: Sequence[float] = (),
     sampling_trend: Sequence[float] = (),
     max_policy_lag: int = 0,
+    servers: Sequence[str] = (),
 ) -> StepReport:
     """The report of the step whose statistics are ``host``.
 
     ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
     as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
     seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
-    (the relative gaps of the run's previous logged steps, oldest first; ``sampling_trend`` their sampling z), and ``max_policy_lag`` (the lag the run
-    intends); ``tokenizer`` shows the worst tokens and a differing prompt as text.
+    (the relative gaps of the run's previous logged steps, oldest first; ``sampling_trend`` their sampling z),
+    ``max_policy_lag`` (the lag the run intends) and ``servers`` (the sampling servers' URLs in slot order: the
+    divergence by server, ``server/<slot>/...``, and a server behind named); ``tokenizer`` shows the worst tokens and a differing prompt as text.
     """
     refuse_mask(host)
     scalars = scalar_metrics(host, prefix="")
     problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
     diagnosis, signatures, breakdown = None, {}, {}
+    by_server = server_numbers(host, servers) if n > 0 else {}
     if diagnose and n > 0:
         signatures = signature_numbers(host)
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
             signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
-            trend=trend, sampling_trend=sampling_trend, max_policy_lag=max_policy_lag,
+            trend=trend, sampling_trend=sampling_trend, max_policy_lag=max_policy_lag, by_server=by_server,
             prompt=prompt_finding(host.totals, host.arrays, lambda ids: escape(_decoded(ids, tokenizer))),
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
     strata = host.strata if host.strata is not None and n > 0 else {}
     breakdown |= stratum_scalars(strata) | shadow_scalars(host.totals, host.extrema, corrections)
+    breakdown |= {f"server/{slot}/{name}": value for slot, server in by_server.items()
+                  for name, value in server._asdict().items() if name != "url"}
     logs_histogram = n and media.log_histogram and host.diffs.size
     histogram = histogram_values(host.diffs, media.max_histogram_tokens) if logs_histogram else None
     tables = {}

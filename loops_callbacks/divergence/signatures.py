@@ -69,12 +69,14 @@ Examples:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from loops_callbacks.divergence.alignment import read_offsets
 from loops_callbacks.divergence.metrics import is_ratio_mean, kl_sample_train_k3, sampling_metrics
-from loops_callbacks.divergence.states import PROBABILITY_STRATA, context_total
+from loops_callbacks.divergence.states import LAG_EDGES, MAX_SERVERS, PROBABILITY_STRATA, context_total
 from loops_callbacks.divergence.statistics import HostDivergence
 
 SIGNATURES = (
@@ -137,6 +139,45 @@ def signature_numbers(host: HostDivergence) -> dict[str, float]:
         **_lag_numbers(host.extrema),
         **sampling_metrics(t, host.extrema),  # the check of what was sampled, when the trainer's entropies were given
     }
+
+
+class ServerDivergence(NamedTuple):
+    """One sampling server's share of a step: its URL, action tokens, mean k3, and the lowest and highest lag
+    buckets of its datums (``LAG_STRATA``, by their lower edge: 0, 1, 2, 3, 4 for 4-7, 8 for 8+; NaN without
+    versions)."""
+
+    url: str
+    n_action_tokens: float
+    kl_sample_train_k3: float
+    lag_min: float
+    lag_max: float
+
+
+def server_numbers(host: HostDivergence, servers: Sequence[str]) -> dict[int, ServerDivergence]:
+    """The divergence by sampling server, by slot (``servers``: the run's URLs in slot order; the last slot holds
+    any beyond ``MAX_SERVERS``), for the servers with action tokens this step.
+
+    Examples:
+        >>> sums = np.zeros((8, 3))
+        >>> sums[:2] = [[10.0, 0.0, 5.0], [0.1, 0.0, 0.5]]  # action tokens, sum of k3
+        >>> sums[2, 0], sums[4, 2] = 2, 1  # datums at lag 0 (server 0) and at lag 2 (server 2)
+        >>> found = server_numbers(HostDivergence({}, {}, arrays={"server_sums": sums}), ["http://a", "http://b", "http://c"])
+        >>> list(found), found[2]
+        ([0, 2], ServerDivergence(url='http://c', n_action_tokens=5.0, kl_sample_train_k3=0.1, lag_min=2.0, lag_max=2.0))
+    """
+    sums = host.arrays.get("server_sums")
+    if sums is None:
+        return {}
+    found = {}
+    for slot, url in enumerate(servers[:MAX_SERVERS]):
+        n = float(sums[0, slot])
+        if n > 0:
+            shared = slot == MAX_SERVERS - 1 and len(servers) > MAX_SERVERS
+            buckets = np.flatnonzero(sums[2:, slot])
+            low, high = (LAG_EDGES[buckets[0]], LAG_EDGES[buckets[-1]]) if buckets.size else (math.nan, math.nan)
+            found[slot] = ServerDivergence(f"{url} and later servers" if shared else url, n, float(sums[1, slot]) / n,
+                                           low, high)
+    return found
 
 
 def _lag_numbers(extrema: dict[str, float]) -> dict[str, float]:

@@ -39,8 +39,13 @@ PROBABILITY_STRATA = ("p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge
 POSITION_STRATA = ("pos_q1", "pos_q2", "pos_q3", "pos_q4")
 LAG_STRATA = ("lag_0", "lag_1", "lag_2", "lag_3", "lag_4_7", "lag_8_plus")
 LAG_LABELS = ("0", "1", "2", "3", "4-7", "8+")
+LAG_EDGES = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0)
+"""The lag strata's lower edges."""
 AHEAD_STRATUM = "lag_ahead"
 """The tokens of datums whose policy version is ahead of the trainer (also counted at lag 0)."""
+MAX_SERVERS = 8
+"""Servers the divergence is kept for (``sampler_server``), in the order the run first named them; more share the
+last slot."""
 STRATUM_NAMES = PROBABILITY_STRATA + POSITION_STRATA + LAG_STRATA + (AHEAD_STRATUM,)
 """The strata of the fixed-shape ``strata`` sums, in order; the groups are a table of their own."""
 MASK_ROW = 2**26
@@ -116,6 +121,9 @@ SIGNATURES = (
     # the sampler's prompts against the trainer's (``prompts``): datums compared, those that differ, and the first
     # differing datum's record, keyed by its datum (``Layout.renumbered``)
     *_sums("n_prompt_datums_compared", "n_prompt_datums_differ"), State("prompt_first", "max", (PROMPT_RECORD,)),
+    # per sampling server (``sampler_server``): action tokens, sum k3, then its datums by lag bucket (``LAG_STRATA``):
+    # sums, so that they travel in the reduction's body, whose size per rank does not grow with the ranks
+    State("server_sums", "sum", (2 + len(LAG_STRATA), MAX_SERVERS)),
 )
 """The diagnosis' sums (``metrics.signature_numbers``), kept when ``diagnose``."""
 STRATA = (State("strata", "sum", (len(COLUMNS), len(STRATUM_NAMES))),)

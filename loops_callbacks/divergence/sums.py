@@ -28,7 +28,7 @@ from loops_callbacks.divergence.alignment import offset_sums
 from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, NO_TOKEN, FlatBatch
 from loops_callbacks.divergence.prompts import prompt_values
 from loops_callbacks.divergence.states import (
-    GROUP_ROWS, LAG_STRATA, MASK_ROW, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
+    GROUP_ROWS, LAG_STRATA, MASK_ROW, MAX_SERVERS, POSITION_STRATA, PROBABILITY_EDGES, PROBABILITY_STRATA, ROW,
     STRATUM_NAMES, TOKEN_BUCKETS, Layout, by_group, context_total, ranked_rows,
 )
 from loops_callbacks.validation import LOGPROB_ROUNDING
@@ -111,6 +111,8 @@ def of_chunk(
     if active is not None:
         k3.masked_fill_(~active, 0.0)
     values["sum_k3"] = k3.sum()
+    if signatures:
+        values |= _server_values(flat, k3, row_counts, compact, with_actions)
     groups = None
     if strata:
         values["strata"] = _strata_sums(d, abs_d, is_ratio, k3, datum, rank_in_datum, p_bucket, row_counts,
@@ -165,6 +167,21 @@ def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampl
         "sum_abs_shift_next": torch.dot(torch.nan_to_num((t[:-1] - s[1:]).abs_(), nan=0.0, posinf=0.0), weight),
         "sum_abs_shift_prev": torch.dot(torch.nan_to_num((t[1:] - s[:-1]).abs_(), nan=0.0, posinf=0.0), weight),
     }
+
+
+def _server_values(flat: FlatBatch, k3: torch.Tensor, row_counts: torch.Tensor, compact: bool,
+                   with_actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``server_sums``: each server's action tokens, sum of k3 and datums per lag bucket (``LAG_STRATA``), over the
+    datums with action tokens and a server (a last column, dropped, takes the others)."""
+    sums = torch.zeros(2 + len(LAG_STRATA), MAX_SERVERS + 1, dtype=torch.float64, device=k3.device)
+    if flat.servers is not None:
+        slot = flat.servers.masked_fill((flat.servers < 0) | ~with_actions, MAX_SERVERS)
+        sums[0].index_add_(0, slot, row_counts.to(torch.float64))
+        sums[1].index_add_(0, slot, _row_sums(k3, row_counts if compact else flat.row_lengths))
+        if flat.lags is not None:
+            bucket = torch.where(flat.lags < 4, flat.lags.clamp(min=0), torch.where(flat.lags < 8, 4, 5))
+            sums.view(-1).index_add_(0, (bucket + 2) * (MAX_SERVERS + 1) + slot, torch.ones_like(slot, dtype=sums.dtype))
+    return {"server_sums": sums[:, :MAX_SERVERS].contiguous()}
 
 
 def _infinite_counts(flat: FlatBatch, compact: bool) -> dict[str, torch.Tensor]:
