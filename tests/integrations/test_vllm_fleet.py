@@ -302,7 +302,7 @@ def test_a_transfer_the_server_refuses_is_named_and_a_restarted_server_is_found_
     with pytest.warns(VLLMWarning, match=rf"{broken}, phase 'version check'.*leaves the fleet \(on_server_error='drop'\), 1 left"):
         batch = fleet.rollouts(prompts(4), max_tokens=2)
     assert set(batch["sampler_server"]) == {servers.urls[0]} and batch["policy_version"].tolist() == [60] * 4
-    again = VLLMServerFleet(servers.urls, weights_dir=weights_dir)  # a good sync: both servers known again
+    again = VLLMServerFleet(servers.urls, weights_dir=weights_dir, prompts_per_request=1)  # both known again
     updated = moved(hf_model, seed=7)
     again.push(updated, version=62)
     batch = again.rollouts(prompts(4), max_tokens=3)

@@ -74,3 +74,14 @@ def test_a_server_without_dev_mode_is_named_with_the_fix(not_found_server: str) 
         VLLMServerFleet([url]).connect()
     with pytest.raises(ValueError, match=r"'weight' \(and 1 more\) is on the meta device"):
         VLLMServerFleet([url]).push(torch.nn.Linear(2, 2, device="meta"), version=1)
+
+
+def test_a_head_tied_to_the_embeddings_is_found_as_a_copy() -> None:
+    """vLLM has one parameter for tied weights (SmolLM2's head): the fleet sends the embeddings alone."""
+    from loops_callbacks.integrations.vllm.fleet import _tied_copies
+
+    embed, head = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.ModuleDict({"embed": embed, "head": head, "other": torch.nn.Linear(2, 4, bias=False)})
+    assert _tied_copies({name: t.detach() for name, t in model.state_dict(keep_vars=True).items()}) == {
+        "head.weight": "embed.weight"}

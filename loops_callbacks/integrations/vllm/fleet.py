@@ -407,9 +407,14 @@ class VLLMServerFleet:
         urls = list(self.servers) if subset is None else [self._known(url) for url in subset]
         report = SyncReport(version=version, servers=[])
         dropped_before = dict(self.dropped)
-        dtype = getattr(torch, next(iter(self.servers.values())).dtype or "float32", None)
+        first = next(iter(self.servers.values()))
+        dtype = getattr(torch, first.dtype or "float32", None)
+        known = set(first.parameters)
+        tied = {name for name, partner in _tied_copies(weights).items()  # lm_head tied to the embeddings: vLLM has
+                if known and engine_parameter_name(name, self.packed_modules) not in known  # one parameter for both
+                and engine_parameter_name(partner, self.packed_modules) in known}
         sent = {name: tensor.detach().to(dtype) if tensor.is_floating_point() and isinstance(dtype, torch.dtype)
-                else tensor.detach() for name, tensor in weights.items()}
+                else tensor.detach() for name, tensor in weights.items() if name not in tied}
         for url in list(urls):
             try:
                 self._check_names(url, sent)
@@ -728,6 +733,21 @@ class VLLMServerFleet:
         if self._own_dir is not None:
             self._own_dir.cleanup()
             self._own_dir = None
+
+
+def _tied_copies(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each weight that is another's tensor (tied: the same storage, offset and shape), and that other one."""
+    first: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    copies = {}
+    for name, tensor in weights.items():
+        if tensor.is_meta:
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in first:
+            copies[name] = first[key]
+        else:
+            first[key] = name
+    return copies
 
 
 def _shares_storage(tensor: torch.Tensor, weights: Mapping[str, torch.Tensor]) -> bool:
