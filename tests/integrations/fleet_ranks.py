@@ -40,3 +40,32 @@ def push_on_each_rank(rank: int, urls: list[str], model_dir: str, weights_dir: s
         }))
     finally:
         dist.destroy_process_group()
+
+
+def gather_fsdp2_on_each_rank(rank: int, port: int, out_dir: str) -> None:
+    """A model sharded by FSDP2 (``fully_shard``, gloo, CPU): the weights the fleet would push, on each rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from loops_callbacks.integrations.vllm.fleet import VLLMServerFleet
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        whole = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sharded = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+        gathered = VLLMServerFleet(["http://127.0.0.1:9"])._gathered(model, sender=rank == 0)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+            "names": sorted(gathered), "equal": all(torch.equal(gathered[k], whole[k]) for k in gathered),
+            "plain": all(type(t) is torch.Tensor for t in gathered.values()), "local_shapes": sharded,
+        }))
+    finally:
+        dist.destroy_process_group()

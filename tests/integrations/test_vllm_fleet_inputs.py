@@ -85,3 +85,21 @@ def test_a_head_tied_to_the_embeddings_is_found_as_a_copy() -> None:
     model = torch.nn.ModuleDict({"embed": embed, "head": head, "other": torch.nn.Linear(2, 4, bias=False)})
     assert _tied_copies({name: t.detach() for name, t in model.state_dict(keep_vars=True).items()}) == {
         "head.weight": "embed.weight"}
+
+
+def test_under_fsdp2_rank_0_alone_holds_the_gathered_weights(tmp_path: Any) -> None:
+    """Every rank takes part in gathering an FSDP2-sharded model (``full_tensor``, a collective); rank 0 keeps the
+    full weights, equal to the unsharded model's, the other ranks nothing (two gloo ranks on the CPU)."""
+    import json
+    import socket
+
+    from tests.integrations.fleet_ranks import gather_fsdp2_on_each_rank
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(gather_fsdp2_on_each_rank, args=(port, str(tmp_path)), nprocs=2)
+    first, second = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert first["local_shapes"]["0.weight"] == [3, 4]  # sharded: half the rows on each rank
+    assert first["names"] == ["0.bias", "0.weight", "1.bias", "1.weight"] and first["equal"] and first["plain"]
+    assert second["names"] == []
