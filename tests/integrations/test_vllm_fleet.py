@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -274,6 +275,50 @@ def test_under_ddp_rank_0_alone_talks_to_the_servers_and_every_rank_learns_the_v
         assert rank["synced"] == sorted(servers.urls) and rank["policy_version"] == [7]
     assert versions(servers.urls) == ["7", "7"]
 
+
+
+class FleetPolicy(pl.LightningModule):
+    """The tiny Llama trained on its own samples from the fleet; from step ``skip_from`` on, the sync skips the
+    second server, which keeps sampling with older weights."""
+
+    def __init__(self, policy: Any, fleet: VLLMServerFleet, skip_from: int) -> None:
+        super().__init__()
+        self.policy, self.fleet, self.skip_from = policy, fleet, skip_from
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.arange(8), batch_size=None)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        every = self.global_step < self.skip_from
+        self.fleet.push(self, servers=None if every else list(self.fleet.servers)[:1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        rollouts = self.fleet.rollouts(prompts(8, seed=self.global_step), max_tokens=6, n=2)
+        trainer = token_logprobs(self.policy(rollouts["input_ids"]).logits, rollouts["target_tokens"])
+        mask = rollouts["mask"]
+        loss = -(trainer * mask).sum() / mask.sum()
+        return {**rollouts, "loss": loss, "training_logprobs": trainer}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.policy.parameters(), lr=3e-3)
+
+
+def test_the_monitor_names_the_server_a_sync_skipped_by_its_url_from_its_first_lagged_step(
+    servers: LocalVLLMServers, hf_model: Any, weights_dir: Path
+) -> None:
+    from loops_callbacks import KLSampleTrainMonitor
+    from loops_callbacks.divergence.monitor import MediaOptions
+    from tests.helpers import quiet_trainer
+
+    current, skipped = servers.urls
+    fleet = VLLMServerFleet(servers.urls, weights_dir=weights_dir, prompts_per_request=1)
+    monitor = KLSampleTrainMonitor(log_every_n_steps=1, media=MediaOptions(log_worst_tokens=False))
+    quiet_trainer(max_steps=2, callbacks=[monitor]).fit(FleetPolicy(copy.deepcopy(hf_model), fleet, skip_from=1))
+    found = monitor.last_diagnosis  # step 1: the first the second server lags
+    assert found.cause == "stale", found.message
+    assert f"server {skipped} (1 step" in found.message and f"{current} current" in found.message, found.message
+    assert fleet.servers[skipped].version == 0 and fleet.servers[current].version == 1
+    fleet.push(hf_model, version=59)
 
 def test_a_transfer_the_server_refuses_is_named_and_a_restarted_server_is_found_before_its_rollouts_are_used(
     servers: LocalVLLMServers, hf_model: Any, weights_dir: Path
