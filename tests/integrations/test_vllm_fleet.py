@@ -367,3 +367,23 @@ def test_a_server_killed_mid_run_is_named_and_the_others_go_on(
         batch = fleet.rollouts(prompts(6), max_tokens=2)
     assert batch["sampler_server"] == [servers.urls[0]] * 6
 
+
+
+def test_a_real_server_started_without_dev_mode_is_named_with_how_to_start_it(
+    tiny_llama_dir: Path, hf_model: Any, weights_dir: Path, tmp_path: Path
+) -> None:
+    """A vLLM server of the same version, started as usual but without VLLM_SERVER_DEV_MODE: its weight routes
+    are absent, and the sync says so by the server's URL before anything is written."""
+
+    class WithoutDevMode(LocalVLLMServers):
+        def _launch(self, index: int) -> Any:
+            self._environment.pop("VLLM_SERVER_DEV_MODE", None)
+            return super()._launch(index)
+
+    with WithoutDevMode(tiny_llama_dir, count=1, workdir=tmp_path / "plain", environment=VLLM_ENVIRONMENT,
+                        kv_cache_bytes=64 * 2**20, start_timeout=400) as plain:
+        [url] = plain.urls
+        fleet = VLLMServerFleet([url], weights_dir=weights_dir)
+        with pytest.raises(VLLMServerError, match=rf"{url}.*start it with VLLM_SERVER_DEV_MODE=1"):
+            fleet.push(hf_model, version=1)
+        assert not weights_dir.exists() or not any(weights_dir.iterdir())  # nothing written for it
