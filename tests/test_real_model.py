@@ -254,3 +254,24 @@ def test_a_multi_turn_rollout_whose_tool_turn_is_masked_out_names_no_cause(smoll
         real_grpo(smollm2_dir, fault="multi_turn_tools", completion=10))
     assert len(found) == 2 and None not in found and min(phantom) > 10, (found, phantom)
     assert all(d.cause in ("none", "precision") for d in found), [d.message for d in found]
+
+
+def test_a_failed_sync_whose_versions_still_count_is_named_stale_from_its_first_step_beyond_noise(
+    smollm2_dir: Path,
+) -> None:
+    """The sampler's load fails while policy_version counts on: with both sides float32, a gap of 6e-5 (rounding
+    leaves 3e-12 here) with the slope at 1 is other weights; it read 'unclear' on every step before."""
+    found = monitored_run(smollm2_dir, 3, fault="failed_sync")
+    assert found[0].cause in ("none", "precision"), found[0].message  # step 0: the same weights
+    named = [d for d in found[1:] if d.cause == "stale"]
+    assert named and all(d.cause == "stale" or "n_action_tokens" in d.numbers for d in found[1:])
+    assert all("the sampler's weights differ from the trainer's" in d.message for d in named), named[0].message
+
+
+def test_hf_generates_default_top_k_50_is_named_sampling_over_the_steps(smollm2_dir: Path) -> None:
+    """``generate`` without ``top_k=0`` draws from the top 50 while the logprobs are the full distribution's: z
+    +3.2 to +3.6 a step here, never 5 alone; the latest steps' z together name it from the third step."""
+    found = monitored_run(smollm2_dir, 4, fault="top_k_50")
+    assert all(d.cause != "sampling" for d in found[:2]), [d.message for d in found]
+    assert found[-1].cause == "sampling" and found[-1].numbers["sampling_steps"] >= 3, found[-1].message
+    assert "drawn sharper" in found[-1].message
