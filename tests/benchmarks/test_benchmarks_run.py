@@ -248,6 +248,14 @@ def test_real_model_power_prints_a_cell_per_setting_and_step_size(benchmark_run:
     assert check and all(float(value) < 1e-3 for value in check.groups()), out  # the generate logits are the trainer's
 
 
+@pytest.mark.benchmark_run("creeping_rule.py", "--runs", "3", "--steps", "40", "--no-fault")
+def test_creeping_rule_prints_a_row_per_setting(benchmark_run: BenchmarkRun) -> None:
+    out = benchmark_run.out
+    assert_whole(out)
+    for threshold, growth in (("3", "mean"), ("2.33", "median")):
+        assert re.search(rf"^\| {threshold} \| {growth} \|( \d+% \|){{3}} — \|$", out, re.MULTILINE), out
+
+
 @pytest.mark.benchmark_run("tune_diagnosis.py", "--base-steps", "2", "--steps", "2", "--skip", "0", "--seeds", "0")
 def test_tune_diagnosis_prints_each_variant(benchmark_run: BenchmarkRun) -> None:
     out = benchmark_run.out
