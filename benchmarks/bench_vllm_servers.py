@@ -9,11 +9,18 @@ uses ``--servers`` already running on it. Then:
   the trainer's write of the safetensors, and the whole sync;
 * rollouts: ``--prompts`` prompts of 16 random tokens, ``--n`` completions of ``--max-tokens`` tokens
   each (no stop token: every completion is ``--max-tokens`` long), from the first server alone, then
-  from both; best of ``--repeats`` (tokens sampled per second of wall time).
+  from both; best of ``--repeats`` (tokens sampled per second of wall time);
+* the monitor's overhead on a fleet step (``--overhead-steps``, 0: not measured): a GRPO-style Lightning
+  fit on the same servers whose every step syncs the policy to both servers, samples ``--overhead-prompts``
+  prompts x ``--n`` completions of ``--max-tokens`` tokens from them, and runs the trainer's forward and
+  backward; the ``KLSampleTrainMonitor`` (logging every step) runs on every other step (A/B/A/B, the first
+  pair a warm-up). Printed: the median step with and without it, and the median over the monitored steps of
+  (the monitor's hook time / that step's time).
 
     python benchmarks/bench_vllm_servers.py --model tiny                     # the tests' tiny Llama
     python benchmarks/bench_vllm_servers.py --model smollm2 --cache-dir /tmp/rm_cache   # SmolLM2-135M, float32
-    python benchmarks/bench_vllm_servers.py --model tiny --syncs 2 --prompts 4 --max-tokens 4 --repeats 1  # smoke
+    python benchmarks/bench_vllm_servers.py --model tiny --syncs 2 --prompts 4 --max-tokens 4 --repeats 1 \
+        --overhead-steps 4 --overhead-prompts 2  # smoke
 
 On a machine with as many cores as servers want, two servers sample about twice as fast as one; on a
 2-core machine they share the cores. Needs vLLM; run with OMP_NUM_THREADS=1. Writes only in a
@@ -33,14 +40,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from machine import cpu_name  # noqa: E402
 
+from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
+from loops_callbacks.demo.rl import policy_gradient_loss  # noqa: E402
 from loops_callbacks.integrations.vllm import LocalVLLMServers, VLLMServerFleet  # noqa: E402
 from loops_callbacks.integrations.vllm.fleet import SYNC_PHASES  # noqa: E402
+from loops_callbacks.logprobs import token_logprobs  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct-f32"
 
@@ -97,6 +109,126 @@ def measure(urls: Sequence[str], model: Any, *, syncs: int, prompts: int, n: int
     return {"phases": phases, "throughput": throughput, "syncs": syncs}
 
 
+class RandomPrompts(Dataset):
+    """Prompts of 16 random token ids (no BOS, no stop), the same for a given index."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (16,), generator=torch.Generator().manual_seed(index))
+
+
+class FleetStep(pl.LightningModule):
+    """A GRPO-style step sampled by a fleet: sync the policy to every server (``on_train_batch_start``), ``n``
+    completions per prompt from them, the trainer's forward and backward of an importance-sampling loss whose
+    reward is the share of even token ids in a completion (advantage: minus the group's mean)."""
+
+    def __init__(self, model: Any, fleet: VLLMServerFleet, *, prompts: int, n: int, max_tokens: int) -> None:
+        super().__init__()
+        self.policy, self.fleet = model, fleet
+        self.prompts, self.n, self.max_tokens = prompts, n, max_tokens
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.fleet.push(self.policy, version=self.trainer.global_step)  # the optimizer steps the weights had
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, Any]:
+        rollouts = self.fleet.rollouts(batch.tolist(), max_tokens=self.max_tokens, n=self.n, ignore_eos=True,
+                                       device=self.device)
+        mask, targets = rollouts["mask"], rollouts["target_tokens"]
+        rewards = ((targets % 2 == 0).float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        grouped = rewards.view(-1, self.n)
+        advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+        training_logprobs = token_logprobs(self.policy(rollouts["input_ids"]).logits, targets)
+        loss = policy_gradient_loss(training_logprobs, rollouts["logprobs"], mask, advantages)
+        return {**rollouts, "loss": loss, "training_logprobs": training_logprobs, "advantages": advantages}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.policy.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RandomPrompts(self.policy.config.vocab_size), batch_size=self.prompts)
+
+
+class StepStarts(pl.Callback):
+    """When each step starts (before the sync: callbacks' hooks run before the module's)."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, *args: Any) -> None:
+        self.starts.append(time.perf_counter())
+
+
+class EveryOtherStepMonitor(KLSampleTrainMonitor):
+    """The monitor, logging every step it runs, on even steps only (A); odd steps (B) pass without it. Records
+    the time spent in its hook per even step."""
+
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=1)
+        self.hook_seconds: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step - 1  # the optimizer has stepped
+        if step % 2:
+            return
+        began = time.perf_counter()
+        super().on_train_batch_end(trainer, *args)
+        self.hook_seconds[step] = time.perf_counter() - began
+
+
+class NullLogger(pl.loggers.logger.Logger):
+    """Accepts everything and writes nothing: the logger's own I/O is not the monitor's."""
+
+    name, version = "null", 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+
+def monitor_overhead(urls: Sequence[str], model: Any, *, steps: int, prompts: int, n: int, max_tokens: int,
+                     weights_dir: str, root: str) -> dict[str, Any]:
+    """``steps`` fleet steps on running servers ``urls`` (two or more) serving ``model``'s checkpoint, the monitor
+    on every other one; the first pair is a warm-up."""
+    if steps < 4 or steps % 2:
+        raise ValueError(f"steps must be even and at least 4 (a warm-up pair, then A/B pairs), not {steps}")
+    fleet = VLLMServerFleet(list(urls[:2]), weights_dir=weights_dir, prompts_per_request=max(1, prompts // 2))
+    torch.manual_seed(0)
+    module = FleetStep(copy.deepcopy(model).train(), fleet, prompts=prompts, n=n, max_tokens=max_tokens)
+    timer, monitor = StepStarts(), EveryOtherStepMonitor()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=NullLogger(), callbacks=[timer, monitor],
+        log_every_n_steps=1, default_root_dir=root, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(module)
+    finally:
+        fleet.close()
+    seconds = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+    if len(seconds) != steps or sorted(monitor.hook_seconds) != list(range(0, steps, 2)):
+        raise RuntimeError(f"{len(seconds)} steps timed and monitored steps {sorted(monitor.hook_seconds)}, "
+                           f"for {steps} steps")
+    with_monitor = [seconds[step] for step in range(2, steps, 2)]
+    without = [seconds[step] for step in range(3, steps, 2)]
+    shares = [monitor.hook_seconds[step] / seconds[step] for step in range(2, steps, 2)]
+    return {
+        "pairs": len(with_monitor), "step_with": statistics.median(with_monitor),
+        "step_without": statistics.median(without),
+        "hook": statistics.median(monitor.hook_seconds[step] for step in range(2, steps, 2)),
+        "share": statistics.median(shares), "logged": monitor.history.fit_logged_steps,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
@@ -107,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--overhead-steps", type=int, default=22, help="fleet steps, monitor on every other (0: none)")
+    parser.add_argument("--overhead-prompts", type=int, default=8)
     args = parser.parse_args(argv)
     import transformers
     import vllm
@@ -135,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             figures = measure(urls, model, syncs=args.syncs, prompts=args.prompts, n=args.n,
                               max_tokens=args.max_tokens, repeats=args.repeats,
                               weights_dir=str(Path(work) / "weights"), vocab=model.config.vocab_size)
+            if args.overhead_steps:
+                figures["overhead"] = monitor_overhead(
+                    urls, model, steps=args.overhead_steps, prompts=args.overhead_prompts, n=args.n,
+                    max_tokens=args.max_tokens, weights_dir=str(Path(work) / "overhead_weights"), root=str(Path(work) / "fit"))
         finally:
             if servers is not None:
                 servers.stop()
@@ -151,6 +289,14 @@ def print_figures(figures: dict[str, Any], args: argparse.Namespace) -> None:
     print("| servers | tokens/s |\n|---:|---:|")
     for count, rate in figures["throughput"].items():
         print(f"| {count} | {rate:.0f} |")
+    overhead = figures.get("overhead")
+    if overhead is not None:
+        print(f"\nThe monitor on a fleet step (sync to both servers + {args.overhead_prompts} prompts x n={args.n} x "
+              f"{args.max_tokens} tokens + forward/backward), logging every step, on every other step "
+              f"({overhead['pairs']} A/B pairs after a warm-up pair; {overhead['logged']} steps logged):")
+        print(f"median step with the monitor {1e3 * overhead['step_with']:.1f} ms, without "
+              f"{1e3 * overhead['step_without']:.1f} ms; the monitor's hook: median {1e3 * overhead['hook']:.2f} ms")
+        print(f"monitor time / step time (median over the monitored steps): {overhead['share']:.2%}")
 
 if __name__ == "__main__":
     main()

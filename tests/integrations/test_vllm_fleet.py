@@ -236,7 +236,7 @@ def test_a_request_the_servers_refuse_is_a_value_error_and_drops_no_server(
     assert list(fleet.servers) == servers.urls and not fleet.dropped
 
 
-def test_the_fleet_benchmark_measures_every_phase_and_both_throughputs(
+def test_the_fleet_benchmark_measures_every_phase_both_throughputs_and_the_monitors_overhead(
     servers: LocalVLLMServers, hf_model: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A smoke run of ``benchmarks/bench_vllm_servers.py``'s measurement on these servers (its own start of two
@@ -251,9 +251,18 @@ def test_the_fleet_benchmark_measures_every_phase_and_both_throughputs(
     assert list(figures["phases"]) == [*SYNC_PHASES, "write", "whole sync"]
     assert all(seconds > 0 for seconds in figures["phases"].values())
     assert sorted(figures["throughput"]) == [1, 2] and all(rate > 0 for rate in figures["throughput"].values())
-    bench_vllm_servers.print_figures(figures, argparse.Namespace(prompts=4, n=2, max_tokens=3, repeats=1))
+    figures["overhead"] = bench_vllm_servers.monitor_overhead(
+        servers.urls, hf_model, steps=4, prompts=2, n=2, max_tokens=3, weights_dir=str(tmp_path / "overhead_weights"),
+        root=str(tmp_path / "fit"))
+    overhead = figures["overhead"]
+    assert overhead["pairs"] == 1 and overhead["logged"] == 2  # the monitor logged its two steps, none of the others
+    assert 0 < overhead["hook"] < overhead["step_with"] and 0 < overhead["share"] < 1 and overhead["step_without"] > 0
+    bench_vllm_servers.print_figures(figures, argparse.Namespace(prompts=4, n=2, max_tokens=3, repeats=1,
+                                                                 overhead_prompts=2))
     printed = capsys.readouterr().out
-    for line in ("| pause |", "| transfer |", "| cache |", "| version |", "| resume |", "| whole sync |", "| 2 |"):
+    for line in ("| pause |", "| transfer |", "| cache |", "| version |", "| resume |", "| whole sync |", "| 2 |",
+                 "1 A/B pairs after a warm-up pair; 2 steps logged", "monitor time / step time (median over the "
+                 "monitored steps): "):
         assert line in printed, printed
 
 def test_under_ddp_rank_0_alone_talks_to_the_servers_and_every_rank_learns_the_version(
