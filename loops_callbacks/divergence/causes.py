@@ -23,7 +23,8 @@ DROPOUT = "dropout"  # dropout seen live in the trainer: an observation, not a g
 SAMPLING = "sampling"  # the tokens were drawn from another distribution than the logprobs describe
 PREFIX_CACHE = "prefix_cache"  # the engine says its prefix cache outlived a weight reload (``SamplerFacts``)
 PRECISION_BITS = "precision_bits"  # a precision diagnosis' number, not shown: 16 (a side known 16-bit), 32 (neither)
-OTHER_WEIGHTS = "other_weights"  # a stale diagnosis' number, not shown: 1 where both sides are at full precision
+FULL_PRECISION_GAP = "full_precision_gap"  # an unrelated diagnosis' number, not shown: 1 where both sides are at full
+# precision (the gap says the two sides compute different functions: weights or inputs)
 PROMPT = "prompt"  # the sampler's prompt ids (``sampler_prompt_ids``) differ from the trainer's: an observation
 CAUSES = (
     IMPOSSIBLE_INPUTS, "none", DROPOUT, PROMPT, "shift", SAMPLING, PREFIX_CACHE, "unrelated", "truncation", "temperature",
@@ -53,11 +54,13 @@ _TEXTS = {  # cause (and "unclear" with a context fade or too few tokens, trunca
                     "temperature 1, or divide the trainer's logits by the same temperature"),
     "stale": ("the sampler's weights are out of date", "check that the sampler receives the trainer's weights every "
               "step (sync frequency, failed or partial weight loads)"),
-    OTHER_WEIGHTS: ("the sampler's weights differ from the trainer's: both sides compute at full precision, whose "
-                    "rounding leaves relative gaps near 1e-12, and the gap is far beyond that with the slope at 1",
-                    "check that the sampler's last weight load succeeded and loaded every tensor (a load that failed "
-                    "while policy_version still counted, or a sampler started from another checkpoint); if it did, "
-                    "that both forwards see the same inputs (attention_mask and position_ids on left-padded prompts)"),
+    FULL_PRECISION_GAP: ("sampler and trainer compute different distributions: both at full precision, whose "
+                         "rounding leaves relative gaps near 1e-12, and the gap is far beyond that with no temperature, "
+                         "truncation or shift fitting it, so their weights or their inputs differ", "check that the "
+                         "sampler's last weight load succeeded and loaded every tensor (a load that failed while "
+                         "policy_version still counted, a sampler started from another checkpoint), then the prompts "
+                         "both sides score (chat template, BOS and special tokens, the tokenizer: sampler_prompt_ids "
+                         "says which) and the forward's inputs (attention_mask, position_ids on left-padded prompts)"),
     "precision": ("numerical precision (the engines' dtypes, kernels or reduction order differ)", "check the "
                   "sampler's dtype and kernels; a gap at this level is usually harmless"),
     "precision_16": ("numerical precision (16-bit rounding, e.g. bf16 kernels)", "check the sampler's dtype and "
@@ -146,8 +149,8 @@ class Diagnosis:
             key = "all_zero"
         if key == "precision" and self.numbers.get(PRECISION_BITS) in (16.0, 32.0):  # a side known 16-bit, or none
             key = f"precision_{int(self.numbers[PRECISION_BITS])}"
-        if key == "stale" and self.numbers.get(OTHER_WEIGHTS) == 1.0:
-            key = OTHER_WEIGHTS
+        if key == "unrelated" and self.numbers.get(FULL_PRECISION_GAP) == 1.0:
+            key = FULL_PRECISION_GAP
         what, check = _shift_texts(self.numbers) if key == "shift" else _TEXTS[key]
         if self.cause == "temperature":
             what += f" (slope of trainer on sampler logprobs {self.numbers['temperature']:.2f})"
@@ -207,5 +210,5 @@ def _shift_texts(numbers: Mapping[str, float]) -> tuple[str, str]:
 
 def _format(numbers: Mapping[str, float]) -> str:
     shown = {name: value for name, value in numbers.items() if name not in ("shift_direction", "offset", PRECISION_BITS,
-                                                                             OTHER_WEIGHTS)}
+                                                                             FULL_PRECISION_GAP)}
     return ", ".join(f"{name.replace('_', ' ')} {value:.3g}" for name, value in shown.items())

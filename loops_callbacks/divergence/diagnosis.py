@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from loops_callbacks.divergence.causes import (
-    DROPOUT, OTHER_WEIGHTS, PRECISION_BITS, PREFIX_CACHE, PROMPT, SAMPLING, Diagnosis,
+    DROPOUT, FULL_PRECISION_GAP, PRECISION_BITS, PREFIX_CACHE, PROMPT, SAMPLING, Diagnosis,
 )
 from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
 from loops_callbacks.divergence.metrics import held_sampling_z
@@ -76,7 +76,7 @@ STALE_ETA2 = 0.1
 SAMPLING_Z = 5.0  # |sampling_z| from which the tokens are taken as drawn from another distribution
 SAMPLING_STEPS = 8  # the run's latest logged steps whose sampling z are combined (Stouffer: sum z / sqrt n),
 SAMPLING_MIN_STEPS = 3  # at least this many: a bias of one sign too small for any one step (HF's default top-k 50)
-WEIGHTS_GAP = 1e-6  # both sides at full precision: a relative gap this large (100x the prior) is other weights
+WEIGHTS_GAP = 1e-6  # both sides at full precision: a relative gap this large (100x the prior) is another function
 CREEP_STEPS = 8  # a gap that grew over at least this many logged steps,
 CREEP_GROWTH = 3.0  # this many times over (the mean of the latest third against the first's),
 CREEP_Z = 3.0  # its rank correlation with time this many standard errors above 0 (rho sqrt(n - 1); p ~ 0.001),
@@ -271,10 +271,11 @@ def _statistical_cause(
     if _fades(get):  # a gap on the first tokens, at any size: not precision or staleness, but not named either
         return Diagnosis("unclear", 0.0, fade)
     if full_precision and gap >= WEIGHTS_GAP and not (pearson >= 0.95 and off_one >= AMBIGUOUS_SLOPE):
-        # full precision on both sides rounds to relative gaps near 1e-12; this one, with the slope at 1 and no
-        # shift, truncation or fade, is other weights, whatever the versions say (a load that failed or fell short)
-        numbers = noise | {"pearson": pearson, "temperature": slope, OTHER_WEIGHTS: 1.0}
-        return Diagnosis("stale", _confidence(math.log10(gap / WEIGHTS_GAP) / 2), numbers)
+        # full precision on both sides rounds to relative gaps near 1e-12; this one, with no temperature, shift,
+        # truncation or fade, is another function: other weights whatever the versions say (a load that failed or
+        # fell short), or other inputs (a prompt that differs, a forward without the padding's positions)
+        numbers = noise | {"pearson": pearson, "temperature": slope, FULL_PRECISION_GAP: 1.0}
+        return Diagnosis("unrelated", _confidence(math.log10(gap / WEIGHTS_GAP) / 2), numbers)
     unclear = noise | {"token_eta2": get("token_eta2"), "pearson": pearson, "temperature": slope}
     if lags is not None or behind == 0:  # versions are known and do not show staleness
         return Diagnosis("unclear", 0.0, unclear | (lags or {}))
