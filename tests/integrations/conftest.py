@@ -12,6 +12,10 @@ elsewhere and nothing is sent.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import threading
+
 import copy
 import os
 import sys
@@ -118,3 +122,15 @@ def vllm_stub(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     stub.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", stub)
     return stub
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A local HTTP server answering with ``handler`` on a thread, for as long as the block runs: its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import http.server
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 
 from loops_callbacks.integrations.vllm import VLLMServerError, VLLMServerFleet
 from loops_callbacks.integrations.vllm.fleet import engine_digests, engine_parameter_name
+from tests.integrations.conftest import serving
 
 
 def test_a_fleet_refuses_what_is_not_a_list_of_distinct_server_urls() -> None:
@@ -56,14 +56,8 @@ def not_found_server() -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(NotFound) as url:
+        yield url
 
 
 def test_a_server_without_dev_mode_is_named_with_the_fix(not_found_server: str) -> None:

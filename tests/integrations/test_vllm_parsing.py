@@ -36,6 +36,7 @@ from loops_callbacks.integrations.vllm import (
     prompt_token_ids,
     rollout_batch,
 )
+from tests.integrations.conftest import serving
 from tests.integrations.engine_double import EngineModel, Runner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -505,14 +506,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def local_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url
 
 
 def test_post_completions_answers_errors_and_timeouts(local_server: str) -> None:
