@@ -69,16 +69,7 @@ def main() -> None:
     import loops_callbacks
     from loops_callbacks import KLSampleTrainMonitor
 
-    class NullLogger(pl.loggers.logger.Logger):
-        """Takes every metric and writes nothing: the logger's own I/O is not the monitor's."""
-
-        name, version = "null", 0
-
-        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-            pass
+    from bench_callback import NullLogger
 
     class StepTimes(pl.Callback):
         """Each step's wall time, from the first callback's batch start to the last callback's batch end."""

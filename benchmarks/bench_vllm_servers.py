@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_callback import NullLogger  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
@@ -181,18 +182,6 @@ class EveryOtherStepMonitor(KLSampleTrainMonitor):
         began = time.perf_counter()
         super().on_train_batch_end(trainer, *args)
         self.hook_seconds[step] = time.perf_counter() - began
-
-
-class NullLogger(pl.loggers.logger.Logger):
-    """Accepts everything and writes nothing: the logger's own I/O is not the monitor's."""
-
-    name, version = "null", 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        pass
 
 
 def monitor_overhead(urls: Sequence[str], model: Any, *, steps: int, prompts: int, n: int, max_tokens: int,
