@@ -360,6 +360,7 @@ def real_grpo(model_dir: str | os.PathLike[str], **options: Any) -> Any:
                                  top_k=None if self.fault == "top_k_50" else 0, weight_version=self.version)
             step = {**fields, "loss": loss, "logprobs": logprobs, "mask": mask,
                     "advantages": advantages, "input_ids": sequences[:, :-1], "target_tokens": sequences[:, 1:],
+                    "attention_mask": attention[:, :-1],
                     "sampler_facts": facts,
                     "policy_version": torch.full((len(rows),), self.version)}
             if self.give_prompt_ids:

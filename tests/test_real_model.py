@@ -200,14 +200,21 @@ def test_a_sampler_prompt_with_a_second_bos_is_named_prompt_from_the_first_step(
     assert "sampler '…⟦<|im_start|><|im_start|>" in found.message, found.message
 
 
-@pytest.mark.xfail(strict=True, reason="a padded [B, T] trainer row may begin with left padding the batch does not "
-                   "mark, so a trainer prompt longer than the sampler's is not seen (only for a list of Datum): "
-                   "named unrelated (full precision) instead; strict, so that the rule that sees it turns this red")
 def test_a_sampler_prompt_without_its_bos_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:
     """The sampler strips the prompt's BOS (``<|im_start|>``), expecting its engine to add one; SmolLM2's tokenizer
-    adds none, so the sampler's prompt is the trainer's without its first token."""
+    adds none, so the sampler's prompt is the trainer's without its first token. The trainer's rows are left-padded:
+    their ``attention_mask`` says where each prompt starts, so the trainer's longer prompt is seen."""
+    from real_model import chat_prompts, sampler_chat_prompts
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    [trainer] = chat_prompts(tokenizer, SEA)
+    [sampler] = sampler_chat_prompts(smollm2_dir, tokenizer, SEA, "bos_dropped")
+    assert sampler == trainer[1:]  # the fault is what it says
     found = first_step(smollm2_dir, fault="bos_dropped")
     assert found.cause == "prompt" and found.is_observation, found.message
+    assert found.numbers["prompt_datums_differ"] == found.numbers["prompt_datums_compared"] == 4
+    assert f"(the sampler's prompt has {len(sampler)} tokens, the trainer's {len(trainer)})" in found.message
+    assert r"sampler '…⟦system\nYou are" in found.message and "trainer '…<|im_start|>⟦system" in found.message
 
 
 def test_a_sampler_prompt_without_the_generation_prompt_is_named_prompt_from_the_first_step(smollm2_dir: Path) -> None:

@@ -59,7 +59,7 @@ CONTEXT_BEFORE = 40
 CONTEXT_AFTER = 1 + 20
 """``model_input[k + 1]`` (the context's centre), then the SDK's 20 ids after it."""
 _PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "servers", "datum_advantages", "sampler_prompts",
-              "first_tokens")
+              "first_tokens", "prompt_starts")
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,12 @@ class FlatBatch:
     datum_advantages: torch.Tensor | None = None  # float64 [B]; NaN: unusable
     mask_refused: torch.Tensor | None = None  # bool [L]: mask < 0 or NaN, where it was not read (an accelerator)
     # the prompts' comparison (``prompts``): the sampler's prompts, the trainer's id predicted at each position and
-    # at each datum's position 0 (< 0: unknown), and whether the rows hold no padding (a list of Datum)
+    # at each datum's position 0 (< 0: unknown), and where each datum's prompt starts (0 for a list of Datum, the
+    # first position of ``attention_mask``; ``None``: a padded row's left padding is not marked)
     sampler_prompts: torch.Tensor | None = None  # int64 [B, P], left-padded with -1
     prompt_tokens: torch.Tensor | None = None  # int64 [L]
     first_tokens: torch.Tensor | None = None  # int64 [B]
-    prompt_rows_exact: bool = False
+    prompt_starts: torch.Tensor | None = None  # int64 [B]
 
     @property
     def n_datums(self) -> int:

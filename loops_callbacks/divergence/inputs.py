@@ -25,14 +25,14 @@ import torch
 from loops_callbacks.divergence import per_datum
 from loops_callbacks.divergence.evidence import SamplerFacts
 from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_datums, flatten_padded
-from loops_callbacks.divergence.prompts import datum_prompts, read_sampler_prompts, trainer_tokens
+from loops_callbacks.divergence.prompts import datum_prompts, prompt_starts, read_sampler_prompts, trainer_tokens
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check
 
 DATA_KEYS = (
     "data", "training_logprobs", "forward_backward_output", "logprobs", "mask", "advantages", "target_tokens",
     "input_ids", "policy_version", "group", "training_entropy", "training_varentropy", "sampler_facts",
-    "sampler_prompt_ids", "sampler_server",
+    "sampler_prompt_ids", "sampler_server", "attention_mask",
 )
 """The names ``keys=`` may remap; by default each is read under its own name."""
 
@@ -132,7 +132,8 @@ def read_step(
         found["prompt_tokens"], found["first_tokens"] = trainer_tokens(
             data, None if data is not None else step.get("input_ids"),
             None if data is not None else step.get("target_tokens"), flat)
-        found["prompt_rows_exact"] = data is not None
+        found["prompt_starts"] = (torch.zeros(flat.n_datums, dtype=torch.int64, device=flat.device) if data is not None
+                                  else prompt_starts(step.get("attention_mask"), flat, step.label("attention_mask")))
         if found["prompt_tokens"] is None and warnings is not None:
             warnings.warn("sampler_prompt_ids:no_tokens", f"KLSampleTrainMonitor: {step.label('sampler_prompt_ids')} "
                           "is given, but the batch has neither 'input_ids' nor 'target_tokens': the prompts are not "

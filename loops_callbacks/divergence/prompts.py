@@ -13,11 +13,12 @@ positions 0 to k0 - 1 (``input_ids[1:]``, else ``target_tokens``, for a list of 
 ``target_tokens``); the id at position 0 is known only from ``input_ids`` or ``model_input`` (without them it is
 not compared). The two prompts are compared right-aligned (both end right before the completion), over the
 positions both know (an id < 0, such as -100 in labels, is unknown); a datum differs where an id differs or, as
-far as the lengths are knowable, where the lengths do: the trainer's prompt shorter than the sampler's (a dropped
-BOS, a missing system prompt) always; longer only for a list of Datum, whose rows hold no padding (a padded
-``[B, T]`` row may begin with left padding the contract does not mark, so tokens the trainer has before the
-sampler's prompt, such as a second BOS, are not seen there). Datums without masked-in positions, or whose
-sampler prompt is empty, are not compared.
+far as the lengths are knowable, where the lengths do: the trainer's prompt shorter than the sampler's (a BOS the
+trainer lacks, a missing system prompt) always; longer (the sampler's BOS dropped, a second BOS in the trainer's)
+where each prompt's start is known: a list of Datum, whose rows hold no padding, or padded ``[B, T]`` rows with an
+``attention_mask`` (``[B, T]`` or ``[B, T + 1]``, nonzero on real tokens: the prompt starts at its first). Without
+it a padded row may begin with left padding nothing marks, so tokens the trainer has before the sampler's prompt
+are not seen. Datums without masked-in positions, or whose sampler prompt is empty, are not compared.
 
 Each micro-batch keeps three states (``states.PROMPTS``): how many datums were compared and how many differ, sums;
 and ``prompt_first``, a maximum: the first differing datum's index, the position of the difference counted
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from loops_callbacks.divergence.flat_batch import NO_TOKEN, FlatBatch
+from loops_callbacks.divergence.flat_batch import NO_TOKEN, FlatBatch, flatten_padded
 from loops_callbacks.fields import (
     datum_loss_fn_inputs, datum_model_input, field_length, field_to_tensor, model_input_tokens,
 )
@@ -137,6 +138,31 @@ def _check_left_padded(ids: torch.Tensor, key: str) -> None:
             "right edge, where the completion starts)")
 
 
+def prompt_starts(attention_mask: Any, flat: FlatBatch, key: str = "'attention_mask'") -> torch.Tensor | None:
+    """Int64 ``[B]``: where each padded row's prompt starts, its first position with ``attention_mask`` nonzero
+    (``T``: a row without any); ``None`` without a mask. A mask that is not a ``[B, T]`` or ``[B, T + 1]`` tensor
+    is a ``TypeError`` / ``ValueError`` naming ``key`` and the shapes.
+
+    Examples:
+        >>> flat = flatten_padded(sampler_logprobs=torch.zeros(2, 4), training_logprobs=torch.zeros(2, 4),
+        ...                       mask=torch.ones(2, 4))
+        >>> prompt_starts(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), flat).tolist()
+        [2, 0]
+    """
+    if attention_mask is None:
+        return None
+    width = int(flat.row_lengths[0]) if flat.n_datums else 0  # a padded batch: every row has T positions
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"{key} is a {type(attention_mask).__name__}; expected a [B, T] tensor, nonzero on real tokens")
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != flat.n_datums or attention_mask.shape[1] not in (
+            width, width + 1):
+        raise ValueError(f"{key} has shape {tuple(attention_mask.shape)}; expected [{flat.n_datums}, {width}] (the "
+                         f"logprobs' [B, T]) or [{flat.n_datums}, {width + 1}] (the whole sequences), nonzero on real "
+                         "tokens")
+    real = attention_mask.detach().to(flat.device) != 0
+    return torch.where(real.any(1), real.to(torch.int8).argmax(1), width).to(torch.int64)
+
+
 def trainer_tokens(data: Sequence[Any] | None, input_ids: torch.Tensor | None, target_tokens: torch.Tensor | None,
                    flat: FlatBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The trainer's ids for the comparison: int64 ``[L]``, the id predicted at each position (< 0: unknown), and
@@ -191,17 +217,20 @@ def prompt_values(flat: FlatBatch) -> dict[str, torch.Tensor]:
         0, row, torch.where(flat.masked_in, in_row, _NONE), "amin")
     has_completion = k0 < _NONE
     k0 = torch.where(has_completion, k0, 0)
-    trainer_length = k0 + 1
+    exact = flat.prompt_starts is not None
+    start = flat.prompt_starts.to(device) if exact else torch.zeros_like(k0)
+    trainer_length = k0 + 1 - start
     sampler_known = prompts >= 0
     sampler_length = sampler_known.sum(1)
 
     def trainer_at(columns: torch.Tensor) -> torch.Tensor:
         """The trainer's id at right-aligned ``columns`` [B, K] of the sampler's rows (-1: unknown, -2: none)."""
         index = trainer_length[:, None] - width + columns  # in the trainer's prompt
-        flat_at = (starts[:, None] + index - 1).clamp(0, max(tokens.shape[0] - 1, 0))
+        at = start[:, None] + index  # in the row
+        flat_at = (starts[:, None] + at - 1).clamp(0, max(tokens.shape[0] - 1, 0))
         ids = tokens.index_select(0, flat_at.reshape(-1)).reshape(flat_at.shape) if tokens.numel() else torch.full_like(
             flat_at, NO_TOKEN)
-        ids = torch.where(index == 0, flat.first_tokens.to(device)[:, None].expand_as(ids), ids)
+        ids = torch.where(at == 0, flat.first_tokens.to(device)[:, None].expand_as(ids), ids)
         ids = torch.where(ids < 0, NO_TOKEN, ids)
         return torch.where((index < 0) | (index >= trainer_length[:, None]), -2, ids)
 
@@ -213,11 +242,8 @@ def prompt_values(flat: FlatBatch) -> dict[str, torch.Tensor]:
     # the last id that differs: the prompts agree from after it to the completion (right-aligned, where a prompt's
     # start may be left padding, this is the one position that does not depend on where each prompt starts)
     last_mismatch = torch.where(mismatch, sampler_index, -1).amax(1) if width else torch.full_like(k0, -1)
-    if flat.prompt_rows_exact:
-        length_differs = trainer_length != sampler_length
-    else:
-        length_differs = trainer_length < sampler_length
-    compared = has_completion & (sampler_length > 0) & (both.any(1) | length_differs)
+    length_differs = trainer_length != sampler_length if exact else trainer_length < sampler_length
+    compared = has_completion & (trainer_length > 0) & (sampler_length > 0) & (both.any(1) | length_differs)
     differ = compared & (length_differs | (last_mismatch >= 0))
     # without a differing id: the sampler's last id the trainer's shorter prompt lacks (0 for a dropped BOS), or 0
     missing = (sampler_length - trainer_length - 1).clamp(min=0)
@@ -301,8 +327,11 @@ def prompt_finding(totals: Mapping[str, float], arrays: Mapping[str, np.ndarray]
     if found["sampler_length"] != found["trainer_length"]:
         lengths = (f" (the sampler's prompt has {found['sampler_length']} tokens, the trainer's "
                    f"{found['trainer_length']})")
-    said = (f"in {differ:.0f} of {compared:.0f} compared datums; datum {found['datum']} at prompt token "
-            f"{found['position']} (the prompts agree after it){lengths}: sampler {text(found['sampler_before'], found['sampler'])} vs trainer "
+    where = f"at prompt token {found['position']} (the prompts agree after it)"
+    if found["trainer_length"] > found["sampler_length"] and found["sampler"][:1] == found["trainer"][:1]:
+        where = (f"before the sampler's first prompt token (the prompts agree from it on: the trainer's has "
+                 f"{found['trainer_length'] - found['sampler_length']} more before it)")
+    said = (f"in {differ:.0f} of {compared:.0f} compared datums; datum {found['datum']} {where}{lengths}: sampler {text(found['sampler_before'], found['sampler'])} vs trainer "
             f"{text(found['trainer_before'], found['trainer'])}")
     numbers = {"prompt_datums_differ": float(differ), "prompt_datums_compared": float(compared),
                "prompt_datum": float(found["datum"]), "prompt_position": float(found["position"])}

@@ -98,6 +98,50 @@ def test_left_padding_in_the_sampler_rows_and_a_longer_padded_trainer_row_are_no
     assert (found.numbers["prompt_datum"], found.numbers["prompt_position"]) == (1, 2)  # counted in its prompt
 
 
+def left_padded_rows(pad: int) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor]:
+    """``padded()`` with datum 1's row shifted ``pad`` positions right behind left padding (id 0), its prompt the
+    last ``PROMPT - pad`` ids, and the ``attention_mask`` marking it."""
+    outputs, batch = padded()
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, :pad] = 0
+    batch["input_ids"][1, :pad] = 0
+    batch["target_tokens"][1, : pad - 1] = 0
+    outputs["sampler_prompt_ids"][1, :pad] = -1
+    return outputs, batch, attention
+
+
+def test_with_an_attention_mask_a_trainer_prompt_longer_than_the_sampler_s_is_named() -> None:
+    outputs, batch, attention = left_padded_rows(4)
+    batch["attention_mask"] = attention
+    assert stats(outputs, batch).to_host().totals["n_prompt_datums_differ"] == 0  # left padding, marked: the same
+    outputs["sampler_prompt_ids"][:, 0] = -1  # every sampler prompt drops its first id (a BOS the engine would add)
+    outputs["sampler_prompt_ids"][1, 4] = -1
+    host = stats(outputs, batch).to_host()
+    assert host.totals["n_prompt_datums_differ"] == host.totals["n_prompt_datums_compared"] == B
+    found = diagnosis(host)
+    assert found.cause == "prompt" and found.is_observation and found.numbers["prompt_position"] == 0
+    assert f"the sampler's prompt has {PROMPT - 1} tokens, the trainer's {PROMPT}" in found.message
+    assert "datum 0 before the sampler's first prompt token (the prompts agree from it on: the trainer's has 1 more " \
+           "before it)" in found.message, found.message
+    del batch["attention_mask"]  # unmarked: the trainer's extra id may be padding, so it is not a difference
+    assert stats(outputs, batch).to_host().totals["n_prompt_datums_differ"] == 0
+    batch["attention_mask"] = torch.cat([attention, torch.ones(B, 1, dtype=torch.long)], 1).bool()  # [B, T + 1]
+    assert stats(outputs, batch).to_host().totals["n_prompt_datums_differ"] == B
+
+
+@pytest.mark.parametrize(("value", "error", "said"), [
+    ([[1] * T] * B, TypeError, "'attention_mask' is a list; expected a [B, T] tensor"),
+    (torch.ones(B, T - 1), ValueError, f"'attention_mask' has shape ({B}, {T - 1}); expected [{B}, {T}]"),
+    (torch.ones(B - 1, T), ValueError, f"or [{B}, {T + 1}] (the whole sequences)"),
+])
+def test_an_attention_mask_that_is_not_the_rows_is_refused(value: Any, error: type, said: str) -> None:
+    outputs, batch = padded()
+    batch["attention_mask"] = value
+    with pytest.raises(error) as raised:
+        read_step(outputs, batch, data_keys(None))
+    assert said in str(raised.value)
+
+
 def datums(extra: bool = False) -> tuple[list[Datum], list[torch.Tensor], list[list[int]]]:
     data, trainer, prompts = [], [], []
     for i in range(3):
