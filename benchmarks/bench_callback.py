@@ -138,8 +138,8 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
     """
     import dataclasses
 
-    from loops_callbacks.divergence.flat_batch import flatten_padded
-    from loops_callbacks.divergence.shadow import parse_corrections
+    from loops_callbacks.divergence.batch import flatten_padded
+    from loops_callbacks.divergence.statistics import parse_corrections
     from loops_callbacks.divergence.statistics import DivergenceStats
 
     items = [RandomTokens()[i] for i in range(BATCH)]

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from loops_callbacks.correction import METHODS  # noqa: E402
-from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_padded  # noqa: E402
-from loops_callbacks.divergence.shadow import parse_corrections, shadow_values  # noqa: E402
+from loops_callbacks.divergence.batch import FlatBatch, flatten_padded  # noqa: E402
+from loops_callbacks.divergence.statistics import parse_corrections, shadow_values  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
 from machine import cpu_name  # noqa: E402
 

@@ -66,8 +66,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
-from loops_callbacks.divergence.causes import CAUSES  # noqa: E402
-from loops_callbacks.divergence.signatures import SIGNATURES, signature_numbers  # noqa: E402
+from loops_callbacks.divergence.diagnosis import CAUSES  # noqa: E402
+from loops_callbacks.divergence.statistics import SIGNATURES, signature_numbers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import heldout_faults  # noqa: E402

@@ -6,7 +6,7 @@ Two schemes, on the same statistics (monitor defaults: ``top_n=20``, ``sample_si
   (values and keys: five all-gathers), then merges the parts one by one (the scheme
   ``DivergenceStats.all_gather`` used, kept here as ``gather_everything``);
 * new: ``reduction.reduce_across_ranks``: an all-gather of a small header per rank and one
-  all-reduce of a fixed body (see ``loops_callbacks/divergence/reduction.py``).
+  all-reduce of a fixed body (see ``loops_callbacks/divergence/statistics.py``).
 
 Part 1 runs both on W gloo processes on the CPU (small tensors: ranks hold uneven numbers of
 tokens, the last rank none), checks that every rank's result equals the single-process
@@ -53,15 +53,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
+from loops_callbacks.divergence.batch import flatten_padded  # noqa: E402
 from loops_callbacks.distributed import ProcessGroup  # noqa: E402
-from loops_callbacks.divergence.reduction import (  # noqa: E402
+from loops_callbacks.divergence.statistics import (  # noqa: E402
     message_sizes,
     received_bytes,
     reduce_across_ranks,
 )
-from loops_callbacks.divergence.states import ROW  # noqa: E402
-from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS  # noqa: E402
+from loops_callbacks.divergence.statistics import ROW  # noqa: E402
+from loops_callbacks.divergence.batch import DEFAULT_MAX_GROUPS  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats, layout_of  # noqa: E402
 
 TOP_N, SAMPLE_SIZE, LENGTH = 20, 100_000, 64

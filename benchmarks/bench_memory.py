@@ -39,7 +39,7 @@ def logged_step(batch: dict, strata: bool) -> None:
     from loops_callbacks.divergence.guard_rail import GuardRail
     from loops_callbacks.divergence.report import MediaOptions, step_report
     from loops_callbacks.divergence.statistics import DivergenceStats
-    from loops_callbacks.divergence.inputs import data_keys, read_step
+    from loops_callbacks.divergence.batch import data_keys, read_step
 
     flat = read_step({}, batch, data_keys(None), with_tokens=True, optimizer_step=10 if strata else None)
     stats = DivergenceStats.from_batch(

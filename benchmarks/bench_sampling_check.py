@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_name  # noqa: E402
 
 from loops_callbacks import token_logprobs  # noqa: E402
-from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
+from loops_callbacks.divergence.batch import flatten_padded  # noqa: E402
 from loops_callbacks.divergence.diagnosis import SAMPLING_Z  # noqa: E402
-from loops_callbacks.divergence.metrics import held_sampling_z, sampling_metrics  # noqa: E402
+from loops_callbacks.divergence.statistics import held_sampling_z, sampling_metrics  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
 
 SHAPE = {"sequences": 128, "tokens": 64}  # a logged step (smaller with --sequences / --tokens, for a smoke run)

@@ -41,8 +41,8 @@ from real_model import HELD_OUT_QUESTIONS, QUESTIONS, build, chat_prompts, defau
 
 from loops_callbacks import token_logprobs  # noqa: E402
 from loops_callbacks.divergence.diagnosis import SAMPLING_Z  # noqa: E402
-from loops_callbacks.divergence.flat_batch import flatten_padded  # noqa: E402
-from loops_callbacks.divergence.metrics import held_sampling_z, sampling_metrics  # noqa: E402
+from loops_callbacks.divergence.batch import flatten_padded  # noqa: E402
+from loops_callbacks.divergence.statistics import held_sampling_z, sampling_metrics  # noqa: E402
 from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
 
 SETTINGS: dict[str, tuple[str, dict[str, float]]] = {

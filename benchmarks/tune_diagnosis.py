@@ -33,8 +33,8 @@ import loops_callbacks.divergence.monitor as monitor_module  # noqa: E402
 from loops_callbacks import KLSampleTrainMonitor  # noqa: E402
 from loops_callbacks.demo import PromptDataModule, RLPolicyModule  # noqa: E402
 from loops_callbacks.divergence import diagnosis  # noqa: E402
-from loops_callbacks.divergence.causes import CAUSES  # noqa: E402
-from loops_callbacks.divergence.signatures import signature_numbers  # noqa: E402
+from loops_callbacks.divergence.diagnosis import CAUSES  # noqa: E402
+from loops_callbacks.divergence.statistics import signature_numbers  # noqa: E402
 from loops_callbacks.divergence.monitor import MediaOptions
 
 

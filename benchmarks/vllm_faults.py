@@ -65,7 +65,7 @@ from user_loops import HEALTHY_CAUSES, Step, _diagnoses  # noqa: E402
 
 from loops_callbacks import token_logprobs  # noqa: E402
 from loops_callbacks.demo.vllm_rl import ENGINE_ENVIRONMENT  # noqa: E402
-from loops_callbacks.divergence.evidence import SamplerFacts  # noqa: E402
+from loops_callbacks.divergence.batch import SamplerFacts  # noqa: E402
 from loops_callbacks.integrations.vllm import (  # noqa: E402
     VLLMWarning, VLLMWeightSync, generate_rollouts, shutdown_engine,
 )

@@ -51,7 +51,7 @@ _LIGHTNING_NAMES = {
     "GuardRail": "loops_callbacks.divergence.monitor",
     "MediaOptions": "loops_callbacks.divergence.monitor",
     "SampleTrainDivergenceError": "loops_callbacks.divergence.monitor",
-    "SamplerFacts": "loops_callbacks.divergence.evidence",
+    "SamplerFacts": "loops_callbacks.divergence.batch",
     "DPODataModule": "loops_callbacks.data",
     "ReferenceLogprobsMixin": "loops_callbacks.data",
 }

@@ -1,7 +1,7 @@
 """``loops_compute_kl_sample_train`` and ``loops_log_kl_sample_train``, as in the Loops SDK (``loops.rl_metrics``).
 
 Both read the batch once into its statistics (``loops_callbacks.divergence``: ``flatten_datums``,
-``DivergenceStats``), turn them into the metrics dict (``metrics``) and, for the logging variant,
+``DivergenceStats``), turn them into the metrics dict (``statistics``) and, for the logging variant,
 build the W&B histogram and worst-tokens table.
 
 Examples:
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from loops_callbacks.divergence.flat_batch import flatten_datums
+from loops_callbacks.divergence.batch import flatten_datums
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.inputs import trainer_logprobs_from_output
-from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
+from loops_callbacks.divergence.batch import trainer_logprobs_from_output
+from loops_callbacks.divergence.statistics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import MediaOptions, Tokenizer, checked_tokenizer, step_report, wandb_media
 from loops_callbacks.divergence.statistics import DivergenceStats
 
@@ -41,7 +41,7 @@ def loops_compute_kl_sample_train(
     ``data`` are Loops / Tinker datums carrying the sampler's ``logprobs`` and a ``mask`` (optional
     ``advantages``); ``training_logprobs`` holds the trainer's logprobs, one row per datum (or one
     right-padded ``[B, T]`` tensor). The keys and their formulas are listed in
-    ``loops_callbacks.divergence.metrics``. Impossible inputs (a logprob of -inf or +inf on an action
+    ``loops_callbacks.divergence.statistics``. Impossible inputs (a logprob of -inf or +inf on an action
     token, above 0 beyond rounding or below -1e4, trainer logprobs all exactly 0.0) are logged as
     warnings on the ``loops_callbacks`` logger, naming the side and how many; the numbers are returned
     anyway. A negative or NaN ``mask`` is a ``ValueError`` naming the datum and position.

@@ -42,8 +42,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks import loops_compute_kl_sample_train
-from loops_callbacks.divergence.flat_batch import flatten_datums
-from loops_callbacks.divergence.reduction import reduce_across_ranks
+from loops_callbacks.divergence.batch import flatten_datums
+from loops_callbacks.divergence.statistics import reduce_across_ranks
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.oracle import PREFIX as P

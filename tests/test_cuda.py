@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.flat_batch import flatten_padded
+from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import RecordingLogger, TinyPolicy, assert_metrics_equal, expected_metrics, quiet_trainer
 from tests.oracle import PREFIX
@@ -42,7 +42,7 @@ def host_of(device: str, **kwargs: Any) -> Any:
 
 
 def test_cuda_statistics_equal_the_cpu_ones() -> None:
-    from loops_callbacks.divergence.metrics import scalar_metrics
+    from loops_callbacks.divergence.statistics import scalar_metrics
 
     cpu, cuda = host_of("cpu"), host_of("cuda")
     assert_metrics_equal(scalar_metrics(cuda), scalar_metrics(cpu))
@@ -66,7 +66,7 @@ def test_no_host_sync_until_to_host() -> None:
 def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
     """The monitor's path (``read_step``, then the statistics) counts NaN advantages on the device; the
     count reaches the host with the rest in ``to_host``, and equals the CPU's."""
-    from loops_callbacks.divergence.inputs import data_keys, read_step
+    from loops_callbacks.divergence.batch import data_keys, read_step
 
     batch = padded_batch("cuda")
     advantages = batch["advantages"][:, None].expand_as(batch["mask"]).clone()
@@ -93,7 +93,7 @@ def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
 
 def test_loops_functions_on_cuda_tensors() -> None:
     from loops_callbacks import loops_compute_kl_sample_train
-    from loops_callbacks.divergence.flat_batch import flatten_datums
+    from loops_callbacks.divergence.batch import flatten_datums
     from loops_callbacks.types import Datum, ModelInput
 
     batch = padded_batch("cuda", batch=8, length=32)

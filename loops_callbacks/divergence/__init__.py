@@ -2,15 +2,15 @@
 
 A logged step, in data-flow order (each module one job):
 
-- ``inputs`` (with ``flat_batch``, ``per_datum``): the step's batch and output read once into a
+- ``batch`` (with ``batch``, ``batch``): the step's batch and output read once into a
   ``FlatBatch``, the one form everything after reads;
-- ``states`` declares every statistic by name with its reduction, ``sums`` gives each its formula,
+- ``statistics`` declares every statistic by name with its reduction, ``statistics`` gives each its formula,
   ``statistics`` merges them over micro-batches and moves them to the host in one transfer, and
-  ``reduction`` reduces them across ranks in two collectives (``alignment``: the offset votes;
-  ``shadow``: what each listed correction would do);
-- ``metrics`` and ``signatures``: the logged scalars and the diagnosis' numbers, one formula each;
-- ``diagnosis`` (with ``evidence``, ``causes``): the likely cause; ``guard_rail``: whether the step exceeds;
-- ``report``: the step's report, built once; ``sinks``: its delivery to each Lightning logger;
+  ``statistics`` reduces them across ranks in two collectives (``statistics``: the offset votes;
+  ``statistics``: what each listed correction would do);
+- ``statistics`` and ``statistics``: the logged scalars and the diagnosis' numbers, one formula each;
+- ``diagnosis`` (with ``batch``, ``diagnosis``): the likely cause; ``guard_rail``: whether the step exceeds;
+- ``report``: the step's report, built once; ``report``: its delivery to each Lightning logger;
 - ``monitor``: ``KLSampleTrainMonitor``, the callback that wires them (``history``: the run's summary,
   ``step_warnings``: what it says about the inputs).
 

@@ -40,9 +40,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from loops_callbacks.divergence.evidence import SamplerFacts
-from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR
-from loops_callbacks.divergence.metrics import SCALAR_METRICS, held_sampling_z
+from loops_callbacks.divergence.batch import SamplerFacts
+from loops_callbacks.divergence.batch import LOGPROB_FLOOR
+from loops_callbacks.divergence.statistics import SCALAR_METRICS, held_sampling_z
 from loops_callbacks.divergence.statistics import HostDivergence
 from loops_callbacks.validation import check, check_choice, check_int, check_real
 
@@ -170,7 +170,7 @@ def impossible_inputs(host: HostDivergence) -> dict[str, str]:
     """Problems with the logprobs themselves, by a stable key (for warning once per run).
 
     Examples:
-        >>> from loops_callbacks.divergence.states import MAIN
+        >>> from loops_callbacks.divergence.statistics import MAIN
         >>> totals = {s.name: 0.0 for s in MAIN if s.reduction == "sum"} | {"n_action_tokens": 4.0, "n_sampler_above_zero": 3.0}
         >>> impossible_inputs(HostDivergence(totals, {"max_sampler": 0.9}))
         {'sampler_above_zero': '3 of 4 sampler logprobs are > 0 (largest 0.9): these look like probabilities, not logprobs'}

@@ -12,7 +12,7 @@ optimizer step a micro-batch belongs to) and ``fit_loop._should_accumulate()``; 
 fails at setup, naming the Lightning version, if a release renames them.
 
 Examples:
-    >>> from loops_callbacks.divergence.causes import Diagnosis
+    >>> from loops_callbacks.divergence.diagnosis import Diagnosis
     >>> from loops_callbacks.divergence.guard_rail import GuardRail
     >>> history = RunHistory(GuardRail(max_kl=0.05))
     >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, Diagnosis("stale", 0.8, {"token_eta2": 0.2}))
@@ -43,13 +43,13 @@ import lightning
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
     CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, SAMPLING_STEPS, TREND_STEPS,
     noise_shaped,
 )
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.metrics import held_sampling_z
+from loops_callbacks.divergence.statistics import held_sampling_z
 
 
 class Verdict(enum.Enum):

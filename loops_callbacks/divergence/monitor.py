@@ -30,21 +30,21 @@ from typing_extensions import override
 from loops_callbacks.correction import Correction
 from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.divergence import step_warnings
-from loops_callbacks.divergence.causes import Diagnosis
-from loops_callbacks.divergence.evidence import observe_training
+from loops_callbacks.divergence.diagnosis import Diagnosis
+from loops_callbacks.divergence.batch import observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
 from loops_callbacks.divergence.history import (
     Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
     read_state,
 )
-from loops_callbacks.divergence.inputs import data_keys, read_sampler_facts, read_step
-from loops_callbacks.divergence.metrics import DEFAULT_PREFIX
-from loops_callbacks.divergence.reduction import reduce_across_ranks
+from loops_callbacks.divergence.batch import data_keys, read_sampler_facts, read_step
+from loops_callbacks.divergence.statistics import DEFAULT_PREFIX
+from loops_callbacks.divergence.statistics import reduce_across_ranks
 from loops_callbacks.divergence.report import (
     TABLE_KEY, MediaOptions, StepReport, Tokenizer, checked_tokenizer, step_report,
 )
-from loops_callbacks.divergence.shadow import parse_corrections
-from loops_callbacks.divergence.sinks import deliver, deliver_text
+from loops_callbacks.divergence.statistics import parse_corrections
+from loops_callbacks.divergence.report import deliver, deliver_text
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings, warn
@@ -87,7 +87,7 @@ class KLSampleTrainMonitor(Callback):
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"geo:0.999_1.001"`` or ``Correction`` objects; each logged step
             logs what each would do, applying nothing (``shadow``). ``off_policy_mask`` reads one
-            advantage per datum (``per_datum.advantages``); a sequence whose advantages cannot be read
+            advantage per datum (``per_datum.read_advantages``); a sequence whose advantages cannot be read
             is not kept, and rank 0 says how many and on which ranks.
         max_policy_lag: the policy lag the run intends (``policy_version`` behind the trainer's optimizer
             steps; 1 for one-step-off-policy training): a datum further behind is stale, named as observed

@@ -1,4 +1,7 @@
-"""One logged step's report, built once from its host statistics: what the sinks deliver and the guard rail judges.
+"""A logged step's report (``StepReport``) and its rendering for every logger: scalars, W&B media, HTML, Markdown and
+plain text.
+
+One logged step's report, built once from its host statistics: what the sinks deliver and the guard rail judges.
 
 ``step_report`` is a pure function of the statistics and the options: the metrics (the Loops SDK's
 scalars), the likely cause, the breakdown (the diagnosis', the strata's and the corrections' shadow
@@ -8,7 +11,7 @@ the prefix is added when delivering.
 
 Examples:
     >>> import torch
-    >>> from loops_callbacks.divergence.flat_batch import flatten_padded
+    >>> from loops_callbacks.divergence.batch import flatten_padded
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
@@ -16,30 +19,48 @@ Examples:
     ...                      guard_rail=GuardRail(max_kl=0.05), diagnose=True)
     >>> report.scalars["kl_sample_train_v1_loops"], report.diagnosis.cause, report.exceeds
     (0.25, 'unclear', 'div/kl_sample_train_k3 = 0.0532653 exceeded max_kl = 0.05')
+
+Deliver a step's report to every Lightning logger, each in its own way, in one record per step.
+
+* ``WandbLogger``: the scalars and the breakdown with a ``wandb.Histogram``, the worst-tokens and strata
+  ``wandb.Table``s and the diagnosis as HTML, in one ``log_metrics`` call (never ``run.log(step=...)``,
+  which W&B silently drops once its own counter is ahead);
+* ``TensorBoardLogger``: the scalars, ``add_histogram``, and the tables and the diagnosis as Markdown text;
+* any other logger (CSV, MLflow, ...): the scalars.
+
+The media are the report's, built once for every logger. A logger that fails is a warning (once per run
+and logger) and is skipped: monitoring never stops training. ``deliver_text`` writes one text (the guard
+rail's message, the run's summary) to each logger that can show text.
+
+Examples:
+    >>> from loops_callbacks.divergence.report import StepReport
+    >>> class Printer:
+    ...     def log_metrics(self, metrics, step):
+    ...         print(step, metrics)
+    >>> deliver([Printer()], StepReport({"n_action_tokens": 0.0}), step=3, prefix="div/")
+    3 {'div/n_action_tokens': 0.0}
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from loops_callbacks.correction import Correction
-from loops_callbacks.divergence.causes import Diagnosis, diagnosis_metrics
+from loops_callbacks.divergence.batch import DEFAULT_MAX_GROUPS, NO_TOKEN, DirectEvidence, SamplerFacts
+from loops_callbacks.divergence.diagnosis import Diagnosis, diagnosis_metrics
 from loops_callbacks.divergence.diagnosis import diagnose as likely_cause
-from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
-from loops_callbacks.divergence.flat_batch import NO_TOKEN
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
-from loops_callbacks.divergence.per_datum import DEFAULT_MAX_GROUPS
-from loops_callbacks.divergence.prompts import prompt_finding
-from loops_callbacks.divergence.metrics import STRATUM_METRICS, histogram_values, is_ratio, scalar_metrics, stratum_scalars
-from loops_callbacks.divergence.shadow import shadow_scalars
-from loops_callbacks.divergence.signatures import server_numbers, signature_numbers
-from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.states import MASK_ROW, ROW
+from loops_callbacks.divergence.statistics import (
+    MASK_ROW, PROMPT_CONTEXT, PROMPT_RECORD, PROMPT_SCALE, RECORD, ROW, STRATUM_METRICS, HostDivergence,
+    histogram_values, is_ratio, scalar_metrics, server_numbers, shadow_scalars, signature_numbers, stratum_scalars,
+)
+from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check, check_bool, check_int
 
 WORST_TOKEN_COLUMNS = ["rank", "datum", "position", "token", "logp_sampler", "logp_trainer", "diff", "is_weight",
@@ -137,7 +158,7 @@ def step_report(
     """The report of the step whose statistics are ``host``.
 
     ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
-    as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``evidence`` (what was
+    as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``batch`` (what was
     seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
     (the relative gaps of the run's previous logged steps, oldest first; ``sampling_trend`` their sampling z),
     ``max_policy_lag`` (the lag the run intends) and ``servers`` (the sampling servers' URLs in slot order: the
@@ -179,7 +200,7 @@ def step_report(
 
 def refuse_mask(host: HostDivergence) -> None:
     """A ``ValueError`` when the step's mask held negative or NaN values where it was not read per micro-batch (an
-    accelerator: ``flat_batch``), naming how many and the first, as any mask read on the CPU is refused."""
+    accelerator: ``batch``), naming how many and the first, as any mask read on the CPU is refused."""
     refused = host.totals.get("n_mask_refused", 0.0)
     if not refused:
         return
@@ -305,3 +326,155 @@ def _decoded(ids: list[int], tokenizer: Tokenizer | None) -> str:
 
 def escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def deliver(loggers: Iterable[Any], report: StepReport, *, step: int, prefix: str,
+            warnings: RunWarnings | None = None) -> None:
+    """Log ``report`` at ``step`` to each logger (module docstring), every key under ``prefix``."""
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger  # the callback's: Lightning is loaded
+
+    scalars = {prefix + name: value for name, value in {**report.scalars, **report.breakdown}.items()}
+    texts = {key: worst_tokens_markdown(rows) if key == TABLE_KEY else markdown(columns, rows)
+             for key, (columns, rows) in report.tables.items()}
+    if report.diagnosis is not None:
+        texts[DIAGNOSIS_KEY] = report.diagnosis.message
+    for logger in loggers:
+        try:
+            if isinstance(logger, WandbLogger):
+                logger.log_metrics({**scalars, **wandb_media(report, prefix)}, step=step)
+                continue
+            logger.log_metrics(scalars, step=step)
+            if isinstance(logger, TensorBoardLogger):
+                if report.histogram is not None:
+                    logger.experiment.add_histogram(prefix + HISTOGRAM_KEY, report.histogram, step)
+                for key, text in texts.items():
+                    logger.experiment.add_text(prefix + key, text, step)
+        except Exception as error:  # a full disk, a closed W&B run, a network error
+            name = type(logger).__name__
+            (warnings or RunWarnings()).warn(
+                f"logger:{name}", f"KLSampleTrainMonitor could not log to {name} at step {step}: {error!r}; training "
+                "goes on")
+
+
+def deliver_text(loggers: Iterable[Any], key: str, text: str, *, step: int, warnings: RunWarnings | None = None,
+                 preformatted: bool = False) -> None:
+    """Write ``text`` under ``key`` at ``step`` to each logger that can show text; others (CSV) are skipped.
+
+    ``TensorBoardLogger``: ``add_text`` (Markdown; ``preformatted`` text is indented into a code block, so
+    its lines stay as they are); ``WandbLogger``: a ``wandb.Html`` panel holding it as preformatted HTML.
+    A failing logger is a warning, never an error.
+
+    Examples:
+        >>> deliver_text([object()], "div/stop", "stopped", step=3)  # a logger without text: nothing
+    """
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger  # the callback's: Lightning is loaded
+
+    for logger in loggers:
+        try:
+            if isinstance(logger, TensorBoardLogger):
+                shown = "\n".join("    " + line for line in text.splitlines()) if preformatted else text
+                logger.experiment.add_text(key, shown, step)
+            elif isinstance(logger, WandbLogger):
+                logger.log_metrics({key: html_panel(text)}, step=step)
+        except Exception as error:  # a full disk, a closed W&B run
+            name = type(logger).__name__
+            (warnings or RunWarnings()).warn(
+                f"text:{name}", f"KLSampleTrainMonitor could not log {key!r} to {name} at step {step}: {error!r}")
+
+
+def markdown(columns: Iterable[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (TensorBoard's text panel renders it); numbers to 6 significant digits.
+
+    Examples:
+        >>> print(markdown(["stratum", "k3", "is_ratio_mean"], [["pos_q1", 0.05, 1.0]]))
+        | stratum | k3 | is_ratio_mean |
+        |---|---|---|
+        | pos_q1 | 0.05 | 1 |
+    """
+    columns = list(columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(c if isinstance(c, str) else f"{c:.6g}" for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def worst_tokens_markdown(rows: list[list[Any]]) -> str:
+    """The worst-tokens table as Markdown; token and context as code.
+
+    Examples:
+        >>> print(worst_tokens_markdown([[1, 0, 2, "9", -0.5, -2.5, -2.0, 0.1353, "a|b"]]))
+        | rank | datum | position | token | logp_sampler | logp_trainer | diff | is_weight | context |
+        |---|---|---|---|---|---|---|---|---|
+        | 1 | 0 | 2 | `9` | -0.5 | -2.5 | -2.0 | 0.1353 | `a\\|b` |
+    """
+    token = WORST_TOKEN_COLUMNS.index("token")
+    cells = [[_code(escape(str(value))) if i == token else str(value) for i, value in enumerate(numbers)]
+             + [_code(str(context))] for *numbers, context in rows]  # the context is already escaped
+    return markdown(WORST_TOKEN_COLUMNS, cells)
+
+
+def _code(text: str) -> str:
+    """A Markdown code span that survives a table cell: ``|`` escaped, a longer fence around backticks."""
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def decode_record(record: np.ndarray) -> dict[str, Any] | None:
+    """The first differing datum's index, position, lengths and context ids from a host ``prompt_first``
+    (``None``: no datum differs).
+
+    Examples:
+        >>> values = np.array([0, 2, 4, 3] + [-1, -1, 5, 6, 7, 8, 9, -1] + [-1, -1, 5, 6, 8, -1, -1, -1], dtype=float)
+        >>> found = decode_record(values + 1 - 3 * PROMPT_SCALE)
+        >>> found["datum"], found["position"], found["sampler_before"], found["sampler"], found["trainer"]
+        (3, 2, [5, 6], [7, 8, 9], [8])
+    """
+    record = np.asarray(record, dtype=np.float64)
+    if record.size != PROMPT_RECORD or not np.isfinite(record[0]):
+        return None
+    datum = int(-math.floor(record[0] / PROMPT_SCALE))
+    values = (record + datum * PROMPT_SCALE - 1).round().astype(np.int64)
+    half = PROMPT_CONTEXT // 2
+    sampler, trainer = (values[len(RECORD) + i * PROMPT_CONTEXT: len(RECORD) + (i + 1) * PROMPT_CONTEXT]
+                        for i in range(2))
+    return {"datum": datum, "position": int(values[1]), "sampler_length": int(values[2]),
+            "trainer_length": int(values[3]), "sampler": [int(v) for v in sampler[half:] if v >= 0],
+            "sampler_before": [int(v) for v in sampler[:half] if v >= 0],
+            "trainer": [int(v) for v in trainer[half:] if v >= 0],
+            "trainer_before": [int(v) for v in trainer[:half] if v >= 0]}
+
+
+def prompt_finding(totals: Mapping[str, float], arrays: Mapping[str, np.ndarray],
+                   decode: Callable[[list[int]], str] = lambda ids: " ".join(map(str, ids))
+                   ) -> tuple[str, dict[str, float]] | None:
+    """What the run says of its prompts when some datum's differ: the sentence (ids shown by ``decode``) and its
+    numbers; ``None`` when none differs or none was compared.
+
+    Examples:
+        >>> values = np.array([0, 1, 2, 2] + [-1, -1, -1, 5, 6, -1, -1, -1] + [-1, -1, -1, 5, 7, -1, -1, -1], dtype=float)
+        >>> print(prompt_finding({"n_prompt_datums_differ": 1.0, "n_prompt_datums_compared": 2.0},
+        ...                      {"prompt_first": values + 1})[0])
+        in 1 of 2 compared datums; datum 0 at prompt token 1 (the prompts agree after it): sampler '…5⟦6…' vs trainer '…5⟦7…'
+    """
+    differ = totals.get("n_prompt_datums_differ", 0.0)
+    record = arrays.get("prompt_first")
+    found = decode_record(record) if differ and record is not None else None
+    if found is None:
+        return None
+    compared = totals.get("n_prompt_datums_compared", 0.0)
+
+    def text(before: list[int], after: list[int]) -> str:
+        return f"'…{decode(before) if before else ''}⟦{decode(after) if after else '<end>'}…'"
+
+    lengths = ""
+    if found["sampler_length"] != found["trainer_length"]:
+        lengths = (f" (the sampler's prompt has {found['sampler_length']} tokens, the trainer's "
+                   f"{found['trainer_length']})")
+    where = f"at prompt token {found['position']} (the prompts agree after it)"
+    if found["trainer_length"] > found["sampler_length"] and found["sampler"][:1] == found["trainer"][:1]:
+        where = (f"before the sampler's first prompt token (the prompts agree from it on: the trainer's has "
+                 f"{found['trainer_length'] - found['sampler_length']} more before it)")
+    said = (f"in {differ:.0f} of {compared:.0f} compared datums; datum {found['datum']} {where}{lengths}: sampler {text(found['sampler_before'], found['sampler'])} vs trainer "
+            f"{text(found['trainer_before'], found['trainer'])}")
+    numbers = {"prompt_datums_differ": float(differ), "prompt_datums_compared": float(compared),
+               "prompt_datum": float(found["datum"]), "prompt_position": float(found["position"])}
+    return said, numbers

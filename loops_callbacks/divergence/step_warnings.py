@@ -9,7 +9,7 @@ correction without advantages, versions ahead of the trainer, group ids pooled i
 a per-datum key usable for only part of the step's tokens, and a run watching nothing.
 
 Examples:
-    >>> from loops_callbacks.divergence.inputs import data_keys
+    >>> from loops_callbacks.divergence.batch import data_keys
     >>> from loops_callbacks.run_warnings import RunWarnings
     >>> from types import SimpleNamespace
     >>> host = SimpleNamespace(totals={"n_action_tokens": 4.0}, strata={"lag_0": SimpleNamespace(n_tokens=4.0)},
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from loops_callbacks.divergence.flat_batch import LOGPROB_FLOOR, FlatBatch
-from loops_callbacks.divergence.inputs import key_label
+from loops_callbacks.divergence.batch import LOGPROB_FLOOR, FlatBatch
+from loops_callbacks.divergence.batch import key_label
 from loops_callbacks.divergence.report import StepReport
-from loops_callbacks.divergence.shadow import no_advantage_message
-from loops_callbacks.divergence.states import AHEAD_STRATUM
+from loops_callbacks.divergence.statistics import no_advantage_message
+from loops_callbacks.divergence.statistics import AHEAD_STRATUM
 from loops_callbacks.divergence.statistics import HostDivergence
-from loops_callbacks.divergence.sums import sampling_positions
+from loops_callbacks.divergence.statistics import sampling_positions
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import LOGPROB_ROUNDING
 

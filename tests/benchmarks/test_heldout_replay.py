@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_diagnosis as bench  # noqa: E402
 import heldout_faults as hf  # noqa: E402
 
-from loops_callbacks.divergence.evidence import observe_modules  # noqa: E402
+from loops_callbacks.divergence.batch import observe_modules  # noqa: E402
 
 FRESH = hf.SETS[2]
 

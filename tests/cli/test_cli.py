@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.cli import LoopsCLI, run_cli, run_summary
 from loops_callbacks.demo import CharTokenizer
-from loops_callbacks.divergence.sinks import deliver_text
+from loops_callbacks.divergence.report import deliver_text
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 P = "optim/train-sample-div/"

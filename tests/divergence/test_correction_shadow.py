@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.correction import apply_correction, parse_correction
-from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
-from loops_callbacks.divergence.shadow import (
+from loops_callbacks.divergence.batch import flatten_datums, flatten_padded
+from loops_callbacks.divergence.statistics import (
     no_advantage_message, parse_corrections, shadow_scalars, shadow_statistics, shadow_values,
 )
 from loops_callbacks.divergence.statistics import DivergenceStats

@@ -15,11 +15,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.batch import flatten_padded
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose, noise_bound
 from loops_callbacks.divergence.history import Calibration
-from loops_callbacks.divergence.signatures import signature_numbers, token_eta2
+from loops_callbacks.divergence.statistics import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 from loops_callbacks.divergence.monitor import GuardRail
 from tests.helpers import TinyPolicy, TokenDataset, assert_totals_equal, quiet_trainer, reduce_in_threads
@@ -208,7 +208,7 @@ def test_the_guard_rail_names_the_likely_cause_and_each_step_logs_it() -> None:
 
 
 def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -> None:
-    from loops_callbacks.divergence.causes import IMPOSSIBLE_INPUTS, diagnosis_metrics
+    from loops_callbacks.divergence.diagnosis import IMPOSSIBLE_INPUTS, diagnosis_metrics
     from loops_callbacks.divergence.guard_rail import impossible_inputs
 
     batch = case("none")
@@ -227,8 +227,8 @@ def test_probabilities_mimic_truncation_so_impossible_inputs_are_named_first() -
 
 def test_a_signature_that_is_a_scalar_metric_is_logged_once_under_the_scalar_key() -> None:
     """mean e^d and k3 are scalar metrics; the diagnosis reads them but does not log them again."""
-    from loops_callbacks.divergence.causes import diagnosis_metrics
-    from loops_callbacks.divergence.metrics import scalar_metrics
+    from loops_callbacks.divergence.diagnosis import diagnosis_metrics
+    from loops_callbacks.divergence.statistics import scalar_metrics
 
     host = host_of(case("stale"))
     signatures = signature_numbers(host)

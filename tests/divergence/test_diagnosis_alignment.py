@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.alignment import OFFSET_SIZE, offset_sums, read_offsets
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.batch import flatten_padded
+from loops_callbacks.divergence.statistics import OFFSET_SIZE, offset_sums, read_offsets
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.statistics import signature_numbers
 from tests.divergence.test_diagnosis import case, host_of
 
 

@@ -10,12 +10,12 @@ import math
 
 import torch
 
-from loops_callbacks.divergence.flat_batch import flatten_padded
+from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.signatures import signature_numbers
-from loops_callbacks.divergence.states import CONTEXT_KINDS, PROBABILITY_STRATA, context_total
+from loops_callbacks.divergence.statistics import signature_numbers
+from loops_callbacks.divergence.statistics import CONTEXT_KINDS, PROBABILITY_STRATA, context_total
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.divergence.sums import FIRST_ACTIONS, LATER_ACTIONS_FROM
+from loops_callbacks.divergence.statistics import FIRST_ACTIONS, LATER_ACTIONS_FROM
 from tests.divergence.test_diagnosis import host_of
 
 B, T, V = 64, 24, 14

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.causes import DROPOUT
+from loops_callbacks.divergence.diagnosis import DROPOUT
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import quiet_trainer
 

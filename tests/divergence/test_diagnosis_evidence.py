@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.causes import CAUSES, DROPOUT, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnosis_metrics
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.evidence import DirectEvidence, observe_modules, observe_training
+from loops_callbacks.divergence.batch import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.report import MediaOptions, step_report
 from loops_callbacks.divergence.history import RunHistory
-from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.statistics import signature_numbers
 from tests.divergence.test_diagnosis import case, host_of
 
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.batch import flatten_padded
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.divergence.history import Calibration
-from loops_callbacks.divergence.signatures import signature_numbers
+from loops_callbacks.divergence.statistics import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.divergence.test_diagnosis import case, host_of
 
@@ -143,7 +143,7 @@ def test_the_report_reads_the_per_lag_numbers_of_the_host() -> None:
     """step_report diagnoses with host.by_lag: none without policy versions, the lag strata with them."""
     from loops_callbacks.divergence.guard_rail import GuardRail
     from loops_callbacks.divergence.report import MediaOptions, step_report
-    from loops_callbacks.divergence.states import LAG_STRATA
+    from loops_callbacks.divergence.statistics import LAG_STRATA
     from loops_callbacks.divergence.statistics import StratumSums
 
     batch = case("unrelated")

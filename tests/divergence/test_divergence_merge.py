@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence.metrics import scalar_metrics
+from loops_callbacks.divergence.statistics import scalar_metrics
 from tests.helpers import assert_metrics_equal, assert_totals_equal, reduce_in_threads, rows, stats_of
 from tests.oracle import PREFIX
 
@@ -84,7 +84,7 @@ def test_capped_sample_is_exact_below_the_cap_and_uniform_above() -> None:
 @given(n=st.integers(1, 20_000), k=st.integers(1, 30), levels=st.integers(1, 50), seed=st.integers(0, 2**16))
 def test_stable_top_k_on_large_inputs_with_ties(n: int, k: int, levels: int, seed: int) -> None:
     """The candidate pre-filter never loses a top value; ties go to the earliest index."""
-    from loops_callbacks.divergence.sums import _stable_top_k
+    from loops_callbacks.divergence.statistics import _stable_top_k
 
     values = torch.randint(0, levels, (n,), generator=torch.Generator().manual_seed(seed)).double()
     k = min(k, n)
@@ -139,7 +139,7 @@ def test_a_chunked_read_keeps_at_most_sample_size_diffs_per_chunk_until_the_merg
 
 
 def test_from_batch_checks_its_counts_as_every_argument_is_checked() -> None:
-    from loops_callbacks.divergence.flat_batch import flatten_padded
+    from loops_callbacks.divergence.batch import flatten_padded
     from loops_callbacks.divergence.statistics import DivergenceStats
 
     batch = flatten_padded(sampler_logprobs=torch.zeros(1, 2), training_logprobs=torch.zeros(1, 2), mask=torch.ones(1, 2))

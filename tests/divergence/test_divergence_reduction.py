@@ -17,12 +17,12 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence.metrics import scalar_metrics
+from loops_callbacks.divergence.statistics import scalar_metrics
 from loops_callbacks.distributed import ProcessGroup
-from loops_callbacks.divergence.reduction import received_bytes, reduce_across_ranks, stratified_allocation
-from loops_callbacks.divergence.states import ROW
+from loops_callbacks.divergence.statistics import received_bytes, reduce_across_ranks, stratified_allocation
+from loops_callbacks.divergence.statistics import ROW
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.divergence.shadow import parse_corrections
+from loops_callbacks.divergence.statistics import parse_corrections
 from tests.helpers import ThreadGroup, assert_metrics_equal, assert_totals_equal, reduce_in_threads, stats_of
 
 
@@ -219,7 +219,7 @@ class MirrorCollectives:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
-    from loops_callbacks.divergence.flat_batch import flatten_padded
+    from loops_callbacks.divergence.batch import flatten_padded
 
     generator = torch.Generator().manual_seed(0)
     sampler = -torch.rand(16, 64, generator=generator, dtype=torch.float64) * 5
@@ -247,7 +247,7 @@ def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
 
 
 def test_every_statistic_is_declared_once_with_a_formula_and_travels_by_name() -> None:
-    from loops_callbacks.divergence.reduction import message_sizes
+    from loops_callbacks.divergence.statistics import message_sizes
     from loops_callbacks.divergence.statistics import layout_of
 
     layout = layout_of(True, 8, parse_corrections(["geo"]))

@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence import sums
-from loops_callbacks.divergence.flat_batch import FlatBatch, flatten_padded
-from loops_callbacks.divergence.inputs import data_keys, read_step
-from loops_callbacks.divergence.states import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
+from loops_callbacks.divergence import statistics as sums
+from loops_callbacks.divergence.batch import FlatBatch, flatten_padded
+from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.statistics import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows
 
@@ -284,7 +284,7 @@ def test_on_an_accelerator_the_groups_width_is_fixed_and_the_reduction_gives_the
 ) -> None:
     """Off the CPU the groups take max_groups + 1 body columns, so that no host read waits for the device;
     the reduced groups are the same as with the width the headers give on the CPU."""
-    from loops_callbacks.divergence import reduction
+    from loops_callbacks.divergence import statistics as reduction
 
     assert reduction._groups_width(DivergenceStats.from_batch(
         flatten_padded(sampler_logprobs=torch.full((1, 2), -1.0), training_logprobs=torch.full((1, 2), -1.0),

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs
-from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
+from loops_callbacks.divergence.batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
-from loops_callbacks.divergence.inputs import data_keys, read_step
-from loops_callbacks.divergence.metrics import sampling_metrics
+from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.statistics import sampling_metrics
 from loops_callbacks.divergence.report import MediaOptions, StepReport, step_report
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput

@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.loggers import CSVLogger
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.monitor import MediaOptions
 from loops_callbacks.divergence.report import WORST_TOKEN_COLUMNS
 from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.flat_batch import flatten_padded
+from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.monitor import MediaOptions
-from loops_callbacks.divergence.states import MAX_SERVERS
+from loops_callbacks.divergence.batch import MAX_SERVERS
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.helpers import quiet_trainer, reduce_in_threads
 

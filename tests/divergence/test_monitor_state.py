@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence.causes import Diagnosis
+from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.monitor import GuardRail
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence import per_datum, step_warnings
-from loops_callbacks.divergence.flat_batch import flatten_padded
-from loops_callbacks.divergence.shadow import parse_corrections, shadow_scalars, shadow_values
+from loops_callbacks.divergence import batch as per_datum, step_warnings
+from loops_callbacks.divergence.batch import flatten_padded
+from loops_callbacks.divergence.statistics import parse_corrections, shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.divergence.metrics import stratum_scalars
+from loops_callbacks.divergence.statistics import stratum_scalars
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
 from tests.oracle import PREFIX

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.rl import RLPolicyModule
-from loops_callbacks.divergence.causes import CAUSES
+from loops_callbacks.divergence.diagnosis import CAUSES
 from loops_callbacks.divergence.history import Verdict
 from loops_callbacks.divergence.monitor import GuardRail, MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer

@@ -21,7 +21,7 @@ import torch
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import statistics
-from loops_callbacks.divergence.flat_batch import flatten_datums, flatten_padded
+from loops_callbacks.divergence.batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, WarningsDuringFit, quiet_trainer

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loops_callbacks.divergence.metrics import scalar_metrics
-from loops_callbacks.divergence.states import MAIN
+from loops_callbacks.divergence.statistics import scalar_metrics
+from loops_callbacks.divergence.statistics import MAIN
 from loops_callbacks.divergence.statistics import HostDivergence
 from tests.oracle import percentiles_pure_python
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.evidence import DirectEvidence, SamplerFacts
+from loops_callbacks.divergence.batch import DirectEvidence, SamplerFacts
 from tests.divergence.test_diagnosis_facts import QUIET
 
 TINY = QUIET | {"relative_gap": 1e-9, "kl_sample_train_k3": 1e-12}

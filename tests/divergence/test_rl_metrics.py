@@ -178,7 +178,7 @@ def test_accelerator_code_path_gives_the_same_results(batch: list[dict[str, Any]
     """The fixed-shape (no host sync) path used on accelerators, run on the CPU."""
     from unittest import mock
 
-    from loops_callbacks.divergence import sums
+    from loops_callbacks.divergence import statistics as sums
 
     datums, trainer = as_datums(batch, "lists")
     with mock.patch.object(sums, "_on_host", return_value=False):

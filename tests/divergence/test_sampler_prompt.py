@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.inputs import data_keys, read_step
-from loops_callbacks.divergence.prompts import decode_record
+from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.report import decode_record
 from loops_callbacks.divergence.report import MediaOptions, step_report
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput

@@ -13,12 +13,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs
-from loops_callbacks.divergence.causes import Diagnosis
-from loops_callbacks.divergence.flat_batch import flatten_padded
+from loops_callbacks.divergence.diagnosis import Diagnosis
+from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import diagnose
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.metrics import sampling_metrics, scalar_metrics
+from loops_callbacks.divergence.statistics import sampling_metrics, scalar_metrics
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, assert_totals_equal, quiet_trainer, reduce_in_threads
@@ -223,7 +223,7 @@ def test_the_guard_rail_can_act_on_what_was_sampled_and_says_when_it_cannot() ->
 def test_an_engine_that_says_it_computes_in_float32_has_a_float32_prior() -> None:
     """Before calibration a gap a bf16 engine can leave is precision; from an engine that says it is float32,
     with a full-precision trainer, it is far beyond noise, with the slope at 1: another function (a failed load)."""
-    from loops_callbacks.divergence.evidence import DirectEvidence
+    from loops_callbacks.divergence.batch import DirectEvidence
 
     sig = {"frac_d_zero": 0.0, "relative_gap": 1e-4, "relative_gap_se": 1e-6, "pearson": 0.9999, "temperature": 1.0}
     assert diagnose(sig, n_tokens=1000).cause == "precision"
@@ -258,7 +258,7 @@ def test_the_entropies_can_be_computed_on_logged_steps_only() -> None:
 
 
 def test_an_effective_temperature_is_said_only_where_the_first_order_estimate_means_one() -> None:
-    from loops_callbacks.divergence.causes import Diagnosis
+    from loops_callbacks.divergence.diagnosis import Diagnosis
 
     far = Diagnosis("sampling", 0.9, {"sampling_z": -2e5, "sampling_temperature": 2e5}).message
     assert "drawn flatter)" in far and "effective temperature" not in far

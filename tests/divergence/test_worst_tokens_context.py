@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from loops_callbacks import KLSampleTrainMonitor, loops_log_kl_sample_train
-from loops_callbacks.divergence.sinks import worst_tokens_markdown
+from loops_callbacks.divergence.report import worst_tokens_markdown
 from loops_callbacks.types import Datum, ModelInput
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests import oracle

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.distributed import ProcessGroup
-from loops_callbacks.divergence.reduction import reduce_across_ranks
+from loops_callbacks.divergence.statistics import reduce_across_ranks
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.divergence import test_callback_ddp, test_correction_shadow, test_divergence_reduction
 from tests.divergence import test_monitor_strata, test_nan_advantages

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.integrations.vllm import VLLMSamplingClient, VLLMWeightSync
 from loops_callbacks.reference.packing import PackedTokens
 from tests.integrations.engine_double import EngineModel, Runner

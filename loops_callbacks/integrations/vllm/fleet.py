@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from loops_callbacks import run_warnings
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.integrations.vllm.engine import VLLMWarning
 from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids
 from loops_callbacks.integrations.vllm.server import (

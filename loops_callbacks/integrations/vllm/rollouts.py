@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from loops_callbacks import run_warnings
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, engine_facts, refuse_logits
 from loops_callbacks.validation import check, check_int, check_reference_logprobs
 

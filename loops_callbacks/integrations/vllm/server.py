@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.integrations.vllm.rollouts import _padded_batch, prompt_token_ids, token_id_array
 from loops_callbacks.validation import (
     check,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from loops_callbacks import run_warnings
-from loops_callbacks.divergence.evidence import SamplerFacts
+from loops_callbacks.divergence.batch import SamplerFacts
 from loops_callbacks.integrations.vllm.engine import VLLMWarning, engine_config, engine_facts, import_vllm
 from loops_callbacks.reference.fingerprint import clean_name
 from loops_callbacks.validation import check, check_bool, check_int
