@@ -195,7 +195,7 @@ class CleanDistributedExit(pl.Callback):
 EXACT_KEYS = {  # order statistics and counts: no summation, so bit-for-bit
     "diff_abs_p50", "diff_abs_p90", "diff_abs_p99", "diff_abs_max", "frac_abs_gt_1", "frac_abs_gt_2",
     "frac_abs_gt_4", "n_action_tokens", "is_ratio_max", "is_ratio_min",
-    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
+    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "frac_abs_gt_0.5", "n_sequences", "n_skipped_nonfinite",
 }
 
 

@@ -103,6 +103,7 @@ def metrics(rows: list[dict[str, Any]], *, pure_python: bool = False) -> dict[st
             "seq_is_ratio_max": max(seq_weights),
             "frac_is_ratio_gt_2": sum(w > 2 for w in weights) / n,
             "frac_is_ratio_lt_0.5": sum(w < 0.5 for w in weights) / n,
+            "frac_abs_gt_0.5": sum(a > 0.5 for a in abs_diffs) / n,
         }
     )
     return {PREFIX + k: float(v) for k, v in out.items()}

@@ -656,6 +656,7 @@ MAIN = (
     *_sums("n_datums", "n_datums_with_actions", "n_action_tokens", "n_skipped_nonfinite", "n_trainer_zero"),
     *_sums("sum_d", "sum_d2", "sum_is_ratio", "sum_is_ratio2", "sum_k3", "sum_sampler", "sum_seq_mean_d"),
     *_sums("sum_seq_is_ratio", "n_abs_gt_1", "n_abs_gt_2", "n_abs_gt_4", "n_is_ratio_gt_2", "n_is_ratio_lt_half"),
+    *_sums("n_abs_gt_half"),
     # logprobs above LOGPROB_ROUNDING (probabilities?) and below LOGPROB_FLOOR (sentinels) on the action tokens;
     # -inf and +inf on the counted tokens (a sampled token of probability 0, or above 1)
     *_sums("n_sampler_above_zero", "n_trainer_above_zero", "n_sampler_below_floor", "n_trainer_below_floor"),
@@ -827,6 +828,7 @@ def of_chunk(
         "sum_is_ratio2": torch.dot(is_ratio, is_ratio), "sum_sampler": sampler.sum(dtype=torch.float64),
         "sum_seq_mean_d": seq_mean.sum(), "sum_seq_is_ratio": seq_is_ratio.sum(),
         "n_abs_gt_1": count(abs_d > 1.0), "n_abs_gt_2": count(abs_d > 2.0), "n_abs_gt_4": count(abs_d > 4.0),
+        "n_abs_gt_half": count(abs_d > 0.5),
         "n_is_ratio_gt_2": count(is_ratio > 2.0),
         "n_is_ratio_lt_half": count(is_ratio < 0.5 if active is None else (is_ratio < 0.5) & active),
         "n_sampler_above_zero": count(sampler > LOGPROB_ROUNDING), "n_trainer_above_zero": count(trainer > LOGPROB_ROUNDING),
@@ -1750,7 +1752,7 @@ SCALAR_METRICS = (
     "frac_abs_gt_4", "entropy", "n_action_tokens",
     # the keys this package adds beside them
     "is_ratio_max", "is_ratio_min", "chi2_token", "seq_log_ratio_mean", "seq_is_ratio_mean", "seq_is_ratio_max",
-    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "n_sequences", "n_skipped_nonfinite",
+    "frac_is_ratio_gt_2", "frac_is_ratio_lt_0.5", "frac_abs_gt_0.5", "n_sequences", "n_skipped_nonfinite",
 )
 """Every scalar key (after the prefix) a step with action tokens logs."""
 
@@ -1798,6 +1800,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
         "seq_is_ratio_max": is_ratio(e["max_seq_mean_d"]),
         "frac_is_ratio_gt_2": t["n_is_ratio_gt_2"] / n,
         "frac_is_ratio_lt_0.5": t["n_is_ratio_lt_half"] / n,
+        "frac_abs_gt_0.5": t["n_abs_gt_half"] / n,
         **counts,
         **sampling_metrics(t, e),
     }
