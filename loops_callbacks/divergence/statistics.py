@@ -153,7 +153,7 @@ K = min(sample_size, N) diffs takes from rank r its a_r diffs of smallest key, i
 a_r = floor((K C_r + s) / N) - floor((K C_{r-1} + s) / N), C_r = n_0 + ... + n_r, s uniform in
 {0, ..., N - 1} (rank 0's random number): K n_r / N rounded down or up, adding up to K, exactly
 K n_r / N on average. Every token is kept with probability K / N, a stratified sample with
-proportional allocation, so a percentile's rank error stays under 3 sqrt(q (1 - q) / K). While
+proportional allocation, so a percentile's error in sorted position stays under 3 sqrt(q (1 - q) / K). While
 N <= sample_size every diff is kept, in rank order, as a merge keeps them.
 
 No host synchronization on an accelerator with a ``sample_size`` (the groups then take
@@ -845,12 +845,12 @@ def of_chunk(
     for name, x in (("d", d), ("sampler", sampler), ("trainer", trainer)):
         values[f"max_{name}"], values[f"neg_min_{name}"] = max_and_negated_min(x, active)
     signatures, strata = "token_sums" in layout.slots, "strata" in layout.slots
-    if signatures or strata:  # each token's datum, rank among its datum's action tokens, probability bucket
-        datum, rank_in_datum = _datums_and_ranks(flat.active, flat.row_lengths, row_counts, compact=compact)
+    if signatures or strata:  # each token's datum, order among its datum's action tokens, probability bucket
+        datum, order_in_datum = _datums_and_orders(flat.active, flat.row_lengths, row_counts, compact=compact)
         p_bucket = _probability_buckets(sampler)
     if signatures:
         values.update(_signature_sums(flat, d, abs_d, sampler, trainer, active))
-        values.update(_context_sums(abs_d, rank_in_datum, p_bucket, active))
+        values.update(_context_sums(abs_d, order_in_datum, p_bucket, active))
         values["token_sums"] = _token_sums(flat, d, active, compact)
         chunks = flat.datum_chunks(OFFSET_CHUNK_POSITIONS) if compact else [flat]
         values["offset_sums"] = functools.reduce(operator.add, [offset_sums(chunk) for chunk in chunks])
@@ -864,7 +864,7 @@ def of_chunk(
         values |= _server_values(flat, k3, row_counts, compact, with_actions)
     groups = None
     if strata:
-        values["strata"] = _strata_sums(d, abs_d, is_ratio, k3, datum, rank_in_datum, p_bucket, row_counts,
+        values["strata"] = _strata_sums(d, abs_d, is_ratio, k3, datum, order_in_datum, p_bucket, row_counts,
                                         flat.lags, active)
         if flat.groups is not None:
             groups = _group_table(abs_d, is_ratio, k3, datum, flat.groups, active, layout.max_groups)
@@ -1017,14 +1017,14 @@ def sampling_positions(flat: FlatBatch) -> dict[str, torch.Tensor] | None:
     return found | {"drawn": drawn}
 
 
-def _context_sums(abs_d: torch.Tensor, rank: torch.Tensor, p_bucket: torch.Tensor, active: torch.Tensor | None
+def _context_sums(abs_d: torch.Tensor, order: torch.Tensor, p_bucket: torch.Tensor, active: torch.Tensor | None
                   ) -> dict[str, torch.Tensor]:
     """Tokens, |d| and d² on each datum's first ``FIRST_ACTIONS`` action tokens and on those from the
     ``LATER_ACTIONS_FROM``-th on, per sampler-probability bucket (``CONTEXT_KINDS``)."""
     buckets = len(PROBABILITY_STRATA)
     values = torch.stack([torch.ones_like(abs_d), abs_d, abs_d * abs_d])
     sums: dict[str, torch.Tensor] = {}
-    for part, chosen in (("first", rank < FIRST_ACTIONS), ("later", rank >= LATER_ACTIONS_FROM)):
+    for part, chosen in (("first", order < FIRST_ACTIONS), ("later", order >= LATER_ACTIONS_FROM)):
         if active is not None:
             chosen &= active
         slot = torch.where(chosen, p_bucket, buckets)  # the others in one more slot, dropped
@@ -1046,7 +1046,7 @@ def _token_sums(flat: FlatBatch, d: torch.Tensor, active: torch.Tensor | None, c
 
 
 def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k3: torch.Tensor, datum: torch.Tensor,
-                 rank: torch.Tensor, p_bucket: torch.Tensor, row_counts: torch.Tensor, lags: torch.Tensor | None,
+                 order: torch.Tensor, p_bucket: torch.Tensor, row_counts: torch.Tensor, lags: torch.Tensor | None,
                  active: torch.Tensor | None) -> torch.Tensor:
     """Float64 ``[len(COLUMNS), len(STRATUM_NAMES)]``: each stratum's tokens, Σ k3, Σ |d|, Σ e^d; a family is one
     index per token (others: a last, dropped column), four ``bincount``s on the CPU, else one ``index_add_``."""
@@ -1067,7 +1067,7 @@ def _strata_sums(d: torch.Tensor, abs_d: torch.Tensor, is_ratio: torch.Tensor, k
 
     position, lag = len(PROBABILITY_STRATA), len(PROBABILITY_STRATA) + len(POSITION_STRATA)
     add(p_bucket.clone())
-    quartile = rank.mul(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
+    quartile = order.mul(4).div_(row_counts.index_select(0, datum).clamp_(min=1), rounding_mode="floor")
     add(quartile.clamp_(max=3).add_(position))
     if lags is not None:
         bucket = torch.where(lags < 4, lags.clamp(min=0), torch.where(lags < 8, 4, 5))
@@ -1095,15 +1095,15 @@ def merged_groups(table: torch.Tensor) -> torch.Tensor:
     return by_group(table) if _on_host(table.device) else table
 
 
-def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
+def _datums_and_orders(active: torch.Tensor, row_lengths: torch.Tensor, row_counts: torch.Tensor, *, compact: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each place's datum and its rank among its datum's action tokens (0: the datum's first); the places are
+    """Each place's datum and its order among its datum's action tokens (0: the datum's first); the places are
     the action tokens alone (``compact``) or every position (then: the action tokens before it in its datum).
 
     Examples:
         >>> active = torch.tensor([False, True, True, True, False, True])
-        >>> datum, rank = _datums_and_ranks(active, torch.tensor([4, 2]), torch.tensor([3, 1]), compact=True)
-        >>> datum.tolist(), rank.tolist()
+        >>> datum, order = _datums_and_orders(active, torch.tensor([4, 2]), torch.tensor([3, 1]), compact=True)
+        >>> datum.tolist(), order.tolist()
         ([0, 0, 0, 1], [0, 1, 2, 0])
     """
     device = active.device
@@ -1113,10 +1113,10 @@ def _datums_and_ranks(active: torch.Tensor, row_lengths: torch.Tensor, row_count
         datum = datum[active]
         first = torch.cumsum(row_counts, 0) - row_counts  # each datum's first action token
         return datum, torch.arange(datum.numel(), device=device).sub_(first.index_select(0, datum))
-    rank = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
+    order = torch.cumsum(active, 0).sub_(active.to(torch.int64))  # action tokens before each place
     starts = (torch.cumsum(row_lengths, 0) - row_lengths).clamp(max=max(active.numel() - 1, 0))
-    rank -= (rank.index_select(0, starts) if rank.numel() else starts).index_select(0, datum)
-    return datum, rank
+    order -= (order.index_select(0, starts) if order.numel() else starts).index_select(0, datum)
+    return datum, order
 
 
 @functools.lru_cache(maxsize=None)
