@@ -76,9 +76,9 @@ def run(model_dir: Any, options: dict[str, Any], steps: int, held_out: bool, see
 
     class Record(KLSampleTrainMonitor):
         def on_train_batch_end(self, *args: Any) -> None:
-            before = self.history.judged_steps
+            before = self.guard_rail.judged_steps
             super().on_train_batch_end(*args)
-            if self.history.judged_steps > before and self.last_diagnosis is not None:
+            if self.guard_rail.judged_steps > before and self.last_diagnosis is not None:
                 causes.append(self.last_diagnosis.label)
                 if numbers is not None:
                     numbers.append({name: value for key, value in self.last_metrics.items() for name in NUMBERS

@@ -53,7 +53,7 @@ def test_the_rl_example_trains_monitors_and_names_the_bf16_sampler_precision(
     monkeypatch.chdir(tmp_path)  # its logger's directory is relative
     namespace, printed = run(python_block("class GRPO(LightningModule):"))
     monitor = namespace["monitor"]
-    assert monitor.history.judged_steps == 4 and monitor.last_diagnosis.cause == "precision", printed
+    assert monitor.guard_rail.judged_steps == 4 and monitor.last_diagnosis.cause == "precision", printed
     assert "likely cause: numerical precision (the engines' dtypes, kernels or reduction order differ)" in printed
     assert printed.strip().endswith("Guard rail: no exceedance (kl_sample_train_k3 <= 0.05 on every judged step)")
     assert list((tmp_path / "runs" / "my_run").rglob("metrics.csv"))

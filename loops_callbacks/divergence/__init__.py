@@ -2,17 +2,17 @@
 
 A logged step, in data-flow order (each module one job):
 
-- ``batch`` (with ``batch``, ``batch``): the step's batch and output read once into a
-  ``FlatBatch``, the one form everything after reads;
-- ``statistics`` declares every statistic by name with its reduction, ``statistics`` gives each its formula,
-  ``statistics`` merges them over micro-batches and moves them to the host in one transfer, and
-  ``statistics`` reduces them across ranks in two collectives (``statistics``: the offset votes;
-  ``statistics``: what each listed correction would do);
-- ``statistics`` and ``statistics``: the logged scalars and the diagnosis' numbers, one formula each;
-- ``diagnosis`` (with ``batch``, ``diagnosis``): the likely cause; ``guard_rail``: whether the step exceeds;
-- ``report``: the step's report, built once; ``report``: its delivery to each Lightning logger;
-- ``monitor``: ``KLSampleTrainMonitor``, the callback that wires them (``history``: the run's summary,
-  ``step_warnings``: what it says about the inputs).
+- ``batch``: the step's batch and output read once into a ``FlatBatch``, the one form everything after reads,
+  with its per-datum fields, the sampler's prompts and the engine's own facts (``SamplerFacts``);
+- ``statistics``: every statistic declared by name with its reduction beside its formula, merged over
+  micro-batches, reduced across ranks in two collectives and moved to the host in one transfer; the shadow
+  corrections; the logged scalars and the diagnosis' numbers, one formula each;
+- ``diagnosis``: the likely cause and what each cause says;
+- ``report``: the step's report, built once, its rendering for each logger, and what the monitor says about
+  the step's inputs;
+- ``guard_rail``: ``GuardRail``, its judgement of a step, patience, action and verdict;
+- ``history``: the run's logged steps and summary, and the noise floor it learned;
+- ``monitor``: ``KLSampleTrainMonitor``, the callback that connects Lightning's hooks to these.
 
 Examples:
     >>> from loops_callbacks import GuardRail, KLSampleTrainMonitor
@@ -29,6 +29,6 @@ __all__ = ["KLSampleTrainMonitor", "SampleTrainDivergenceError", "SamplerFacts"]
 def __getattr__(name: str) -> object:
     """The Lightning callback is imported on first use (the plain functions need no Lightning)."""
     if name in __all__:
-        module = "evidence" if name == "SamplerFacts" else "monitor"
+        module = "batch" if name == "SamplerFacts" else "monitor"
         return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module 'loops_callbacks.divergence' has no attribute {name!r}")

@@ -35,15 +35,17 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from loops_callbacks.divergence.batch import SamplerFacts
-from loops_callbacks.divergence.batch import LOGPROB_FLOOR
-from loops_callbacks.divergence.statistics import SCALAR_METRICS, held_sampling_z
-from loops_callbacks.divergence.statistics import HostDivergence
+from loops_callbacks.divergence.batch import LOGPROB_FLOOR, SamplerFacts
+from loops_callbacks.divergence.diagnosis import Diagnosis
+from loops_callbacks.divergence.statistics import SCALAR_METRICS, HostDivergence, held_sampling_z
+from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import check, check_choice, check_int, check_real
 
 SIGNED_METRICS = frozenset({"kl_sample_train_v1_loops", "diff_mean", "seq_log_ratio_mean", "chi2_token"})
@@ -75,9 +77,31 @@ def watchable_metric(kl_metric: str, prefix: str) -> str:
     return name
 
 
-@dataclass(frozen=True)
+class Verdict(enum.Enum):
+    """What the guard rail did over a fit (``KLSampleTrainMonitor.verdict``)."""
+
+    OFF = "off"
+    """No bound was set (``max_kl=None``): nothing was judged."""
+    NOTHING_JUDGED = "nothing judged"
+    """A bound was set but no logged step had masked-in action tokens, or no step was logged."""
+    NO_EXCEEDANCE = "no exceedance"
+    """Every judged step (at least one) stayed within the bound."""
+    WARNED = "warned"
+    """Some steps exceeded and ``on_exceed="warn"`` let training go on."""
+    STOPPED = "stopped"
+    """The run was stopped (``on_exceed="stop"``): ``trainer.should_stop``."""
+    RAISED = "raised"
+    """``SampleTrainDivergenceError`` was raised (``on_exceed="raise"``)."""
+
+
+_ACTIONS = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}
+
+
+@dataclass
 class GuardRail:
-    """The guard rail's settings (``KLSampleTrainMonitor(guard_rail=...)``) and its judgement of a step.
+    """When to act on a logged step, and how; the patience counter, the action and the verdict, as Lightning's
+    ``EarlyStopping`` holds its own (``KLSampleTrainMonitor(guard_rail=...)`` keeps a copy: two monitors never
+    share a counter).
 
     ``max_kl``: the bound on ``kl_metric`` (bare, ``"kl_sample_train_k3"``, or with the monitor's prefix);
     ``None``: no bound (untrusted steps are then still warned about, never acted on). ``patience``: logged
@@ -86,6 +110,15 @@ class GuardRail:
     whose masked-in action tokens had more than this share of missing, NaN or infinite logprobs exceeds.
     ``max_sampling_z``: a bound on |``sampling_z``|, the check of what was sampled (needs the trainer's
     entropies); ``None``: off. A step's scalars are judged by their bare names.
+
+    ``on_step`` judges a logged step's report and acts; ``verdict``, ``verdict_step`` and ``stop_reason`` say
+    what it did in the fit; ``state_dict`` holds the patience counter (``exceeded_steps``) for checkpoints.
+
+    Example::
+
+        >>> rail = GuardRail(max_kl=0.05, patience=2, on_exceed="warn")
+        >>> rail.verdict, rail.exceeded_steps
+        (<Verdict.NOTHING_JUDGED: 'nothing judged'>, 0)
     """
 
     max_kl: float | None = None
@@ -94,6 +127,13 @@ class GuardRail:
     on_exceed: Literal["warn", "stop", "raise"] = "stop"
     max_nonfinite_fraction: float = 0.01
     max_sampling_z: float | None = None
+    # what it counted and did: the counter carries through checkpoints, the rest belongs to the fit
+    exceeded_steps: int = field(default=0, init=False, compare=False)
+    judged_steps: int = field(default=0, init=False, compare=False)  # logged steps with masked-in action tokens
+    action: Verdict | None = field(default=None, init=False, compare=False)  # WARNED, STOPPED, RAISED; None: none
+    verdict_step: int | None = field(default=None, init=False, compare=False)
+    verdict_reason: str | None = field(default=None, init=False, compare=False)
+    times_acted: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
         check("kl_metric", self.kl_metric, str, "a str")
@@ -165,6 +205,108 @@ class GuardRail:
             )
         return None
 
+    def settings(self) -> dict[str, Any]:
+        """The six settings by name (what the ranks must share)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def start_fit(self) -> None:
+        """A fit starts: its verdict is its own (the patience counter is the run's, restored from a checkpoint)."""
+        self.judged_steps, self.action, self.verdict_step, self.verdict_reason, self.times_acted = 0, None, None, None, 0
+
+    @property
+    def verdict(self) -> Verdict:
+        """What the guard rail did in this fit; ``NO_EXCEEDANCE`` only when it judged at least one step."""
+        if self.action is not None:
+            return self.action
+        if not self.judges:
+            return Verdict.OFF
+        return Verdict.NO_EXCEEDANCE if self.judged_steps else Verdict.NOTHING_JUDGED
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The message when it stopped the run (``on_exceed="stop"``), else ``None``."""
+        return self.verdict_reason if self.action is Verdict.STOPPED else None
+
+    def on_step(self, trainer: Any, report: Any, step: int, *, say: Callable[[str], None],
+                warnings: RunWarnings) -> None:
+        """Judge one logged step's report (``StepReport``: its ``exceeds``, ``untrusted``, ``problems`` and
+        ``diagnosis``) and act after ``patience`` steps in a row: ``say`` the message to the loggers, then warn, set
+        ``trainer.should_stop`` or raise ``SampleTrainDivergenceError``. An untrusted step without a bound is a
+        warning, never an action."""
+        totals = report.scalars
+        self.judged_steps += int(totals.get("n_action_tokens", 0.0) + totals.get("n_skipped_nonfinite", 0.0) > 0)
+        if report.exceeds is None:
+            if report.untrusted is not None:  # no bound set: say it, act on nothing
+                warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
+            self.exceeded_steps = 0
+            return
+        self.exceeded_steps += 1
+        if self.exceeded_steps < self.patience:
+            return
+        if report.untrusted is not None and not report.problems:  # no reading of a step its numbers cannot judge
+            reading = ("a step whose numbers cannot be trusted counts as exceeding the bound; fix what makes the "
+                       "logprobs unreadable (named above) first.")
+        else:
+            reading = f"the sampler's logprobs no longer match the trainer's — {_advice(report)}"
+        message = (f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience "
+                   f"{self.patience}): {reading}")
+        self.times_acted += 1
+        verdict = _ACTIONS[self.on_exceed]
+        if not (self.action is Verdict.WARNED and verdict is Verdict.WARNED):  # the first warning is kept
+            self.action, self.verdict_step, self.verdict_reason = verdict, step, message
+        if self.on_exceed == "stop":
+            trainer.should_stop = True
+            message += " Signaling Trainer to stop."
+        say(message)
+        if self.on_exceed == "raise":
+            raise SampleTrainDivergenceError(message)
+        warnings.warn(f"exceeded:{step}", message)
+
+    def verdict_line(self, *, logged_steps: int, steps_trained: int | None, log_every_n_steps: int | None,
+                     fit_start: int = 0) -> str:
+        """``Guard rail: ...``: off, nothing judged (why: ``logged_steps`` of the fit, the step it ended at and the
+        logging interval), no exceedance, warned, stopped or raised (at which step, and why)."""
+        verdict = self.verdict
+        if verdict is Verdict.OFF:
+            return "Guard rail: off (max_kl not set)"
+        if verdict is Verdict.NOTHING_JUDGED:
+            why = "no logged step had masked-in action tokens" if logged_steps else (
+                f"no step was logged: the fit ended at optimizer step {steps_trained}, before its first logged "
+                f"step (log_every_n_steps = {log_every_n_steps})")
+            return f"Guard rail: nothing judged ({why})"
+        if verdict is Verdict.NO_EXCEEDANCE:
+            bounds = [f"{self.kl_metric} <= {self.max_kl:g}"] if self.max_kl is not None else []
+            bounds += [f"|sampling_z| <= {self.max_sampling_z:g}"] if self.max_sampling_z is not None else []
+            since = f" since step {fit_start}" if fit_start else ""
+            return f"Guard rail: no exceedance ({' and '.join(bounds)} on every judged step{since})"
+        if verdict is Verdict.WARNED:
+            return (f"Guard rail: warned on {self.times_acted} logged step(s), first at step {self.verdict_step} "
+                    f"(on_exceed='warn': training went on): {self.verdict_reason}")
+        if verdict is Verdict.STOPPED:
+            return f"Guard rail: stopped the run at step {self.verdict_step}: {self.verdict_reason}"
+        return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The patience counter, for a checkpoint (the verdict belongs to the fit that reached it)."""
+        return {"exceeded_steps": self.exceeded_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.exceeded_steps = int(state["exceeded_steps"])
+
+
+def _advice(report: Any) -> str:
+    """What the guard rail's message says to check: the likely cause when there is one."""
+    if report.problems:  # a fact about the inputs, not a hint: the diagnosis names it too (diagnose=False: none)
+        return f"{Diagnosis.impossible_inputs(report.problems.values()).message}."
+    cause = report.diagnosis
+    if cause is None or cause.cause in ("unclear", "none"):
+        return (
+            "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
+            "precision and sampling settings."
+        )
+    # seen directly, not inferred: no confidence to weigh
+    return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."
+
 
 def impossible_inputs(host: HostDivergence) -> dict[str, str]:
     """Problems with the logprobs themselves, by a stable key (for warning once per run).
@@ -228,13 +370,13 @@ def _entropy_problems(totals: Mapping[str, float]) -> dict[str, str]:
     the masked-in positions (``sums.sampling_positions``), by a stable key."""
     given = totals.get("n_sampling_given", 0.0)
     found = {}
-    for field in ("entropy", "varentropy"):
-        counts = {kind: totals.get(f"n_{field}_{kind}", 0.0) for kind in ("nan", "inf", "negative")}
+    for quantity in ("entropy", "varentropy"):
+        counts = {kind: totals.get(f"n_{quantity}_{kind}", 0.0) for kind in ("nan", "inf", "negative")}
         if sum(counts.values()):
             parts = ", ".join(f"{count:.0f} {'NaN' if kind == 'nan' else kind}" for kind, count in counts.items() if count)
-            found[f"{field}_invalid"] = (
-                f"'training_{field}' is impossible at {sum(counts.values()):.0f} of {given:.0f} masked-in positions "
-                f"({parts}): a{'n' if field == 'entropy' else ''} {field} is a finite number >= 0; such positions are "
+            found[f"{quantity}_invalid"] = (
+                f"'training_{quantity}' is impossible at {sum(counts.values()):.0f} of {given:.0f} masked-in positions "
+                f"({parts}): a{'n' if quantity == 'entropy' else ''} {quantity} is a finite number >= 0; such positions are "
                 "left out of the check of what was sampled"
             )
     if totals.get("n_sampling_tokens") and totals["sum_sampling_varentropy"] == 0 and totals["sum_sampling_gap"]:

@@ -1,23 +1,16 @@
-"""What the monitor saw and learned over one run: the guard rail's verdict and the end-of-run summary
-(``RunHistory``), the noise floor (``Calibration``), and the facts of Lightning's training loop it reads.
+"""What the monitor saw and learned over one run: its logged steps and the end-of-run summary (``RunHistory``),
+and the noise floor (``Calibration``).
 
 ``RunHistory`` counts the logged steps per likely cause (with the step where each first appeared),
-remembers the last step with action tokens, its metrics and the last diagnosis, and holds the guard
-rail's ``Verdict``; ``lines`` renders it as plain text, the verdict last. ``saved`` and ``restore``
-carry the run's part of it through a checkpoint as plain data (the verdict belongs to the fit).
-
-Lightning has no public API for two loop facts, so they are read here, as Lightning's own
-``LearningRateMonitor`` reads loop internals: ``fit_loop.epoch_loop._batches_that_stepped`` (the
-optimizer step a micro-batch belongs to) and ``fit_loop._should_accumulate()``; ``check_loop_internals``
-fails at setup, naming the Lightning version, if a release renames them.
+remembers the last step with action tokens, its metrics and the last diagnosis; ``lines`` renders it as
+plain text (the monitor puts the guard rail's verdict last). ``saved`` and ``restore`` carry the run's part
+of it through a checkpoint as plain data; ``read_state`` checks a checkpoint's state.
 
 Examples:
     >>> from loops_callbacks.divergence.diagnosis import Diagnosis
-    >>> from loops_callbacks.divergence.guard_rail import GuardRail
-    >>> history = RunHistory(GuardRail(max_kl=0.05))
+    >>> history = RunHistory()
     >>> history.observe(0, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.2}, Diagnosis("stale", 0.8, {"token_eta2": 0.2}))
     >>> history.observe(1, {"n_action_tokens": 0.0}, None)
-    >>> history.acted(Verdict.STOPPED, 0, "kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05")
     >>> print("\\n".join(history.lines(prefix="div/")))
     Sampler-vs-trainer divergence (div/*): 2 logged steps
       steps by likely cause: stale 1 (first at step 0), no action tokens 1 (first at step 1)
@@ -26,47 +19,23 @@ Examples:
         n_action_tokens      64
         kl_sample_train_k3   0.2
       last diagnosis (step 0, a hint, confidence 0.80): likely cause: the sampler's weights are out of date (token eta2 0.2); check that the sampler receives the trainer's weights every step (sync frequency, failed or partial weight loads)
-    Guard rail: stopped the run at step 0: kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning
-import lightning.pytorch as pl
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-
 from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import (
     CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, SAMPLING_STEPS, TREND_STEPS,
     noise_shaped,
 )
-from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.statistics import held_sampling_z
-
-
-class Verdict(enum.Enum):
-    """What the guard rail did over a run (``KLSampleTrainMonitor.verdict``)."""
-
-    OFF = "off"
-    """No bound was set (``max_kl=None``): nothing was judged."""
-    NOTHING_JUDGED = "nothing judged"
-    """A bound was set but no logged step had masked-in action tokens, or no step was logged."""
-    NO_EXCEEDANCE = "no exceedance"
-    """Every judged step (at least one) stayed within the bound."""
-    WARNED = "warned"
-    """Some steps exceeded and ``on_exceed="warn"`` let training go on."""
-    STOPPED = "stopped"
-    """The run was stopped (``on_exceed="stop"``): ``trainer.should_stop``."""
-    RAISED = "raised"
-    """``SampleTrainDivergenceError`` was raised (``on_exceed="raise"``)."""
 
 
 _RUN_FIELDS = ("logged_steps", "last_step", "causes", "last_step_with_action_tokens", "metrics_with_action_tokens",
@@ -77,9 +46,8 @@ _RUN_FIELDS = ("logged_steps", "last_step", "causes", "last_step_with_action_tok
 @dataclass
 class RunHistory:
     """One run's history (module docstring): the monitor starts a new one when a fit starts, and a fit resumed
-    from a checkpoint continues the saved one (``_RUN_FIELDS``), with a verdict of its own."""
+    from a checkpoint continues the saved one (``_RUN_FIELDS``)."""
 
-    guard_rail: GuardRail  # its bounds, for the verdict (kl_metric by its bare name)
     logged_steps: int = 0
     last_step: int | None = None
     causes: dict[str, list[int]] = field(default_factory=dict)  # label: [steps, first step], in order of appearance
@@ -87,30 +55,15 @@ class RunHistory:
     metrics_with_action_tokens: dict[str, float] = field(default_factory=dict)
     last_diagnosis: Diagnosis | None = None
     last_diagnosis_step: int | None = None
-    fit_start: int = 0  # this fit's: where it started, what the guard rail judged and did
+    fit_start: int = 0  # this fit's: where it started, how many steps it logged
     fit_logged_steps: int = 0
-    judged_steps: int = 0  # logged steps with masked-in action tokens (finite or not)
-    action: Verdict | None = None  # WARNED, STOPPED, RAISED; None: nothing
-    verdict_step: int | None = None
-    verdict_reason: str | None = None
-    times_acted: int = 0
     log_every_n_steps: int | None = None  # the logging interval and the optimizer step the fit ended at,
     steps_trained: int | None = None  # to say why nothing was judged
-
-    @property
-    def verdict(self) -> Verdict:
-        """What the guard rail did; ``NO_EXCEEDANCE`` only when it judged at least one step."""
-        if self.action is not None:
-            return self.action
-        if not self.guard_rail.judges:
-            return Verdict.OFF
-        return Verdict.NO_EXCEEDANCE if self.judged_steps else Verdict.NOTHING_JUDGED
 
     def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
         """Count one logged step: its cause (or ``no action tokens``), its metrics (bare names) when it had tokens."""
         self.logged_steps += 1
         self.fit_logged_steps += 1
-        self.judged_steps += int(metrics.get("n_action_tokens", 0.0) + metrics.get("n_skipped_nonfinite", 0.0) > 0)
         self.last_step = step
         has_tokens = metrics.get("n_action_tokens", 0.0) > 0
         label = diagnosis.label if diagnosis is not None else "not diagnosed" if has_tokens else "no action tokens"
@@ -119,12 +72,6 @@ class RunHistory:
             self.last_step_with_action_tokens, self.metrics_with_action_tokens = step, dict(metrics)
         if diagnosis is not None:
             self.last_diagnosis, self.last_diagnosis_step = diagnosis, step
-
-    def acted(self, verdict: Verdict, step: int, reason: str) -> None:
-        """The guard rail acted at ``step``: stopped, raised, or warned (the first warning is kept)."""
-        self.times_acted += 1
-        if not (self.action is Verdict.WARNED and verdict is Verdict.WARNED):
-            self.action, self.verdict_step, self.verdict_reason = verdict, step, reason
 
     def saved(self) -> dict[str, Any]:
         """The run's part (``_RUN_FIELDS``) as plain data, for a checkpoint ``torch.load(weights_only=True)`` reads."""
@@ -137,7 +84,7 @@ class RunHistory:
             setattr(self, name, _diagnosis(saved[name]) if name == "last_diagnosis" else saved[name])
 
     def lines(self, prefix: str) -> list[str]:
-        """The summary as plain text lines, the guard rail's verdict last; ``prefix``: the metrics' key prefix."""
+        """The summary as plain text lines; ``prefix``: the metrics' key prefix."""
         lines = [f"Sampler-vs-trainer divergence ({prefix}*): {self.logged_steps} logged steps"]
         if self.causes:
             counts = ", ".join(f"{cause} {steps} (first at step {first})" for cause, (steps, first) in self.causes.items())
@@ -156,31 +103,7 @@ class RunHistory:
             kind = "observed" if self.last_diagnosis.is_observation else "a hint"
             lines.append(f"  last diagnosis (step {self.last_diagnosis_step}, {kind}, confidence "
                          f"{self.last_diagnosis.confidence:.2f}): {self.last_diagnosis.message}")
-        return [*lines, self.verdict_line()]
-
-    def verdict_line(self) -> str:
-        """``Guard rail: ...``: off, nothing judged (why), no exceedance, warned, stopped or raised (at which
-        step, and why)."""
-        verdict = self.verdict
-        if verdict is Verdict.OFF:
-            return "Guard rail: off (max_kl not set)"
-        if verdict is Verdict.NOTHING_JUDGED:
-            why = "no logged step had masked-in action tokens" if self.fit_logged_steps else (
-                f"no step was logged: the fit ended at optimizer step {self.steps_trained}, before its first logged "
-                f"step (log_every_n_steps = {self.log_every_n_steps})")
-            return f"Guard rail: nothing judged ({why})"
-        if verdict is Verdict.NO_EXCEEDANCE:
-            rail = self.guard_rail
-            bounds = [f"{rail.kl_metric} <= {rail.max_kl:g}"] if rail.max_kl is not None else []
-            bounds += [f"|sampling_z| <= {rail.max_sampling_z:g}"] if rail.max_sampling_z is not None else []
-            since = f" since step {self.fit_start}" if self.fit_start else ""
-            return f"Guard rail: no exceedance ({' and '.join(bounds)} on every judged step{since})"
-        if verdict is Verdict.WARNED:
-            return (f"Guard rail: warned on {self.times_acted} logged step(s), first at step {self.verdict_step} "
-                    f"(on_exceed='warn': training went on): {self.verdict_reason}")
-        if verdict is Verdict.STOPPED:
-            return f"Guard rail: stopped the run at step {self.verdict_step}: {self.verdict_reason}"
-        return f"Guard rail: raised SampleTrainDivergenceError at step {self.verdict_step}: {self.verdict_reason}"
+        return lines
 
 
 @dataclass
@@ -374,38 +297,3 @@ def read_state(state: Any) -> tuple[dict[str, Any], list[str]]:
         if name in history:
             found["history"][name] = read[name](history[name], f"history.{name}")
     return found, walk.unknown
-
-
-def check_loop_internals(trainer: pl.Trainer) -> None:
-    """``RuntimeError`` naming the Lightning version when the loop attributes read here are gone."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    missing = [name for name, present in (
-        ("fit_loop.epoch_loop._batches_that_stepped", isinstance(getattr(epoch_loop, "_batches_that_stepped", None), int)),
-        ("fit_loop.epoch_loop._should_accumulate()", callable(getattr(epoch_loop, "_should_accumulate", None))),
-    ) if not present]
-    if missing:
-        raise RuntimeError(
-            f"KLSampleTrainMonitor reads {missing} of Lightning's training loop, which Lightning "
-            f"{lightning.__version__} does not have; install a Lightning version in the range loops-callbacks "
-            "declares (pip install 'lightning>=2.6,<2.7'), or report the new name"
-        )
-
-
-def optimizer_step_index(trainer: pl.Trainer) -> int:
-    """The 0-based optimizer step this micro-batch belongs to: the step Lightning logs it under."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def accumulating(trainer: pl.Trainer) -> bool:
-    """Whether more micro-batches follow before the optimizer steps (Lightning's own rule)."""
-    return trainer.lightning_module.automatic_optimization and bool(trainer.fit_loop.epoch_loop._should_accumulate())
-
-
-def last_optimizer_step(trainer: pl.Trainer) -> int | None:
-    """The 0-based index of the fit's last optimizer step, or ``None`` when Lightning cannot tell it (an
-    endless stream without ``max_steps``, an accumulation schedule)."""
-    try:
-        steps = trainer.estimated_stepping_batches
-    except MisconfigurationException:
-        return None
-    return int(steps) - 1 if math.isfinite(steps) and steps >= 1 else None

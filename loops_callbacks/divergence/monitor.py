@@ -12,40 +12,42 @@ A logged step, top to bottom (``on_train_batch_end``):
 2. ``DivergenceStats.from_batch``: its statistics, merged over the step's micro-batches;
 3. ``reduce_across_ranks`` and ``to_host``: every rank's statistics, on the host in one transfer;
 4. ``step_report``: the step's report (metrics, likely cause, media, the guard rail's judgement);
-5. the report is delivered (``sinks``), remembered (``RunHistory``, ``Calibration``), its inputs are
-   warned about (``step_warnings``), and the guard rail acts (``_act``).
+5. the report is delivered to the loggers, remembered (``RunHistory``, ``Calibration``), its inputs are
+   warned about (``report.about_step``), and the guard rail acts on it (``GuardRail.on_step``).
+
+Lightning has no public API for two loop facts, so they are read here, as Lightning's own
+``LearningRateMonitor`` reads loop internals: ``fit_loop.epoch_loop._batches_that_stepped`` (the
+optimizer step a micro-batch belongs to) and ``fit_loop._should_accumulate()``; ``check_loop_internals``
+fails at setup, naming the Lightning version, if a release renames them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import lightning
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks.callback import Callback
 from typing_extensions import override
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.distributed import ProcessGroup
-from loops_callbacks.divergence import step_warnings
+from loops_callbacks.divergence.batch import data_keys, observe_training, read_sampler_facts, read_step
 from loops_callbacks.divergence.diagnosis import Diagnosis
-from loops_callbacks.divergence.batch import observe_training
-from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, watchable_metric
-from loops_callbacks.divergence.history import (
-    Calibration, RunHistory, Verdict, accumulating, check_loop_internals, last_optimizer_step, optimizer_step_index,
-    read_state,
-)
-from loops_callbacks.divergence.batch import data_keys, read_sampler_facts, read_step
-from loops_callbacks.divergence.statistics import DEFAULT_PREFIX
-from loops_callbacks.divergence.statistics import reduce_across_ranks
+from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, Verdict, watchable_metric
+from loops_callbacks.divergence.history import Calibration, RunHistory, read_state
 from loops_callbacks.divergence.report import (
-    TABLE_KEY, MediaOptions, StepReport, Tokenizer, checked_tokenizer, step_report,
+    TABLE_KEY, WATCHING_NOTHING_AFTER, MediaOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver,
+    deliver_text, step_report, watching_nothing,
 )
-from loops_callbacks.divergence.statistics import parse_corrections
-from loops_callbacks.divergence.report import deliver, deliver_text
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import (
+    DEFAULT_PREFIX, DivergenceStats, parse_corrections, reduce_across_ranks,
+)
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings, warn
 from loops_callbacks.validation import check, check_bool, check_choice, check_int
@@ -137,7 +139,7 @@ class KLSampleTrainMonitor(Callback):
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, least=1, optional=True)
         self.prefix = check("prefix", prefix, str, "a str")
         check("guard_rail", guard_rail, GuardRail, "a GuardRail")
-        # the watched metric by its bare name (given bare or with the prefix)
+        # its own copy (a counter and a verdict of its own), the watched metric by its bare name
         self.guard_rail = dataclasses.replace(guard_rail, kl_metric=watchable_metric(guard_rail.kl_metric, prefix))
         self.media = check("media", media, MediaOptions, "a MediaOptions")
         self.tokenizer = checked_tokenizer(tokenizer)
@@ -147,7 +149,6 @@ class KLSampleTrainMonitor(Callback):
         self.max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
         self.keys = data_keys(keys)
-        self.exceeded_steps = 0
         self.warnings = RunWarnings()
         self._start_run()
 
@@ -176,7 +177,7 @@ class KLSampleTrainMonitor(Callback):
             "interval": self.interval, "log_every_n_steps": self._every(trainer), "prefix": self.prefix,
             "top_n": media.rows, "sample_size": self.sample_size, "diagnose": self.diagnose,
             "calibration_steps": self.calibration_steps, "max_policy_lag": self.max_policy_lag, "log_strata": media.log_strata, "max_groups": media.max_groups,
-            "corrections": [c.name for c in self.corrections], "keys": self.keys, **dataclasses.asdict(self.guard_rail),
+            "corrections": [c.name for c in self.corrections], "keys": self.keys, **self.guard_rail.settings(),
         }
         listed = settings_difference(group.all_gather_objects({name: repr(value) for name, value in shared.items()}))
         if listed:
@@ -191,7 +192,8 @@ class KLSampleTrainMonitor(Callback):
         self.last_metrics: dict[str, float] = {}
         self.last_worst_tokens: list[dict[str, Any]] = []
         self.last_diagnosis: Diagnosis | None = None
-        self.history = RunHistory(self.guard_rail)
+        self.history = RunHistory()
+        self.guard_rail.start_fit()
         self.calibration = Calibration(self.calibration_steps)
         self._step_stats: DivergenceStats | None = None  # the statistics of the optimizer step's micro-batches so far
         self._logged_keys: set[str] = set()  # the keys put in callback_metrics last
@@ -258,16 +260,21 @@ class KLSampleTrainMonitor(Callback):
         self.history.observe(step, report.scalars, report.diagnosis)
         if report.diagnosis is not None:
             self.calibration.observe(report.diagnosis, report.signatures)
-        if self.history.fit_logged_steps == step_warnings.WATCHING_NOTHING_AFTER and not self.history.judged_steps:
-            step_warnings.watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
-        step_warnings.about_step(self.warnings, self.keys, report, host, flat, step,
-                                 max_groups=self.media.max_groups, max_sampling_z=self.guard_rail.max_sampling_z)
-        self._act(trainer, report, step)
+        about_step(self.warnings, self.keys, report, host, flat, step, max_groups=self.media.max_groups,
+                   max_sampling_z=self.guard_rail.max_sampling_z)
+
+        def say(message: str) -> None:  # the guard rail's message, to the loggers that show text (rank 0)
+            if trainer.is_global_zero:
+                deliver_text(trainer.loggers, self.prefix + "guard_rail", message, step=step, warnings=self.warnings)
+
+        self.guard_rail.on_step(trainer, report, step, say=say, warnings=self.warnings)
+        if self.history.fit_logged_steps == WATCHING_NOTHING_AFTER and not self.guard_rail.judged_steps:
+            watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.history.fit_logged_steps and not self.history.judged_steps:
-            step_warnings.watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
+        if self.history.fit_logged_steps and not self.guard_rail.judged_steps:
+            watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
         self._deliver_summary(trainer)
 
     @override
@@ -278,30 +285,33 @@ class KLSampleTrainMonitor(Callback):
     def verdict(self) -> Verdict:
         """What the guard rail did in this run: ``OFF``, ``NOTHING_JUDGED``, ``NO_EXCEEDANCE``, ``WARNED``,
         ``STOPPED`` or ``RAISED``."""
-        return self.history.verdict
+        return self.guard_rail.verdict
 
     @property
     def stop_reason(self) -> str | None:
         """The guard rail's message when it stopped this run (``on_exceed="stop"``), else ``None``."""
-        return self.history.verdict_reason if self.history.verdict is Verdict.STOPPED else None
+        return self.guard_rail.stop_reason
 
     @property
     def verdict_step(self) -> int | None:
         """The step at which the guard rail stopped, raised or first warned; ``None`` when it did not act."""
-        return self.history.verdict_step
+        return self.guard_rail.verdict_step
 
     def summary_lines(self) -> list[str]:
-        """This run's summary as plain text, the verdict last (``RunHistory.lines``): logged steps per likely
-        cause with the first step of each, the last step with action tokens and its metrics, the last
-        diagnosis. The same text is logged at the end of fit under ``<prefix>run_summary``."""
-        return self.history.lines(self.prefix)
+        """This run's summary as plain text, the verdict last (``RunHistory.lines``, ``GuardRail.verdict_line``):
+        logged steps per likely cause with the first step of each, the last step with action tokens and its
+        metrics, the last diagnosis. The same text is logged at the end of fit under ``<prefix>run_summary``."""
+        history = self.history
+        return [*history.lines(self.prefix), self.guard_rail.verdict_line(
+            logged_steps=history.fit_logged_steps, steps_trained=history.steps_trained,
+            log_every_n_steps=history.log_every_n_steps, fit_start=history.fit_start)]
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """What the run learned and saw, as plain data: the patience counter, the calibration, the history."""
         calibration = {"healthy_gaps": self.calibration.healthy_gaps, "recent_gaps": self.calibration.recent_gaps,
                        "recent_sampling_z": self.calibration.recent_sampling_z}
-        return {"exceeded_steps": self.exceeded_steps, "calibration": calibration, "history": self.history.saved()}
+        return {**self.guard_rail.state_dict(), "calibration": calibration, "history": self.history.saved()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -313,7 +323,7 @@ class KLSampleTrainMonitor(Callback):
             warn(f"KLSampleTrainMonitor.load_state_dict: the checkpoint's {', '.join(unknown)} "
                  f"{'is' if len(unknown) == 1 else 'are'} not known to this version (written by a newer one?); "
                  "ignored")
-        self.exceeded_steps = found["exceeded_steps"]
+        self.guard_rail.load_state_dict(found)
         for name, value in found["calibration"].items():
             setattr(self.calibration, name, value)
         self.history.restore(found["history"])
@@ -334,7 +344,7 @@ class KLSampleTrainMonitor(Callback):
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         """Lightning's rule (steps n-1, 2n-1, ...), and the fit's last step while the fit has judged none."""
         every = self._every(trainer)
-        return (every > 0 and (step + 1) % every == 0) or (step == self._last_step and not self.history.judged_steps)
+        return (every > 0 and (step + 1) % every == 0) or (step == self._last_step and not self.guard_rail.judged_steps)
 
     def _every(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
@@ -362,46 +372,37 @@ class KLSampleTrainMonitor(Callback):
             deliver_text(trainer.loggers, self.prefix + "run_summary", "\n".join(self.summary_lines()),
                          step=trainer.global_step, warnings=self.warnings, preformatted=True)
 
-    def _act(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
-        """The guard rail's patience and action on the report's judgement: warn, stop or raise."""
-        if report.exceeds is None:
-            if report.untrusted is not None:  # no bound set: say it, act on nothing
-                self.warnings.warn(f"untrusted:{report.untrusted}",
-                                   f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
-            self.exceeded_steps = 0
-            return
-        self.exceeded_steps += 1
-        patience, on_exceed = self.guard_rail.patience, self.guard_rail.on_exceed
-        if self.exceeded_steps < patience:
-            return
-        if report.untrusted is not None and not report.problems:  # no reading of a step its numbers cannot judge
-            reading = ("a step whose numbers cannot be trusted counts as exceeding the bound; fix what makes the "
-                       "logprobs unreadable (named above) first.")
-        else:
-            reading = f"the sampler's logprobs no longer match the trainer's — {_advice(report)}"
-        message = (f"{report.exceeds} at step {step} ({self.exceeded_steps} logged step(s) in a row, patience "
-                   f"{patience}): {reading}")
-        self.history.acted({"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}[on_exceed],
-                           step, message)
-        if on_exceed == "stop":
-            trainer.should_stop = True
-            message += " Signaling Trainer to stop."
-        if trainer.is_global_zero:
-            deliver_text(trainer.loggers, self.prefix + "guard_rail", message, step=step, warnings=self.warnings)
-        if on_exceed == "raise":
-            raise SampleTrainDivergenceError(message)
-        self.warnings.warn(f"exceeded:{step}", message)
 
-
-def _advice(report: StepReport) -> str:
-    """What the guard rail's message says to check: the likely cause when there is one."""
-    if report.problems:  # a fact about the inputs, not a hint: the diagnosis names it too (diagnose=False: none)
-        return f"{Diagnosis.impossible_inputs(report.problems.values()).message}."
-    cause = report.diagnosis
-    if cause is None or cause.cause in ("unclear", "none"):
-        return (
-            "check that the sampler receives the trainer's weights, and that both use the same tokenizer, "
-            "precision and sampling settings."
+def check_loop_internals(trainer: pl.Trainer) -> None:
+    """``RuntimeError`` naming the Lightning version when the loop attributes read here are gone."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    missing = [name for name, present in (
+        ("fit_loop.epoch_loop._batches_that_stepped", isinstance(getattr(epoch_loop, "_batches_that_stepped", None), int)),
+        ("fit_loop.epoch_loop._should_accumulate()", callable(getattr(epoch_loop, "_should_accumulate", None))),
+    ) if not present]
+    if missing:
+        raise RuntimeError(
+            f"KLSampleTrainMonitor reads {missing} of Lightning's training loop, which Lightning "
+            f"{lightning.__version__} does not have; install a Lightning version in the range loops-callbacks "
+            "declares (pip install 'lightning>=2.6,<2.7'), or report the new name"
         )
-    # seen directly, not inferred: no confidence to weigh
-    return f"{cause.message} ({'observed' if cause.is_observation else f'a hint, confidence {cause.confidence:.2f}'})."
+
+
+def optimizer_step_index(trainer: pl.Trainer) -> int:
+    """The 0-based optimizer step this micro-batch belongs to: the step Lightning logs it under."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether more micro-batches follow before the optimizer steps (Lightning's own rule)."""
+    return trainer.lightning_module.automatic_optimization and bool(trainer.fit_loop.epoch_loop._should_accumulate())
+
+
+def last_optimizer_step(trainer: pl.Trainer) -> int | None:
+    """The 0-based index of the fit's last optimizer step, or ``None`` when Lightning cannot tell it (an
+    endless stream without ``max_steps``, an accumulation schedule)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except MisconfigurationException:
+        return None
+    return int(steps) - 1 if math.isfinite(steps) and steps >= 1 else None

@@ -202,7 +202,7 @@ def test_resume_keeps_the_patience_counter(tmp_path: Any) -> None:
     first = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, patience=3, on_exceed="stop"))
     trainer = quiet_trainer(max_steps=2, callbacks=[first], default_root_dir=str(tmp_path))
     trainer.fit(TinyPolicy(offset=1.0))
-    assert first.exceeded_steps == 2
+    assert first.guard_rail.exceeded_steps == 2
     path = str(tmp_path / "two.ckpt")
     trainer.save_checkpoint(path)
 

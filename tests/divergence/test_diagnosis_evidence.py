@@ -119,7 +119,7 @@ def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None
     assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
     report = step_report(host, **options, evidence=evidence)
     assert report.diagnosis.cause == DROPOUT and report.breakdown["diagnosis/dropout"] == 1.0
-    history = RunHistory(GuardRail())
+    history = RunHistory()
     history.observe(3, report.scalars, report.diagnosis)
     [line] = [line for line in history.lines("div/") if line.startswith("  last diagnosis")]
     assert line.startswith("  last diagnosis (step 3, observed, confidence 1.00): likely cause: observed: ")

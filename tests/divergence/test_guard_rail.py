@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.divergence.monitor import GuardRail
+from loops_callbacks.run_warnings import RunWarnings
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
 
@@ -245,7 +246,7 @@ def test_the_stop_is_visible_in_tensorboard_at_its_step(tmp_path: Any) -> None:
 def test_the_patience_counter_resets_after_a_trusted_step_below_the_bound() -> None:
     monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05, on_exceed="stop", patience=2))
     fit(BrokenSampler(sentinel_on_first_action_token, from_step=5), monitor, max_steps=5, logger=RecordingLogger())
-    assert monitor.exceeded_steps == 0 and monitor.stop_reason is None
+    assert monitor.guard_rail.exceeded_steps == 0 and monitor.stop_reason is None
 
 
 def test_a_kl_metric_no_monitor_logs_is_refused_by_the_guard_rail_itself() -> None:
@@ -253,3 +254,37 @@ def test_a_kl_metric_no_monitor_logs_is_refused_by_the_guard_rail_itself() -> No
     with pytest.raises(ValueError, match=r"kl_metric='kl' is not a metric the monitor logs; .* monitor's prefix\)"):
         GuardRail(kl_metric="kl")
     assert GuardRail(kl_metric="my/prefix/kl_sample_train_k3").kl_metric == "my/prefix/kl_sample_train_k3"
+
+
+def test_one_guard_rail_given_to_two_monitors_counts_and_judges_for_each_alone() -> None:
+    """The guard rail owns its counter and verdict (as EarlyStopping does); each monitor holds its own copy, so
+    the user's object, or the one default, is never shared or changed."""
+    shared = GuardRail(max_kl=0.05, on_exceed="warn", patience=3)
+    broken, healthy = KLSampleTrainMonitor(guard_rail=shared), KLSampleTrainMonitor(guard_rail=shared)
+    assert broken.guard_rail is not shared and broken.guard_rail is not healthy.guard_rail
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(BrokenSampler(sentinel_on_first_action_token, from_step=0), broken, max_steps=2, log_every_n_steps=1)
+    fit(TinyPolicy(), healthy, max_steps=2, log_every_n_steps=1)
+    assert broken.guard_rail.exceeded_steps == 2 and broken.guard_rail.judged_steps == 2
+    assert healthy.guard_rail.exceeded_steps == 0 and healthy.verdict.value == "no exceedance"
+    assert (shared.exceeded_steps, shared.judged_steps, shared.action) == (0, 0, None)
+    assert broken.state_dict()["exceeded_steps"] == 2 and broken.guard_rail.state_dict() == {"exceeded_steps": 2}
+
+
+def test_the_guard_rail_acts_after_its_patience_and_keeps_its_first_warning() -> None:
+    class Report:  # what on_step reads of a StepReport
+        scalars = {"n_action_tokens": 8.0}
+        exceeds, untrusted, problems, diagnosis = "kl_sample_train_k3 = 0.2 exceeded max_kl = 0.05", None, {}, None
+
+    class Trainer:
+        should_stop = False
+
+    said: list[str] = []
+    rail = GuardRail(max_kl=0.05, on_exceed="warn", patience=2)
+    with pytest.warns(UserWarning, match="at step 1 \\(2 logged step\\(s\\) in a row, patience 2\\)"):
+        for step in range(3):
+            rail.on_step(Trainer(), Report(), step, say=said.append, warnings=RunWarnings())
+    assert len(said) == 2 and rail.verdict_step == 1 and rail.times_acted == 2 and rail.verdict.value == "warned"
+    assert rail.verdict_line(logged_steps=3, steps_trained=3, log_every_n_steps=1).startswith(
+        "Guard rail: warned on 2 logged step(s), first at step 1")

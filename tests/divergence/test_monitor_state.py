@@ -22,7 +22,7 @@ def saved() -> dict[str, Any]:
     monitor.history.observe(1, {"n_action_tokens": 64.0, "kl_sample_train_k3": 0.01},
                             Diagnosis("dropout", 1.0, {"dropout_p": 0.1}, observed="2 Dropout modules", beyond=beyond))
     monitor.calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": 1e-5})
-    monitor.exceeded_steps = 1
+    monitor.guard_rail.exceeded_steps = 1
     return monitor.state_dict()
 
 
@@ -91,7 +91,7 @@ def test_an_older_state_without_some_fields_still_loads_without_a_word() -> None
         warnings.simplefilter("error")
         monitor = loaded({"exceeded_steps": 2, "stop_reason": "an older version saved it",
                           "history": {"last_diagnosis": {"cause": "none", "confidence": 1.0, "evidence": {}}}})
-    assert monitor.exceeded_steps == 2 and monitor.history.last_diagnosis.cause == "none"
+    assert monitor.guard_rail.exceeded_steps == 2 and monitor.history.last_diagnosis.cause == "none"
 
 
 def test_causes_in_an_older_checkpoints_form_are_read_as_counts() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence import batch as per_datum, step_warnings
+from loops_callbacks.divergence import batch as per_datum, report as step_warnings
 from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.statistics import parse_corrections, shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats

@@ -16,7 +16,7 @@ from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
 from loops_callbacks.demo.data import PromptDataModule
 from loops_callbacks.demo.rl import RLPolicyModule
 from loops_callbacks.divergence.diagnosis import CAUSES
-from loops_callbacks.divergence.history import Verdict
+from loops_callbacks.divergence.guard_rail import Verdict
 from loops_callbacks.divergence.monitor import GuardRail, MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
 from tests.oracle import PREFIX
@@ -140,7 +140,7 @@ class PatienceProbe(pl.Callback):
         self.seen: int | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.seen = self.monitor.exceeded_steps
+        self.seen = self.monitor.guard_rail.exceeded_steps
 
 
 def test_a_healthy_run_resumed_from_a_stopped_one_has_no_stop_of_its_own(tmp_path: Any) -> None:
@@ -241,7 +241,7 @@ def test_a_resumed_run_names_the_causes_the_uninterrupted_run_names(tmp_path: An
 def test_a_checkpoint_of_an_older_version_still_loads() -> None:
     monitor = KLSampleTrainMonitor(guard_rail=GuardRail(max_kl=0.05))
     monitor.load_state_dict({"exceeded_steps": 2, "stop_reason": "an older version saved it"})
-    assert monitor.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_gaps
+    assert monitor.guard_rail.exceeded_steps == 2 and monitor.history.logged_steps == 0 and not monitor.calibration.healthy_gaps
 
 
 def test_a_resumed_fit_that_logs_nothing_says_so_and_not_that_the_run_watched_nothing(tmp_path: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from loops_callbacks.divergence.batch import FlatBatch
-from loops_callbacks.divergence.step_warnings import nan_advantages_message
+from loops_callbacks.divergence.report import nan_advantages_message
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.divergence.batch import data_keys, key_label, read_step
 from loops_callbacks.run_warnings import RunWarnings
