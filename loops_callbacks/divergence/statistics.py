@@ -1452,18 +1452,19 @@ class DivergenceStats:
         generator: torch.Generator | None = None,
         diagnose: bool = True,
         max_groups: int | None = None,
-        corrections: Sequence[str | Correction] = (),
+        corrections: tuple[Correction, ...] = (),
         rank: int = 0,
     ) -> DivergenceStats:
         """Read one flattened batch: ``top_n`` worst rows (with token ids when ``flat.tokens`` is set), a
         sample of at most ``sample_size`` diffs (``generator`` draws their keys), and the states ``layout_of``
         declares (``diagnose=False``: none of the diagnosis' sums, as the plain SDK functions need none;
-        ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``: their shadow statistics,
-        with this process's ``rank`` where advantages could not be read). On the CPU a batch of more than
+        ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``, parsed once by their owner
+        (``parse_corrections``): their shadow statistics, with this process's ``rank`` where advantages could
+        not be read). On the CPU a batch of more than
         ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay small."""
         check_int("top_n", top_n, least=0)
         check_int("sample_size", sample_size, least=1, optional=True)
-        layout = layout_of(diagnose, max_groups, parse_corrections(corrections))
+        layout = layout_of(diagnose, max_groups, tuple(corrections))
         chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:
