@@ -948,7 +948,7 @@ def prompt_starts(attention_mask: Any, flat: FlatBatch, key: str = "'attention_m
     """
     if attention_mask is None:
         return None
-    width = int(flat.row_lengths[0]) if flat.n_datums else 0  # a padded batch: every row has T positions
+    width = flat.trainer.numel() // flat.n_datums if flat.n_datums else 0  # padded: T positions a row (no sync)
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"{key} is a {type(attention_mask).__name__}; expected a [B, T] tensor, nonzero on real tokens")
     if attention_mask.dim() != 2 or attention_mask.shape[0] != flat.n_datums or attention_mask.shape[1] not in (
