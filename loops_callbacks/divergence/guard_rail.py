@@ -22,8 +22,9 @@ and without its most extreme token (``metrics.held_sampling_z``): the tokens wer
 distribution than the trainer's, which the logprobs alone cannot show (``metrics.sampling_metrics``;
 needs the trainer's entropies in the batch).
 
-A step without masked-in action tokens is not judged (nothing to compare); the monitor warns when
-every logged step of a run is like that.
+A step without masked-in action tokens is not judged (nothing to compare); the guard rail warns that the
+monitor is watching nothing when the fit's first ``WATCHING_NOTHING_AFTER`` logged steps, or all of a shorter
+fit's, are like that.
 
 Examples:
     >>> totals = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 64.0}
@@ -96,6 +97,9 @@ class Verdict(enum.Enum):
 
 _ACTIONS = {"warn": Verdict.WARNED, "stop": Verdict.STOPPED, "raise": Verdict.RAISED}
 
+WATCHING_NOTHING_AFTER = 3
+"""Logged steps without action tokens, from the start of a fit, before the guard rail says it is watching nothing."""
+
 
 @dataclass
 class GuardRail:
@@ -129,6 +133,7 @@ class GuardRail:
     max_sampling_z: float | None = None
     # what it counted and did: the counter carries through checkpoints, the rest belongs to the fit
     exceeded_steps: int = field(default=0, init=False, compare=False)
+    logged_steps: int = field(default=0, init=False, compare=False)  # logged steps of the fit it was shown
     judged_steps: int = field(default=0, init=False, compare=False)  # logged steps with masked-in action tokens
     action: Verdict | None = field(default=None, init=False, compare=False)  # WARNED, STOPPED, RAISED; None: none
     verdict_step: int | None = field(default=None, init=False, compare=False)
@@ -211,7 +216,8 @@ class GuardRail:
 
     def start_fit(self) -> None:
         """A fit starts: its verdict is its own (the patience counter is the run's, restored from a checkpoint)."""
-        self.judged_steps, self.action, self.verdict_step, self.verdict_reason, self.times_acted = 0, None, None, None, 0
+        self.logged_steps, self.judged_steps, self.times_acted = 0, 0, 0
+        self.action, self.verdict_step, self.verdict_reason = None, None, None
 
     @property
     def verdict(self) -> Verdict:
@@ -227,14 +233,18 @@ class GuardRail:
         """The message when it stopped the run (``on_exceed="stop"``), else ``None``."""
         return self.verdict_reason if self.action is Verdict.STOPPED else None
 
-    def on_step(self, trainer: Any, report: Any, step: int, *, say: Callable[[str], None],
-                warnings: RunWarnings) -> None:
+    def on_step(self, trainer: Any, report: Any, step: int, *, say: Callable[[str], None], warnings: RunWarnings,
+                keys: Mapping[str, str]) -> None:
         """Judge one logged step's report (``StepReport``: its ``exceeds``, ``untrusted``, ``problems`` and
         ``diagnosis``) and act after ``patience`` steps in a row: ``say`` the message to the loggers, then warn, set
         ``trainer.should_stop`` or raise ``SampleTrainDivergenceError``. An untrusted step without a bound is a
-        warning, never an action."""
+        warning, never an action; so is a fit whose first logged steps had no action tokens (``keys``: where the
+        monitor reads the mask and the advantages, named in that warning)."""
         totals = report.scalars
+        self.logged_steps += 1
         self.judged_steps += int(totals.get("n_action_tokens", 0.0) + totals.get("n_skipped_nonfinite", 0.0) > 0)
+        if self.logged_steps == WATCHING_NOTHING_AFTER and not self.judged_steps:
+            self._watching_nothing(warnings, keys)
         if report.exceeds is None:
             if report.untrusted is not None:  # no bound set: say it, act on nothing
                 warnings.warn(f"untrusted:{report.untrusted}", f"KLSampleTrainMonitor, step {step}: {report.untrusted}")
@@ -262,15 +272,24 @@ class GuardRail:
             raise SampleTrainDivergenceError(message)
         warnings.warn(f"exceeded:{step}", message)
 
-    def verdict_line(self, *, logged_steps: int, steps_trained: int | None, log_every_n_steps: int | None,
-                     fit_start: int = 0) -> str:
-        """``Guard rail: ...``: off, nothing judged (why: ``logged_steps`` of the fit, the step it ended at and the
-        logging interval), no exceedance, warned, stopped or raised (at which step, and why)."""
+    def on_train_end(self, warnings: RunWarnings, keys: Mapping[str, str]) -> None:
+        """The fit ended: if it logged steps and none had action tokens, say that the monitor watched nothing."""
+        if self.logged_steps and not self.judged_steps:
+            self._watching_nothing(warnings, keys)
+
+    def _watching_nothing(self, warnings: RunWarnings, keys: Mapping[str, str]) -> None:
+        warnings.warn("watching_nothing", f"KLSampleTrainMonitor: none of the {self.logged_steps} logged step(s) had "
+                      f"an action token ({keys['mask']!r} > 0 with a non-zero {keys['advantages']!r}); the monitor is "
+                      "watching nothing — check the mask (1.0 on the tokens the policy sampled) and the advantages")
+
+    def verdict_line(self, *, steps_trained: int | None, log_every_n_steps: int | None, fit_start: int = 0) -> str:
+        """``Guard rail: ...``: off, nothing judged (why: the fit's logged steps, the step it ended at and the logging
+        interval), no exceedance, warned, stopped or raised (at which step, and why)."""
         verdict = self.verdict
         if verdict is Verdict.OFF:
             return "Guard rail: off (max_kl not set)"
         if verdict is Verdict.NOTHING_JUDGED:
-            why = "no logged step had masked-in action tokens" if logged_steps else (
+            why = "no logged step had masked-in action tokens" if self.logged_steps else (
                 f"no step was logged: the fit ended at optimizer step {steps_trained}, before its first logged "
                 f"step (log_every_n_steps = {log_every_n_steps})")
             return f"Guard rail: nothing judged ({why})"

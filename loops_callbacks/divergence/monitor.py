@@ -42,8 +42,7 @@ from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, Verdict, watchable_metric
 from loops_callbacks.divergence.history import Calibration, RunHistory, read_state
 from loops_callbacks.divergence.report import (
-    TABLE_KEY, WATCHING_NOTHING_AFTER, MediaOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver,
-    deliver_text, step_report, watching_nothing,
+    TABLE_KEY, MediaOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver, deliver_text, step_report,
 )
 from loops_callbacks.divergence.statistics import (
     DEFAULT_PREFIX, DivergenceStats, parse_corrections, reduce_across_ranks,
@@ -124,7 +123,7 @@ class KLSampleTrainMonitor(Callback):
         interval: Literal["optimizer_step", "forward_backward"] = "optimizer_step",
         log_every_n_steps: int | None = None,
         prefix: str = DEFAULT_PREFIX,
-        guard_rail: GuardRail = GuardRail(),  # noqa: B008 - frozen: one shared default is safe
+        guard_rail: GuardRail = GuardRail(),  # noqa: B008 - copied below: one shared default is never changed
         media: MediaOptions = MediaOptions(),  # noqa: B008
         tokenizer: Tokenizer | None = None,
         sample_size: int = 100_000,
@@ -267,14 +266,11 @@ class KLSampleTrainMonitor(Callback):
             if trainer.is_global_zero:
                 deliver_text(trainer.loggers, self.prefix + "guard_rail", message, step=step, warnings=self.warnings)
 
-        self.guard_rail.on_step(trainer, report, step, say=say, warnings=self.warnings)
-        if self.history.fit_logged_steps == WATCHING_NOTHING_AFTER and not self.guard_rail.judged_steps:
-            watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
+        self.guard_rail.on_step(trainer, report, step, say=say, warnings=self.warnings, keys=self.keys)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.history.fit_logged_steps and not self.guard_rail.judged_steps:
-            watching_nothing(self.warnings, self.keys, self.history.fit_logged_steps)
+        self.guard_rail.on_train_end(self.warnings, self.keys)
         self._deliver_summary(trainer)
 
     @override
@@ -303,8 +299,7 @@ class KLSampleTrainMonitor(Callback):
         metrics, the last diagnosis. The same text is logged at the end of fit under ``<prefix>run_summary``."""
         history = self.history
         return [*history.lines(self.prefix), self.guard_rail.verdict_line(
-            logged_steps=history.fit_logged_steps, steps_trained=history.steps_trained,
-            log_every_n_steps=history.log_every_n_steps, fit_start=history.fit_start)]
+            steps_trained=history.steps_trained, log_every_n_steps=history.log_every_n_steps, fit_start=history.fit_start)]
 
     @override
     def state_dict(self) -> dict[str, Any]:

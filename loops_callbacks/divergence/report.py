@@ -48,7 +48,7 @@ accelerator where nothing was read per micro-batch, is said too: logprobs and en
 token can have (``guard_rail.impossible_inputs``, with an example position), a ``max_sampling_z``
 without the entropies, NaN advantages, a
 correction without advantages, versions ahead of the trainer, group ids pooled in ``group_other``,
-a per-datum key usable for only part of the step's tokens, and a run watching nothing.
+and a per-datum key usable for only part of the step's tokens (a run watching nothing is the guard rail's to say).
 
 Examples:
     >>> from loops_callbacks.divergence.batch import data_keys
@@ -502,10 +502,6 @@ def prompt_finding(totals: Mapping[str, float], arrays: Mapping[str, np.ndarray]
     return said, numbers
 
 
-WATCHING_NOTHING_AFTER = 3
-"""Logged steps without action tokens, from the start of a run, before the monitor says so."""
-
-
 def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, host: HostDivergence,
                flat: FlatBatch | None, step: int, *, max_groups: int, max_sampling_z: float | None) -> None:
     """Every warning of the module docstring that this step calls for (``flat``: its last micro-batch)."""
@@ -569,12 +565,6 @@ def partial_keys(say: RunWarnings, keys: Mapping[str, str], host: Any, step: int
                      f"{int(covered)} of the step's {int(tokens)} action tokens (all ranks together); the rest are not "
                      "in its strata. A rank or datum gave it in a form the monitor could not read (every rank must "
                      "give it for every datum)")
-
-
-def watching_nothing(say: RunWarnings, keys: Mapping[str, str], logged_steps: int) -> None:
-    say.warn("watching_nothing", f"KLSampleTrainMonitor: none of the {logged_steps} logged step(s) had an action "
-             f"token ({keys['mask']!r} > 0 with a non-zero {keys['advantages']!r}); the monitor is watching nothing — "
-             "check the mask (1.0 on the tokens the policy sampled) and the advantages")
 
 
 def _example(problem: str, keys: Mapping[str, str], flat: FlatBatch | None) -> str:

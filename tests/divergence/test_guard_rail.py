@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from loops_callbacks import KLSampleTrainMonitor, SampleTrainDivergenceError
+from loops_callbacks.divergence.batch import data_keys
 from loops_callbacks.divergence.monitor import GuardRail
 from loops_callbacks.run_warnings import RunWarnings
 from tests.helpers import RecordingLogger, TinyPolicy, TokenDataset, quiet_trainer
@@ -284,7 +285,27 @@ def test_the_guard_rail_acts_after_its_patience_and_keeps_its_first_warning() ->
     rail = GuardRail(max_kl=0.05, on_exceed="warn", patience=2)
     with pytest.warns(UserWarning, match="at step 1 \\(2 logged step\\(s\\) in a row, patience 2\\)"):
         for step in range(3):
-            rail.on_step(Trainer(), Report(), step, say=said.append, warnings=RunWarnings())
+            rail.on_step(Trainer(), Report(), step, say=said.append, warnings=RunWarnings(), keys=data_keys(None))
     assert len(said) == 2 and rail.verdict_step == 1 and rail.times_acted == 2 and rail.verdict.value == "warned"
-    assert rail.verdict_line(logged_steps=3, steps_trained=3, log_every_n_steps=1).startswith(
+    assert rail.verdict_line(steps_trained=3, log_every_n_steps=1).startswith(
         "Guard rail: warned on 2 logged step(s), first at step 1")
+
+
+@pytest.mark.parametrize(("logged", "ended"), [(3, False), (2, True), (2, False)])
+def test_the_guard_rail_says_once_that_a_fit_without_action_tokens_watches_nothing(logged: int, ended: bool) -> None:
+    """After WATCHING_NOTHING_AFTER logged steps without action tokens, or when a shorter fit ends."""
+    class Report:  # a logged step without masked-in action tokens
+        scalars = {"n_action_tokens": 0.0, "n_skipped_nonfinite": 0.0}
+        exceeds, untrusted, problems, diagnosis = None, None, {}, None
+
+    rail, said = GuardRail(max_kl=0.05), RunWarnings()
+    keys = data_keys({"mask": "my_mask"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(logged):
+            rail.on_step(None, Report(), step, say=print, warnings=said, keys=keys)
+        if ended:
+            rail.on_train_end(said, keys)
+    told = [str(w.message) for w in caught if "watching nothing" in str(w.message)]
+    assert len(told) == int(logged == 3 or ended) and rail.verdict.value == "nothing judged"
+    assert all(f"none of the {logged} logged step(s) had an action token ('my_mask' > 0" in t for t in told)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loops_callbacks import KLSampleTrainMonitor
-from loops_callbacks.divergence import batch as per_datum, report as step_warnings
+from loops_callbacks.divergence import batch as per_datum, report
 from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.statistics import parse_corrections, shadow_scalars, shadow_values
 from loops_callbacks.divergence.statistics import DivergenceStats
@@ -279,5 +279,5 @@ def test_a_key_another_rank_could_not_use_is_still_said_from_the_global_sums() -
         totals={"n_action_tokens": 144.0}, strata=strata, by_lag={"0": sums(60), "1": sums(12)}
     )
     with pytest.warns(UserWarning, match=r"'policy_version' was usable for 72 of the step's 144 action tokens") as seen:
-        step_warnings.partial_keys(monitor.warnings, monitor.keys, host, step=3)
+        report.partial_keys(monitor.warnings, monitor.keys, host, step=3)
     assert not any("'group'" in str(w.message) for w in seen)  # the groups covered every token
