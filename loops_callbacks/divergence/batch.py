@@ -133,7 +133,7 @@ import collections
 import dataclasses
 import math
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -154,8 +154,9 @@ CONTEXT_BEFORE = 40
 """Ids shown before a worst token's ``model_input[k + 1]``, as the Loops SDK shows them."""
 CONTEXT_AFTER = 1 + 20
 """``model_input[k + 1]`` (the context's centre), then the SDK's 20 ids after it."""
-_PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "servers", "datum_advantages", "sampler_prompts",
+PER_DATUM = ("row_lengths", "tokens", "lags", "groups", "servers", "datum_advantages", "sampler_prompts",
               "first_tokens", "prompt_starts")
+"""The ``FlatBatch`` fields that hold one value per datum (the others one per position)."""
 
 
 @dataclass(frozen=True)
@@ -200,39 +201,6 @@ class FlatBatch:
     @property
     def device(self) -> torch.device:
         return self.trainer.device
-
-    def datum_chunks(self, positions: int) -> Iterator[FlatBatch]:
-        """Consecutive whole-datum slices (views) of about ``positions`` positions each; the batch itself when small.
-
-        A chunk ends with the first datum that reaches a multiple of ``positions``, so a datum is
-        never split. Reads the row lengths on the host: for the CPU, where that is free.
-
-        Examples:
-            >>> flat = flatten_padded(sampler_logprobs=torch.zeros(3, 4), training_logprobs=torch.zeros(3, 4),
-            ...                       mask=torch.ones(3, 4))
-            >>> [chunk.n_datums for chunk in flat.datum_chunks(5)]
-            [2, 1]
-        """
-        ends = torch.cumsum(self.row_lengths, 0)
-        total = int(ends[-1]) if ends.numel() else 0
-        if total <= positions:
-            yield self
-            return
-        cuts = torch.searchsorted(ends, torch.arange(positions, total, positions), right=False) + 1
-        first = start = 0
-        for end in torch.unique_consecutive(torch.cat([cuts, torch.tensor([self.n_datums])])).tolist():
-            stop = int(ends[end - 1])
-            yield FlatBatch(**{
-                field.name: _cut(getattr(self, field.name), (first, end) if field.name in _PER_DATUM else (start, stop))
-                for field in dataclasses.fields(self)
-            })
-            first, start = end, stop
-
-
-def _cut(value: Any, bounds: tuple[int, int]) -> Any:
-    if value is None or isinstance(value, bool):
-        return value
-    return value.rows(*bounds) if isinstance(value, (PaddedTokens, DatumTokens)) else value[bounds[0] : bounds[1]]
 
 
 @torch.no_grad()

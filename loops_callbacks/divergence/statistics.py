@@ -301,7 +301,7 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -312,7 +312,8 @@ from loops_callbacks.correction import Correction, parse_correction
 from loops_callbacks.correction.compute import CorrectionInput, Segments, Weights, correct_flat, correct_rows
 from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.divergence.batch import (
-    CONTEXT_AFTER, CONTEXT_BEFORE, DEFAULT_MAX_GROUPS, LOGPROB_FLOOR, MAX_SERVERS, NO_TOKEN, FlatBatch,
+    CONTEXT_AFTER, CONTEXT_BEFORE, DEFAULT_MAX_GROUPS, LOGPROB_FLOOR, MAX_SERVERS, NO_TOKEN, PER_DATUM, DatumTokens,
+    FlatBatch, PaddedTokens,
 )
 from loops_callbacks.validation import LOGPROB_ROUNDING, check_int
 
@@ -798,6 +799,42 @@ probability p = e^t adds p (t + H)² to V): flagged beyond (1 + ρ) √V + ρ H 
 _16_BIT = (torch.bfloat16, torch.float16)
 
 
+def datum_chunks(flat: FlatBatch, positions: int) -> Iterator[FlatBatch]:
+    """Consecutive whole-datum slices (views) of ``flat``, about ``positions`` positions each; the batch itself when
+    small: the statistics read a large batch in chunks, so that their temporaries stay small.
+
+    A chunk ends with the first datum that reaches a multiple of ``positions``, so a datum is
+    never split. Reads the row lengths on the host: for the CPU, where that is free.
+
+    Examples:
+        >>> from loops_callbacks.divergence.batch import flatten_padded
+        >>> flat = flatten_padded(sampler_logprobs=torch.zeros(3, 4), training_logprobs=torch.zeros(3, 4),
+        ...                       mask=torch.ones(3, 4))
+        >>> [chunk.n_datums for chunk in datum_chunks(flat, 5)]
+        [2, 1]
+    """
+    ends = torch.cumsum(flat.row_lengths, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    if total <= positions:
+        yield flat
+        return
+    cuts = torch.searchsorted(ends, torch.arange(positions, total, positions), right=False) + 1
+    first = start = 0
+    for end in torch.unique_consecutive(torch.cat([cuts, torch.tensor([flat.n_datums])])).tolist():
+        stop = int(ends[end - 1])
+        yield FlatBatch(**{
+            field.name: _cut(getattr(flat, field.name), (first, end) if field.name in PER_DATUM else (start, stop))
+            for field in dataclasses.fields(flat)
+        })
+        first, start = end, stop
+
+
+def _cut(value: Any, bounds: tuple[int, int]) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    return value.rows(*bounds) if isinstance(value, (PaddedTokens, DatumTokens)) else value[bounds[0] : bounds[1]]
+
+
 @torch.no_grad()
 def of_chunk(
     flat: FlatBatch, layout: Layout, top_n: int, sample_size: int | None, generator: torch.Generator | None
@@ -852,7 +889,7 @@ def of_chunk(
         values.update(_signature_sums(flat, d, abs_d, sampler, trainer, active))
         values.update(_context_sums(abs_d, order_in_datum, p_bucket, active))
         values["token_sums"] = _token_sums(flat, d, active, compact)
-        chunks = flat.datum_chunks(OFFSET_CHUNK_POSITIONS) if compact else [flat]
+        chunks = datum_chunks(flat, OFFSET_CHUNK_POSITIONS) if compact else [flat]
         values["offset_sums"] = functools.reduce(operator.add, [offset_sums(chunk) for chunk in chunks])
         values.update(prompt_values(flat))
     # k3 = e^d - 1 - d, once; without strata every use of the ratio is above, so its buffer becomes k3
@@ -1465,7 +1502,7 @@ class DivergenceStats:
         check_int("top_n", top_n, least=0)
         check_int("sample_size", sample_size, least=1, optional=True)
         layout = layout_of(diagnose, max_groups, tuple(corrections))
-        chunks = flat.datum_chunks(CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
+        chunks = datum_chunks(flat, CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:
             values, worst, sample, sample_keys, groups = of_chunk(chunk, layout, top_n, sample_size, generator)
