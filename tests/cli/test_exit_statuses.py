@@ -347,6 +347,9 @@ def ctrl_c(folder: Path) -> tuple[int, str]:
          "--trainer.default_root_dir", str(folder / "run"), "--trainer.enable_progress_bar", "false",
          "--trainer.max_steps", "5000"],  # minutes of training: a loaded machine cannot finish it before the signal
         cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # a Ctrl-C reaches the command as in a terminal, even where this test runs with SIGINT ignored (a background
+        # job, a CI runner): a child inherits an ignored SIGINT, and Python then raises no KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert process.stdout is not None
