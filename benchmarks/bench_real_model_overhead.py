@@ -95,10 +95,10 @@ def main() -> None:
             self.hook: list[tuple[bool, float]] = []
 
         def on_train_batch_end(self, *args: Any) -> None:
-            before = self.history.fit_logged_steps
+            before = self.guard_rail.logged_steps
             start = time.perf_counter()
             super().on_train_batch_end(*args)
-            self.hook.append((self.history.fit_logged_steps > before, time.perf_counter() - start))
+            self.hook.append((self.guard_rail.logged_steps > before, time.perf_counter() - start))
 
     scoring = Scoring(loops_callbacks.token_logprobs)
     loops_callbacks.token_logprobs = scoring  # RealGRPO imports it when it is built

@@ -214,7 +214,7 @@ def monitor_overhead(urls: Sequence[str], model: Any, *, steps: int, prompts: in
         "pairs": len(with_monitor), "step_with": statistics.median(with_monitor),
         "step_without": statistics.median(without),
         "hook": statistics.median(monitor.hook_seconds[step] for step in range(2, steps, 2)),
-        "share": statistics.median(shares), "logged": monitor.history.fit_logged_steps,
+        "share": statistics.median(shares), "logged": monitor.guard_rail.logged_steps,
     }
 
 

@@ -55,15 +55,13 @@ class RunHistory:
     metrics_with_action_tokens: dict[str, float] = field(default_factory=dict)
     last_diagnosis: Diagnosis | None = None
     last_diagnosis_step: int | None = None
-    fit_start: int = 0  # this fit's: where it started, how many steps it logged
-    fit_logged_steps: int = 0
+    fit_start: int = 0  # where this fit started
     log_every_n_steps: int | None = None  # the logging interval and the optimizer step the fit ended at,
     steps_trained: int | None = None  # to say why nothing was judged
 
     def observe(self, step: int, metrics: Mapping[str, float], diagnosis: Diagnosis | None) -> None:
         """Count one logged step: its cause (or ``no action tokens``), its metrics (bare names) when it had tokens."""
         self.logged_steps += 1
-        self.fit_logged_steps += 1
         self.last_step = step
         has_tokens = metrics.get("n_action_tokens", 0.0) > 0
         label = diagnosis.label if diagnosis is not None else "not diagnosed" if has_tokens else "no action tokens"

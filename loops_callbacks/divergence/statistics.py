@@ -830,7 +830,7 @@ def datum_chunks(flat: FlatBatch, positions: int) -> Iterator[FlatBatch]:
 
 
 def _cut(value: Any, bounds: tuple[int, int]) -> Any:
-    if value is None or isinstance(value, bool):
+    if value is None:
         return value
     return value.rows(*bounds) if isinstance(value, (PaddedTokens, DatumTokens)) else value[bounds[0] : bounds[1]]
 
