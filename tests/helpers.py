@@ -199,6 +199,11 @@ EXACT_KEYS = {  # order statistics and counts: no summation, so bit-for-bit
 }
 
 
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The logged metric scalars, without the breakdown (the diagnosis' and the strata's, tested on their own)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, float) and k.removeprefix(P).count("/") == 0}
+
+
 def assert_metrics_equal(got: dict[str, Any], want: dict[str, float]) -> None:
     scalars = {k: v for k, v in got.items() if isinstance(v, float)}
     assert scalars.keys() == want.keys()

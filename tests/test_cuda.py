@@ -6,6 +6,7 @@ Skipped (with the reason) where no CUDA device is present; run on a GPU machine 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,14 @@ import torch
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.statistics import DivergenceStats
-from tests.helpers import RecordingLogger, TinyPolicy, assert_metrics_equal, expected_metrics, quiet_trainer
+from tests.helpers import (
+    RecordingLogger,
+    TinyPolicy,
+    assert_metrics_equal,
+    expected_metrics,
+    quiet_trainer,
+    scalars,
+)
 from tests.oracle import PREFIX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -124,8 +132,33 @@ def test_monitor_on_gpu_with_bf16_mixed_and_accumulation() -> None:
     assert [step for step, _ in ours] == [0, 1, 2]
     for step, metrics in ours:
         window = [r for r in model.recorded if r["step"] == step]
-        got = {k: v for k, v in metrics.items() if isinstance(v, float)}
-        assert_metrics_equal(got, expected_metrics(window))
+        assert_metrics_equal(scalars(metrics), expected_metrics(window))
+
+
+class _CountedMonitor(KLSampleTrainMonitor):
+    """Counts the host synchronizations inside each call of the hook (sync debug mode ``warn``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[int] = []
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                super().on_train_batch_end(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        self.waits.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+
+
+def test_a_logged_step_waits_for_the_gpu_once_and_another_step_never() -> None:
+    monitor = _CountedMonitor()
+    quiet_trainer(accelerator="gpu", max_steps=4, log_every_n_steps=2, logger=RecordingLogger(),
+                  callbacks=[monitor]).fit(TinyPolicy())
+    assert monitor.waits == [0, 1, 0, 1]  # steps 1 and 3 are logged: the one transfer of their statistics
 
 
 # --- the reference scorer on the GPU --------------------------------------------------------------
@@ -176,11 +209,16 @@ def test_reference_scoring_never_waits_for_the_gpu_between_batches(output_head: 
     packed = PackedTokens.from_sequences(_sequences())
     client.score_packed(packed)  # the one-time head check reads a number back
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("warn")
     try:
-        values = client.score_packed(packed)  # ids in, every batch built and scattered on the device
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            values = client.score_packed(packed)  # ids in, every batch built and scattered on the device
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    # one wait in all: after the last batch, the check that every value is a logprob reads one boolean
+    assert len(waits) == 1, waits
     assert values.is_cuda and values.dtype == torch.float32 and values.numel() == packed.num_tokens
     assert client.path == ("output_head" if output_head else "logits")
 
@@ -231,7 +269,8 @@ class _ShardedDPO(pl.LightningModule):
         return _dpo_loss(self(batch["input_ids"]), batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        # an optimizer with state: Lightning's FSDP resume from a full checkpoint reads its first entry
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def _strategy(fsdp2: bool) -> Any:

@@ -455,10 +455,23 @@ def prompt_values(flat: FlatBatch) -> dict[str, torch.Tensor]:
             "n_prompt_datums_differ": torch.count_nonzero(differ).to(torch.float64), "prompt_first": record}
 
 
+@functools.lru_cache(maxsize=None)
+def device_constant(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-d tensor on ``device``, made once per device and without a host transfer (on a GPU,
+    one fill per value: a copy from the host would wait for the device).
+
+    >>> device_constant((0.0, 2.0), torch.float64, torch.device("cpu")).tolist()
+    [0.0, 2.0]
+    """
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.stack([torch.full((), value, dtype=dtype, device=device) for value in values])
+
+
 def renumber(record: torch.Tensor, datum_offset: torch.Tensor | float) -> torch.Tensor:
     """A ``prompt_first`` record (or ``[..., PROMPT_RECORD]`` records) whose datums come ``datum_offset`` later."""
     if not isinstance(datum_offset, torch.Tensor):
-        datum_offset = torch.tensor(float(datum_offset), dtype=torch.float64, device=record.device)
+        return record - float(datum_offset) * PROMPT_SCALE
     return record - datum_offset.to(record.dtype).reshape(*datum_offset.shape, *([1] * (record.dim()
                                                                                          - datum_offset.dim()))) * PROMPT_SCALE
 
@@ -484,7 +497,7 @@ def offset_sums(flat: FlatBatch) -> torch.Tensor:
         voted, vote, gap_voted, gap_aligned = _row_votes(window)
         weight, o = voted.to(torch.float64), vote.to(torch.float64)  # each voting row, summed into its bin
         votes = torch.stack([weight, weight * o, weight * o * o, weight * gap_voted, weight * gap_aligned])
-        bins.index_add_(1, torch.bucketize(vote, _bin_upper(vote.device)), votes)
+        bins.index_add_(1, torch.bucketize(vote, device_constant(_BIN_UPPER_BOUNDS, torch.int64, vote.device)), votes)
         out[len(BIN_FIELDS) * OFFSET_BINS :] += _left_aligned(window, voted=voted, vote=vote)
     return out
 
@@ -555,7 +568,7 @@ def _row_votes(window: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     t = torch.where(window.active, window.t, 0.0)
     s = torch.where(window.usable, window.s, 0.0)
     size = 2 * width
-    omega = torch.tensor((0.0, *FREQUENCIES), dtype=torch.float64, device=m.device)[:, None, None]
+    omega = device_constant((0.0, *FREQUENCIES), torch.float64, m.device)[:, None, None]
     waves_t = torch.polar(m.expand(len(omega), -1, -1), omega * t)  # ω = 0 counts the pairs
     waves_s = torch.polar(v.expand(len(omega), -1, -1), omega * s)
     # corr(a, b)(o) = sum_k conj(a[k]) b[k + o] = ifft(conj(A) B)(o mod size)
@@ -574,7 +587,7 @@ def _row_votes(window: _Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return voted, offsets.index_select(0, best), gap.gather(1, best[:, None]).squeeze(1), gap[:, width - 1]
 
 
-_BIN_UPPER_BOUNDS = (
+_BIN_UPPER_BOUNDS = tuple(
     [-(2 ** (p + 2)) - 1 for p in range(_LOG_BINS, 0, -1)]
     + list(range(-EXACT, EXACT + 1))
     + [2 ** (p + 3) for p in range(1, _LOG_BINS)]
@@ -583,10 +596,6 @@ _BIN_UPPER_BOUNDS = (
 o <= 2^(p+3)); ``torch.bucketize`` finds a vote's bin."""
 
 
-@functools.lru_cache(maxsize=None)
-def _bin_upper(device: torch.device) -> torch.Tensor:
-    """``_BIN_UPPER_BOUNDS`` as int64 on ``device``, made once per device (no host copy per step)."""
-    return torch.tensor(_BIN_UPPER_BOUNDS, dtype=torch.int64, device=device)
 
 
 def _left_aligned(window: _Window, *, voted: torch.Tensor, vote: torch.Tensor) -> torch.Tensor:
@@ -609,6 +618,7 @@ TOKEN_BUCKETS = 1024
 mergeable buffer whatever the vocabulary (``token_eta2`` corrects for the buckets' number)."""
 PROBABILITY_EDGES = (0.01, 0.1, 0.5, 0.9)
 """Edges of the sampler-probability buckets (a bucket holds its lower edge)."""
+_LOG_EDGES = tuple(math.log(p) for p in PROBABILITY_EDGES)
 PROBABILITY_STRATA = ("p_lt_0.01", "p_0.01_0.1", "p_0.1_0.5", "p_0.5_0.9", "p_ge_0.9")
 POSITION_STRATA = ("pos_q1", "pos_q2", "pos_q3", "pos_q4")
 LAG_STRATA = ("lag_0", "lag_1", "lag_2", "lag_3", "lag_4_7", "lag_8_plus")
@@ -930,7 +940,7 @@ def _signature_sums(flat: FlatBatch, d: torch.Tensor, abs_d: torch.Tensor, sampl
     d2 = d * d
     count, n_16_bit = torch.count_nonzero, torch.zeros((), device=d.device)
     if flat.sampler.dtype in _16_BIT and flat.trainer.dtype in _16_BIT:  # rounded to 16 bits, exact matches say less
-        n_16_bit = count(active) if active is not None else torch.tensor(float(d.numel()), device=d.device)
+        n_16_bit = count(active) if active is not None else torch.full((), float(d.numel()), device=d.device)
     sums = {
         "sum_trainer": t.sum(), "sum_sampler2": torch.dot(s, s), "sum_trainer2": torch.dot(t, t),
         "sum_sampler_trainer": torch.dot(s, t), "sum_d4": torch.dot(d2, d2),
@@ -1156,15 +1166,12 @@ def _datums_and_orders(active: torch.Tensor, row_lengths: torch.Tensor, row_coun
     return datum, order
 
 
-@functools.lru_cache(maxsize=None)
-def _edges(device: torch.device) -> torch.Tensor:
-    """The log ``PROBABILITY_EDGES`` on ``device``, made once per device, so that no step copies them from the host."""
-    return torch.tensor([math.log(p) for p in PROBABILITY_EDGES], dtype=torch.float64, device=device)
 
 
 def _probability_buckets(sampler: torch.Tensor) -> torch.Tensor:
     """Each sampler logprob's bucket of ``PROBABILITY_EDGES`` (0: p < 0.01, ..., 4: p >= 0.9), int64."""
-    return torch.bucketize(sampler.to(torch.float64), _edges(sampler.device), right=True)
+    return torch.bucketize(sampler.to(torch.float64), device_constant(_LOG_EDGES, torch.float64, sampler.device),
+                          right=True)
 
 
 def _on_host(device: torch.device) -> bool:

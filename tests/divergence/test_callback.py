@@ -24,15 +24,11 @@ from tests.helpers import (
     datums_of,
     expected_metrics,
     quiet_trainer,
+    scalars,
 )
 from tests.oracle import PREFIX
 
 K3 = PREFIX + "kl_sample_train_k3"
-
-
-def scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """The logged metric scalars, without the breakdown (the diagnosis' and the strata's, tested on their own)."""
-    return {k: v for k, v in metrics.items() if isinstance(v, float) and k.removeprefix(PREFIX).count("/") == 0}
 
 
 @pytest.mark.parametrize("accumulate", [2, 4])
