@@ -183,7 +183,8 @@ def hook_lines(label: str, hooks: list[tuple[bool, float]], median_step: float) 
     logged = [s for is_logged, s in hooks if is_logged]
     not_logged = [s for is_logged, s in hooks if not is_logged]
     per_step_mean = sum(s for _, s in hooks) / len(hooks)
-    print(f"{label}: hook on logged steps ({len(logged)}): median {statistics.median(logged) * 1e3:.2f} ms")
+    print(f"{label}: hook on logged steps ({len(logged)}): median {statistics.median(logged) * 1e3:.2f} ms, "
+          f"slowest {max(logged) * 1e3:.2f} ms")
     print(f"{label}: hook on other steps ({len(not_logged)}): median {statistics.median(not_logged) * 1e6:.1f} us "
           f"= {statistics.median(not_logged) / median_step:.4%} of a step (target <= 1%)")
     print(f"{label}: hook averaged over all steps at the default interval: {per_step_mean * 1e3:.3f} ms "

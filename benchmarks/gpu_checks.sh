@@ -26,13 +26,13 @@ case $? in
 esac
 mkdir -p "$out"
 failed=0
-export PYTHONPATH=$PWD WANDB_MODE=offline PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=offline PYTHONUNBUFFERED=1
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$out/device.log" || failed=1
-"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "not nccl" 2>&1 | tail -15 | tee "$out/test_cuda.log" || failed=1
-"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k nccl 2>&1 | tail -15 | tee "$out/test_cuda_fleet_nccl.log" || failed=1  # a vLLM server synced over NCCL (needs vLLM's CUDA build)
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "not nccl" 2>&1 | tee "$out/test_cuda.log" | tail -25 || failed=1
+"$python" -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k nccl 2>&1 | tee "$out/test_cuda_fleet_nccl.log" | tail -15 || failed=1  # a vLLM server synced over NCCL (needs vLLM's CUDA build)
 "$python" benchmarks/bench_reference.py --device cuda --model medium --dtype bfloat16 --skip-remote --budgets 8192 16384 2>&1 | tee "$out/bench_reference_medium_bf16.log" || failed=1
 "$python" benchmarks/bench_reference.py --device cuda --dtype bfloat16 --head-memory 2>&1 | tee "$out/bench_reference_head_memory.log" || failed=1
 "$python" benchmarks/bench_reference.py --device cuda --budgets 4096 16384 2>&1 | tee "$out/bench_reference.log" || failed=1
 "$python" benchmarks/bench_rl_metrics.py --device cuda 2>&1 | tee "$out/bench_rl_metrics.log" || failed=1
-"$python" benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tail -6 | tee "$out/bench_callback.log" || failed=1
+"$python" benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tee "$out/bench_callback.log" | tail -8 || failed=1
 exit $failed
