@@ -140,7 +140,7 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
 
     from loops_callbacks.divergence.batch import flatten_padded
     from loops_callbacks.divergence.statistics import parse_corrections
-    from loops_callbacks.divergence.statistics import DivergenceStats
+    from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 
     items = [RandomTokens()[i] for i in range(BATCH)]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
@@ -151,19 +151,20 @@ def part_costs(repeats: int = 60) -> list[tuple[str, float]]:
     versioned = dataclasses.replace(flat, lags=rows % 3)
     grouped = dataclasses.replace(versioned, groups=rows % 4)
 
-    configurations: dict[str, tuple[Any, dict[str, Any]]] = {
-        "base": (flat, {}),
-        "no diagnosis": (flat, {"diagnose": False}),
-        "p, pos": (flat, {"max_groups": 8}),
-        "p, pos, lag": (versioned, {"max_groups": 8}),
-        "all strata": (grouped, {"max_groups": 8}),
-        **{c.name: (flat, {"corrections": [c]}) for c in parse_corrections(CORRECTIONS)},
+    shared: dict[str, Any] = {"top_n": 20, "sample_size": 100_000}
+    configurations: dict[str, tuple[Any, StatisticsOptions]] = {
+        "base": (flat, StatisticsOptions(**shared)),
+        "no diagnosis": (flat, StatisticsOptions(**shared, diagnose=False)),
+        "p, pos": (flat, StatisticsOptions(**shared, max_groups=8)),
+        "p, pos, lag": (versioned, StatisticsOptions(**shared, max_groups=8)),
+        "all strata": (grouped, StatisticsOptions(**shared, max_groups=8)),
+        **{c.name: (flat, StatisticsOptions(**shared, corrections=(c,))) for c in parse_corrections(CORRECTIONS)},
     }
     times: dict[str, list[float]] = {name: [] for name in configurations}
     for _ in range(repeats):
         for name, (batch_flat, options) in configurations.items():
             start = time.perf_counter()
-            DivergenceStats.from_batch(batch_flat, top_n=20, sample_size=100_000, **options)
+            DivergenceStats.from_batch(batch_flat, options)
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(values) for name, values in times.items()}
     base = median["base"]

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from loops_callbacks.correction import METHODS  # noqa: E402
 from loops_callbacks.divergence.batch import FlatBatch, flatten_padded  # noqa: E402
 from loops_callbacks.divergence.statistics import parse_corrections, shadow_values  # noqa: E402
-from loops_callbacks.divergence.statistics import DivergenceStats  # noqa: E402
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
 BOUNDS = {"token_k1": "2.0", "token_k2": "0.1", "token_k3": "0.05", "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "1.0",
@@ -78,7 +78,7 @@ def main() -> None:
 
     def reference() -> object:
         generator = torch.Generator().manual_seed(0)
-        return DivergenceStats.from_batch(flat, top_n=20, sample_size=100_000, generator=generator)
+        return DivergenceStats.from_batch(flat, StatisticsOptions(top_n=20, sample_size=100_000), generator=generator)
 
     base = median_seconds(reference, args.repeats)
     print("| statistics | ms | ratio to DivergenceStats.from_batch |\n|---|---:|---:|")

@@ -62,7 +62,7 @@ from loops_callbacks.divergence.statistics import (  # noqa: E402
 )
 from loops_callbacks.divergence.statistics import ROW  # noqa: E402
 from loops_callbacks.divergence.batch import DEFAULT_MAX_GROUPS  # noqa: E402
-from loops_callbacks.divergence.statistics import DivergenceStats, layout_of  # noqa: E402
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions, layout_of  # noqa: E402
 
 TOP_N, SAMPLE_SIZE, LENGTH = 20, 100_000, 64
 LATENCY_S, BANDWIDTH_BPS = 10e-6, 100e9  # the network: 10 us per collective, 100 GB/s
@@ -173,7 +173,7 @@ def rank_batch(rank: int, world: int) -> dict[str, torch.Tensor]:
 def stats_of(batch: dict[str, torch.Tensor], sample_size: int, seed: int) -> DivergenceStats:
     flat = flatten_padded(**batch, with_tokens=True)
     return DivergenceStats.from_batch(
-        flat, top_n=TOP_N, sample_size=sample_size, generator=torch.Generator().manual_seed(seed)
+        flat, StatisticsOptions(top_n=TOP_N, sample_size=sample_size), generator=torch.Generator().manual_seed(seed)
     )
 
 

@@ -26,7 +26,7 @@ from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.batch import trainer_logprobs_from_output
 from loops_callbacks.divergence.statistics import DEFAULT_PREFIX
 from loops_callbacks.divergence.report import MediaOptions, Tokenizer, checked_tokenizer, step_report, wandb_media
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train"]
 
@@ -99,7 +99,7 @@ def _report(
     The plain functions report no diagnosis, so neither its token ids nor its sums are read.
     """
     flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnose=False)
-    host = DivergenceStats.from_batch(flat, top_n=media.rows, diagnose=False).to_host()
+    host = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=media.rows, diagnose=False)).to_host()
     report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(), diagnose=False, tokenizer=tokenizer)
     for message in report.problems.values():
         logger.warning("%s", message)

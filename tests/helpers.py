@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 from loops_callbacks import loops_compute_kl_sample_train
 from loops_callbacks.divergence.batch import flatten_datums
 from loops_callbacks.divergence.statistics import reduce_across_ranks
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.types import Datum, ModelInput, TensorData
 from tests.oracle import PREFIX as P
 
@@ -293,7 +293,7 @@ def stats_of(
 ) -> DivergenceStats:
     datums, trainer = as_datums(batch, "lists")
     return DivergenceStats.from_batch(
-        flatten_datums(datums, trainer, with_tokens=True), top_n=top_n, sample_size=sample_size,
+        flatten_datums(datums, trainer, with_tokens=True), StatisticsOptions(top_n=top_n, sample_size=sample_size),
         generator=torch.Generator().manual_seed(seed),
     )
 

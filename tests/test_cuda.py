@@ -15,7 +15,7 @@ import torch
 
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.batch import flatten_padded
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from tests.helpers import (
     RecordingLogger,
     TinyPolicy,
@@ -44,9 +44,9 @@ def padded_batch(device: str, batch: int = 64, length: int = 256) -> dict[str, t
     }
 
 
-def host_of(device: str, **kwargs: Any) -> Any:
+def host_of(device: str) -> Any:
     flat = flatten_padded(**padded_batch(device), with_tokens=True)
-    return DivergenceStats.from_batch(flat, top_n=20, **kwargs).to_host()
+    return DivergenceStats.from_batch(flat, StatisticsOptions(top_n=20)).to_host()
 
 
 def test_cuda_statistics_equal_the_cpu_ones() -> None:
@@ -64,8 +64,9 @@ def test_no_host_sync_until_to_host() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         flat = flatten_padded(**batch, with_tokens=True)
-        stats = DivergenceStats.from_batch(flat, top_n=20, sample_size=1000, generator=torch.Generator("cuda"))
-        stats = stats.merge(DivergenceStats.from_batch(flat, top_n=20, sample_size=1000))
+        options = StatisticsOptions(top_n=20, sample_size=1000)
+        stats = DivergenceStats.from_batch(flat, options, generator=torch.Generator("cuda"))
+        stats = stats.merge(DivergenceStats.from_batch(flat, options))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert stats.to_host().totals["n_action_tokens"] > 0
@@ -87,7 +88,7 @@ def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         flat = read_step(output, step, data_keys(None))
-        stats = DivergenceStats.from_batch(flat, top_n=20)
+        stats = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=20))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     host = stats.to_host()
@@ -115,7 +116,7 @@ def test_loops_functions_on_cuda_tensors() -> None:
     assert_metrics_equal(loops_compute_kl_sample_train(datums, trainer),
                          loops_compute_kl_sample_train(on_cpu, trainer.cpu()))
     rows = [
-        DivergenceStats.from_batch(flatten_datums(d, t, with_tokens=True), top_n=20).to_host().worst
+        DivergenceStats.from_batch(flatten_datums(d, t, with_tokens=True), StatisticsOptions(top_n=20)).to_host().worst
         for d, t in ((datums, trainer), (on_cpu, trainer.cpu()))
     ]
     assert (rows[0] == rows[1]).all()

@@ -45,7 +45,7 @@ from loops_callbacks.divergence.report import (
     TABLE_KEY, MediaOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver, deliver_text, step_report,
 )
 from loops_callbacks.divergence.statistics import (
-    DEFAULT_PREFIX, DivergenceStats, parse_corrections, reduce_across_ranks,
+    DEFAULT_PREFIX, DivergenceStats, StatisticsOptions, parse_corrections, reduce_across_ranks,
 )
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings, warn
@@ -147,6 +147,8 @@ class KLSampleTrainMonitor(Callback):
         self.calibration_steps = check_int("calibration_steps", calibration_steps, least=0)
         self.max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
         self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
+        self.statistics = StatisticsOptions(top_n=self.media.rows, sample_size=self.sample_size, diagnose=self.diagnose,
+                                            max_groups=self.media.strata_groups, corrections=self.corrections)
         self.keys = data_keys(keys)
         self.warnings = RunWarnings()
         self._start_run()
@@ -229,11 +231,10 @@ class KLSampleTrainMonitor(Callback):
         if not logged:
             return
         facts = read_sampler_facts(outputs, batch, self.keys, self.warnings)  # this rank's engine's own account
-        generator = self._generator(flat.device, trainer.global_rank)
-        stats = DivergenceStats.from_batch(
-            flat, top_n=self.media.rows, sample_size=self.sample_size, generator=generator, diagnose=self.diagnose,
-            max_groups=self.media.strata_groups, corrections=self.corrections, rank=trainer.global_rank,
-        )
+        if flat.device not in self._generators:  # the diff sample's own RNG (the user's never moves), seeded by rank
+            self._generators[flat.device] = torch.Generator(device=flat.device).manual_seed(trainer.global_rank)
+        generator = self._generators[flat.device]
+        stats = DivergenceStats.from_batch(flat, self.statistics, generator=generator, rank=trainer.global_rank)
         self._step_stats = stats if self._step_stats is None else self._step_stats.merge(stats)
         if self.interval == "optimizer_step" and accumulating(trainer):
             return
@@ -343,12 +344,6 @@ class KLSampleTrainMonitor(Callback):
 
     def _every(self, trainer: pl.Trainer) -> int:
         return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
-
-    def _generator(self, device: torch.device, rank: int) -> torch.Generator:
-        """A private RNG for the percentile sample (monitoring never moves the user's), seeded with the rank."""
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(rank)
-        return self._generators[device]
 
     def _deliver(self, trainer: pl.Trainer, report: StepReport, step: int) -> None:
         """Every scalar into ``callback_metrics`` (every rank; those of the previous logged step this one does not

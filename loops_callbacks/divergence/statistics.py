@@ -315,7 +315,7 @@ from loops_callbacks.divergence.batch import (
     CONTEXT_AFTER, CONTEXT_BEFORE, DEFAULT_MAX_GROUPS, LOGPROB_FLOOR, MAX_SERVERS, NO_TOKEN, PER_DATUM, DatumTokens,
     FlatBatch, PaddedTokens,
 )
-from loops_callbacks.validation import LOGPROB_ROUNDING, check_int
+from loops_callbacks.validation import LOGPROB_ROUNDING, check_bool, check_int
 
 OFFSET_WINDOW = 2048
 """Positions read from the start of each row (all of a shorter row): an action token beyond
@@ -1473,6 +1473,32 @@ def layout_of(diagnose: bool = True, max_groups: int | None = None, corrections:
 
 
 @dataclass(frozen=True)
+class StatisticsOptions:
+    """What ``DivergenceStats.from_batch`` reads, checked once when made: the ``top_n`` worst rows, a sample of at
+    most ``sample_size`` diffs, the diagnosis' sums when ``diagnose`` (the plain SDK functions need none), the strata
+    with ``max_groups``, and the shadow statistics of ``corrections`` (parsed by their owner: ``parse_corrections``).
+
+    >>> StatisticsOptions(top_n=5, diagnose=False).layout.sizes["sum"] < StatisticsOptions().layout.sizes["sum"]
+    True
+    """
+
+    top_n: int = 0
+    sample_size: int | None = None
+    diagnose: bool = True
+    max_groups: int | None = None
+    corrections: tuple[Correction, ...] = ()
+    layout: Layout = field(init=False, repr=False, compare=False)
+    """The states these options keep (``layout_of``)."""
+
+    def __post_init__(self) -> None:
+        check_int("top_n", self.top_n, least=0)
+        check_int("sample_size", self.sample_size, least=1, optional=True)
+        check_bool("diagnose", self.diagnose)
+        object.__setattr__(self, "corrections", tuple(self.corrections))
+        object.__setattr__(self, "layout", layout_of(self.diagnose, self.max_groups, self.corrections))
+
+
+@dataclass(frozen=True)
 class DivergenceStats:
     """Statistics of one or more batches on their device (module docstring); ``statistics`` reduces them."""
 
@@ -1490,25 +1516,17 @@ class DivergenceStats:
     def from_batch(
         cls,
         flat: FlatBatch,
+        options: StatisticsOptions = StatisticsOptions(),  # noqa: B008 - frozen
         *,
-        top_n: int = 0,
-        sample_size: int | None = None,
         generator: torch.Generator | None = None,
-        diagnose: bool = True,
-        max_groups: int | None = None,
-        corrections: tuple[Correction, ...] = (),
         rank: int = 0,
     ) -> DivergenceStats:
-        """Read one flattened batch: ``top_n`` worst rows (with token ids when ``flat.tokens`` is set), a
-        sample of at most ``sample_size`` diffs (``generator`` draws their keys), and the states ``layout_of``
-        declares (``diagnose=False``: none of the diagnosis' sums, as the plain SDK functions need none;
-        ``max_groups``: the strata, lags and groups from ``flat``; ``corrections``, parsed once by their owner
-        (``parse_corrections``): their shadow statistics, with this process's ``rank`` where advantages could
-        not be read). On the CPU a batch of more than
-        ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay small."""
-        check_int("top_n", top_n, least=0)
-        check_int("sample_size", sample_size, least=1, optional=True)
-        layout = layout_of(diagnose, max_groups, tuple(corrections))
+        """Read one flattened batch as ``options`` say (checked when they were made): the worst rows (with token
+        ids when ``flat.tokens`` is set), a sample of diffs (``generator`` draws their keys), and the states their
+        layout declares, with this process's ``rank`` where a correction could not read advantages. On the CPU a
+        batch of more than ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay
+        small."""
+        layout, top_n, sample_size = options.layout, options.top_n, options.sample_size
         chunks = datum_chunks(flat, CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
         for chunk in chunks:

@@ -66,9 +66,9 @@ def test_respects_log_every_n_steps_and_costs_nothing_between(monkeypatch: Any) 
 
     computed = []
 
-    def counting_from_batch(flat: Any, **kwargs: Any) -> DivergenceStats:
+    def counting_from_batch(flat: Any, *args: Any, **kwargs: Any) -> DivergenceStats:
         computed.append(flat)
-        return DivergenceStats.from_batch(flat, **kwargs)
+        return DivergenceStats.from_batch(flat, *args, **kwargs)
 
     counting = type("CountingStats", (), {"from_batch": staticmethod(counting_from_batch)})
     monkeypatch.setattr(monitor_module, "DivergenceStats", counting)

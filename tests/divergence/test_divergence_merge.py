@@ -138,12 +138,12 @@ def test_a_chunked_read_keeps_at_most_sample_size_diffs_per_chunk_until_the_merg
     assert len(got.diffs) == 3
 
 
-def test_from_batch_checks_its_counts_as_every_argument_is_checked() -> None:
-    from loops_callbacks.divergence.batch import flatten_padded
-    from loops_callbacks.divergence.statistics import DivergenceStats
+def test_the_statistics_options_check_their_counts_once_when_made() -> None:
+    from loops_callbacks.divergence.statistics import StatisticsOptions
 
-    batch = flatten_padded(sampler_logprobs=torch.zeros(1, 2), training_logprobs=torch.zeros(1, 2), mask=torch.ones(1, 2))
     with pytest.raises(TypeError, match=r"^top_n must be an int >= 0, got 1.5"):
-        DivergenceStats.from_batch(batch, top_n=1.5)
+        StatisticsOptions(top_n=1.5)
     with pytest.raises(ValueError, match=r"^sample_size must be an int >= 1 or None, got 0"):
-        DivergenceStats.from_batch(batch, sample_size=0)
+        StatisticsOptions(sample_size=0)
+    with pytest.raises(TypeError, match=r"^diagnose must be"):
+        StatisticsOptions(diagnose="yes")

@@ -21,7 +21,7 @@ from loops_callbacks.divergence.statistics import scalar_metrics
 from loops_callbacks.distributed import ProcessGroup
 from loops_callbacks.divergence.statistics import received_bytes, reduce_across_ranks, stratified_allocation
 from loops_callbacks.divergence.statistics import ROW
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.divergence.statistics import parse_corrections
 from tests.helpers import ThreadGroup, assert_metrics_equal, assert_totals_equal, reduce_in_threads, stats_of
 
@@ -231,7 +231,8 @@ def test_reduction_on_cuda_does_not_synchronize_and_matches_the_cpu() -> None:
     results = {}
     for device in ("cpu", "cuda"):
         flat = flatten_padded(**{k: v.to(device) for k, v in batch.items()})
-        stats = DivergenceStats.from_batch(flat, top_n=20, sample_size=300, generator=torch.Generator(device))
+        stats = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=20, sample_size=300),
+                                           generator=torch.Generator(device))
         draw = torch.Generator(device).manual_seed(1)
         if device == "cuda":
             torch.cuda.synchronize()

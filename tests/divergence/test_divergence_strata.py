@@ -20,7 +20,7 @@ from loops_callbacks.divergence import statistics as sums
 from loops_callbacks.divergence.batch import FlatBatch, flatten_padded
 from loops_callbacks.divergence.batch import data_keys, read_step
 from loops_callbacks.divergence.statistics import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows
 
 MAX_GROUPS = 3
@@ -42,7 +42,7 @@ def flat_of(batch: list[dict[str, Any]]) -> FlatBatch:
 
 
 def stats_of(batch: list[dict[str, Any]], sample_size: int | None = None) -> DivergenceStats:
-    return DivergenceStats.from_batch(flat_of(batch), max_groups=MAX_GROUPS, sample_size=sample_size)
+    return DivergenceStats.from_batch(flat_of(batch), StatisticsOptions(max_groups=MAX_GROUPS, sample_size=sample_size))
 
 
 def loop_oracle(flat: FlatBatch) -> dict[str, np.ndarray]:
@@ -102,7 +102,7 @@ def test_stratum_sums_equal_a_token_by_token_loop(case: Any, masked: bool) -> No
     with pytest.MonkeyPatch.context() as patch:
         if masked:  # the accelerator's fixed-shape path (index_add_, no bincount), run on the CPU
             patch.setattr(sums, "_on_host", lambda device: False)
-        host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
+        host = DivergenceStats.from_batch(flat, StatisticsOptions(max_groups=MAX_GROUPS)).to_host()
     assert_strata_equal(host.strata, loop_oracle(flat))
     assert [label for label in host.by_lag] == (list(LAG_LABELS) if host.strata["pos_q1"].n_tokens else [])
 
@@ -114,12 +114,12 @@ def test_lags_are_the_trainer_step_minus_the_version_and_by_lag_reads_them() -> 
     ]
     flat = flat_of(labelled(batch, versions=[STEP, STEP - 5], groups=[0, 0]))
     assert flat.lags.tolist() == [0, 5]
-    by_lag = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host().by_lag
+    by_lag = DivergenceStats.from_batch(flat, StatisticsOptions(max_groups=MAX_GROUPS)).to_host().by_lag
     assert list(by_lag) == ["0", "1", "2", "3", "4-7", "8+"]
     assert (by_lag["0"].n_tokens, by_lag["4-7"].n_tokens, by_lag["1"].n_tokens) == (2.0, 1.0, 0.0)
     assert by_lag["4-7"].abs_d_mean == 0.25
     assert by_lag["0"].k3 == pytest.approx((math.exp(-0.5) - 1 + 0.5) / 2)
-    plain = DivergenceStats.from_batch(flat_of(batch), max_groups=MAX_GROUPS).to_host()
+    plain = DivergenceStats.from_batch(flat_of(batch), StatisticsOptions(max_groups=MAX_GROUPS)).to_host()
     assert plain.by_lag == {} and not any(name.startswith("group_") for name in plain.strata)  # no versions, no groups
 
 
@@ -176,14 +176,14 @@ def test_per_datum_values_the_strata_cannot_use_are_warnings_never_errors() -> N
     """Monitoring never stops training: each problem is one warning naming the key, a value and its datum."""
     flat = read_warned({"group": [-1, 0]}, r"datum 0 has 'group' = -1 \(< 0\).*'group_other'")
     assert flat.groups.tolist() == [MAX_GROUPS, 0]  # group_other's index
-    host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
+    host = DivergenceStats.from_batch(flat, StatisticsOptions(max_groups=MAX_GROUPS)).to_host()
     assert (host.strata["group_other"].n_tokens, host.strata["group_0"].n_tokens) == (2.0, 2.0)
     flat = read_warned({"group": ["math", "code"]}, r"'group' holds labels \(datum 0: 'math'\).*crc32")
     assert flat.groups.tolist() == [zlib.crc32(b"math") % MAX_GROUPS, zlib.crc32(b"code") % MAX_GROUPS]
     flat = read_warned({"policy_version": [5, 2]}, r"datum 0 has 'policy_version' = 5, ahead of the trainer's "
                        r"optimizer step 4 \(1 of 2 datums.*lag 0")
     assert flat.lags.tolist() == [-1, 2]  # counted at lag 0 and in lag_ahead
-    host = DivergenceStats.from_batch(flat, max_groups=MAX_GROUPS).to_host()
+    host = DivergenceStats.from_batch(flat, StatisticsOptions(max_groups=MAX_GROUPS)).to_host()
     assert [host.strata[name].n_tokens for name in ("lag_0", "lag_ahead", "lag_2")] == [2.0, 2.0, 2.0]
     for extra, match in (
         ({"policy_version": [1, 1, 1]}, r"'policy_version' has 3 values for 2 datums; the strata by policy lag are"),
@@ -261,16 +261,16 @@ def test_what_the_groups_cost_follows_the_groups_given_never_max_groups(monkeypa
     grouped = dataclasses.replace(flat, groups=torch.tensor([7, 3, 7]))
     pooled = dataclasses.replace(flat, groups=torch.tensor([0, 10**12, 0]))  # group_other: no wider
     for max_groups in (8, 10**6):
-        plain = DivergenceStats.from_batch(flat, max_groups=max_groups)
+        plain = DivergenceStats.from_batch(flat, StatisticsOptions(max_groups=max_groups))
         assert plain.groups is None
         assert not any(name.startswith("group_") for name in plain.to_host().strata)
-        stats = DivergenceStats.from_batch(grouped, max_groups=max_groups)
+        stats = DivergenceStats.from_batch(grouped, StatisticsOptions(max_groups=max_groups))
         assert stats.groups.shape == (GROUP_ROWS, 2)  # groups 3 and 7
         host = stats.to_host().strata
         assert [name for name in host if name.startswith("group_")] == ["group_3", "group_7"]
         assert (host["group_3"].n_tokens, host["group_7"].n_tokens) == (4.0, 8.0)
         sent.clear()
-        other = DivergenceStats.from_batch(pooled, max_groups=max_groups)
+        other = DivergenceStats.from_batch(pooled, StatisticsOptions(max_groups=max_groups))
         for result in reduce_in_threads([plain, stats, other]):
             host = result.to_host().strata
             assert (host["group_7"].n_tokens, host["group_0"].n_tokens, host["group_other"].n_tokens) == (8, 8, 4)
@@ -286,12 +286,11 @@ def test_on_an_accelerator_the_groups_width_is_fixed_and_the_reduction_gives_the
     the reduced groups are the same as with the width the headers give on the CPU."""
     from loops_callbacks.divergence import statistics as reduction
 
-    assert reduction._groups_width(DivergenceStats.from_batch(
-        flatten_padded(sampler_logprobs=torch.full((1, 2), -1.0), training_logprobs=torch.full((1, 2), -1.0),
-                       mask=torch.ones(1, 2)), max_groups=5).layout, torch.zeros(2, 1, device="meta")) == 6
+    assert reduction._groups_width(StatisticsOptions(max_groups=5).layout, torch.zeros(2, 1, device="meta")) == 6
     flat = flatten_padded(sampler_logprobs=torch.full((3, 4), -1.0), training_logprobs=torch.full((3, 4), -1.25),
                           mask=torch.ones(3, 4))
-    parts = [DivergenceStats.from_batch(dataclasses.replace(flat, groups=torch.tensor(groups)), max_groups=8)
+    parts = [DivergenceStats.from_batch(dataclasses.replace(flat, groups=torch.tensor(groups)),
+                                        StatisticsOptions(max_groups=8))
              for groups in ([7, 3, 7], [0, 10**12, 0])]
     on_cpu = [result.to_host().strata for result in reduce_in_threads(parts)]
     monkeypatch.setattr(reduction, "_groups_width", lambda layout, widths: layout.max_groups + 1)

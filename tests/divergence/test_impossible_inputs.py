@@ -23,7 +23,7 @@ from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.batch import data_keys, read_step
 from loops_callbacks.divergence.statistics import sampling_metrics
 from loops_callbacks.divergence.report import MediaOptions, StepReport, step_report
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.types import Datum, ModelInput
 from tests.helpers import quiet_trainer
 
@@ -254,7 +254,7 @@ def test_impossible_inputs_are_untrusted_without_a_diagnosis_too() -> None:
     batch = drawn()
     batch["training_logprobs"] = batch["training_logprobs"].clone()
     batch["training_logprobs"][0, 3] = -math.inf
-    host = DivergenceStats.from_batch(flatten_padded(**fields(batch)), diagnose=False).to_host()
+    host = DivergenceStats.from_batch(flatten_padded(**fields(batch)), StatisticsOptions(diagnose=False)).to_host()
     assert list(impossible_inputs(host)) == ["trainer_neg_inf"]
     report = step_report(host, prefix="", media=QUIET, guard_rail=GuardRail(max_kl=10.0), diagnose=False)
     assert report.untrusted is not None and report.exceeds is not None

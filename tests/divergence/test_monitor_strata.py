@@ -17,7 +17,7 @@ from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import batch as per_datum, report
 from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.statistics import parse_corrections, shadow_scalars, shadow_values
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.divergence.statistics import stratum_scalars
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import RecordingLogger, TinyPolicy, quiet_trainer
@@ -60,7 +60,7 @@ def window_flat(window: list[dict[str, Any]], step: int) -> Any:
 
 def expected_strata(window: list[dict[str, Any]], step: int) -> dict[str, float]:
     """The strata scalars of the window's micro-batches concatenated, computed in one piece."""
-    host = DivergenceStats.from_batch(window_flat(window, step), max_groups=MAX_GROUPS).to_host()
+    host = DivergenceStats.from_batch(window_flat(window, step), StatisticsOptions(max_groups=MAX_GROUPS)).to_host()
     return {PREFIX + name: value for name, value in stratum_scalars(host.strata).items()}
 
 

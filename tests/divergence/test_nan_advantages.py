@@ -22,7 +22,7 @@ import torch
 from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence import statistics
 from loops_callbacks.divergence.batch import flatten_datums, flatten_padded
-from loops_callbacks.divergence.statistics import DivergenceStats
+from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.divergence.monitor import MediaOptions
 from tests.helpers import TinyPolicy, WarningsDuringFit, quiet_trainer
 
@@ -56,7 +56,7 @@ def counts(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def totals(flat: Any, **options: Any) -> tuple[float, float]:
-    host = DivergenceStats.from_batch(flat, **options).to_host()
+    host = DivergenceStats.from_batch(flat, StatisticsOptions(**options)).to_host()
     return host.totals["n_advantage_nan"], host.totals["n_masked_in"]
 
 
