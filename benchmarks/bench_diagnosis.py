@@ -120,8 +120,8 @@ class Recorder:
     def __enter__(self) -> Recorder:
         self.original = monitor_module.step_report
 
-        def report_and_keep(host: Any, **options: Any) -> Any:
-            report = self.original(host, **options)
+        def report_and_keep(host: Any, *args: Any, **options: Any) -> Any:
+            report = self.original(host, *args, **options)
             self.inputs.update(name for name, value in options.items() if value is not None)
             if report.diagnosis is not None:
                 fresh = self.fresh() if self.fresh is not None else False
@@ -235,7 +235,7 @@ def after_steps(step: dict[str, Any], count: int) -> dict[str, Any]:
     return {**step, "policy_version": step["policy_version"] + count}
 
 
-BASE_INPUTS = {"prefix", "media", "guard_rail", "diagnose", "noise_floor"}
+BASE_INPUTS = {"guard_rail", "calibration"}
 """``step_report``'s options before direct evidence and per-lag numbers: not worth listing."""
 
 

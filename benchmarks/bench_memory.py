@@ -37,21 +37,19 @@ def logged_step(batch: dict, strata: bool) -> None:
     import torch
 
     from loops_callbacks.divergence.guard_rail import GuardRail
-    from loops_callbacks.divergence.report import MediaOptions, step_report
+    from loops_callbacks.divergence.report import ReportOptions, step_report
     from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
-    from loops_callbacks.divergence.batch import data_keys, read_step
+    from loops_callbacks.divergence.batch import ReadOptions, read_step
 
-    flat = read_step({}, batch, data_keys(None), with_tokens=True, optimizer_step=10 if strata else None)
+    flat = read_step({}, batch, ReadOptions(with_tokens=True), optimizer_step=10 if strata else None)
     stats = DivergenceStats.from_batch(
         flat, StatisticsOptions(top_n=20, sample_size=100_000, max_groups=8 if strata else None),
         generator=torch.Generator().manual_seed(0),
     )
     step_report(
         stats.to_host(),
-        prefix="optim/train-sample-div/",
-        media=MediaOptions(),
+        ReportOptions(prefix="optim/train-sample-div/"),
         guard_rail=GuardRail(max_kl=0.05, kl_metric="kl_sample_train_k3"),
-        diagnose=True,
     )
 
 

@@ -49,16 +49,17 @@ def record(
     kept: list[dict[str, Any]] = []
     original = monitor_module.step_report
 
-    def report_and_keep(host: Any, **report_options: Any) -> Any:
+    def report_and_keep(host: Any, *args: Any, **report_options: Any) -> Any:
+        calibration = report_options.get("calibration")
         kept.append(
             {
                 "signatures": signature_numbers(host),
                 "n_tokens": host.totals["n_action_tokens"],
-                "noise_floor": report_options.get("noise_floor"),
+                "noise_floor": calibration.noise_floor if calibration is not None else None,
                 "fresh": module.sampler_synced_at_step == module.trainer.global_step - 1,
             }
         )
-        return original(host, **report_options)
+        return original(host, *args, **report_options)
 
     monitor_module.step_report = report_and_keep
     try:

@@ -25,7 +25,14 @@ from loops_callbacks.divergence.batch import flatten_datums
 from loops_callbacks.divergence.guard_rail import GuardRail
 from loops_callbacks.divergence.batch import trainer_logprobs_from_output
 from loops_callbacks.divergence.statistics import DEFAULT_PREFIX
-from loops_callbacks.divergence.report import MediaOptions, Tokenizer, checked_tokenizer, step_report, wandb_media
+from loops_callbacks.divergence.report import (
+    MediaOptions,
+    ReportOptions,
+    Tokenizer,
+    checked_tokenizer,
+    step_report,
+    wandb_media,
+)
 from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 
 __all__ = ["loops_compute_kl_sample_train", "loops_log_kl_sample_train"]
@@ -100,7 +107,8 @@ def _report(
     """
     flat = flatten_datums(data, training_logprobs, with_tokens=media.rows > 0, diagnose=False)
     host = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=media.rows, diagnose=False)).to_host()
-    report = step_report(host, prefix=prefix, media=media, guard_rail=GuardRail(), diagnose=False, tokenizer=tokenizer)
+    report = step_report(host, ReportOptions(media=media, diagnose=False, tokenizer=tokenizer, prefix=prefix),
+                         guard_rail=GuardRail())
     for message in report.problems.values():
         logger.warning("%s", message)
     return {prefix + name: value for name, value in report.scalars.items()}, report

@@ -75,7 +75,7 @@ def test_no_host_sync_until_to_host() -> None:
 def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
     """The monitor's path (``read_step``, then the statistics) counts NaN advantages on the device; the
     count reaches the host with the rest in ``to_host``, and equals the CPU's."""
-    from loops_callbacks.divergence.batch import data_keys, read_step
+    from loops_callbacks.divergence.batch import read_step
 
     batch = padded_batch("cuda")
     advantages = batch["advantages"][:, None].expand_as(batch["mask"]).clone()
@@ -87,15 +87,15 @@ def test_nan_advantages_are_counted_on_the_gpu_without_a_host_sync() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        flat = read_step(output, step, data_keys(None))
+        flat = read_step(output, step)
         stats = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=20))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     host = stats.to_host()
     want = int((advantages.isnan() & (batch["mask"] > 0)).sum())
-    cpu = DivergenceStats.from_batch(read_step(
-        {k: v.cpu() for k, v in output.items()}, {k: v.cpu() for k, v in step.items()}, data_keys(None)
-    )).to_host()
+    cpu = DivergenceStats.from_batch(
+        read_step({k: v.cpu() for k, v in output.items()}, {k: v.cpu() for k, v in step.items()})
+    ).to_host()
     assert 0 < want == host.totals["n_advantage_nan"] == cpu.totals["n_advantage_nan"]
     assert host.totals["n_masked_in"] == cpu.totals["n_masked_in"] == int((batch["mask"] > 0).sum())
 

@@ -122,7 +122,7 @@ per datum) are read by ``batch``; what it cannot use is a warning, never an erro
 
 Examples:
     >>> batch = {"logprobs": torch.tensor([[-1.0, -2.0]]), "mask": torch.ones(1, 2)}
-    >>> flat = read_step({"training_logprobs": torch.tensor([[-1.5, -2.0]])}, batch, data_keys(None))
+    >>> flat = read_step({"training_logprobs": torch.tensor([[-1.5, -2.0]])}, batch)
     >>> flat.diff.tolist()
     [-0.5, 0.0]
 """
@@ -134,7 +134,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -145,7 +145,7 @@ from loops_callbacks.fields import (
     datum_loss_fn_inputs, datum_model_input, field_length, field_to_tensor, model_input_length, model_input_tokens,
 )
 from loops_callbacks.run_warnings import RunWarnings
-from loops_callbacks.validation import check, check_logprobs_dtype
+from loops_callbacks.validation import check, check_bool, check_int, check_logprobs_dtype
 
 LOGPROB_FLOOR = -1e4
 """A logprob below this (e.g. ``torch.finfo(torch.float32).min``) is a sentinel, not a probability."""
@@ -1140,29 +1140,47 @@ def key_label(keys: Mapping[str, str], name: str) -> str:
     return f"{key!r}" if key == name else f"{key!r} (the {name} key)"
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """What ``read_step`` reads, checked once when made: ``keys`` (over the defaults: ``data_keys``) say where
+    each datum is; ``with_tokens`` keeps the worst tokens' look-up, ``diagnose`` what the diagnosis needs (the
+    predicted ids it groups by, the sampler's prompts); ``max_groups`` is the index of ``group_other`` in the
+    strata; ``datum_advantages`` reads one advantage per datum (for a correction that needs them).
+
+    >>> ReadOptions(keys={"logprobs": "sampler_lp"}).keys["mask"]
+    'mask'
+    """
+
+    keys: Mapping[str, str] = field(default_factory=dict)
+    with_tokens: bool = False
+    diagnose: bool = True
+    max_groups: int = DEFAULT_MAX_GROUPS
+    datum_advantages: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", data_keys(self.keys))
+        for name in ("with_tokens", "diagnose", "datum_advantages"):
+            check_bool(name, getattr(self, name))
+        check_int("max_groups", self.max_groups, least=1)
+
+
 def read_step(
     outputs: Any,
     batch: Any,
-    keys: Mapping[str, str],
+    options: ReadOptions = ReadOptions(),  # noqa: B008 - frozen
     *,
-    with_tokens: bool = False,
-    diagnose: bool = True,
     optimizer_step: int | None = None,
-    max_groups: int = DEFAULT_MAX_GROUPS,
-    datum_advantages: bool = False,
     warnings: RunWarnings | None = None,
     servers: list[str] | None = None,
 ) -> FlatBatch:
-    """The step's positions, in either contract form (module docstring).
+    """The step's positions, in either contract form (module docstring), read as ``options`` say.
 
-    ``keys`` maps every name of ``DATA_KEYS`` to its key (``data_keys``); ``with_tokens`` keeps the
-    worst tokens' look-up, ``diagnose`` what the diagnosis needs (the predicted ids it groups by). With
-    ``optimizer_step`` (the caller keeps strata) the policy versions become lags and the groups ids
-    (``max_groups``: the index of ``group_other``); ``datum_advantages`` reads one advantage per datum
-    (for a correction that needs them); ``servers`` the run's sampling servers, in the order first named, to which
-    each datum's ``sampler_server`` is looked up (and appended; ``read_servers``). What these per-datum keys hold that cannot be used is a
-    warning through ``warnings`` (once per run and problem).
+    With ``optimizer_step`` (the caller keeps strata) the policy versions become lags and the groups ids;
+    ``servers`` are the run's sampling servers, in the order first named, to which each datum's
+    ``sampler_server`` is looked up (and appended; ``read_servers``). What these per-datum keys hold that cannot
+    be used is a warning through ``warnings`` (once per run and problem).
     """
+    keys, with_tokens, diagnose = options.keys, options.with_tokens, options.diagnose
     step = _Step(outputs, batch, keys, warnings)
     data = step.data
     if data is None and _is_empty_list(batch) and (step.get("logprobs") is None or step.get("mask") is None):
@@ -1213,12 +1231,12 @@ def read_step(
             warnings.warn("sampler_prompt_ids:no_tokens", f"KLSampleTrainMonitor: {step.label('sampler_prompt_ids')} "
                           "is given, but the batch has neither 'input_ids' nor 'target_tokens': the prompts are not "
                           "compared")
-    if datum_advantages:
+    if options.datum_advantages:
         found["datum_advantages"] = read_advantages(step, flat)
     if diagnose and servers is not None:
         found["servers"] = read_servers(step, flat, servers)
     if optimizer_step is not None:
-        found["groups"] = read_groups(step, flat, max_groups)
+        found["groups"] = read_groups(step, flat, options.max_groups)
         found["lags"] = read_lags(step, flat, optimizer_step)
     return dataclasses.replace(flat, **found) if found else flat
 

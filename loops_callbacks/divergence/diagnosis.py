@@ -22,7 +22,7 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
 * **Relative gap**: mean d² / var(s). Rounding noise scales with the logits, so this stays level
   while a model sharpens; a step whose relative gap is within the run's noise bound is
   ``precision`` (or ``none``, ``sampling``, ``unclear``), never another cause.
-* **Noise floor** (``history.Calibration``): the median relative gap of the run's latest healthy steps;
+* **Noise floor** (``Calibration``): the median relative gap of the run's latest healthy steps;
   the bound is ``NOISE_FACTOR`` times it, the prior ``NOISE_PRIOR`` before the run is calibrated.
 * **Direct evidence** (``batch``): what the monitor sees for certain about the trainer (live
   dropout, its precision); live dropout is named as an observation (confidence 1), before any
@@ -33,7 +33,7 @@ diverge"). d = trainer − sampler logprob of a token, s the sampler's logprob.
   differ from the tokens the trainer scored before each completion (``prompt``, with where they differ); an
   engine that reports processed logprobs after a temperature or truncation (``SamplerFacts``) when the gap agrees
   with its settings.
-* **Trend**: the relative gaps of the run's previous logged steps (``history.Calibration.recent_gaps``),
+* **Trend**: the relative gaps of the run's previous logged steps (``Calibration.recent_gaps``),
   read for a gap that grows step after step (stale weights).
 
 A diagnosis is a hint with its numbers, not a certainty: ``unclear`` with its numbers is the answer
@@ -339,7 +339,7 @@ def diagnose(
 ) -> Diagnosis:
     """The likely cause of a step with these ``statistics`` (``signature_numbers``).
 
-    ``noise_floor`` is the run's (``history.Calibration.noise_floor``; ``None`` before calibration: the
+    ``noise_floor`` is the run's (``Calibration.noise_floor``; ``None`` before calibration: the
     prior bound, and token identity is not read). ``batch`` is what was seen directly about the
     trainer (``observe_training``): live dropout is named with confidence 1, and beside it
     (``beyond``) what dropout cannot explain: an offset, a gap growing with the policy lag or over
@@ -733,3 +733,70 @@ def _reader(numbers: Mapping[str, float]) -> Callable[[str], float]:
 def _confidence(margin: float) -> float:
     """0.5 at the threshold, growing with the margin (0 to 1 past it) to 1."""
     return 0.5 + 0.5 * min(max(margin, 0.0), 1.0) if math.isfinite(margin) else 0.5
+
+
+@dataclass
+class Calibration:
+    """What the monitor learns over a run for the diagnosis: the run's noise floor and its trend.
+
+    ``healthy_gaps`` holds the relative gaps of the latest ``HEALTHY_STEPS`` steps taken as healthy;
+    the floor is their median once ``calibration_steps`` of them agree. ``recent_gaps`` holds the
+    last ``TREND_STEPS`` relative gaps, ``recent_sampling_z`` the sampling z of the last ``SAMPLING_STEPS`` steps
+    that checked what was sampled. Every field is plain data: the monitor's checkpoint state is
+    these fields.
+
+    Examples:
+        >>> calibration = Calibration(calibration_steps=2)
+        >>> calibration.noise_floor is None  # the prior bound holds until calibrated
+        True
+        >>> for gap in (2e-5, 3e-5):
+        ...     calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": gap})
+        >>> calibration.noise_floor
+        2.5e-05
+    """
+
+    calibration_steps: int = 5
+    healthy_gaps: list[float] = field(default_factory=list)
+    recent_gaps: list[float] = field(default_factory=list)
+    recent_sampling_z: list[float] = field(default_factory=list)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the floor is known (never, with ``calibration_steps=0``: the prior bound then holds)."""
+        return self.calibration_steps > 0 and len(self.healthy_gaps) >= self.calibration_steps
+
+    @property
+    def noise_floor(self) -> float | None:
+        """The median relative gap of the healthy steps; ``None`` until calibrated."""
+        return statistics.median(self.healthy_gaps) if self.calibrated else None
+
+    def observe(self, diagnosis: Diagnosis, signatures: Mapping[str, float]) -> None:
+        """Learn from a step: its relative gap joins the trend; a healthy one sets the floor.
+
+        A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
+        also an ``unclear`` step whose every number is rounding noise's (``noise_shaped``): a bf16
+        engine's floor can sit above the prior. The first floor is taken only from steps that agree
+        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not. An
+        ``unclear`` step judged against the full-precision prior (a float32 engine, whose rounding leaves gaps
+        near 1e-12) never calibrates: a gap of 1e-3 there is no engine's rounding. Once
+        calibrated, a healthy step joins only within ``FLOOR_FOLLOW`` x the floor: the floor never learns a fault.
+        """
+        sampling_z = held_sampling_z(signatures)
+        if math.isfinite(sampling_z):
+            self.recent_sampling_z = [*self.recent_sampling_z, sampling_z][-SAMPLING_STEPS:]
+        gap = signatures.get("relative_gap", math.nan)
+        if not math.isfinite(gap):
+            return
+        self.recent_gaps = [*self.recent_gaps, gap][-TREND_STEPS:]
+        healthy = diagnosis.cause in ("none", "precision") or (  # a 16-bit engine's floor above the prior; not
+            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)  # a float32 engine's
+            and diagnosis.numbers.get("noise_bound", NOISE_PRIOR) >= NOISE_PRIOR
+        )
+        floor = self.noise_floor
+        if not healthy or (floor is not None and gap > FLOOR_FOLLOW * max(floor, NOISE_MIN / NOISE_FACTOR)):
+            return
+        gaps = [*self.healthy_gaps, gap][-HEALTHY_STEPS:]
+        if len(self.healthy_gaps) < self.calibration_steps:  # not calibrated: keep the latest steps that agree
+            while len(gaps) > 1 and max(gaps) > CALIBRATION_SPREAD * max(min(gaps), NOISE_MIN / NOISE_FACTOR):
+                gaps = gaps[1:]
+        self.healthy_gaps = gaps

@@ -1,5 +1,5 @@
-"""What the monitor saw and learned over one run: its logged steps and the end-of-run summary (``RunHistory``),
-and the noise floor (``Calibration``).
+"""What the monitor saw over one run: its logged steps and the end-of-run summary (``RunHistory``), and the
+checkpoint state that carries them (``read_state``).
 
 ``RunHistory`` counts the logged steps per likely cause (with the step where each first appeared),
 remembers the last step with action tokens, its metrics and the last diagnosis; ``lines`` renders it as
@@ -25,17 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from loops_callbacks.divergence.diagnosis import Diagnosis
-from loops_callbacks.divergence.diagnosis import (
-    CALIBRATION_SPREAD, FLOOR_FOLLOW, HEALTHY_STEPS, NOISE_FACTOR, NOISE_MIN, NOISE_PRIOR, SAMPLING_STEPS, TREND_STEPS,
-    noise_shaped,
-)
-from loops_callbacks.divergence.statistics import held_sampling_z
 
 
 _RUN_FIELDS = ("logged_steps", "last_step", "causes", "last_step_with_action_tokens", "metrics_with_action_tokens",
@@ -102,73 +96,6 @@ class RunHistory:
             lines.append(f"  last diagnosis (step {self.last_diagnosis_step}, {kind}, confidence "
                          f"{self.last_diagnosis.confidence:.2f}): {self.last_diagnosis.message}")
         return lines
-
-
-@dataclass
-class Calibration:
-    """What the monitor learns over a run for the diagnosis: the run's noise floor and its trend.
-
-    ``healthy_gaps`` holds the relative gaps of the latest ``HEALTHY_STEPS`` steps taken as healthy;
-    the floor is their median once ``calibration_steps`` of them agree. ``recent_gaps`` holds the
-    last ``TREND_STEPS`` relative gaps, ``recent_sampling_z`` the sampling z of the last ``SAMPLING_STEPS`` steps
-    that checked what was sampled. Every field is plain data: the monitor's checkpoint state is
-    these fields.
-
-    Examples:
-        >>> calibration = Calibration(calibration_steps=2)
-        >>> calibration.noise_floor is None  # the prior bound holds until calibrated
-        True
-        >>> for gap in (2e-5, 3e-5):
-        ...     calibration.observe(Diagnosis("precision", 0.9), {"relative_gap": gap})
-        >>> calibration.noise_floor
-        2.5e-05
-    """
-
-    calibration_steps: int = 5
-    healthy_gaps: list[float] = field(default_factory=list)
-    recent_gaps: list[float] = field(default_factory=list)
-    recent_sampling_z: list[float] = field(default_factory=list)
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether the floor is known (never, with ``calibration_steps=0``: the prior bound then holds)."""
-        return self.calibration_steps > 0 and len(self.healthy_gaps) >= self.calibration_steps
-
-    @property
-    def noise_floor(self) -> float | None:
-        """The median relative gap of the healthy steps; ``None`` until calibrated."""
-        return statistics.median(self.healthy_gaps) if self.calibrated else None
-
-    def observe(self, diagnosis: Diagnosis, signatures: Mapping[str, float]) -> None:
-        """Learn from a step: its relative gap joins the trend; a healthy one sets the floor.
-
-        A step is healthy when named ``none`` or ``precision``; while the run is not calibrated yet,
-        also an ``unclear`` step whose every number is rounding noise's (``noise_shaped``): a bf16
-        engine's floor can sit above the prior. The first floor is taken only from steps that agree
-        (the largest within ``CALIBRATION_SPREAD`` x the smallest): a gap growing from step 0 does not. An
-        ``unclear`` step judged against the full-precision prior (a float32 engine, whose rounding leaves gaps
-        near 1e-12) never calibrates: a gap of 1e-3 there is no engine's rounding. Once
-        calibrated, a healthy step joins only within ``FLOOR_FOLLOW`` x the floor: the floor never learns a fault.
-        """
-        sampling_z = held_sampling_z(signatures)
-        if math.isfinite(sampling_z):
-            self.recent_sampling_z = [*self.recent_sampling_z, sampling_z][-SAMPLING_STEPS:]
-        gap = signatures.get("relative_gap", math.nan)
-        if not math.isfinite(gap):
-            return
-        self.recent_gaps = [*self.recent_gaps, gap][-TREND_STEPS:]
-        healthy = diagnosis.cause in ("none", "precision") or (  # a 16-bit engine's floor above the prior; not
-            not self.calibrated and diagnosis.cause == "unclear" and noise_shaped(signatures)  # a float32 engine's
-            and diagnosis.numbers.get("noise_bound", NOISE_PRIOR) >= NOISE_PRIOR
-        )
-        floor = self.noise_floor
-        if not healthy or (floor is not None and gap > FLOOR_FOLLOW * max(floor, NOISE_MIN / NOISE_FACTOR)):
-            return
-        gaps = [*self.healthy_gaps, gap][-HEALTHY_STEPS:]
-        if len(self.healthy_gaps) < self.calibration_steps:  # not calibrated: keep the latest steps that agree
-            while len(gaps) > 1 and max(gaps) > CALIBRATION_SPREAD * max(min(gaps), NOISE_MIN / NOISE_FACTOR):
-                gaps = gaps[1:]
-        self.healthy_gaps = gaps
 
 
 def _diagnosis(saved: Mapping[str, Any] | None) -> Diagnosis | None:

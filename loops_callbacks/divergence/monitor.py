@@ -37,12 +37,13 @@ from typing_extensions import override
 
 from loops_callbacks.correction import Correction
 from loops_callbacks.distributed import ProcessGroup
-from loops_callbacks.divergence.batch import data_keys, observe_training, read_sampler_facts, read_step
-from loops_callbacks.divergence.diagnosis import Diagnosis
+from loops_callbacks.divergence.batch import ReadOptions, data_keys, observe_training, read_sampler_facts, read_step
+from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis
 from loops_callbacks.divergence.guard_rail import GuardRail, SampleTrainDivergenceError, Verdict, watchable_metric
-from loops_callbacks.divergence.history import Calibration, RunHistory, read_state
+from loops_callbacks.divergence.history import RunHistory, read_state
 from loops_callbacks.divergence.report import (
-    TABLE_KEY, MediaOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver, deliver_text, step_report,
+    TABLE_KEY, MediaOptions, ReportOptions, StepReport, Tokenizer, about_step, checked_tokenizer, deliver,
+    deliver_text, step_report,
 )
 from loops_callbacks.divergence.statistics import (
     DEFAULT_PREFIX, DivergenceStats, StatisticsOptions, parse_corrections, reduce_across_ranks,
@@ -84,7 +85,7 @@ class KLSampleTrainMonitor(Callback):
         diagnose: name the likely cause of each logged step's divergence with its numbers (``diagnosis``):
             ``diagnosis/<cause>``, ``diagnosis/confidence``, ``signature/<name>`` and the text ``diagnosis``.
         calibration_steps: healthy logged steps from which the run's rounding-noise floor is learned
-            (``history.Calibration``); ``0``: never, the prior bound holds.
+            (``Calibration``); ``0``: never, the prior bound holds.
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"geo:0.999_1.001"`` or ``Correction`` objects; each logged step
             logs what each would do, applying nothing (``shadow``). ``off_policy_mask`` reads one
@@ -150,6 +151,12 @@ class KLSampleTrainMonitor(Callback):
         self.statistics = StatisticsOptions(top_n=self.media.rows, sample_size=self.sample_size, diagnose=self.diagnose,
                                             max_groups=self.media.strata_groups, corrections=self.corrections)
         self.keys = data_keys(keys)
+        self.reporting = ReportOptions(media=self.media, diagnose=self.diagnose, tokenizer=self.tokenizer,
+                                       corrections=self.corrections, max_policy_lag=self.max_policy_lag,
+                                       prefix=self.prefix)
+        self.reading = ReadOptions(keys=self.keys, with_tokens=self.media.rows > 0, diagnose=self.diagnose,
+                                   max_groups=self.media.max_groups,
+                                   datum_advantages=any(c.spec.needs_advantages for c in self.corrections))
         self.warnings = RunWarnings()
         self._start_run()
 
@@ -221,12 +228,8 @@ class KLSampleTrainMonitor(Callback):
             for url in fleet if isinstance(fleet, Mapping) else ():
                 if url not in self.servers:
                     self.servers.append(url)
-        flat = read_step(
-            outputs, batch, self.keys, with_tokens=self.media.rows > 0, diagnose=self.diagnose,
-            optimizer_step=step if self.media.log_strata else None, max_groups=self.media.max_groups,
-            datum_advantages=any(c.spec.needs_advantages for c in self.corrections), warnings=self.warnings,
-            servers=self.servers,
-        )
+        flat = read_step(outputs, batch, self.reading, optimizer_step=step if self.media.log_strata else None,
+                         warnings=self.warnings, servers=self.servers)
         self._contract_checked = True  # the first batch is always read: a broken contract fails fast
         if not logged:
             return
@@ -243,14 +246,10 @@ class KLSampleTrainMonitor(Callback):
             step_stats = reduce_across_ranks(step_stats, trainer.strategy, generator=generator)
         host = step_stats.to_host()  # the one host synchronization of a logged step
         report = step_report(
-            host, prefix=self.prefix, media=self.media, guard_rail=self.guard_rail, diagnose=self.diagnose,
-            tokenizer=self.tokenizer, corrections=self.corrections, noise_floor=self.calibration.noise_floor,
+            host, self.reporting, guard_rail=self.guard_rail, calibration=self.calibration, facts=facts,
             # on every rank (the modules are the same on each), so every rank's report and guard rail agree
-            evidence=observe_training(trainer, pl_module) if self.diagnose else None, facts=facts,
-            trend=self.calibration.recent_gaps,  # the relative gaps of the run's previous logged steps
-            sampling_trend=self.calibration.recent_sampling_z,  # and their sampling z
+            evidence=observe_training(trainer, pl_module) if self.diagnose else None,
             servers=self.servers,  # the sampling servers the run has named, in slot order
-            max_policy_lag=self.max_policy_lag,
         )
         self._deliver(trainer, report, step)
         self.last_metrics = {self.prefix + name: value for name, value in {**report.scalars, **report.breakdown}.items()}

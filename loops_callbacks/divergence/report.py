@@ -15,8 +15,8 @@ Examples:
     >>> from loops_callbacks.divergence.statistics import DivergenceStats
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> report = step_report(DivergenceStats.from_batch(flat).to_host(), prefix="div/", media=MediaOptions(),
-    ...                      guard_rail=GuardRail(max_kl=0.05), diagnose=True)
+    >>> report = step_report(DivergenceStats.from_batch(flat).to_host(), ReportOptions(prefix="div/"),
+    ...                      guard_rail=GuardRail(max_kl=0.05))
     >>> report.scalars["kl_sample_train_v1_loops"], report.diagnosis.cause, report.exceeds
     (0.25, 'unclear', 'div/kl_sample_train_k3 = 0.0532653 exceeded max_kl = 0.05')
 
@@ -74,7 +74,7 @@ from loops_callbacks.correction import Correction
 from loops_callbacks.divergence.batch import (
     DEFAULT_MAX_GROUPS, LOGPROB_FLOOR, NO_TOKEN, DirectEvidence, FlatBatch, SamplerFacts, key_label,
 )
-from loops_callbacks.divergence.diagnosis import Diagnosis, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import Calibration, Diagnosis, diagnosis_metrics
 from loops_callbacks.divergence.diagnosis import diagnose as likely_cause
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.statistics import (
@@ -141,6 +141,33 @@ def checked_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer | None:
 
 
 @dataclass(frozen=True)
+class ReportOptions:
+    """What ``step_report`` says, checked once when made: the media ``media`` asks for; the likely cause when
+    ``diagnose``; the worst tokens and a differing prompt as text with ``tokenizer``; the shadow statistics of
+    ``corrections`` (parsed by their owner: ``parse_corrections``); ``max_policy_lag``, the lag the run intends;
+    ``prefix``, the metrics' prefix the guard rail's message names.
+
+    >>> ReportOptions(diagnose=False).media.top_n
+    20
+    """
+
+    media: MediaOptions = MediaOptions()  # noqa: RUF009 - frozen
+    diagnose: bool = True
+    tokenizer: Tokenizer | None = None
+    corrections: tuple[Correction, ...] = ()
+    max_policy_lag: int = 0
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        check("media", self.media, MediaOptions, "a MediaOptions")
+        check_bool("diagnose", self.diagnose)
+        checked_tokenizer(self.tokenizer)
+        object.__setattr__(self, "corrections", tuple(self.corrections))
+        check_int("max_policy_lag", self.max_policy_lag, least=0)
+        check("prefix", self.prefix, str, "a str")
+
+
+@dataclass(frozen=True)
 class StepReport:
     """Everything one logged step says (module docstring); every name without the prefix."""
 
@@ -162,40 +189,35 @@ class StepReport:
 
 def step_report(
     host: HostDivergence,
+    options: ReportOptions = ReportOptions(),  # noqa: B008 - frozen
     *,
-    prefix: str,
-    media: MediaOptions,
     guard_rail: GuardRail,
-    diagnose: bool,
-    tokenizer: Tokenizer | None = None,
-    corrections: Sequence[Correction] = (),
-    noise_floor: float | None = None,
+    calibration: Calibration | None = None,
     evidence: DirectEvidence | None = None,
     facts: SamplerFacts | None = None,
-    trend: Sequence[float] = (),
-    sampling_trend: Sequence[float] = (),
-    max_policy_lag: int = 0,
     servers: Sequence[str] = (),
 ) -> StepReport:
-    """The report of the step whose statistics are ``host``.
+    """The report of the step whose statistics are ``host``, as ``options`` say.
 
-    ``diagnose`` names the likely cause (impossible inputs first: the statistical rule would read them
-    as something else), from ``noise_floor`` (the run's, ``history.Calibration``), ``batch`` (what was
-    seen of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``trend``
-    (the relative gaps of the run's previous logged steps, oldest first; ``sampling_trend`` their sampling z),
-    ``max_policy_lag`` (the lag the run intends) and ``servers`` (the sampling servers' URLs in slot order: the
-    divergence by server, ``server/<slot>/...``, and a server behind named); ``tokenizer`` shows the worst tokens and a differing prompt as text.
+    The likely cause (impossible inputs first: the statistical rule would read them as something else) comes from
+    ``calibration`` (the run's noise floor and the trend of its previous logged steps), ``evidence`` (what was seen
+    of the trainer), ``facts`` (what the sampling engine says), the step's ``host.by_lag`` and ``servers`` (the
+    sampling servers' URLs in slot order: the divergence by server, ``server/<slot>/...``, and a server behind
+    named).
     """
+    media, tokenizer, corrections = options.media, options.tokenizer, options.corrections
     refuse_mask(host)
     scalars = scalar_metrics(host, prefix="")
     problems, n = impossible_inputs(host), host.totals["n_action_tokens"]
     diagnosis, signatures, breakdown = None, {}, {}
     by_server = server_numbers(host, servers) if n > 0 else {}
-    if diagnose and n > 0:
+    if options.diagnose and n > 0:
         signatures = signature_numbers(host)
+        calibration = calibration if calibration is not None else Calibration()
         diagnosis = Diagnosis.impossible_inputs(problems.values()) if problems else likely_cause(
-            signatures, n_tokens=n, noise_floor=noise_floor, evidence=evidence, facts=facts, by_lag=host.by_lag,
-            trend=trend, sampling_trend=sampling_trend, max_policy_lag=max_policy_lag, by_server=by_server,
+            signatures, n_tokens=n, noise_floor=calibration.noise_floor, evidence=evidence, facts=facts,
+            by_lag=host.by_lag, trend=calibration.recent_gaps, sampling_trend=calibration.recent_sampling_z,
+            max_policy_lag=options.max_policy_lag, by_server=by_server,
             prompt=prompt_finding(host.totals, host.arrays, lambda ids: escape(_decoded(ids, tokenizer))),
         )
         breakdown = diagnosis_metrics(diagnosis, signatures, prefix="")
@@ -215,7 +237,7 @@ def step_report(
     return StepReport(
         scalars, diagnosis, breakdown, signatures, histogram, tables,
         problems=problems,
-        exceeds=guard_rail.exceeds(scalars, host, prefix=prefix, facts=facts),
+        exceeds=guard_rail.exceeds(scalars, host, prefix=options.prefix, facts=facts),
         untrusted=guard_rail.untrusted(scalars, host, facts),
     )
 

@@ -18,7 +18,7 @@ from loops_callbacks import KLSampleTrainMonitor
 from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose, noise_bound
-from loops_callbacks.divergence.history import Calibration
+from loops_callbacks.divergence.diagnosis import Calibration
 from loops_callbacks.divergence.statistics import signature_numbers, token_eta2
 from loops_callbacks.divergence.statistics import DivergenceStats, HostDivergence
 from loops_callbacks.divergence.monitor import GuardRail

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, diagnosis_metrics
+from loops_callbacks.divergence.diagnosis import CAUSES, DROPOUT, Calibration, diagnosis_metrics
 from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.batch import DirectEvidence, observe_modules, observe_training
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.report import MediaOptions, step_report
+from loops_callbacks.divergence.report import ReportOptions, step_report
 from loops_callbacks.divergence.history import RunHistory
 from loops_callbacks.divergence.statistics import signature_numbers
 from tests.divergence.test_diagnosis import case, host_of
@@ -114,10 +114,11 @@ def test_dropout_that_does_not_reach_the_logprobs_is_not_named() -> None:
 def test_step_report_passes_the_evidence_and_the_history_says_observed() -> None:
     evidence = observe_modules(torch.nn.Sequential(torch.nn.Dropout(0.1)), precision="32-true")
     guard_rail = GuardRail(None, "kl_sample_train_k3")
-    options = dict(prefix="div/", media=MediaOptions(), guard_rail=guard_rail, diagnose=True)
+    options = ReportOptions(prefix="div/")
     host = host_of(case("stale"))
-    assert step_report(host, **options, noise_floor=1e-6).diagnosis.cause == "stale"  # today's call keeps working
-    report = step_report(host, **options, evidence=evidence)
+    calibrated = Calibration(calibration_steps=1, healthy_gaps=[1e-6])  # a run calibrated on its healthy steps
+    assert step_report(host, options, guard_rail=guard_rail, calibration=calibrated).diagnosis.cause == "stale"
+    report = step_report(host, options, guard_rail=guard_rail, evidence=evidence)
     assert report.diagnosis.cause == DROPOUT and report.breakdown["diagnosis/dropout"] == 1.0
     history = RunHistory()
     history.observe(3, report.scalars, report.diagnosis)

@@ -10,7 +10,7 @@ import torch
 
 from loops_callbacks.divergence.diagnosis import NOISE_PRIOR, diagnose
 from loops_callbacks.divergence.batch import SamplerFacts
-from loops_callbacks.divergence.history import Calibration
+from loops_callbacks.divergence.diagnosis import Calibration
 from loops_callbacks.divergence.statistics import signature_numbers
 from tests.divergence.test_diagnosis import host_of
 from tests.divergence.test_diagnosis_rules import flat_temperature

@@ -14,7 +14,7 @@ from loops_callbacks.divergence.batch import flatten_padded
 from loops_callbacks.divergence.diagnosis import Diagnosis
 from loops_callbacks.divergence.diagnosis import diagnose
 from loops_callbacks.divergence.batch import SamplerFacts
-from loops_callbacks.divergence.history import Calibration
+from loops_callbacks.divergence.diagnosis import Calibration
 from loops_callbacks.divergence.statistics import signature_numbers
 from loops_callbacks.divergence.statistics import DivergenceStats
 from tests.divergence.test_diagnosis import case, host_of
@@ -142,18 +142,18 @@ def test_calibration_keeps_the_recent_relative_gaps_for_the_trend() -> None:
 def test_the_report_reads_the_per_lag_numbers_of_the_host() -> None:
     """step_report diagnoses with host.by_lag: none without policy versions, the lag strata with them."""
     from loops_callbacks.divergence.guard_rail import GuardRail
-    from loops_callbacks.divergence.report import MediaOptions, step_report
+    from loops_callbacks.divergence.report import step_report
     from loops_callbacks.divergence.statistics import LAG_STRATA
     from loops_callbacks.divergence.statistics import StratumSums
 
     batch = case("unrelated")
     host = DivergenceStats.from_batch(flatten_padded(**batch)).to_host()
-    options = dict(prefix="", media=MediaOptions(), guard_rail=GuardRail(None, "kl_sample_train_k3"), diagnose=True)
+    rail = GuardRail(None, "kl_sample_train_k3")
     lags = dict.fromkeys(LAG_STRATA, StratumSums(0.0, 0.0, 0.0, 0.0))
     lagged = dataclasses.replace(host, strata=lags | {"lag_0": StratumSums(400, 0, 400 * 0.02, 400),
                                                       "lag_1": StratumSums(300, 0, 300 * 0.3, 300)})
-    assert step_report(host, **options).diagnosis.cause == "unrelated"
-    assert step_report(lagged, **options).diagnosis.cause == "stale"
+    assert step_report(host, guard_rail=rail).diagnosis.cause == "unrelated"
+    assert step_report(lagged, guard_rail=rail).diagnosis.cause == "stale"
 
 
 def test_token_identity_at_the_level_of_rounding_noise_is_not_staleness() -> None:

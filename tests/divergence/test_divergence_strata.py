@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from loops_callbacks.divergence import statistics as sums
 from loops_callbacks.divergence.batch import FlatBatch, flatten_padded
-from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.batch import ReadOptions, read_step
 from loops_callbacks.divergence.statistics import GROUP_ROWS, LAG_LABELS, STRATUM_NAMES
 from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from tests.helpers import ThreadGroup, as_datums, reduce_in_threads, rows
@@ -38,7 +38,7 @@ def flat_of(batch: list[dict[str, Any]]) -> FlatBatch:
         for key in ("policy_version", "group"):
             if key in row:
                 datum.loss_fn_inputs[key] = row[key]
-    return read_step({"training_logprobs": trainer, "data": datums}, None, data_keys(None), optimizer_step=STEP)
+    return read_step({"training_logprobs": trainer, "data": datums}, None, optimizer_step=STEP)
 
 
 def stats_of(batch: list[dict[str, Any]], sample_size: int | None = None) -> DivergenceStats:
@@ -151,13 +151,13 @@ def test_per_datum_keys_are_read_from_the_batch() -> None:
         "group": [0, 5],
     }
     output = {"training_logprobs": torch.tensor([[-1.5, -2.0], [-0.5, -0.25]])}
-    flat = read_step(output, padded, data_keys(None), optimizer_step=4)
+    flat = read_step(output, padded, optimizer_step=4)
     assert flat.lags.tolist() == [1, 3] and flat.groups.tolist() == [0, 5]
     renamed = {key: value for key, value in padded.items() if key != "policy_version"}
     renamed["version"] = padded["policy_version"]
-    flat = read_step(output, renamed, data_keys({"policy_version": "version"}), optimizer_step=4)
+    flat = read_step(output, renamed, ReadOptions(keys={"policy_version": "version"}), optimizer_step=4)
     assert flat.lags.tolist() == [1, 3]
-    assert read_step(output, renamed, data_keys(None), optimizer_step=4).lags is None  # not under its default key
+    assert read_step(output, renamed, optimizer_step=4).lags is None  # not under its default key
 
 
 PADDED = {"logprobs": torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]), "mask": torch.ones(2, 2)}
@@ -167,7 +167,7 @@ OUTPUT = {"training_logprobs": torch.tensor([[-1.5, -2.0], [-0.5, -0.25]])}
 def read_warned(extra: dict[str, Any], match: str, *, max_groups: int = MAX_GROUPS) -> FlatBatch:
     """``read_step`` of ``PADDED`` with ``extra``: it warns ``match`` once, and never raises."""
     with pytest.warns(UserWarning, match=match) as seen:
-        flat = read_step(OUTPUT, {**PADDED, **extra}, data_keys(None), optimizer_step=4, max_groups=max_groups)
+        flat = read_step(OUTPUT, {**PADDED, **extra}, ReadOptions(max_groups=max_groups), optimizer_step=4)
     assert len(seen) == 1
     return flat
 
@@ -218,13 +218,13 @@ def test_per_token_advantages_give_each_row_its_value_on_its_counted_tokens() ->
     padded = {"logprobs": torch.full((2, 4), -1.0), "mask": mask,
               "advantages": torch.tensor([[0.0, -0.5, -0.5, 0.0], [2.0, 2.0, 0.0, 0.0]])}
     output = {"training_logprobs": torch.full((2, 4), -1.25)}
-    flat = read_step(output, padded, data_keys(None), datum_advantages=True)
+    flat = read_step(output, padded, ReadOptions(datum_advantages=True))
     assert flat.datum_advantages.tolist() == [-0.5, 2.0]
     assert torch.equal(padded["advantages"][0], torch.tensor([0.0, -0.5, -0.5, 0.0]))  # the caller's data untouched
     differing = {**padded, "advantages": torch.tensor([[9.0, -0.5, -1.5, 9.0], [2.0, 2.0, 0.0, 0.0]])}
     with pytest.warns(UserWarning, match=r"datum 0's per-token 'advantages' differ on its counted tokens \(-1.5 to "
                       r"-0.5\); the corrections read each row's mean \(-1 here\)"):
-        flat = read_step(output, differing, data_keys(None), datum_advantages=True)
+        flat = read_step(output, differing, ReadOptions(datum_advantages=True))
     assert flat.datum_advantages.tolist() == [-1.0, 2.0]
     batch = [
         {"tokens": [1, 2, 3], "logprobs": [None, -1.0, -2.0], "mask": [0.0, 1.0, 1.0], "trainer": [None, -1.5, -2.0],
@@ -234,7 +234,7 @@ def test_per_token_advantages_give_each_row_its_value_on_its_counted_tokens() ->
     datums, trainer = as_datums(batch, "lists")
     for datum, row in zip(datums, batch):
         datum.loss_fn_inputs["advantages"] = row["advantages"]
-    flat = read_step({"training_logprobs": trainer, "data": datums}, None, data_keys(None), datum_advantages=True)
+    flat = read_step({"training_logprobs": trainer, "data": datums}, None, ReadOptions(datum_advantages=True))
     assert flat.datum_advantages.tolist() == [-0.25, 3.0]
 
 

@@ -20,9 +20,9 @@ import torch
 from loops_callbacks import KLSampleTrainMonitor, token_logprobs
 from loops_callbacks.divergence.batch import flatten_datums, flatten_padded
 from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
-from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.batch import read_step
 from loops_callbacks.divergence.statistics import sampling_metrics
-from loops_callbacks.divergence.report import MediaOptions, StepReport, step_report
+from loops_callbacks.divergence.report import MediaOptions, ReportOptions, StepReport, step_report
 from loops_callbacks.divergence.statistics import DivergenceStats, StatisticsOptions
 from loops_callbacks.types import Datum, ModelInput
 from tests.helpers import quiet_trainer
@@ -48,7 +48,7 @@ def fields(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def report_of(batch: dict[str, torch.Tensor], rail: GuardRail = GuardRail(max_sampling_z=6.0)) -> StepReport:  # noqa: B008
     host = DivergenceStats.from_batch(flatten_padded(**fields(batch))).to_host()
-    return step_report(host, prefix="", media=QUIET, guard_rail=rail, diagnose=True)
+    return step_report(host, ReportOptions(media=QUIET), guard_rail=rail)
 
 
 def assert_untrusted_not_sampling(report: StepReport, *said: str) -> None:
@@ -256,7 +256,7 @@ def test_impossible_inputs_are_untrusted_without_a_diagnosis_too() -> None:
     batch["training_logprobs"][0, 3] = -math.inf
     host = DivergenceStats.from_batch(flatten_padded(**fields(batch)), StatisticsOptions(diagnose=False)).to_host()
     assert list(impossible_inputs(host)) == ["trainer_neg_inf"]
-    report = step_report(host, prefix="", media=QUIET, guard_rail=GuardRail(max_kl=10.0), diagnose=False)
+    report = step_report(host, ReportOptions(media=QUIET, diagnose=False), guard_rail=GuardRail(max_kl=10.0))
     assert report.untrusted is not None and report.exceeds is not None
 
 
@@ -299,7 +299,7 @@ def test_a_mask_that_could_not_be_read_on_the_host_is_refused_at_the_steps_one_t
     flat = dataclasses.replace(flat, mask_refused=refused)
     host = DivergenceStats.from_batch(flat).to_host()
     with pytest.raises(ValueError, match=r"'mask' holds 2 negative or NaN values.*row 1, position 8"):
-        step_report(host, prefix="", media=QUIET, guard_rail=GuardRail(), diagnose=True)
+        step_report(host, ReportOptions(media=QUIET), guard_rail=GuardRail())
 
 
 # ------------------------------------------------------------------ 5. a batch without datums
@@ -308,15 +308,15 @@ def test_a_mask_that_could_not_be_read_on_the_host_is_refused_at_the_steps_one_t
 @pytest.mark.parametrize("batch", [[], ()])
 def test_an_empty_list_of_datums_says_the_batch_holds_no_datums(batch: Any) -> None:
     with pytest.raises(ValueError, match=f"the batch is an empty {type(batch).__name__}: it holds no datums"):
-        read_step({"training_logprobs": []}, batch, data_keys(None))
+        read_step({"training_logprobs": []}, batch)
 
 
 def test_an_empty_micro_batch_of_datums_beside_padded_fields_or_under_data_is_read_as_nothing() -> None:
     """A rank's or micro-batch's share may hold no datums: nothing to judge, never an error (it would leave the
     other ranks waiting in the step's reduction)."""
-    assert read_step({"training_logprobs": [], "data": []}, {}, data_keys(None)).n_datums == 0
+    assert read_step({"training_logprobs": [], "data": []}, {}).n_datums == 0
     padded = {"training_logprobs": torch.zeros(1, 2), "logprobs": torch.zeros(1, 2), "mask": torch.ones(1, 2)}
-    assert read_step(padded, [], data_keys(None)).n_datums == 1
+    assert read_step(padded, []).n_datums == 1
 
 
 def test_the_plain_function_logs_an_infinite_logprob_naming_the_side(caplog: pytest.LogCaptureFixture) -> None:

@@ -42,9 +42,10 @@ def test_each_report_gets_the_evidence_and_the_relative_gaps_of_the_previous_log
     seen: list[dict[str, Any]] = []
     real = monitor_module.step_report
 
-    def spy(host: Any, **options: Any) -> Any:
-        seen.append(options)
-        return real(host, **options)
+    def spy(host: Any, *args: Any, **options: Any) -> Any:
+        # the run's calibration, as it stands when this step is reported (it learns from the step afterwards)
+        seen.append({**options, "trend": list(options["calibration"].recent_gaps)})
+        return real(host, *args, **options)
 
     monkeypatch.setattr(monitor_module, "step_report", spy)
     monitor = KLSampleTrainMonitor(media=MediaOptions(log_worst_tokens=False))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from loops_callbacks.divergence.guard_rail import GuardRail
-from loops_callbacks.divergence.batch import data_keys, read_step
+from loops_callbacks.divergence.batch import read_step
 from loops_callbacks.divergence.report import decode_record
-from loops_callbacks.divergence.report import MediaOptions, step_report
+from loops_callbacks.divergence.report import ReportOptions, step_report
 from loops_callbacks.divergence.statistics import DivergenceStats
 from loops_callbacks.types import Datum, ModelInput
 from tests.helpers import reduce_in_threads
@@ -41,12 +41,11 @@ def padded(seed: int = 0, *, batch: int = B) -> tuple[dict[str, Any], dict[str, 
 
 
 def stats(outputs: dict[str, Any], batch: dict[str, Any]) -> DivergenceStats:
-    return DivergenceStats.from_batch(read_step(outputs, batch, data_keys(None)))
+    return DivergenceStats.from_batch(read_step(outputs, batch))
 
 
 def diagnosis(host: Any, tokenizer: Any = None) -> Any:
-    return step_report(host, prefix="", media=MediaOptions(), guard_rail=GuardRail(), diagnose=True,
-                       tokenizer=tokenizer).diagnosis
+    return step_report(host, ReportOptions(tokenizer=tokenizer), guard_rail=GuardRail()).diagnosis
 
 
 def test_identical_prompts_name_nothing() -> None:
@@ -138,7 +137,7 @@ def test_an_attention_mask_that_is_not_the_rows_is_refused(value: Any, error: ty
     outputs, batch = padded()
     batch["attention_mask"] = value
     with pytest.raises(error) as raised:
-        read_step(outputs, batch, data_keys(None))
+        read_step(outputs, batch)
     assert said in str(raised.value)
 
 
@@ -202,7 +201,7 @@ def test_sampler_prompt_ids_that_are_not_prompts_are_refused_where_they_are(valu
     outputs, batch = padded()
     outputs["sampler_prompt_ids"] = value
     with pytest.raises(error, match="'sampler_prompt_ids'") as raised:
-        read_step(outputs, batch, data_keys(None))
+        read_step(outputs, batch)
     assert said in str(raised.value)
 
 
@@ -212,7 +211,7 @@ def test_prompts_without_the_trainer_s_tokens_are_a_warning_and_not_compared() -
     outputs, batch = padded()
     del batch["input_ids"], batch["target_tokens"]
     with pytest.warns(UserWarning, match="neither 'input_ids' nor 'target_tokens': the prompts are not compared"):
-        flat = read_step(outputs, batch, data_keys(None), warnings=RunWarnings())
+        flat = read_step(outputs, batch, warnings=RunWarnings())
     assert DivergenceStats.from_batch(flat).to_host().totals["n_prompt_datums_compared"] == 0
 
 
@@ -237,7 +236,7 @@ def test_a_list_of_datums_may_carry_each_prompt_in_its_loss_fn_inputs() -> None:
     del data[1].loss_fn_inputs["sampler_prompt_ids"]
     with pytest.raises(ValueError, match=r"datum 1 has no loss_fn_inputs\['sampler_prompt_ids'\] \(datums 0, 2 have "
                                          r"one; 1 of 3 have none\)"):
-        read_step({"training_logprobs": trainer}, data, data_keys(None))
+        read_step({"training_logprobs": trainer}, data)
 
 
 def test_a_batch_read_in_chunks_names_the_batch_s_datum(monkeypatch: pytest.MonkeyPatch) -> None:

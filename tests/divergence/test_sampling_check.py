@@ -283,7 +283,7 @@ def test_a_bias_of_one_sign_too_small_for_any_step_is_named_over_the_steps() -> 
 
 
 def test_the_sampling_trend_is_kept_in_the_checkpoint_and_skips_unchecked_steps() -> None:
-    from loops_callbacks.divergence.history import Calibration
+    from loops_callbacks.divergence.diagnosis import Calibration
 
     calibration = Calibration()
     for z in (2.0, math.nan, 3.0):

@@ -21,7 +21,7 @@ import torch
 from loops_callbacks.divergence.batch import FlatBatch
 from loops_callbacks.divergence.report import nan_advantages_message
 from loops_callbacks.divergence.statistics import DivergenceStats
-from loops_callbacks.divergence.batch import data_keys, key_label, read_step
+from loops_callbacks.divergence.batch import ReadOptions, data_keys, key_label, read_step
 from loops_callbacks.run_warnings import RunWarnings
 
 B, T, STEP = 3, 4, 5
@@ -48,7 +48,7 @@ def read(step: tuple[Any, Any], keys: dict[str, str] | None = None, **options: A
     """``read_step`` with strata on: the batch and every warning it gave (it never raises)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        flat = read_step(*step, data_keys(keys), optimizer_step=STEP, warnings=RunWarnings(), **options)
+        flat = read_step(*step, ReadOptions(keys or {}, **options), optimizer_step=STEP, warnings=RunWarnings())
     return flat, [str(w.message) for w in caught]
 
 

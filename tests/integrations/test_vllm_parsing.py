@@ -779,9 +779,9 @@ def test_the_batch_carries_the_prompt_each_row_was_sampled_from_left_padded_for_
     request = completions_request([[1, 5], [1, 6, 6]], max_tokens=4, n=1, temperature=1.0, stop_token_ids=[2])
     served = completions_batch(request, {"choices": [choice(0, [7, 2], [-0.5, -0.25]), choice(1, [3], [-2.0])]})
     assert served["sampler_prompt_ids"].tolist() == [[-1, 1, 5], [1, 6, 6]]
-    from loops_callbacks.divergence.batch import data_keys, read_step
+    from loops_callbacks.divergence.batch import read_step
     from loops_callbacks.divergence.statistics import DivergenceStats
 
-    flat = read_step({"training_logprobs": batch["logprobs"]}, batch, data_keys(None))
+    flat = read_step({"training_logprobs": batch["logprobs"]}, batch)
     totals = DivergenceStats.from_batch(flat).to_host().totals
     assert (totals["n_prompt_datums_compared"], totals["n_prompt_datums_differ"]) == (3, 0)  # the rows' own prompts
