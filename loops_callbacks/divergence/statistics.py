@@ -1,298 +1,21 @@
-"""The statistics of a step: each declared (``State``) beside the formula that fills it, merged across micro-batches,
-reduced across ranks in two fixed-size collectives, and read on the host in one transfer (``DivergenceStats``,
-``HostDivergence``); the corrections' shadow statistics and the logged metrics' formulas among them.
+"""The statistics of a logged step: each declared (``State``) beside the formula that fills it, merged across
+micro-batches, reduced across ranks in two fixed-size collectives, and read on the host in one transfer.
 
-Do the sampler's logprobs sit at the wrong positions? Offsets of any size, from mergeable sums.
-
-The commonest alignment bugs move the sampler's values along the row: one or a few positions
-late or early (o > 0: the trainer's value at k matches the sampler's at k + o; o < 0: at
-k − |o|), or completion-only logprobs left at position 0 instead of at the completion (the
-value of the completion's j-th token sits at j: o = −(the row's first action position), which
-differs per row). ``offset_sums(flat)`` measures both, as one float64 vector of a fixed size
-(``OFFSET_SIZE``) that merges by sum across micro-batches and ranks:
-
-* every row votes for its best offset. On its first ``OFFSET_WINDOW`` positions (all of a
-  shorter row), the gap between the trainer's action-token values t[k] and the sampler's s[k + o]
-  is computed for every o at once (cross-correlations by FFT, vectorized over rows on the
-  batch's device). A pair's gap is 1 − cos(ω (s − t)) averaged over two frequencies: about
-  (ω δ)² / 2 for a small difference δ, and bounded, so one outlying value weighs like one
-  unrelated pair; an action token left without a pair at o counts as unrelated, so that no
-  offset wins by leaving a bad pair out. The o with the smallest gap is the row's vote. Votes
-  fall into ``OFFSET_BINS`` bins (exact for |o| <= 8, by powers of two above), and each bin sums
-  its rows, o, o², the mean gap of the voted pairs and of the aligned pairs (o = 0): an offset is
-  the bin most rows vote for, its size the bin's mean o, its strength the ratio of the two gaps;
-* the left-aligned hypothesis is tested directly on every action token in the window: the gap
-  |t[k] − s[k − first]| against |t[k] − s[k]| (each capped at ``GAP_CAP`` nats, so that one
-  sentinel-like outlier cannot decide), over rows whose first action position is above 0, and
-  the rows whose vote is exactly −first are counted.
-
-Sampler values that are non-finite, exactly 0.0 (padding; prompt positions without a logprob) or
-below ``LOGPROB_FLOOR`` (sentinels) pair with nothing. Rows with fewer than ``MIN_OVERLAP``
-action tokens do not vote. ``read_offsets`` turns the host vector into an ``Offsets``; an offset
-larger than the window, or action tokens beyond it, are not seen.
-
-Cost: a few passes over the [rows, window] positions plus six FFTs of twice the window per row,
-in groups of about ``GROUP_POSITIONS`` positions; no host synchronization off the CPU.
-
-Examples:
-    >>> import torch
-    >>> from loops_callbacks.divergence.batch import flatten_padded
-    >>> trainer = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0)) * 3
-    >>> sampler = torch.cat([torch.zeros(8, 3), trainer[:, :-3]], dim=1)  # each value 3 positions late
-    >>> flat = flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=torch.ones(8, 24))
-    >>> found = read_offsets(offset_sums(flat).numpy())
-    >>> found.offset, found.share, found.ratio < 1e-9
-    (3.0, 1.0, True)
-
-Every statistic a step keeps, declared once by name with its reduction, and where each sits.
-
-A ``State`` is a name, a reduction (``"sum"``; ``"max"``, minima stored negated) and a shape, as
-torchmetrics' ``add_state(name, default, dist_reduce_fx)`` declares one; its formula, by the same
-name, is in ``statistics``. Merging micro-batches, the one host transfer and the reduction across ranks
-follow from the declarations (``statistics``, ``statistics``): every sum is added, every maximum
-maxed; the two tables that merge their own way keep their order here (``ranked_rows``: the worst
-tokens, ``by_group``: the groups). A monitor's declarations follow its options (``statistics.layout_of``):
-the diagnosis' sums when ``diagnose``, the strata with ``max_groups``, the shadow statistics of its corrections.
-
-Examples:
-    >>> layout = Layout(MAIN, max_groups=None, corrections=())
-    >>> sums, maxima = layout.pack({s.name: torch.tensor(1.0) for s in layout.states})
-    >>> sums.shape == (layout.sizes["sum"],), layout.read(maxima.numpy(), "max")[0]["max_d"]
-    (True, 1.0)
-
-The formula of every statistic ``statistics`` declares, by its name, for one chunk of a ``FlatBatch``.
-
-On the CPU the action tokens are selected first (fewer, cheaper passes; the formulas' ``active`` is then
-``None``); on an accelerator every position is kept and ``active`` (``FlatBatch.active``) masks them, so
-that no shape depends on the data and nothing waits for the device. With d = trainer - sampler logprob, e^d = exp(min(d, 80)) the importance ratio and
-k3 = e^d - 1 - d. Everything is a sum, a count or an extremum, so chunks, micro-batches and ranks
-merge by their reduction.
-
-Examples:
-    >>> from loops_callbacks.divergence.batch import flatten_padded
-    >>> from loops_callbacks.divergence.statistics import layout_of
-    >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
-    ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> values, worst, sample, sample_keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None)
-    >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
-    (-0.5, 2, [-0.5, 0.0])
-
-Shadow statistics of rollout corrections: what each listed correction would do to a batch, without applying it.
-
-For a list of parsed corrections (``parse_corrections``) and one ``FlatBatch``, ``shadow_values``
-gives mergeable sums, counts and maxima (0-d float64 tensors, by name); ``shadow_statistics`` declares
-each name with its reduction (``State``: sums add, maxima take the max, minima are stored
-negated), so micro-batches and ranks merge exactly; ``shadow_scalars`` turns merged values into
-the logged scalars:
-
-* ``correction/<name>/frac_tokens_masked``, ``frac_seqs_masked``: the share of action tokens
-  (of sequences with at least one) the correction would drop;
-* ``correction/<name>/frac_tokens_clipped``, ``frac_seqs_clipped``: the share a truncation would change;
-* ``correction/<name>/ess_tokens``, ``ess_seqs``: the effective sample size (Σw)² / (n Σw²) of its
-  weights, dropped tokens weighing 0; a sequence's weight is the mean of its tokens' weights;
-* ``correction/<name>/mean_weight``;
-* ``correction/raw/token_ratio_max`` / ``_min``, ``seq_ratio_max`` / ``_min`` (the product of a
-  sequence's token ratios) and ``seq_geo_ratio_max`` / ``_min`` (its geometric mean): the raw
-  ratios p_trainer / p_sampler before any truncation. Only action tokens count: padding never
-  reads as a ratio of 0 (SkyRL's ``is_ratio_min`` does read 0 with padding; that is its bug).
-
-The action tokens are those the main metrics count (``FlatBatch.active``). A token with a missing or
-non-finite logprob is in none of these numbers, though it may decide its sequence's fate as ``correct_flat``
-reads it (verl's rejection drops a sequence with one; TRL's and verl's IS leave it out of the sequence's ratio). Each correction is computed
-by ``correct_flat`` (``correct_rows`` for sequence-level ones, without spreading each row's fate over
-its tokens), the functions ``apply_correction`` uses: what is logged is what applying it would do.
-
-Examples:
-    >>> import torch
-    >>> from loops_callbacks.divergence.batch import flatten_padded
-    >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
-    ...                       mask=torch.ones(1, 2))
-    >>> corrections = parse_corrections(["token_mask:2.0"])
-    >>> values = shadow_values(flat, corrections)
-    >>> scalars = shadow_scalars(values, values, corrections)
-    >>> scalars["correction/token_mask(clip_max=2.0)/frac_tokens_masked"]
-    1.0
-    >>> round(scalars["correction/raw/token_ratio_max"], 3)
-    2.718
-
-``DivergenceStats``: a batch's statistics on its device, merged across micro-batches; ``HostDivergence``,
-their one host copy.
-
-Every sum and maximum is declared in ``statistics`` (its formula in ``statistics`` or ``statistics``) and merges by its
-reduction; three parts merge their own way: the ``top_n`` worst rows (ranked by |d|, datums
-renumbered), a sample of the per-token diffs d = trainer logprob - sampler logprob (bottom-k of one
-random key per token: a uniform sample without replacement of the union, exact percentiles while
-it holds at most ``sample_size`` diffs; all of them without one), and the groups' table. Merged
-statistics equal those of the concatenated batch (sums up to summation order; counts, maxima,
-rows exactly). ``statistics`` reduces them across ranks.
+Read it in this order: ``StatisticsOptions`` (what a monitor keeps) and the declarations (``MAIN``,
+``SIGNATURE_STATES``, the strata, ``shadow_statistics``); ``of_chunk``, every formula for one chunk of a
+``FlatBatch``, with ``offset_sums`` (are the sampler's values at the wrong positions?) and ``shadow_values`` (what a
+correction would do); ``DivergenceStats`` (``from_batch``, ``merge``, ``to_host``) and ``reduce_across_ranks``;
+``HostDivergence`` and the logged formulas read from it (``scalar_metrics``, ``sampling_metrics``,
+``signature_numbers``, ``stratum_scalars``, ``shadow_scalars``). The long form of each part, with every formula, is
+the docs' page "How a step's statistics are computed" (``docs/statistics.md``).
 
 Examples:
     >>> from loops_callbacks.divergence.batch import flatten_padded
     >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
     ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
-    >>> host = DivergenceStats.from_batch(flat).to_host()
-    >>> host.totals["n_action_tokens"], host.totals["sum_d"], host.diffs.tolist()
-    (2.0, -0.5, [-0.5, 0.0])
-
-Divergence statistics of all ranks, in two collectives whose per-rank size does not grow with the ranks.
-
-``reduce_across_ranks(stats, group)`` gives every rank the same ``DivergenceStats`` of all
-ranks' batches, rank 0's first, each collective on one float64 buffer laid out from the states:
-
-1. ``all_gather`` of a small header per rank: its datum and action-token counts, its maxima (every
-   ``"max"`` state), the |d| of its ``top_n`` worst rows, one random number and, with strata, the
-   width its groups need. From the gathered headers every rank computes, identically: the maxima,
-   which ``top_n`` (rank, row) pairs are the worst of all (ties: the lower rank, then the rank's own
-   order, as a merge in rank order keeps them), each rank's datum offset and its share of the sample.
-2. ``all_reduce`` (sum) of one body: every ``"sum"`` state, and the places of the chosen rows, of
-   the sample and of the groups (by group index), where each rank writes its own values and zeros
-   elsewhere: the sum is the assembled result, exactly (each place receives one value and zeros).
-
-The sample: rank r holds a uniform sample of its n_r action tokens. The union's sample of
-K = min(sample_size, N) diffs takes from rank r its a_r diffs of smallest key, in batch order, with
-a_r = floor((K C_r + s) / N) - floor((K C_{r-1} + s) / N), C_r = n_0 + ... + n_r, s uniform in
-{0, ..., N - 1} (rank 0's random number): K n_r / N rounded down or up, adding up to K, exactly
-K n_r / N on average. Every token is kept with probability K / N, a stratified sample with
-proportional allocation, so a percentile's error in sorted position stays under 3 sqrt(q (1 - q) / K). While
-N <= sample_size every diff is kept, in rank order, as a merge keeps them.
-
-No host synchronization on an accelerator with a ``sample_size`` (the groups then take
-``max_groups + 1`` body places, fixed); without one (every diff kept) the body's length is read
-from the headers. Bytes received per rank with W ranks under ring collectives (``received_bytes``):
-``8 ((W - 1) header + 2 (W - 1) / W body``).
-
-Example (megabytes one rank receives per logged step at 1,024 ranks, with the monitor's defaults):
-    >>> round(received_bytes(world=1024, top_n=20, sample_size=100_000) / 1e6, 1)
-    2.1
-
-The metric formulas: host-side statistics in, the Loops-named metrics dict out.
-
-This is the one place each formula lives; the plain functions and the Lightning callback both
-call ``scalar_metrics``. With n action tokens (mask > 0, advantage != 0 where advantages are
-given, both logprobs finite), d = trainer − sampler logprob, w = exp(min(d, 80)) the importance
-ratio e^d (``is_ratio`` in the code; the SDK's worst-tokens column calls it ``is_weight``) and
-s = sampler logprob, each key (after the prefix, default ``optim/train-sample-div/``) is:
-
-==============================  ====================================================================
-``kl_sample_train_v1_loops``    −mean(d)
-``kl_sample_train_v2_loops``    ½·mean(d²)
-``kl_sample_train_k3``          mean(w − 1 − d)
-``is_ratio_mean``               mean(w)
-``ess_fraction``                (Σw)² / (n·Σw²), 0 when the denominator is 0
-``diff_mean``                   mean(d)
-``diff_abs_p50/p90/p99``        percentiles of |d| (numpy's linear method)
-``diff_abs_max``                max |d|
-``frac_abs_gt_1/2/4``           share of tokens with |d| > 1, 2, 4
-``entropy``                     −mean(s)
-``n_action_tokens``             n
-``is_ratio_max``, ``_min``      max w, min w
-``chi2_token``                  mean(w²) − 1
-``seq_log_ratio_mean``          mean over datums with action tokens of the datum's mean d
-``seq_is_ratio_mean``           mean over those datums of exp(min(mean d, 80))
-``seq_is_ratio_max``            max over those datums of exp(min(mean d, 80))
-``frac_is_ratio_gt_2``          share of tokens with w > 2
-``frac_is_ratio_lt_0.5``        share of tokens with w < 0.5
-``n_sequences``                 datums in the batch
-``n_skipped_nonfinite``         masked-in positions dropped for a None/NaN/inf logprob
-==============================  ====================================================================
-
-The first 15 are the Loops SDK's keys and formulas; the rest are this package's (all in
-``SCALAR_METRICS``, in this order). With no action tokens only ``n_action_tokens`` (0.0) and the two counts are
-returned.
-
-With the trainer's entropy H and varentropy V at each position (``training_entropy`` and
-``training_varentropy``, from ``token_logprobs(with_entropy=True)``), over the masked-in positions
-whatever their advantage, the check of what was sampled adds (``SAMPLING_METRICS``):
-
-==============================  ====================================================================
-``sampling_z``                  Σ(t + H) / √ΣV: about standard normal when the tokens were drawn from
-                                the trainer's distribution; > 0 drawn sharper (T < 1, top-p, top-k),
-                                < 0 flatter
-``sampling_z_trimmed``          the same without the one token that moved the sum furthest its way: a
-                                shift of the whole distribution survives it, one unlikely draw does not
-``sampling_bias``               mean(t + H), nats per token
-``sampling_relative_bias``      Σ(t + H) / ΣH
-``sampling_temperature``        1 − Σ(t + H) / ΣV: the sampling temperature that would leave this bias
-                                (first order in T − 1; about 1 for an honest sampler)
-==============================  ====================================================================
-
-Positions whose H or V no distribution has (NaN, ±inf, negative) are left out of the sums, and said
-(``guard_rail.impossible_inputs``); with ΣV = 0 and Σ(t + H) ≠ 0 the three ratios are NaN, never infinite.
-
-Examples:
-    >>> import numpy as np
-    >>> from loops_callbacks.divergence.statistics import HostDivergence
-    >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
-    ...                       extrema={})
-    >>> scalar_metrics(host, prefix="div/")
-    {'div/n_action_tokens': 0.0, 'div/n_sequences': 2.0, 'div/n_skipped_nonfinite': 1.0}
-
-The signature numbers of a logged step, from its mergeable sums: what the diagnosis reads.
-
-A *signature number* is one number of a step that a cause leaves its mark on (logged as
-``signature/<name>``; each cause's pattern across them is in the docs' rules table). Two of them
-need a word: the *context fade* (``context_fade``) is how many times larger the gap is on each
-completion's first action tokens than on its later ones (a different prompt on the two sides
-leaves it), and ``token_eta2`` is the share of the gap's variance that the token's identity
-explains (stale weights leave it: each token's logit is off by its own amount).
-
-With n action tokens, s = sampler logprob, t = trainer logprob, d = t − s, p = e^s:
-
-======================  ============================================================================
-``frac_d_zero``         share of tokens with d exactly 0 (most, for identical float32 models)
-``frac_d_pos``          share with d > 0 (about 0 under top-k / top-p truncation)
-``both_16_bit_share``   share whose sampler and trainer logprobs both came as 16-bit floats (exact matches say less)
-``sampler_all_zero``    1 when every sampler logprob is exactly 0.0 (p = 1: a greedy sampler's truncated logprobs,
-                        or logprobs never filled in), else 0
-``is_ratio_mean``       mean e^d: the trainer's mass on the sampler's support (1 for full support)
-``is_ratio_se``         its standard error, sqrt(var(e^d) / n)
-``pearson``             Pearson correlation of t and s (about 0 for unrelated distributions)
-``temperature``         slope of t regressed on s (about the sampler's temperature when only it has one)
-``temperature_se``      its standard error, sqrt(var(t − slope·s) / (n var(s)))
-``relative_gap``        mean d² / var(s): the gap relative to the spread of the sampler's logprobs. Rounding
-                        noise scales with the logits, so this stays level while a model sharpens and k3 grows
-                        (``diagnosis``' noise floor is calibrated on it)
-``relative_gap_se``     its standard error, from the spread of d² (sqrt(var(d²) / n) / var(s))
-``sign_split``          min of the shares of one sign of d on p > 0.5 and of the other on p < 0.1
-``temperature_sign``    -1 when d < 0 on likely tokens (a sharper sampler, T < 1), +1 otherwise
-``shift_ratio``         mean |t[k] − s[k±1]| / mean |t[k] − s[k]| over adjacent action tokens of a datum, the smaller side
-``shift_direction``     +1 when s[k+1] matches t[k] better, -1 when s[k−1] does (the sampler's values are one position early / late)
-``token_eta2``          share of d's variance explained by token id (hashed buckets), corrected for their number
-``low_high_abs_ratio``  mean |d| on p < 0.1 over mean |d| on p > 0.5 (large for precision noise)
-``rms_d``               sqrt(mean d²)
-``kl_sample_train_k3``  mean(e^d − 1 − d)
-``sd_ratio``            sd(t) / sd(s): about T under a one-sided temperature, about 1 for noise of either side
-``context_fade``        mean |d| on each datum's first ``FIRST_ACTIONS`` (4) action tokens over mean |d| on its
-                        action tokens from the ``LATER_ACTIONS_FROM``-th (8, 0-based) on, within each sampler-probability bucket (``PROBABILITY_EDGES``; their geometric
-                        mean, NaN with fewer than 64 tokens compared): well above 1 when the two sides conditioned
-                        on different prompts (template, BOS, a prefix cache from old weights), about 1 for noise,
-                        temperature and truncation even where the first tokens are harder to predict
-``context_fade_z``      the fade's log over its standard error (from the spread of |d| on each side): how far it is
-                        from what noise alone gives (about 0)
-``offset``              the offset most rows vote for (``statistics``; o > 0: t[k] matches s[k + o]), 0 when aligned
-``offset_share``        the share of rows voting for it
-``offset_ratio``        their mean squared gap at the offset over the gap at 0 (about 0: the offset explains d)
-``left_aligned_ratio``  capped mean |t[k] − s[k − first]| / mean |t[k] − s[k]| (completion-only logprobs at 0)
-``left_aligned_share``  share of rows (first action position > 0) whose vote is −first
-``sampling_*``          the check of what was sampled (``sampling_metrics``), with the trainer's entropies
-======================  ============================================================================
-
-The last five need the step's ``offset_sums`` (``host.offset_sums``);
-they are NaN without them.
-
-``is_ratio_mean`` and ``kl_sample_train_k3`` are the scalar metrics of those names (one formula,
-``statistics``); they are logged once, as scalars, not again as signatures.
-
-A number is NaN when the step has too little of what it needs (no pairs, an empty bucket).
-
-Examples:
-    >>> from loops_callbacks.divergence.statistics import MAIN, SIGNATURE_STATES
-    >>> totals = {s.name: 0.0 for s in MAIN + SIGNATURE_STATES if not s.shape} | {"n_action_tokens": 4.0,
-    ...     "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0, "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0,
-    ...     "sum_trainer2": 6.0, "sum_sampler_trainer": 6.0}
-    >>> sig = signature_numbers(HostDivergence(totals, {}))
-    >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["is_ratio_mean"]
-    (1.0, 1.0, 1.0, 1.0)
+    >>> host = DivergenceStats.from_batch(flat, StatisticsOptions(top_n=1)).to_host()
+    >>> scalar_metrics(host, prefix="")["kl_sample_train_v1_loops"], host.worst.shape[0]
+    (0.25, 1)
 """
 
 from __future__ import annotations
@@ -478,7 +201,18 @@ def renumber(record: torch.Tensor, datum_offset: torch.Tensor | float) -> torch.
 
 @torch.no_grad()
 def offset_sums(flat: FlatBatch) -> torch.Tensor:
-    """Float64 ``[OFFSET_SIZE]`` on the batch's device (module docstring); sums, so parts merge by ``+``."""
+    """Float64 ``[OFFSET_SIZE]`` on the batch's device (docs/statistics.md); sums, so parts merge by ``+``.
+
+    Examples:
+        >>> import torch
+        >>> from loops_callbacks.divergence.batch import flatten_padded
+        >>> trainer = -torch.rand(8, 24, generator=torch.Generator().manual_seed(0)) * 3
+        >>> sampler = torch.cat([torch.zeros(8, 3), trainer[:, :-3]], dim=1)  # each value 3 positions late
+        >>> flat = flatten_padded(sampler_logprobs=sampler, training_logprobs=trainer, mask=torch.ones(8, 24))
+        >>> found = read_offsets(offset_sums(flat).numpy())
+        >>> found.offset, found.share, found.ratio < 1e-9
+        (3.0, 1.0, True)
+    """
     device = flat.diff.device
     out = torch.zeros(OFFSET_SIZE, dtype=torch.float64, device=device)
     length, rows = flat.diff.shape[0], flat.n_datums
@@ -761,7 +495,14 @@ class Layout:
         return self.slots[name][0]
 
     def pack(self, values: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float64 ``statistics`` and ``maxima`` vectors of one formula per declared name (``KeyError`` otherwise)."""
+        """The float64 ``statistics`` and ``maxima`` vectors of one formula per declared name (``KeyError`` otherwise).
+
+        Examples:
+            >>> layout = Layout(MAIN, max_groups=None, corrections=())
+            >>> sums, maxima = layout.pack({s.name: torch.tensor(1.0) for s in layout.states})
+            >>> sums.shape == (layout.sizes["sum"],), layout.read(maxima.numpy(), "max")[0]["max_d"]
+            (True, 1.0)
+        """
         extra = sorted(set(values) - set(self.slots))
         missing = [name for name in self.slots if name not in values]
         if extra or missing:
@@ -851,7 +592,17 @@ def of_chunk(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every declared state's value by name (but the shadow statistics: ``statistics``), the ``top_n`` worst rows,
     the sampled diffs and their keys (``None``: all kept), and the groups' table (``None`` without groups or
-    strata)."""
+    strata).
+
+    Examples:
+        >>> from loops_callbacks.divergence.batch import flatten_padded
+        >>> from loops_callbacks.divergence.statistics import layout_of
+        >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
+        ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
+        >>> values, worst, sample, sample_keys, groups = of_chunk(flat, layout_of(diagnose=False), 0, None, None)
+        >>> float(values["sum_d"]), int(values["n_action_tokens"]), sample.tolist()
+        (-0.5, 2, [-0.5, 0.0])
+    """
     compact = _on_host(flat.device)
     active = None if compact else flat.active
     d, sampler, trainer = (_select(x, flat.active) if compact else x.masked_fill(~active, 0.0)
@@ -1314,6 +1065,19 @@ def shadow_values(
     ``advantages`` (one per datum, ``[B]``: ``read_advantages``) is needed only by ``off_policy_mask``;
     NaN marks a datum whose advantages could not be read: its sequence is not kept, and counted with ``rank``
     (this process's) for ``no_advantage_message``. Nothing synchronizes with the device.
+
+    Examples:
+        >>> import torch
+        >>> from loops_callbacks.divergence.batch import flatten_padded
+        >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -1.0]]), training_logprobs=torch.zeros(1, 2),
+        ...                       mask=torch.ones(1, 2))
+        >>> corrections = parse_corrections(["token_mask:2.0"])
+        >>> values = shadow_values(flat, corrections)
+        >>> scalars = shadow_scalars(values, values, corrections)
+        >>> scalars["correction/token_mask(clip_max=2.0)/frac_tokens_masked"]
+        1.0
+        >>> round(scalars["correction/raw/token_ratio_max"], 3)
+        2.718
     """
     if not corrections:
         return {}
@@ -1393,7 +1157,7 @@ def shadow_scalars(
     extrema: Mapping[str, float | torch.Tensor],
     corrections: Sequence[Correction],
 ) -> dict[str, float]:
-    """The logged scalars (module docstring) from merged totals and extrema, by statistic name.
+    """The logged scalars (docs/statistics.md) from merged totals and extrema, by statistic name.
 
     Nothing is logged for a step without action tokens (every share would be 0 / 0).
     """
@@ -1500,7 +1264,7 @@ class StatisticsOptions:
 
 @dataclass(frozen=True)
 class DivergenceStats:
-    """Statistics of one or more batches on their device (module docstring); ``statistics`` reduces them."""
+    """Statistics of one or more batches on their device (docs/statistics.md); ``reduce_across_ranks`` reduces them."""
 
     sums: torch.Tensor  # float64 [layout.sizes["sum"]]
     maxima: torch.Tensor  # float64 [layout.sizes["max"]]; -inf when empty
@@ -1525,7 +1289,16 @@ class DivergenceStats:
         ids when ``flat.tokens`` is set), a sample of diffs (``generator`` draws their keys), and the states their
         layout declares, with this process's ``rank`` where a correction could not read advantages. On the CPU a
         batch of more than ``CHUNK_POSITIONS`` positions is read in whole-datum chunks, so its temporaries stay
-        small."""
+        small.
+
+        Examples:
+            >>> from loops_callbacks.divergence.batch import flatten_padded
+            >>> flat = flatten_padded(sampler_logprobs=torch.tensor([[-1.0, -2.0]]),
+            ...                       training_logprobs=torch.tensor([[-1.5, -2.0]]), mask=torch.ones(1, 2))
+            >>> host = DivergenceStats.from_batch(flat).to_host()
+            >>> host.totals["n_action_tokens"], host.totals["sum_d"], host.diffs.tolist()
+            (2.0, -0.5, [-0.5, 0.0])
+        """
         layout, top_n, sample_size = options.layout, options.top_n, options.sample_size
         chunks = datum_chunks(flat, CHUNK_POSITIONS) if flat.device.type == "cpu" else [flat]
         parts = []
@@ -1672,6 +1445,10 @@ def received_bytes(world: int, top_n: int, sample_size: int, layout: Layout | No
         >>> header, body = message_sizes(layout_of(), top_n=0, sample_size=10)
         >>> received_bytes(world=2, top_n=0, sample_size=10, layout=layout_of()) == 8 * (header + body)
         True
+
+    Example (megabytes one rank receives per logged step at 1,024 ranks, with the monitor's defaults):
+        >>> round(received_bytes(world=1024, top_n=20, sample_size=100_000) / 1e6, 1)
+        2.1
     """
     header, body = message_sizes(layout or layout_of(True, DEFAULT_MAX_GROUPS), top_n, sample_size)
     return round(8 * ((world - 1) * header + 2 * (world - 1) * body / world))
@@ -1681,7 +1458,7 @@ def received_bytes(world: int, top_n: int, sample_size: int, layout: Layout | No
 def reduce_across_ranks(
     stats: DivergenceStats, group: ProcessGroup | Any, *, generator: torch.Generator | None = None
 ) -> DivergenceStats:
-    """Statistics of every rank's batches, rank 0's first, the same on every rank (module docstring).
+    """Statistics of every rank's batches, rank 0's first, the same on every rank (docs/statistics.md).
 
     A collective: every rank calls it, with statistics of one layout, ``top_n`` and ``sample_size``.
     ``group`` is a ``ProcessGroup`` or a Lightning strategy (``ProcessGroup.of``); ``generator`` (on the statistics'
@@ -1756,7 +1533,7 @@ def stratified_allocation(
     """Each rank's share of the union's sample and where its diffs start, from the ranks' counts.
 
     ``counts``: int64 action tokens per rank; ``draw``: a float in [0, 1), the same on every rank
-    (module docstring). Integer arithmetic on the counts' device; exact while sample_size * N < 2**63.
+    (docs/statistics.md). Integer arithmetic on the counts' device; exact while sample_size * N < 2**63.
 
     Examples:
         >>> share, start = stratified_allocation(torch.tensor([3, 0, 5]), 4, torch.tensor(0.5))
@@ -1831,7 +1608,16 @@ STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
 def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
     """The scalar metrics of the module docstring; with no action tokens only ``n_action_tokens`` (0.0)
     and the two counts. Problems with the inputs are for the caller to report
-    (``loops_callbacks.divergence.guard_rail.impossible_inputs``)."""
+    (``loops_callbacks.divergence.guard_rail.impossible_inputs``).
+
+    Examples:
+        >>> import numpy as np
+        >>> from loops_callbacks.divergence.statistics import HostDivergence
+        >>> host = HostDivergence(totals={"n_action_tokens": 0.0, "n_datums": 2.0, "n_skipped_nonfinite": 1.0},
+        ...                       extrema={})
+        >>> scalar_metrics(host, prefix="div/")
+        {'div/n_action_tokens': 0.0, 'div/n_sequences': 2.0, 'div/n_skipped_nonfinite': 1.0}
+    """
     t, e = host.totals, host.extrema
     n = t["n_action_tokens"]
     counts = {"n_sequences": t["n_datums"], "n_skipped_nonfinite": t["n_skipped_nonfinite"]}
@@ -1871,7 +1657,7 @@ def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dic
 
 
 def sampling_metrics(totals: Mapping[str, float], extrema: Mapping[str, float]) -> dict[str, float]:
-    """The check of what was sampled (module docstring), or ``{}`` without the trainer's entropies.
+    """The check of what was sampled (docs/statistics.md), or ``{}`` without the trainer's entropies.
 
     Example (tokens drawn sharper than the trainer's distribution: their logprobs above -H; the one token
     furthest above, 0.5 nats, left out of ``sampling_z_trimmed``):
@@ -1979,7 +1765,17 @@ CONTEXT_BUCKET_MIN_TOKENS = 16
 
 
 def signature_numbers(host: HostDivergence) -> dict[str, float]:
-    """The numbers of the module docstring (all NaN without action tokens)."""
+    """The numbers of the module docstring (all NaN without action tokens).
+
+    Examples:
+        >>> from loops_callbacks.divergence.statistics import MAIN, SIGNATURE_STATES
+        >>> totals = {s.name: 0.0 for s in MAIN + SIGNATURE_STATES if not s.shape} | {"n_action_tokens": 4.0,
+        ...     "sum_is_ratio": 4.0, "sum_is_ratio2": 4.0, "sum_sampler": -4.0, "sum_trainer": -4.0, "sum_sampler2": 6.0,
+        ...     "sum_trainer2": 6.0, "sum_sampler_trainer": 6.0}
+        >>> sig = signature_numbers(HostDivergence(totals, {}))
+        >>> sig["frac_d_zero"], sig["pearson"], sig["temperature"], sig["is_ratio_mean"]
+        (1.0, 1.0, 1.0, 1.0)
+    """
     t = host.totals
     n = t["n_action_tokens"]
     if n == 0:
@@ -2107,7 +1903,7 @@ def token_eta2(token_sums: np.ndarray | None) -> float:
 
 
 def _context_fade(totals: dict[str, float]) -> tuple[float, float]:
-    """The context fade and its z score (module docstring): per sampler-probability bucket the log
+    """The context fade and its z score (docs/statistics.md): per sampler-probability bucket the log
     of mean |d| on the datums' first action tokens over mean |d| on their later ones, averaged with
     weights (the smaller of the bucket's two token counts); z is that mean over its standard error
     (each mean's from the spread of |d|, by the delta method). NaN below ``CONTEXT_MIN_TOKENS`` of
