@@ -80,7 +80,7 @@ from loops_callbacks.divergence.guard_rail import GuardRail, impossible_inputs
 from loops_callbacks.divergence.statistics import (
     AHEAD_STRATUM, MASK_ROW, PROMPT_CONTEXT, PROMPT_RECORD, PROMPT_SCALE, RECORD, ROW, STRATUM_METRICS,
     HostDivergence, histogram_values, is_ratio, no_advantage_message, sampling_positions, scalar_metrics,
-    server_numbers, shadow_scalars, signature_numbers, stratum_scalars,
+    parse_corrections, server_numbers, shadow_scalars, signature_numbers, stratum_scalars,
 )
 from loops_callbacks.run_warnings import RunWarnings
 from loops_callbacks.validation import LOGPROB_ROUNDING, check, check_bool, check_int
@@ -162,7 +162,7 @@ class ReportOptions:
         check("media", self.media, MediaOptions, "a MediaOptions")
         check_bool("diagnose", self.diagnose)
         checked_tokenizer(self.tokenizer)
-        object.__setattr__(self, "corrections", tuple(self.corrections))
+        object.__setattr__(self, "corrections", parse_corrections(self.corrections))  # specs, or parsed already
         check_int("max_policy_lag", self.max_policy_lag, least=0)
         check("prefix", self.prefix, str, "a str")
 

@@ -1258,7 +1258,7 @@ class StatisticsOptions:
         check_int("top_n", self.top_n, least=0)
         check_int("sample_size", self.sample_size, least=1, optional=True)
         check_bool("diagnose", self.diagnose)
-        object.__setattr__(self, "corrections", tuple(self.corrections))
+        object.__setattr__(self, "corrections", parse_corrections(self.corrections))  # specs, or parsed already
         object.__setattr__(self, "layout", layout_of(self.diagnose, self.max_groups, self.corrections))
 
 
