@@ -4,7 +4,7 @@
 # reference batches, the output-head path in bfloat16, FSDP / FSDP2 with configure_model scoring
 # the policy itself, a vLLM server synced over NCCL by VLLMServerFleet) and the GPU figures of the
 # benchmarks (reference scoring vs a bare forward, a >= 100M-parameter model in bfloat16; one
-# 128k-vocabulary batch, general vs output-head path).
+# 128k-vocabulary batch, general vs output-head path; where the GPU time goes: gpu_profile.py).
 # Logs go to OUT_DIR (default ./gpu_checks_out). Run from the repository root.
 #
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
@@ -35,4 +35,5 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=offline PYTHONUNBUF
 "$python" benchmarks/bench_reference.py --device cuda --budgets 4096 16384 2>&1 | tee "$out/bench_reference.log" || failed=1
 "$python" benchmarks/bench_rl_metrics.py --device cuda 2>&1 | tee "$out/bench_rl_metrics.log" || failed=1
 "$python" benchmarks/bench_callback.py --accelerator gpu --steps 200 --repeats 2 2>&1 | tee "$out/bench_callback.log" | tail -8 || failed=1
+"$python" benchmarks/gpu_profile.py 2>&1 | tee "$out/gpu_profile.log" | grep -v "^INFO" || failed=1
 exit $failed

@@ -321,6 +321,21 @@ def test_fsdp_with_configure_model_is_its_own_reference_on_one_gpu(tmp_path: Any
     assert resumed.reference_report.source == "cache"
 
 
+def test_gpu_profile_runs_and_names_each_path() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_profile.py"), "--quick"], cwd=root,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for start in ("bare forward ", "forward + float32 log-softmax ", "general path ", "output-head path ",
+                  "monitor, logged step 49: "):
+        assert any(line.startswith(start) for line in done.stdout.splitlines()), done.stdout
+    assert "kernel launches" in done.stdout
+
+
 def test_a_fleet_server_synced_over_nccl_samples_the_new_weights(tmp_path: Any) -> None:
     """``VLLMServerFleet(transport="nccl")``: vLLM's own NCCL engine (``WeightTransferTrainerFactory``) from this
     process to one server on this GPU, started with ``--weight-transfer-config '{"backend": "nccl"}'``; the

@@ -279,3 +279,12 @@ def test_gpu_checks_without_cuda_say_so_in_one_line_and_write_nothing(tmp_path: 
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "no CUDA device" in done.stderr
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in ROOT.iterdir()) == before
+
+
+def test_gpu_profile_without_cuda_says_so_in_one_line() -> None:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_profile.py"), "--quick"], cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout == "" and done.stderr.strip().splitlines() == [
+        "gpu_profile.py: no CUDA device here; nothing was run"]
