@@ -137,28 +137,36 @@ class KLSampleTrainMonitor(Callback):
         super().__init__()
         self.interval = check_choice("interval", interval, ("optimizer_step", "forward_backward"))
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, least=1, optional=True)
-        self.prefix = check("prefix", prefix, str, "a str")
+        check("prefix", prefix, str, "a str")
         check("guard_rail", guard_rail, GuardRail, "a GuardRail")
         # its own copy (a counter and a verdict of its own), the watched metric by its bare name
         self.guard_rail = dataclasses.replace(guard_rail, kl_metric=watchable_metric(guard_rail.kl_metric, prefix))
-        self.media = check("media", media, MediaOptions, "a MediaOptions")
-        self.tokenizer = checked_tokenizer(tokenizer)
-        self.sample_size = check_int("sample_size", sample_size, least=1)
-        self.diagnose = check_bool("diagnose", diagnose)
+        media = check("media", media, MediaOptions, "a MediaOptions")
+        tokenizer = checked_tokenizer(tokenizer)
+        sample_size = check_int("sample_size", sample_size, least=1)
+        diagnose = check_bool("diagnose", diagnose)
         self.calibration_steps = check_int("calibration_steps", calibration_steps, least=0)
-        self.max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
-        self.corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
-        self.statistics = StatisticsOptions(top_n=self.media.rows, sample_size=self.sample_size, diagnose=self.diagnose,
-                                            max_groups=self.media.strata_groups, corrections=self.corrections)
-        self.keys = data_keys(keys)
-        self.reporting = ReportOptions(media=self.media, diagnose=self.diagnose, tokenizer=self.tokenizer,
-                                       corrections=self.corrections, max_policy_lag=self.max_policy_lag,
-                                       prefix=self.prefix)
-        self.reading = ReadOptions(keys=self.keys, with_tokens=self.media.rows > 0, diagnose=self.diagnose,
-                                   max_groups=self.media.max_groups,
-                                   datum_advantages=any(c.spec.needs_advantages for c in self.corrections))
+        max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
+        corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
+        # each stage's settings in one object, handed whole; the attributes of the same names read them
+        self.reading = ReadOptions(keys=data_keys(keys), with_tokens=media.rows > 0, diagnose=diagnose,
+                                   max_groups=media.max_groups,
+                                   datum_advantages=any(c.spec.needs_advantages for c in corrections))
+        self.statistics = StatisticsOptions(top_n=media.rows, sample_size=sample_size, diagnose=diagnose,
+                                            max_groups=media.strata_groups, corrections=corrections)
+        self.reporting = ReportOptions(media=media, diagnose=diagnose, tokenizer=tokenizer, corrections=corrections,
+                                       max_policy_lag=max_policy_lag, prefix=prefix)
         self.warnings = RunWarnings()
         self._start_run()
+
+    prefix = property(lambda self: self.reporting.prefix, doc="The logged metrics' prefix.")
+    media = property(lambda self: self.reporting.media, doc="What is logged beside the scalars (``MediaOptions``).")
+    tokenizer = property(lambda self: self.reporting.tokenizer, doc="Shows tokens as text (``None``: ids).")
+    diagnose = property(lambda self: self.reporting.diagnose, doc="Whether each logged step names a likely cause.")
+    corrections = property(lambda self: self.reporting.corrections, doc="The shadowed corrections, parsed.")
+    max_policy_lag = property(lambda self: self.reporting.max_policy_lag, doc="The policy lag the run intends.")
+    sample_size = property(lambda self: self.statistics.sample_size, doc="Diffs kept per logged step.")
+    keys = property(lambda self: self.reading.keys, doc="Where each field is read (``data_keys``).")
 
     @property
     @override
