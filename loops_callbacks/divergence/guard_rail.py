@@ -18,8 +18,8 @@ be trusted — the guard rail treats what it cannot judge as unsafe:
   (no varentropy to scale by where the tokens' logprobs are not -entropy).
 
 With ``max_sampling_z`` (off by default) a step also exceeds when |``sampling_z``| is above it with
-and without its most extreme token (``metrics.held_sampling_z``): the tokens were drawn from another
-distribution than the trainer's, which the logprobs alone cannot show (``metrics.sampling_metrics``;
+and without its most extreme token (``statistics.held_sampling_z``): the tokens were drawn from another
+distribution than the trainer's, which the logprobs alone cannot show (``statistics.sampling_metrics``;
 needs the trainer's entropies in the batch).
 
 A step without masked-in action tokens is not judged (nothing to compare); the guard rail warns that the
@@ -386,7 +386,7 @@ _ZERO_PROBABILITY = {
 
 def _entropy_problems(totals: Mapping[str, float]) -> dict[str, str]:
     """What the trainer's entropies hold that no distribution has, or that the tokens' own logprobs rule out, on
-    the masked-in positions (``sums.sampling_positions``), by a stable key."""
+    the masked-in positions (``statistics.sampling_positions``), by a stable key."""
     given = totals.get("n_sampling_given", 0.0)
     found = {}
     for quantity in ("entropy", "varentropy"):

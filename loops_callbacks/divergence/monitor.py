@@ -46,7 +46,7 @@ from loops_callbacks.divergence.report import (
     deliver_text, step_report,
 )
 from loops_callbacks.divergence.statistics import (
-    DEFAULT_PREFIX, DivergenceStats, StatisticsOptions, parse_corrections, reduce_across_ranks,
+    DEFAULT_PREFIX, DivergenceStats, StatisticsOptions, reduce_across_ranks,
 )
 from loops_callbacks.reference.rank_agreement import RanksDisagreeError, settings_difference
 from loops_callbacks.run_warnings import RunWarnings, warn
@@ -89,7 +89,7 @@ class KLSampleTrainMonitor(Callback):
         corrections: rollout corrections to shadow (``loops_callbacks.correction``): specs such as
             ``"sequence_mask:3.0"``, ``"geo:0.999_1.001"`` or ``Correction`` objects; each logged step
             logs what each would do, applying nothing (``shadow``). ``off_policy_mask`` reads one
-            advantage per datum (``per_datum.read_advantages``); a sequence whose advantages cannot be read
+            advantage per datum (``batch.read_advantages``); a sequence whose advantages cannot be read
             is not kept, and rank 0 says how many and on which ranks.
         max_policy_lag: the policy lag the run intends (``policy_version`` behind the trainer's optimizer
             steps; 1 for one-step-off-policy training): a datum further behind is stale, named as observed
@@ -147,13 +147,14 @@ class KLSampleTrainMonitor(Callback):
         diagnose = check_bool("diagnose", diagnose)
         self.calibration_steps = check_int("calibration_steps", calibration_steps, least=0)
         max_policy_lag = check_int("max_policy_lag", max_policy_lag, least=0)
-        corrections = parse_corrections(corrections)  # ValueError / TypeError naming a bad spec
-        # each stage's settings in one object, handed whole; the attributes of the same names read them
+        # each stage's settings in one object, handed whole; the attributes of the same names read them.
+        # The statistics parse the corrections (a ValueError / TypeError naming a bad spec); the others take them.
+        self.statistics = StatisticsOptions(top_n=media.rows, sample_size=sample_size, diagnose=diagnose,
+                                            max_groups=media.strata_groups, corrections=corrections)
+        corrections = self.statistics.corrections
         self.reading = ReadOptions(keys=data_keys(keys), with_tokens=media.rows > 0, diagnose=diagnose,
                                    max_groups=media.max_groups,
                                    datum_advantages=any(c.spec.needs_advantages for c in corrections))
-        self.statistics = StatisticsOptions(top_n=media.rows, sample_size=sample_size, diagnose=diagnose,
-                                            max_groups=media.strata_groups, corrections=corrections)
         self.reporting = ReportOptions(media=media, diagnose=diagnose, tokenizer=tokenizer, corrections=corrections,
                                        max_policy_lag=max_policy_lag, prefix=prefix)
         self.warnings = RunWarnings()

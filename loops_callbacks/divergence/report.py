@@ -144,7 +144,7 @@ def checked_tokenizer(tokenizer: Tokenizer | None) -> Tokenizer | None:
 class ReportOptions:
     """What ``step_report`` says, checked once when made: the media ``media`` asks for; the likely cause when
     ``diagnose``; the worst tokens and a differing prompt as text with ``tokenizer``; the shadow statistics of
-    ``corrections`` (parsed by their owner: ``parse_corrections``); ``max_policy_lag``, the lag the run intends;
+    ``corrections`` (specs or parsed ones: ``parse_corrections``); ``max_policy_lag``, the lag the run intends;
     ``prefix``, the metrics' prefix the guard rail's message names.
 
     >>> ReportOptions(diagnose=False).media.top_n
@@ -557,7 +557,7 @@ def about_step(say: RunWarnings, keys: Mapping[str, str], report: StepReport, ho
 
 def nan_advantages_message(totals: Mapping[str, float], label: str) -> str | None:
     """What to say about advantages holding NaN on masked-in positions (every micro-batch and rank
-    together); ``None`` when there are none. ``label`` names the advantages key (``inputs.key_label``).
+    together); ``None`` when there are none. ``label`` names the advantages key (``batch.key_label``).
 
     Examples:
         >>> nan_advantages_message({"n_advantage_nan": 2.0, "n_masked_in": 30.0}, "'advantages'").split(";")[0]

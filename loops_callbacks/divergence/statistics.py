@@ -1240,7 +1240,7 @@ def layout_of(diagnose: bool = True, max_groups: int | None = None, corrections:
 class StatisticsOptions:
     """What ``DivergenceStats.from_batch`` reads, checked once when made: the ``top_n`` worst rows, a sample of at
     most ``sample_size`` diffs, the diagnosis' sums when ``diagnose`` (the plain SDK functions need none), the strata
-    with ``max_groups``, and the shadow statistics of ``corrections`` (parsed by their owner: ``parse_corrections``).
+    with ``max_groups``, and the shadow statistics of ``corrections`` (specs or parsed ones: ``parse_corrections``).
 
     >>> StatisticsOptions(top_n=5, diagnose=False).layout.sizes["sum"] < StatisticsOptions().layout.sizes["sum"]
     True
@@ -1606,7 +1606,7 @@ STRATUM_METRICS = ("k3", "abs_d_mean", "is_ratio_mean", "n_tokens")
 
 
 def scalar_metrics(host: HostDivergence, *, prefix: str = DEFAULT_PREFIX) -> dict[str, float]:
-    """The scalar metrics of the module docstring; with no action tokens only ``n_action_tokens`` (0.0)
+    """The scalar metrics (docs/statistics.md); with no action tokens only ``n_action_tokens`` (0.0)
     and the two counts. Problems with the inputs are for the caller to report
     (``loops_callbacks.divergence.guard_rail.impossible_inputs``).
 
@@ -1765,7 +1765,7 @@ CONTEXT_BUCKET_MIN_TOKENS = 16
 
 
 def signature_numbers(host: HostDivergence) -> dict[str, float]:
-    """The numbers of the module docstring (all NaN without action tokens).
+    """The signature numbers (docs/statistics.md; all NaN without action tokens).
 
     Examples:
         >>> from loops_callbacks.divergence.statistics import MAIN, SIGNATURE_STATES
