@@ -243,6 +243,20 @@ def timed_with_peak(device: torch.device, fn: Any) -> tuple[float, Any, int]:
     return seconds, result, memory.growth_bytes
 
 
+def bare_forward(model: nn.Module, batches: list[torch.Tensor]) -> None:
+    """The model's forward over the padded batches, nothing else: the floor of any scoring path."""
+    with torch.inference_mode():
+        for ids in batches:
+            model(ids)
+
+
+def forward_and_log_softmax(model: nn.Module, batches: list[torch.Tensor]) -> None:
+    """The forward and one whole-batch float32 log-softmax (no chunks): what a plain implementation does."""
+    with torch.inference_mode():
+        for ids in batches:
+            torch.log_softmax(model(ids)[:, :-1], dim=-1, dtype=torch.float32).gather(-1, ids[:, 1:, None])
+
+
 def bench_local(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model, prompts = build_model(args), build_prompts(args)
@@ -265,19 +279,9 @@ def bench_local(args: argparse.Namespace) -> None:
         flush=True,
     )
 
-    def bare() -> None:
-        with torch.inference_mode():
-            for ids in batches:
-                model(ids)
-
-    def naive() -> None:  # the forward and a whole-batch float32 log-softmax, no chunks
-        with torch.inference_mode():
-            for ids in batches:
-                torch.log_softmax(model(ids)[:, :-1], dim=-1, dtype=torch.float32).gather(-1, ids[:, 1:, None])
-
     variants = {
-        "bare": bare,
-        "naive": naive,
+        "bare": lambda: bare_forward(model, batches),
+        "naive": lambda: forward_and_log_softmax(model, batches),
         "head": lambda: head.score_packed(packed).cpu(),  # packed ids in, host float32 values out
         "general": lambda: general.score_packed(packed).cpu(),
         "lists": lambda: head.compute_logprobs_batch(prompts),  # the SDK's list form

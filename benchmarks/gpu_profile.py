@@ -66,19 +66,9 @@ def scoring(quick: bool) -> None:
     head.compute_logprobs_batch(prompts[:4])  # the head path's one-time check
     general.compute_logprobs_batch(prompts[:4])
     batches = bench_reference.padded_batches(head, prompts)
-
-    def bare() -> None:
-        with torch.inference_mode():
-            for ids in batches:
-                model(ids)
-
-    def plain() -> None:
-        with torch.inference_mode():
-            for ids in batches:
-                torch.log_softmax(model(ids)[:, :-1], dim=-1, dtype=torch.float32).gather(-1, ids[:, 1:, None])
-
     print(f"scoring: {args.model} model, {dtype}, {packed.num_tokens} tokens, {len(batches)} batches")
-    for name, fn in {"bare forward": bare, "forward + float32 log-softmax": plain,
+    for name, fn in {"bare forward": lambda: bench_reference.bare_forward(model, batches),
+                     "forward + float32 log-softmax": lambda: bench_reference.forward_and_log_softmax(model, batches),
                      "general path": lambda: general.score_packed(packed),
                      "output-head path": lambda: head.score_packed(packed)}.items():
         wall, events = profiled(fn)
