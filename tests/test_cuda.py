@@ -6,7 +6,9 @@ Skipped (with the reason) where no CUDA device is present; run on a GPU machine 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -136,6 +138,21 @@ def test_monitor_on_gpu_with_bf16_mixed_and_accumulation() -> None:
         assert_metrics_equal(scalars(metrics), expected_metrics(window))
 
 
+@contextlib.contextmanager
+def host_waits() -> Iterator[list[str]]:
+    """The host synchronizations inside the block, one message each (sync debug mode ``warn``)."""
+    torch.cuda.synchronize()
+    waits: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield waits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits += [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+
+
 class _CountedMonitor(KLSampleTrainMonitor):
     """Counts the host synchronizations inside each call of the hook (sync debug mode ``warn``)."""
 
@@ -144,15 +161,9 @@ class _CountedMonitor(KLSampleTrainMonitor):
         self.waits: list[int] = []
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                super().on_train_batch_end(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        self.waits.append(sum("synchronizing CUDA operation" in str(w.message) for w in caught))
+        with host_waits() as waits:
+            super().on_train_batch_end(*args, **kwargs)
+        self.waits.append(len(waits))
 
 
 def test_a_logged_step_waits_for_the_gpu_once_and_another_step_never() -> None:
@@ -209,15 +220,8 @@ def test_reference_scoring_never_waits_for_the_gpu_between_batches(output_head: 
     client = TorchSamplingClient(_HeadLM(), device="cuda", max_tokens_per_batch=1024, output_head=output_head)
     packed = PackedTokens.from_sequences(_sequences())
     client.score_packed(packed)  # the one-time head check reads a number back
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            values = client.score_packed(packed)  # ids in, every batch built and scattered on the device
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    waits = [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    with host_waits() as waits:
+        values = client.score_packed(packed)  # ids in, every batch built and scattered on the device
     # one wait in all: after the last batch, the check that every value is a logprob reads one boolean
     assert len(waits) == 1, waits
     assert values.is_cuda and values.dtype == torch.float32 and values.numel() == packed.num_tokens
